@@ -42,22 +42,31 @@ _ones = jax.nn.initializers.ones
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-    """Keys and values of every layer: ``k``/``v`` are [layers, B, S, kv_heads, head_dim].
+    """Keys and values of every layer, laid out for single-query decoding:
+    ``k`` [layers, B, kv_heads, head_dim, S] and ``v`` [layers, B, kv_heads, S, head_dim].
+
+    Both attention products are then batched over (B, kv_heads) with the cache operand in
+    matmul order, scores = q [G, K] @ k [K, S] and out = p [G, S] @ v [S, K]: no transpose of
+    the cache at any step, and XLA:CPU runs them about 2x faster than over a [B, S, N, K]
+    cache. Writing a step's keys touches one column of ``k``.
 
     With unrolled layers the cache may also be held per layer (``split_layers()``: tuples of
-    one [B, S, kv_heads, head_dim] array per layer). A decode loop should carry that form: each
-    layer's buffer is then updated in place, where the stacked form is sliced and re-stacked
-    (the whole cache copied) at every step.
+    one array per layer, without the leading ``layers``). A decode loop should carry that
+    form: each layer's buffer is then updated in place, where the stacked form is sliced and
+    re-stacked (the whole cache copied) at every step.
     """
 
     k: jax.Array | tuple[jax.Array, ...]
     v: jax.Array | tuple[jax.Array, ...]
 
+    K_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_length")
+    V_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
+
     @classmethod
     def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-        shape = (cfg.num_layers, batch, length, cfg.num_kv_heads, cfg.head_dim)
+        L, N, K = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         dtype = dtype or cfg.dtype
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        return cls(jnp.zeros((L, batch, N, K, length), dtype), jnp.zeros((L, batch, N, length, K), dtype))
 
     @property
     def per_layer(self) -> bool:
@@ -66,15 +75,13 @@ class KVCache:
     @property
     def length(self) -> int:
         """The number of cache slots S."""
-        return (self.k[0] if self.per_layer else self.k).shape[-3]
+        return (self.k[0] if self.per_layer else self.k).shape[-1]
 
     def split_layers(self) -> KVCache:
         return self if self.per_layer else KVCache(tuple(self.k), tuple(self.v))
 
     def stack_layers(self) -> KVCache:
         return KVCache(jnp.stack(self.k), jnp.stack(self.v)) if self.per_layer else self
-
-    LOGICAL_AXES = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
 
 
 def positions_from_mask(attention_mask_BxL: jax.Array) -> jax.Array:
@@ -132,43 +139,35 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, positions_BxL, inv_freq), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions_BxL, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        k_BxNxKxL, v_BxNxLxK = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
         new_kv = None
         if kv is not None:
             cache_k, cache_v = kv
-            start = (0, cache_index, 0, 0)
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k.astype(cache_k.dtype), start)
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v.astype(cache_v.dtype), start)
+            cache_k = jax.lax.dynamic_update_slice(cache_k, k_BxNxKxL.astype(cache_k.dtype), (0, 0, 0, cache_index))
+            cache_v = jax.lax.dynamic_update_slice(cache_v, v_BxNxLxK.astype(cache_v.dtype), (0, 0, cache_index, 0))
             new_kv = (cache_k, cache_v)
-            k, v = cache_k.astype(dt), cache_v.astype(dt)
-        out = dot_product_attention(q, k, v, mask_BxLxS)
+            k_BxNxKxL, v_BxNxLxK = cache_k.astype(dt), cache_v.astype(dt)
+        out = dot_product_attention(q, k_BxNxKxL, v_BxNxLxK, mask_BxLxS)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         y = jnp.einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt))
         return y, new_kv
 
 
-def dot_product_attention(q_BxLxHxK, k_BxSxNxK, v_BxSxNxK, mask_BxLxS) -> jax.Array:
-    """softmax(q k^T / sqrt(K) + mask) v with G = H / N query heads per kv head; the
-    softmax runs in float32. Fully masked rows (padding queries) stay finite."""
+def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Array:
+    """softmax(q k / sqrt(K) + mask) v with G = H / N query heads per kv head (keys given
+    [B, N, K, S], values [B, N, S, K], as `KVCache` holds them); the softmax runs in float32.
+    Fully masked rows (padding queries) stay finite."""
     B, L, H, K = q_BxLxHxK.shape
-    N = k_BxSxNxK.shape[2]
-    big_neg = jnp.finfo(jnp.float32).min
-    if L == 1:
-        # One query per row (decoding): a multiply-reduce over the cache in its own layout.
-        # As a batched dot, XLA would first transpose the whole cache of the layer to put the
-        # batch dimensions (B, N) in front, at every decode step.
-        q_BxNxGxK = q_BxLxHxK.reshape(B, N, H // N, K)
-        scores_BxSxNxG = jnp.sum((q_BxNxGxK[:, None] * k_BxSxNxK[:, :, :, None, :]).astype(jnp.float32),
-                                 axis=-1) * (K ** -0.5)
-        scores_BxSxNxG = jnp.where(mask_BxLxS[:, 0, :, None, None], scores_BxSxNxG, big_neg)
-        probs = jax.nn.softmax(scores_BxSxNxG, axis=1).astype(v_BxSxNxK.dtype)
-        out = jnp.sum(probs[..., None] * v_BxSxNxK[:, :, :, None, :], axis=1)
-        return out.reshape(B, 1, H, K)
-    q = q_BxLxHxK.reshape(B, L, N, H // N, K)
-    scores = jnp.einsum("BLNGK,BSNK->BNGLS", q, k_BxSxNxK).astype(jnp.float32) * (K ** -0.5)
-    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, big_neg)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxNxK.dtype)
-    out = jnp.einsum("BNGLS,BSNK->BLNGK", probs, v_BxSxNxK)
-    return out.reshape(B, L, H, K)
+    N, S = k_BxNxKxS.shape[1], k_BxNxKxS.shape[-1]
+    G = H // N
+    # Rows M = (G, L) of one matmul per (batch, kv head), both operands in matmul order.
+    q_BxNxMxK = q_BxLxHxK.reshape(B, L, N, G, K).transpose(0, 2, 3, 1, 4).reshape(B, N, G * L, K)
+    scores = jnp.einsum("BNMK,BNKS->BNMS", q_BxNxMxK, k_BxNxKxS).astype(jnp.float32) * (K ** -0.5)
+    scores = scores.reshape(B, N, G, L, S)
+    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
+    out_BxNxMxK = jnp.einsum("BNMS,BNSK->BNMK", probs, v_BxNxSxK)
+    return out_BxNxMxK.reshape(B, N, G, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
 class MLP(nnx.Module):

@@ -27,7 +27,7 @@ runtime values of the program, so any ``max_new_tokens`` up to R reuses it. The 
 returned to the caller are cut back to [B * n, max_new_tokens].
 
 Sharding. With a ``mesh``, ``rules`` (default `GENERATE_RULES`) place the prompt batch on the
-``batch`` axes (dp) and constrain the KV cache by `KVCache.LOGICAL_AXES` (batch over dp,
+``batch`` axes (dp) and constrain the KV cache by `KVCache.K_AXES` / `V_AXES` (batch over dp,
 kv-heads over tp) and activations through the model's own constraints. Parameters stay in
 whatever layout the caller gives them (e.g. resharded from training).
 """
@@ -150,7 +150,8 @@ def _batch_spec(rules: Rules, mesh: Mesh | None, *names: str | None) -> Partitio
 
 def _constrain_cache(cache: KVCache) -> KVCache:
     """Pin the cache by its logical axes (stacked or per layer); a no-op without a mesh."""
-    return jax.tree.map(lambda x: constrain(x, KVCache.LOGICAL_AXES[-x.ndim:]), cache)
+    return KVCache(jax.tree.map(lambda x: constrain(x, KVCache.K_AXES[-x.ndim:]), cache.k),
+                   jax.tree.map(lambda x: constrain(x, KVCache.V_AXES[-x.ndim:]), cache.v))
 
 
 def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, temperature, top_p,

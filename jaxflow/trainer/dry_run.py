@@ -254,13 +254,15 @@ def activation_bytes(mc: ModelConfig, phase: str, b: float, P: int, R: int, rule
 def kv_cache_bytes(mc: ModelConfig, rows: int, S: int, rules: Rules, mesh: Mesh) -> int:
     """Per-device bytes of the generation KV cache (k and v), sharded as the sampler does
     (axes that do not divide a dimension are left out)."""
-    shape = (mc.num_layers, rows, S, mc.num_kv_heads, mc.head_dim)
-    spec = logical_to_spec(KVCache.LOGICAL_AXES, rules, mesh)
-    per_device = 1
-    for size, entry in zip(shape, spec):
-        n = math.prod(mesh.shape[a] for a in _axes(entry))
-        per_device *= size // n if size % n == 0 else size
-    return 2 * per_device * jnp.dtype(mc.dtype).itemsize
+    sizes = dict(layers=mc.num_layers, batch=rows, cache_length=S, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
+    total = 0
+    for axes in (KVCache.K_AXES, KVCache.V_AXES):
+        per_device = 1
+        for name, entry in zip(axes, logical_to_spec(axes, rules, mesh)):
+            n = math.prod(mesh.shape[a] for a in _axes(entry))
+            per_device *= sizes[name] // n if sizes[name] % n == 0 else sizes[name]
+        total += per_device
+    return total * jnp.dtype(mc.dtype).itemsize
 
 
 def _params_bytes(state: Any, rules: Rules, mesh: Mesh, dtype: Any = None) -> int:
