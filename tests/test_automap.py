@@ -187,3 +187,29 @@ def test_compile_check_rejects_a_plan_that_cannot_fit():
     bad = compile_check(cfg, plan, 8, tiny, programs=("ref/log_probs",))
     assert not bad["fits"]
     assert bad["rejected"].startswith("ref/log_probs needs") and "GiB per device" in bad["rejected"]
+
+
+def test_embed_rules_keep_the_hybrid_engine_zero_redundancy():
+    """6 heads on fsdp=4 x tp=2: the *_embed rules (heads over tp, embed over fsdp) are
+    picked, and every device's training shard lies inside its generation shard (so the
+    3D-HybridEngine needs no redundant copy; the Qwen run in the e2e test moves real weights)."""
+    from jaxflow.mesh import HYBRID_TRAIN_RULES_EMBED, MeshSpec, hybrid_rules
+    from jaxflow.models import PRESETS
+    from jaxflow.reshard import HybridEngine
+    from jaxflow.reshard.engine import containment_violations, redundant_bytes
+
+    mc = PRESETS["tiny_llama"].replace(hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8, intermediate_size=96,
+                                       vocab_size=64)
+    rules, _ = hybrid_rules(mc, 8, tp=2)
+    assert rules == HYBRID_TRAIN_RULES_EMBED
+    mesh = MeshSpec(fsdp=4, tp=2).build(jax.devices()[:8], model=mc, rules=rules)
+    _, state = nnx.split(nnx.eval_shape(lambda: init_model(mc, head="lm")))
+    engine = HybridEngine(mesh, rules, gen_tp=2)
+    assert dict(engine.gen_mesh.shape) == {"replica": 4, "tp": 2, "dp": 1}
+    leaves = jax.tree.leaves(state)
+    train = jax.tree.leaves(engine.train_shardings(state))
+    gen = jax.tree.leaves(engine.gen_shardings(state))
+    assert not containment_violations(leaves, train, gen)
+    assert redundant_bytes(leaves, train, gen) == 0
+    q = next(s for s, x in zip(train, leaves) if x.shape[-3:] == (48, 6, 8))  # q_proj [(layers,) D, H, K]
+    assert tuple(q.spec)[-3:-1] == ("fsdp", "tp")
