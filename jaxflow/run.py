@@ -75,6 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:  # jaxflow.placement.type=auto (the default): the auto-mapper picks pools and meshes
+        from jaxflow.automap.auto import resolve_placement
+
+        cfg = resolve_placement(cfg)
+    except (configs.ConfigError, ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     if cfg.jaxflow.dry_run.enable:
         from jaxflow.trainer.dry_run import dry_run

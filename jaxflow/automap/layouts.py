@@ -40,6 +40,9 @@ class Layout:
     fsdp: int
     tp: int
     gen_tp: int | None = None
+    # Sequences per generation replica per generate call (rollout.max_num_seqs); None = the
+    # config's. The search lowers it only when the configured rollout batch does not fit.
+    max_num_seqs: int | None = None
 
     @property
     def devices(self) -> int:
@@ -51,7 +54,8 @@ class Layout:
 
     def text(self) -> str:
         gen = f" gen_tp={self.gen_tp}" if self.gen_tp else ""
-        return f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{gen}"
+        seqs = f" max_num_seqs={self.max_num_seqs}" if self.max_num_seqs else ""
+        return f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{gen}{seqs}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +115,10 @@ def _gen_sizes(layout: Layout, weight_degree: int) -> dict[str, int]:
     return {"replica": replica, **sizes} if replica > 1 else sizes
 
 
-def generation_rows(w: Workload, gen_dp: int) -> int:
+def generation_rows(w: Workload, gen_dp: int, max_num_seqs: int | None = None) -> int:
     """Sequences one generate call produces (the whole rollout, or max_num_seqs per replica)."""
-    return min(w.rows, w.max_num_seqs * gen_dp) if w.max_num_seqs > 0 else w.rows
+    seqs = w.max_num_seqs if max_num_seqs is None else max_num_seqs
+    return min(w.rows, seqs * gen_dp) if seqs > 0 else w.rows
 
 
 def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
@@ -155,7 +160,7 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         check_model_fits(mc, gsizes, gen_rules)
         gen_mesh = abstract_mesh(gsizes)
         gen_dp = layout.devices // layout.gen_tp
-        prompts = max(1, generation_rows(w, gen_dp) // w.n)
+        prompts = max(1, generation_rows(w, gen_dp, layout.max_num_seqs) // w.n)
         rows_bucket = bucket_size(prompts, multiple=gen_dp) * w.n
         S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
@@ -183,14 +188,28 @@ def candidate_layouts(n: int, devices_per_host: int, generating: bool) -> list[L
     return out
 
 
-def feasible_layouts(w: Workload, role: str, n: int, devices_per_host: int) -> list[RoleLayout]:
-    """The role's layouts on ``n`` devices that fit its model and batches (memory is not
-    checked here: it depends on what shares the pool)."""
+def feasible_layouts(w: Workload, role: str, n: int, devices_per_host: int,
+                     budget_bytes: float | None = None) -> list[RoleLayout]:
+    """The role's layouts on ``n`` devices that fit its model and batches (memory is checked
+    by the search: it depends on what shares the pool). For the actor, when a layout alone
+    exceeds ``budget_bytes`` with the configured rollout batch, the same layout with
+    max_num_seqs halved (down to n responses, one prompt) is proposed too."""
     out = []
     for layout in candidate_layouts(n, devices_per_host, role == "actor"):
         try:
-            out.append(role_layout(w, role, layout))
+            rl = role_layout(w, role, layout)
         except ValueError:
             continue
+        out.append(rl)
+        if role != "actor" or budget_bytes is None:
+            continue
+        seqs = math.ceil(generation_rows(w, n // layout.gen_tp) / (n // layout.gen_tp))
+        while rl.persistent_bytes + rl.peak_transient_bytes > budget_bytes and seqs > w.n:
+            seqs = max(w.n, seqs // 2)
+            try:
+                rl = role_layout(w, role, dataclasses.replace(layout, max_num_seqs=seqs))
+            except ValueError:
+                break
+            out.append(rl)
     return out
 

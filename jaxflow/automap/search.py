@@ -121,6 +121,8 @@ class Plan:
                     out[f"{key}.{axis}"] = size
                 if rl.layout.gen_tp:
                     out["jaxflow.mesh.actor.generate.tp"] = rl.layout.gen_tp
+                if rl.layout.max_num_seqs:
+                    out["actor_rollout_ref.rollout.max_num_seqs"] = rl.layout.max_num_seqs
         return out
 
     def to_dict(self, num_devices: int) -> dict[str, Any]:
@@ -179,7 +181,7 @@ class Mapper:
         key = (role, n)
         if key not in self._role_cache:
             opts = []
-            for rl in feasible_layouts(self.w, role, n, self.prof.devices_per_host):
+            for rl in feasible_layouts(self.w, role, n, self.prof.devices_per_host, self.prof.budget_bytes):
                 times = {name: stage_time(self.w, phase, rl, self.prof) for name, phase in _stage_names(self.w, role)}
                 opts.append((sum(t.seconds for t in times.values()), times, rl))
             opts.sort(key=lambda o: (o[0], o[2].persistent_bytes))

@@ -129,7 +129,7 @@ def generate_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime
     P, R = w.prompt_len, w.response_len
     gen_dp = n // g
     flops, mem_bw = _rates(prof, n)
-    per_call = generation_rows(w, gen_dp)
+    per_call = generation_rows(w, gen_dp, lay.max_num_seqs)
     calls = math.ceil(w.rows / per_call)
     b = math.ceil(per_call / gen_dp)  # sequences per generation replica per call
     c = rm.compute_itemsize

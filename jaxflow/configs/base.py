@@ -198,9 +198,14 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
      "Driver: local (one process drives all devices) | ray (one Ray actor per host per worker group)."),
     ("jaxflow.num_devices", 8,
      "Devices the run uses; on CPU this many devices are simulated (XLA host platform device count)."),
-    ("jaxflow.placement.type", "colocated",
-     "colocated (all roles on all devices) | split (actor+ref / critic+reward+cost) | custom "
-     "(jaxflow.placement.groups)."),
+    ("jaxflow.placement.type", "auto",
+     "auto (the auto-mapper picks pools and every mesh at start-up; jaxflow.mesh.* are then set by it) | colocated "
+     "(all roles on all devices) | split (actor+ref / critic+reward+cost) | custom (jaxflow.placement.groups)."),
+    ("jaxflow.placement.device_kind", "",
+     "auto: device profile the auto-mapper plans for (a100-80g, h100, tpu-v5p, cpu, ... or a profile .json); "
+     "empty = the local devices' kind."),
+    ("jaxflow.placement.devices_per_host", 0,
+     "auto: devices per host (tensor parallelism stays within a host); 0 = the device profile's."),
     ("jaxflow.placement.groups", "",
      "custom: pools in device order, ';' between pools, ',' between the roles of a pool, e.g. "
      "'actor,ref;critic;reward'."),

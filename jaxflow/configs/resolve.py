@@ -16,7 +16,7 @@ from ml_collections import ConfigDict
 from jaxflow.configs.overrides import ConfigError, get_value
 
 ROLES = ("actor", "ref", "critic", "reward", "cost")
-PLACEMENT_TYPES = ("colocated", "split", "custom")
+PLACEMENT_TYPES = ("auto", "colocated", "split", "custom")
 SPLIT_GROUPS = (("actor", "ref"), ("critic", "reward", "cost"))
 PRESET_PREFIX = "preset:"
 # jaxflow.model.* keys that override a preset's shape (0 = keep the preset's).
@@ -59,6 +59,10 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     """``[(pool name, size, roles)]`` in device order, as :meth:`Placement.from_groups` takes
     them (all roles, active or not; pools are named after their first role)."""
     p, n = cfg.jaxflow.placement, cfg.jaxflow.num_devices
+    if p.type == "auto":
+        raise ConfigError("jaxflow.placement.type",
+                          "'auto' is resolved at start-up by jaxflow.automap.resolve_placement, which sets the pools "
+                          "and meshes; resolve the config before building its placement")
     if p.type != "custom" and p.groups:
         raise ConfigError("jaxflow.placement.groups", f"is only used by placement type 'custom' (type is {p.type!r})")
     if p.type == "colocated":

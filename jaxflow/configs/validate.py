@@ -446,6 +446,15 @@ def validate(cfg: ConfigDict) -> None:
     for check in (_check_enums, _check_ranges, _check_algorithm, _check_sft, _check_paths, _check_model_shape):
         check(c)
     c.raise_if_any()
+    if cfg.jaxflow.placement.type == "auto":
+        # The auto-mapper picks pools and meshes at start-up (jaxflow.automap.resolve_placement)
+        # and validates the config it produces; nothing here depends on a mesh yet.
+        p = cfg.jaxflow.placement
+        c.check(not p.groups, "jaxflow.placement.groups", "is only used by placement type 'custom' (type is 'auto')")
+        c.check(not p.pool_sizes, "jaxflow.placement.pool_sizes",
+                "is only used by placement types 'split' and 'custom' (type is 'auto')")
+        c.raise_if_any()
+        return
     _check_structure(c)
     c.raise_if_any()
     try:  # the run's own placement code, on stand-in devices: a net for anything missed above

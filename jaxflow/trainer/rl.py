@@ -24,6 +24,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxflow.algos import batch_from_prompts
+from jaxflow.automap.auto import resolve_placement
 from jaxflow.algos.programs import AlgoState, get_algorithm, select_algorithm
 from jaxflow.configs import ConfigError, build_placement, checkpoint_dir, critic_enabled, uses_reference
 from jaxflow.data.dataset import PromptDataLoader
@@ -75,6 +76,7 @@ class RLTrainer:
     """Everything one RL run needs, built from a validated experiment config."""
 
     def __init__(self, cfg: ConfigDict):
+        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto: the auto-mapper's pools and meshes
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = checkpoint_dir(cfg)

@@ -21,6 +21,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import jaxflow.models as models
+from jaxflow.automap.auto import resolve_placement
 from jaxflow.configs import build_placement
 from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
@@ -54,6 +55,7 @@ def greedy_accuracy(graphdef, params, task, tokenizer, cfg: ConfigDict, n: int =
 
 def run_sft(cfg: ConfigDict) -> dict[str, float]:
     """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint; final metrics."""
+    cfg = resolve_placement(cfg)
     s = cfg.jaxflow.sft
     tokenizer = build_tokenizer(cfg)
     task = builtin_task(cfg)

@@ -1,0 +1,65 @@
+"""``jaxflow.placement.type=auto``: the auto-mapper chooses the placement and every mesh at
+start-up, so a run needs no hand-picked mesh keys.
+
+:func:`resolve_placement` returns the config with the chosen plan's keys set (placement type
+``custom`` or ``colocated``, pool sizes, ``jaxflow.mesh.*``), validated; configs with another
+placement type come back unchanged. The device profile is ``jaxflow.placement.device_kind``
+(empty: the kind of the local devices, e.g. the calibrated ``cpu`` profile on simulated
+devices); tensor parallelism stays within ``jaxflow.placement.devices_per_host`` (0: the
+profile's host size).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ml_collections import ConfigDict
+
+from jaxflow.automap.profiles import DeviceProfile, get_profile, local_device_kind
+from jaxflow.automap.search import Mapper, Plan
+from jaxflow.automap.verify import apply_plan
+
+
+def placement_profile(cfg: ConfigDict) -> DeviceProfile:
+    p = cfg.jaxflow.placement
+    kind = p.device_kind
+    if not kind:
+        import jax
+
+        kind = local_device_kind(jax.devices()[0])
+    return get_profile(kind, p.devices_per_host or None)
+
+
+def describe(plan: Plan) -> str:
+    pools = "; ".join(
+        f"{'+'.join(pc.roles)} on {pc.devices} ("
+        + ", ".join(f"{r} {rl.layout.text()}" for r, rl in pc.layouts.items()) + ")" for pc in plan.pools)
+    return f"{pools}; predicted {plan.iteration_s:.3g} s per iteration (analytic)"
+
+
+def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print) -> ConfigDict:
+    """``cfg`` with ``jaxflow.placement.type=auto`` replaced by the auto-mapper's choice (an
+    sft job: the actor colocated on every device). Other configs are returned as they are."""
+    from jaxflow.configs import validate
+    from jaxflow.automap.workload import workload_from_config
+
+    if cfg.jaxflow.placement.type != "auto":
+        return cfg
+    if cfg.jaxflow.job != "rl":
+        out = cfg.copy_and_resolve_references()
+        with out.unlocked():
+            out.jaxflow.placement.type = "colocated"
+        validate(out)
+        return out
+    prof = placement_profile(cfg)
+    n = cfg.jaxflow.num_devices
+    t0 = time.perf_counter()
+    mapper = Mapper(workload_from_config(cfg), n, prof)
+    plan = mapper.search(top=1)[0]
+    out = apply_plan(cfg, plan, n)
+    validate(out)
+    if log is not None:
+        log(f"jaxflow: auto-mapper ({prof.name} profile, {n} devices, {mapper.evaluated} plans in "
+            f"{time.perf_counter() - t0:.1f} s): {describe(plan)}")
+    return out
