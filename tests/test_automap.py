@@ -213,3 +213,38 @@ def test_embed_rules_keep_the_hybrid_engine_zero_redundancy():
     assert redundant_bytes(leaves, train, gen) == 0
     q = next(s for s, x in zip(train, leaves) if x.shape[-3:] == (48, 6, 8))  # q_proj [(layers,) D, H, K]
     assert tuple(q.spec)[-3:-1] == ("fsdp", "tp")
+
+
+# Qwen2.5-0.5B as published; Qwen3-0.6B's widths (hidden 1024, 16 heads, 8 kv heads, MLP 3072)
+# on the qwen3_8b preset (qk-norm); both at 1 layer.
+QWEN_SHAPES = {
+    "qwen2_5_0_5b": dict(hidden_size=0, intermediate_size=0, num_heads=0, num_kv_heads=0),
+    "qwen3_8b": dict(hidden_size=1024, intermediate_size=3072, num_heads=16, num_kv_heads=8),
+}
+
+
+@pytest.mark.parametrize("preset", sorted(QWEN_SHAPES))
+def test_auto_placement_needs_no_mesh_keys(preset):
+    """grpo_tiny on Qwen-shaped models (1 layer), placement auto: the config validates
+    without any mesh, the auto-mapper's choice validates and builds real meshes and shardings
+    on the 8 devices."""
+    from jaxflow.automap.auto import resolve_placement
+    from jaxflow.configs import build_placement
+
+    shape = {f"jaxflow.model.{k}": v for k, v in QWEN_SHAPES[preset].items()}
+    cfg = _cfg("grpo_tiny", **{"jaxflow.model.preset": preset, "jaxflow.model.vocab_size": 0, **shape,
+                               "jaxflow.model.num_layers": 1, "jaxflow.placement.device_kind": "cpu"})
+    assert cfg.jaxflow.placement.type == "auto"
+    configs.validate(cfg)
+    with pytest.raises(configs.ConfigError, match="resolved at start-up"):
+        build_placement(cfg)
+    lines = []
+    resolved = resolve_placement(cfg, log=lines.append)
+    assert resolved.jaxflow.placement.type in ("colocated", "custom") and "auto-mapper" in lines[0]
+    placement = build_placement(resolved)  # validated inside resolve_placement; real devices here
+    mc = configs.model_config(resolved, "actor")
+    _, state = nnx.split(nnx.eval_shape(lambda: init_model(mc, head="lm")))
+    for role in ("actor", "ref"):
+        state_shardings(state, placement.rules(role, "infer"), placement.mesh(role))
+    state_shardings(state, placement.rules("actor", "generate"), placement.mesh("actor", "generate"))
+    assert resolve_placement(resolved) is resolved  # a resolved config is left alone

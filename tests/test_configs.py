@@ -40,13 +40,17 @@ def test_named_configs_are_the_requested_set():
 @pytest.mark.parametrize("name", TINY)
 def test_tiny_configs_are_cpu_sized(name):
     cfg = get_config(name)
-    assert cfg.jaxflow.num_devices == 8 and cfg.jaxflow.placement.type == "colocated"
+    assert cfg.jaxflow.num_devices == 8 and cfg.jaxflow.placement.type == "auto"
     assert cfg.jaxflow.data.builtin_task == "addition" and not cfg.data.train_files
     model = configs.model_config(cfg, "actor")
     assert 64 <= model.hidden_size <= 128 and 2 <= model.num_layers <= 4
     assert model.vocab_size >= 100  # the char tokenizer's ids (padded to a multiple of fsdp*tp)
-    actor = configs.mesh_sizes(cfg, "actor")
-    assert actor["fsdp"] > 1 and actor["tp"] > 1
+    from jaxflow.automap.auto import resolve_placement
+    from jaxflow.configs.resolve import pool_size
+
+    resolved = resolve_placement(cfg, log=None)  # the auto-mapper's pools and meshes
+    actor = configs.mesh_sizes(resolved, "actor")
+    assert actor["dp"] * actor["fsdp"] * actor["tp"] == pool_size(resolved, "actor")
     assert cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n <= 512
 
 
@@ -81,7 +85,7 @@ def test_paper_workloads(name):
 
 
 def test_config_drives_the_real_placement():
-    placement = configs.build_placement(get_config("ppo_tiny"))  # conftest's 8 CPU devices
+    placement = configs.build_placement(load_config("ppo_tiny", ["jaxflow.placement.type=colocated"]))  # conftest's 8 CPU devices
     assert dict(placement.mesh("actor").shape) == {"dp": 1, "fsdp": 4, "tp": 2}
     assert dict(placement.mesh("actor", "generate").shape) == {"tp": 2, "dp": 4}
     assert placement.colocated_with("actor") == ("actor", "ref", "critic")
@@ -131,22 +135,22 @@ MALFORMED = [
     ("ppo_tiny", ["jaxflow.model.preset=llama2_8b"], "jaxflow.model.preset", "llama2_7b"),
     ("ppo_tiny", ["actor_rollout_ref.actor.ppo_mini_batch_size=24"], "actor_rollout_ref.actor.ppo_mini_batch_size",
      "train_batch_size=32 prompts do not split into mini-batches of 24"),
-    ("ppo_tiny", ["actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
+    ("ppo_tiny", ["jaxflow.placement.type=colocated", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
      "actor_rollout_ref.actor.ppo_mini_batch_size", "2 responses does not split over the actor's 4 data-parallel ranks"),
-    ("grpo_tiny", ["actor_rollout_ref.actor.ppo_micro_batch_size_per_device=5"],
+    ("grpo_tiny", ["jaxflow.placement.type=colocated", "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=5"],
      "actor_rollout_ref.actor.ppo_micro_batch_size_per_device", "16 responses per data-parallel rank"),
-    ("ppo_tiny", ["critic.ppo_micro_batch_size_per_device=3"], "critic.ppo_micro_batch_size_per_device",
+    ("ppo_tiny", ["jaxflow.placement.type=colocated", "critic.ppo_micro_batch_size_per_device=3"], "critic.ppo_micro_batch_size_per_device",
      "8 responses per data-parallel rank"),
-    ("ppo_tiny", ["jaxflow.mesh.critic.fsdp=4"], "jaxflow.mesh.critic", "4 devices, but the critic's pool has 8"),
-    ("ppo_tiny", ["jaxflow.mesh.actor.train.tp=3"], "jaxflow.mesh.actor.train", "do not divide the actor's pool of 8"),
+    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.mesh.critic.fsdp=4"], "jaxflow.mesh.critic", "4 devices, but the critic's pool has 8"),
+    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.mesh.actor.train.tp=3"], "jaxflow.mesh.actor.train", "do not divide the actor's pool of 8"),
     ("ppo_tiny", ["jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=(4,2)"], "jaxflow.placement.pool_sizes",
      "add up to 6 devices, but jaxflow.num_devices is 8"),
     ("ppo_tiny", ["jaxflow.placement.type=custom", "jaxflow.placement.groups=actor;critic"], "jaxflow.placement.groups",
      "no pool for the active roles ['ref']"),
-    ("ppo_tiny", ["jaxflow.mesh.actor.generate.tp=3"], "jaxflow.mesh.actor.generate.tp",
+    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.mesh.actor.generate.tp=3"], "jaxflow.mesh.actor.generate.tp",
      "must divide the actor's training weight-parallel degree fsdp*tp = 4*2 = 8"),
-    ("ppo_tiny", ["jaxflow.model.num_heads=4", "jaxflow.model.num_kv_heads=2", "jaxflow.mesh.actor.train.fsdp=1",
-                  "jaxflow.mesh.actor.train.tp=8"], "jaxflow.mesh.actor.train", "does not divide num_heads=4"),
+    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.model.num_heads=4", "jaxflow.model.num_kv_heads=2",
+                  "jaxflow.mesh.actor.train.fsdp=1", "jaxflow.mesh.actor.train.tp=8"], "jaxflow.mesh.actor.train", "does not divide num_heads=4"),
     ("ppo_70b", ["jaxflow.mesh.critic.tp=16", "jaxflow.mesh.critic.fsdp=4"], "jaxflow.mesh.critic",
      "tp=16 does not divide num_kv_heads=8"),
     ("ppo_tiny", ["jaxflow.model.hidden_size=100"], "jaxflow.model.num_heads",
@@ -196,7 +200,8 @@ def test_model_shape_from_a_checkpoint_config_json(tmp_path):
 
     tiny = configs.model_config(get_config("sft_tiny"), "actor")
     (tmp_path / "config.json").write_text(json.dumps(tiny.to_hf_dict()))
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tmp_path}", "jaxflow.model.preset=llama2_7b"])
+    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tmp_path}", "jaxflow.model.preset=llama2_7b",
+                                    "jaxflow.placement.type=colocated"])
     model = configs.model_config(cfg, "actor")
     assert (model.vocab_size, model.hidden_size, model.num_heads) == (tiny.vocab_size, tiny.hidden_size, tiny.num_heads)
     (tmp_path / "config.json").write_text(json.dumps(tiny.replace(num_heads=3, num_kv_heads=1, head_dim=32).to_hf_dict()))

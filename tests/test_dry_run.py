@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """ppo_tiny (actor, ref, critic colocated on the test's 8 devices), every program."""
-    cfg = load_config("ppo_tiny")
+    cfg = load_config("ppo_tiny", ["jaxflow.placement.type=colocated"])
     path = tmp_path_factory.mktemp("dry_run") / "plan.json"
     before = {id(a) for a in jax.live_arrays()}
     text = io.StringIO()

@@ -39,19 +39,13 @@ def describe(plan: Plan) -> str:
 
 
 def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print) -> ConfigDict:
-    """``cfg`` with ``jaxflow.placement.type=auto`` replaced by the auto-mapper's choice (an
-    sft job: the actor colocated on every device). Other configs are returned as they are."""
+    """``cfg`` with ``jaxflow.placement.type=auto`` replaced by the auto-mapper's choice. Other
+    configs, and sft jobs (the actor alone on every device), are returned as they are."""
     from jaxflow.configs import validate
     from jaxflow.automap.workload import workload_from_config
 
-    if cfg.jaxflow.placement.type != "auto":
-        return cfg
-    if cfg.jaxflow.job != "rl":
-        out = cfg.copy_and_resolve_references()
-        with out.unlocked():
-            out.jaxflow.placement.type = "colocated"
-        validate(out)
-        return out
+    if cfg.jaxflow.placement.type != "auto" or cfg.jaxflow.job != "rl":
+        return cfg  # an sft job runs the actor alone: auto is the colocated placement
     prof = placement_profile(cfg)
     n = cfg.jaxflow.num_devices
     t0 = time.perf_counter()

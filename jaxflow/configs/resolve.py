@@ -59,16 +59,16 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     """``[(pool name, size, roles)]`` in device order, as :meth:`Placement.from_groups` takes
     them (all roles, active or not; pools are named after their first role)."""
     p, n = cfg.jaxflow.placement, cfg.jaxflow.num_devices
-    if p.type == "auto":
+    if p.type == "auto" and cfg.jaxflow.job == "rl":
         raise ConfigError("jaxflow.placement.type",
                           "'auto' is resolved at start-up by jaxflow.automap.resolve_placement, which sets the pools "
                           "and meshes; resolve the config before building its placement")
     if p.type != "custom" and p.groups:
         raise ConfigError("jaxflow.placement.groups", f"is only used by placement type 'custom' (type is {p.type!r})")
-    if p.type == "colocated":
+    if p.type in ("colocated", "auto"):  # auto for an sft job: the actor alone, on every device
         if p.pool_sizes:
             raise ConfigError("jaxflow.placement.pool_sizes",
-                              "is only used by placement types 'split' and 'custom' (type is 'colocated')")
+                              f"is only used by placement types 'split' and 'custom' (type is {p.type!r})")
         return [("global", n, ROLES)]
     if p.type == "split":
         groups = [tuple(g) for g in SPLIT_GROUPS]

@@ -338,6 +338,12 @@ def _check_model_shape(c: _Checker) -> None:
 # ----------------------------------------------------------------------------- stage 3: structure
 
 
+def _auto(cfg: ConfigDict) -> bool:
+    """An RL run whose pools and meshes the auto-mapper picks (an sft job treats auto as
+    colocated: it runs the actor alone on every device)."""
+    return cfg.jaxflow.placement.type == "auto" and cfg.jaxflow.job == "rl"
+
+
 def _check_batches(c: _Checker) -> None:
     """Mini-batches of whole prompts split over the data-parallel ranks into micro-batches."""
     cfg = c.cfg
@@ -357,10 +363,12 @@ def _check_batches(c: _Checker) -> None:
             continue
         mini = get_value(cfg, f"{prefix}.ppo_mini_batch_size")
         micro = get_value(cfg, f"{prefix}.ppo_micro_batch_size_per_device")
-        dp = data_parallel_size(cfg, role)
         if not c.check(batch % mini == 0, f"{prefix}.ppo_mini_batch_size",
                        f"data.train_batch_size={batch} prompts do not split into mini-batches of {mini} prompts"):
             continue
+        if _auto(cfg):  # the auto-mapper proposes only meshes whose data-parallel ranks split the batches
+            continue
+        dp = data_parallel_size(cfg, role)
         responses = mini * n
         if not c.check(responses % dp == 0, f"{prefix}.ppo_mini_batch_size",
                        f"a mini-batch of {mini} prompts x rollout.n={n} = {responses} responses does not split "
@@ -408,6 +416,11 @@ def _check_model_fit(c: _Checker) -> None:
                         check_model_fits(model, sizes, get_rules(rules[phase]))
         except ValueError as e:
             c.add(key, f"({where}) does not fit the {_describe(model, role, cfg)}: {e}")
+    _check_model_lengths(c)
+
+
+def _check_model_lengths(c: _Checker) -> None:
+    cfg = c.cfg
     actor = model_config(cfg, "actor")
     if actor is not None:
         total = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -446,13 +459,15 @@ def validate(cfg: ConfigDict) -> None:
     for check in (_check_enums, _check_ranges, _check_algorithm, _check_sft, _check_paths, _check_model_shape):
         check(c)
     c.raise_if_any()
-    if cfg.jaxflow.placement.type == "auto":
+    if _auto(cfg):
         # The auto-mapper picks pools and meshes at start-up (jaxflow.automap.resolve_placement)
-        # and validates the config it produces; nothing here depends on a mesh yet.
+        # and validates the config it produces; here only what does not depend on a mesh.
         p = cfg.jaxflow.placement
         c.check(not p.groups, "jaxflow.placement.groups", "is only used by placement type 'custom' (type is 'auto')")
         c.check(not p.pool_sizes, "jaxflow.placement.pool_sizes",
                 "is only used by placement types 'split' and 'custom' (type is 'auto')")
+        _check_batches(c)
+        _check_model_lengths(c)
         c.raise_if_any()
         return
     _check_structure(c)

@@ -469,6 +469,9 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
     if unknown:
         raise ValueError(f"unknown programs {unknown}; choose from {DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS}")
     _check_devices(cfg)
+    from jaxflow.automap.auto import resolve_placement
+
+    cfg = resolve_placement(cfg, log=None)  # jaxflow.placement.type=auto: the auto-mapper's plan
     placement = build_placement(cfg)
     roles = active_roles(cfg)
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
