@@ -82,6 +82,12 @@ def load_model(cfg: ConfigDict, role: str, head: str, tokenizer: Any, *, mesh=No
     return nnx.split(models.init_model(mcfg, head=head, seed=seed))
 
 
+def load_model_on(cfg: ConfigDict, role: str, head: str, tokenizer: Any, mesh: Any, rules: Any) -> tuple[nnx.GraphDef, Any]:
+    """`load_model` as a recipe ``(mesh, rules) -> model`` (what each process of a Ray worker
+    group runs on its own mesh)."""
+    return load_model(cfg, role, head, tokenizer, mesh=mesh, rules=rules)
+
+
 def _optim(section: ConfigDict, grad_clip: float, total_steps: int, state_dtype: str) -> OptimConfig:
     o = section.optim
     return OptimConfig(state_dtype=state_dtype,
@@ -145,5 +151,7 @@ def optimizer_steps(cfg: ConfigDict, training_steps: int) -> int:
 
 
 def abstract_like(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves with the arrays' shardings (checkpoint restore targets)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    """``jax.ShapeDtypeStruct`` leaves with the arrays' shardings (checkpoint restore targets);
+    host (NumPy) leaves stay as they are (they restore as host arrays)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)

@@ -14,6 +14,7 @@ from step ``k`` continues exactly as the uninterrupted run would have.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -26,6 +27,7 @@ from ml_collections import ConfigDict
 from jaxflow.algos import batch_from_prompts
 from jaxflow.algos.programs import AlgoState, get_algorithm, select_algorithm
 from jaxflow.configs import ConfigError, build_placement, checkpoint_dir, critic_enabled, uses_reference
+from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.rewards import RewardScorer
 from jaxflow.trainer.builders import (
@@ -36,6 +38,7 @@ from jaxflow.trainer.builders import (
     critic_config,
     dataset_files,
     load_model,
+    load_model_on,
     optimizer_steps,
     rollout_config,
 )
@@ -44,6 +47,7 @@ from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
 from jaxflow.trainer.plot import plot_run
 from jaxflow.workers import RuleRewardWorker, build_local_workers
+from jaxflow.workers.ray_backend import describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +91,19 @@ class RLTrainer:
                                        seed=cfg.data.seed, drop_last=True)
         self.total_steps = t.total_training_steps or t.total_epochs * self.loader.steps_per_epoch
 
-        self.placement = build_placement(cfg)
-        self.workers = self._build_workers()
+        self.backend = None
+        if cfg.jaxflow.backend == "ray":  # Ray is imported only on this path
+            from jaxflow.workers.ray_backend import RayBackend
+
+            self.backend = RayBackend(ray_config(cfg))
+            self.placement = build_placement(cfg, ray_devices(cfg))
+        else:
+            self.placement = build_placement(cfg)
+        try:
+            self.workers = self._build_workers()
+        except BaseException:
+            self.close()
+            raise
         self.algorithm_name = select_algorithm(cfg)
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.from_config(cfg)
@@ -104,29 +119,38 @@ class RLTrainer:
     def _build_workers(self):
         cfg, tok, p = self.cfg, self.tokenizer, self.placement
         opt_steps = optimizer_steps(cfg, cfg.trainer.total_training_steps or 1)
-        actor = load_model(cfg, "actor", "lm", tok, mesh=p.mesh("actor", "train"), rules=p.rules("actor", "train"))
-        critic = None
-        if critic_enabled(cfg):
-            critic = load_model(cfg, "critic", "value", tok, mesh=p.mesh("critic", "train"),
-                                rules=p.rules("critic", "train"))
-        reward_model = None
-        if cfg.reward_model.enable:
-            reward_model = load_model(cfg, "reward", "reward", tok, mesh=p.mesh("reward"), rules=p.rules("reward"))
+
+        def model(role: str, head: str) -> Any:
+            """Local: the model on its mesh. Ray: a recipe each worker process runs on its mesh."""
+            if self.backend is not None:
+                return functools.partial(load_model_on, cfg, role, head, tok)
+            phase = "train" if role in ("actor", "critic") else "infer"
+            return load_model(cfg, role, head, tok, mesh=p.mesh(role, phase), rules=p.rules(role, phase))
+
+        actor = model("actor", "lm")
+        critic = model("critic", "value") if critic_enabled(cfg) else None
+        reward_model = model("reward", "reward") if cfg.reward_model.enable else None
         cost_model = None
         if cfg.jaxflow.safe_rlhf.enable and cfg.jaxflow.safe_rlhf.cost_model_path:
-            cost_model = load_model(cfg, "cost", "reward", tok, mesh=p.mesh("cost"), rules=p.rules("cost"))
+            cost_model = model("cost", "reward")
         fn = cfg.custom_reward_function
         try:
             scorer = RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name,
                                   timeout_s=cfg.jaxflow.reward.timeout_s)
         except (ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
-        return build_local_workers(
+        build = build_local_workers if self.backend is None else self.backend.build_workers
+        return build(
             p, actor=actor, ref=actor if uses_reference(cfg) else None, critic=critic,
             reward_model=reward_model, cost_model=cost_model, rule_reward=RuleRewardWorker(tok, scorer),
             actor_config=actor_config(cfg, opt_steps),
             critic_config=critic_config(cfg, opt_steps) if critic is not None else None,
             rollout=rollout_config(cfg, tok))
+
+    def close(self) -> None:
+        """Stops the worker processes of the Ray backend (nothing to do locally)."""
+        if self.backend is not None:
+            self.backend.shutdown()
 
     # ------------------------------------------------------------------ state
 
@@ -215,9 +239,12 @@ class RLTrainer:
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
                                experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
                                resume_step=start_step if start_step else None, total_steps=self.total_steps)
+        if self.backend is None:
+            where = f"{jax.devices()[0].platform} devices; run dir {self.run_dir}\n{self.placement.describe()}"
+        else:
+            where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
         print(f"jaxflow: {self.algorithm_name} ({cfg.algorithm.adv_estimator}) for {self.total_steps} steps on "
-              f"{cfg.jaxflow.num_devices} {jax.devices()[0].platform} devices; run dir {self.run_dir}\n"
-              f"{self.placement.describe()}", flush=True)
+              f"{cfg.jaxflow.num_devices} {where}", flush=True)
         history: list[dict[str, float]] = []
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
@@ -241,6 +268,7 @@ class RLTrainer:
         finally:
             logger.close()
             self.ckpt.close()
+            self.close()
         if "jsonl" in t.logger:
             path = plot_run(self.run_dir)
             print(f"plot: {path}", flush=True)
