@@ -211,6 +211,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
      "ray backend: deadline of world set-up (jax.distributed.initialize) and of the other ranks after one failed."),
     ("jaxflow.ray.schedule_timeout_s", 60.0,
      "ray backend: a worker group whose host bundles the cluster cannot place within this is reported."),
+    ("jaxflow.ray.max_restarts", 0,
+     "ray backend: after a worker process dies or a call passes its deadline, stop every group, start fresh "
+     "processes and resume from the last complete checkpoint, at most this many times; 0 = stop with the error."),
     ("jaxflow.num_devices", 8,
      "Devices the run uses; on CPU this many devices are simulated (XLA host platform device count)."),
     ("jaxflow.placement.type", "colocated",

@@ -201,6 +201,7 @@ def _check_ranges(c: _Checker) -> None:
     ):
         c.at_least(key)
     for key in (f"{ROLLOUT}.max_num_seqs", "trainer.log_val_generations", "trainer.critic_warmup",
+                "jaxflow.ray.max_restarts",
                 "jaxflow.trainer.max_nonfinite_steps", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"):
         c.at_least(key, 0)
     for key in ("jaxflow.ray.cpus_per_host", "jaxflow.ray.compile_deadline_s", "jaxflow.ray.step_deadline_s",

@@ -47,7 +47,7 @@ from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
 from jaxflow.trainer.plot import plot_run
 from jaxflow.workers import RuleRewardWorker, build_local_workers
-from jaxflow.workers.ray_backend import describe_hosts
+from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class RLTrainer:
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.from_config(cfg)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
+        self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
         self.ckpt = CheckpointManager(
             self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
             save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
@@ -234,8 +235,48 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> list[dict[str, float]]:
+        """Train (resuming per ``trainer.resume_mode``), validate, save, plot. With the Ray
+        backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
+        call passed its deadline) stops every group, starts fresh processes and resumes from
+        the last complete checkpoint (from the start if there is none yet)."""
+        history: list[dict[str, float]] = []
+        restarts = 0
+        try:
+            while True:
+                try:
+                    self._fit_attempt(history)
+                    break
+                except WorkerGroupError as e:
+                    if restarts >= self.cfg.jaxflow.ray.max_restarts:
+                        raise
+                    restarts += 1
+                    self._restart(e, restarts)
+        finally:
+            self.ckpt.close()
+            self.close()
+        if "jsonl" in self.cfg.trainer.logger:
+            path = plot_run(self.run_dir)
+            print(f"plot: {path}", flush=True)
+        return history
+
+    def _restart(self, error: Exception, restarts: int) -> None:
+        step = self.ckpt.latest_step()
+        where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
+        print(f"worker failure: {error}\nrestart {restarts}/{self.cfg.jaxflow.ray.max_restarts}: fresh worker "
+              f"processes, resuming from {where}", flush=True)
+        self.close()
+        self.workers = self._build_workers()
+        self.ckpt.resume_mode = "auto"
+        if step is None:
+            loader, algo, guard = self._initial_host_state
+            self.loader.load_state_dict(loader)
+            self.algo_state.load_state_dict(algo)
+            self.guard.load_state_dict(guard)
+
+    def _fit_attempt(self, history: list[dict[str, float]]) -> None:
         cfg, t = self.cfg, self.cfg.trainer
         start_step = self.resume()
+        history[:] = [h for h in history if h["step"] <= start_step]
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
                                experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
                                resume_step=start_step if start_step else None, total_steps=self.total_steps)
@@ -245,7 +286,6 @@ class RLTrainer:
             where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
         print(f"jaxflow: {self.algorithm_name} ({cfg.algorithm.adv_estimator}) for {self.total_steps} steps on "
               f"{cfg.jaxflow.num_devices} {where}", flush=True)
-        history: list[dict[str, float]] = []
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
                 val = self.validate()
@@ -267,9 +307,3 @@ class RLTrainer:
                     self.save(step, history)
         finally:
             logger.close()
-            self.ckpt.close()
-            self.close()
-        if "jsonl" in t.logger:
-            path = plot_run(self.run_dir)
-            print(f"plot: {path}", flush=True)
-        return history

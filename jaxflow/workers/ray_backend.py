@@ -311,6 +311,11 @@ class ProcessGroup:
                 if failure is None:  # the others get the sync deadline to finish (or fail alike)
                     failure = (rank, e.cause if isinstance(e.cause, BaseException) else e)
                     end = min(end, time.monotonic() + self.config.sync_deadline_s)
+            except ray.exceptions.RayError as e:  # e.g. OutOfMemoryError: Ray's memory monitor killed the process
+                self.shutdown(f"rank {rank} lost")
+                raise WorkerDied(
+                    f"worker group {self.name!r} rank {rank} was lost during {what}: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}", self.name, rank) from None
         if failure is not None:
             rank, error = failure
             error.add_note(f"raised by worker group {self.name!r} rank {rank} during {what}")
