@@ -7,8 +7,9 @@
         meshes={"actor": "fsdp=2,tp=2"}, gen_tp={"actor": 2}, models={"actor": cfg, "ref": cfg})
     w = build_local_workers(placement, actor=policy, ref=policy, critic=value_model,
                             rule_reward=RuleRewardWorker(tokenizer),
-                            actor_config=ActorConfig(...), rollout=RolloutConfig(n=4, ...))
-    metrics = jaxflow.algos.ppo_iteration(w, prompts, cfg)
+                            actor_config=ActorConfig(...),
+                            rollout=RolloutConfig(train=SamplingParams(max_new_tokens=8, n=4)))
+    metrics = jaxflow.programs.ppo_iteration(w, prompts, settings)
 
 Each role gets its placement mesh and rules (the actor its training mesh and rules, and the
 hybrid engine towards the placement's generation layout); roles sharing a pool take turns
@@ -48,8 +49,12 @@ def build_local_workers(
     cost_model: ModelLike | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
     strategy: str = "hybrid",
+    ref_micro_batch_size_per_device: int | None = None,
+    reward_micro_batch_size_per_device: int | None = None,
 ) -> Workers:
-    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says."""
+    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says.
+    ``ref_micro_batch_size_per_device`` / ``reward_micro_batch_size_per_device``: the
+    micro-batches of the reference's and the reward (and cost) models' forwards."""
     _needs(placement, "actor")
     spec = placement.roles["actor"]
     gen_rules: Any = placement.rules("actor", "generate") if spec.gen_tp is not None else None
@@ -60,7 +65,8 @@ def build_local_workers(
     if ref is not None:
         _needs(placement, "ref")
         w.ref = LocalWorkerGroup(ReferenceWorker, name="ref", model=ref, mesh=placement.mesh("ref"),
-                                 rules=placement.rules("ref", "infer"), temperature=rollout.temperature)
+                                 rules=placement.rules("ref", "infer"), temperature=rollout.train.temperature,
+                                 micro_batch_size_per_device=ref_micro_batch_size_per_device)
     if critic is not None:
         _needs(placement, "critic")
         w.critic = LocalWorkerGroup(CriticWorker, name="critic", model=critic, mesh=placement.mesh("critic"),
@@ -69,12 +75,14 @@ def build_local_workers(
     if reward_model is not None:
         _needs(placement, "reward")
         reward_group = LocalWorkerGroup(RewardModelWorker, name="reward", model=reward_model,
-                                        mesh=placement.mesh("reward"), rules=placement.rules("reward", "infer"))
+                                        mesh=placement.mesh("reward"), rules=placement.rules("reward", "infer"),
+                                        micro_batch_size_per_device=reward_micro_batch_size_per_device)
     if reward_group is not None or rule_reward is not None:
         rule_group = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
         w.reward = RewardFn(model=reward_group, rule=rule_group, weights=reward_weights)
     if cost_model is not None:
         _needs(placement, "cost")
         w.cost = LocalWorkerGroup(RewardModelWorker, name="cost", model=cost_model, mesh=placement.mesh("cost"),
-                                  rules=placement.rules("cost", "infer"), output_key="token_level_cost")
+                                  rules=placement.rules("cost", "infer"), output_key="token_level_cost",
+                                  micro_batch_size_per_device=reward_micro_batch_size_per_device)
     return w
