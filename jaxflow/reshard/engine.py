@@ -4,10 +4,16 @@ layout on the same devices, generation runs, and the generation copy is dropped.
 ::
 
     engine = HybridEngine(train_mesh, HYBRID_TRAIN_RULES, gen_tp=2)   # strategy="hybrid"
-    with engine.generation(train_state) as gen_state:                # jitted, cached
+    with engine.generation_swap(train_state, give_back=keep) as gen_state:   # jitted, cached
         out = generate_from_state(graphdef, gen_state, ..., mesh=engine.gen_mesh,
                                   rules=engine.gen_rules)
-    # gen_state's buffers are freed here; train_state was never touched (nor donated)
+    # train_state was donated into gen_state (freed leaf by leaf as its generation copy was
+    # made); on exit each device's training shard is sliced back out of its generation shard
+    # (no communication under "hybrid"), gen_state is freed, and keep() gets the new state.
+
+A device thus holds one generation shard of the weights while generating, never a training
+shard beside it (HybridFlow's zero redundancy). `HybridEngine.generation` is the variant that
+keeps the training copy alive (for measuring and tests).
 
 Strategies (HybridFlow §5.4, Table 2 in :mod:`jaxflow.reshard.cost`):
 
@@ -38,7 +44,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -345,19 +351,33 @@ class HybridEngine:
 
     # --- the transition ----------------------------------------------------------------------
 
-    def _run(self, state: Any, reverse: bool) -> Any:
+    def _run(self, state: Any, reverse: bool, donate: bool = False) -> Any:
+        """The transition's program calls in order. ``donate``: each input leaf's buffers are
+        deleted as soon as the last program that reads it has run (XLA cannot write a
+        generation shard over a smaller training shard in place, so the input is freed rather
+        than aliased); the caller must not use ``state`` afterwards."""
         treedef, steps, _, _ = self._plan(state, reverse)
         leaves = jax.tree.leaves(state)
+
+        def drop(xs: list[Any]) -> None:
+            if donate:
+                for x in xs:
+                    x.delete()
+
         if steps[0].key[0] == "whole":
-            return jax.tree.unflatten(treedef, self._get(steps[0].key)(leaves))
+            out = jax.block_until_ready(self._get(steps[0].key)(leaves))
+            drop(leaves)
+            return jax.tree.unflatten(treedef, out)
         if steps[0].key[0] == "gather":
             full = jax.block_until_ready(self._get(steps[0].key)(leaves))
+            drop(leaves)
             out = jax.block_until_ready(self._get(steps[1].key)(full))
             for x in full:
                 x.delete()
             return jax.tree.unflatten(treedef, out)
+        last_read = {step.leaf: i for i, step in enumerate(steps) if step.key[0] in ("update", "direct")}
         out: list[Any] = [None] * len(leaves)
-        for step in steps:
+        for i, step in enumerate(steps):
             fn = self._get(step.key)
             kind = step.key[0]
             if kind == "zeros":
@@ -369,22 +389,30 @@ class HybridEngine:
             # One program at a time: the memory bound assumes it, and XLA:CPU can deadlock
             # with many small collective programs in flight on simulated devices.
             out[step.leaf].block_until_ready()
+            if last_read.get(step.leaf) == i:
+                drop([leaves[step.leaf]])
         return jax.tree.unflatten(treedef, out)
 
-    def to_generation(self, train_state: Any) -> Any:
-        """A new state in the generation layout; ``train_state`` is read, never donated."""
-        return self._run(train_state, reverse=False)
+    def to_generation(self, train_state: Any, *, donate: bool = False) -> Any:
+        """A new state in the generation layout. ``train_state`` is read and kept, or with
+        ``donate`` consumed: each training leaf is freed as soon as its generation copy
+        exists, so the device holds the training copy and the generation copy of a weight
+        at once only while that weight goes over (the zero-redundancy actor,
+        `generation_swap`)."""
+        return self._run(train_state, reverse=False, donate=donate)
 
-    def to_training(self, gen_state: Any) -> Any:
+    def to_training(self, gen_state: Any, *, donate: bool = False) -> Any:
         """The training layout back from a generation copy. Under the hybrid strategy this is
-        local slicing only (every training shard is inside the generation shard), which is
-        what lets a caller drop the training weights during generation (zero redundancy)."""
-        return self._run(gen_state, reverse=True)
+        local slicing only (every training shard is inside the generation shard: no
+        collective), which is what lets a caller drop the training weights during generation
+        (zero redundancy). ``donate``: the generation copy is freed as it goes."""
+        return self._run(gen_state, reverse=True, donate=donate)
 
     @contextlib.contextmanager
     def generation(self, train_state: Any) -> Iterator[Any]:
         """``with engine.generation(train_state) as gen_state: ...``; the generation copy's
-        buffers are deleted on exit (never a buffer the training state owns)."""
+        buffers are deleted on exit (never a buffer the training state owns). The training
+        copy stays alive beside it; `generation_swap` frees it."""
         gen_state = self.to_generation(train_state)
         try:
             yield gen_state
@@ -393,6 +421,25 @@ class HybridEngine:
             for x in jax.tree.leaves(gen_state):
                 if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
                     x.delete()
+
+    @contextlib.contextmanager
+    def generation_swap(self, train_state: Any, give_back: Callable[[Any], None]) -> Iterator[Any]:
+        """The 3D-HybridEngine's zero-redundancy switch::
+
+            with engine.generation_swap(params, give_back=set_params) as gen_params:
+                ...generate with gen_params...
+
+        ``train_state`` is donated into the generation copy (`to_generation` with
+        ``donate``): during generation a device holds one generation shard of the weights and
+        no training shard. On exit (also on an error), each device's training shard is taken
+        back out of its generation shard (`to_training`: local slicing under the hybrid
+        strategy), the generation copy is freed, and ``give_back`` receives the new training
+        state, bit-identical to ``train_state``."""
+        gen_state = self.to_generation(train_state, donate=True)
+        try:
+            yield gen_state
+        finally:
+            give_back(self.to_training(gen_state, donate=True))
 
     # --- measurement ----------------------------------------------------------------------
 

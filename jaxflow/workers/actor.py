@@ -242,8 +242,8 @@ class ActorWorker(TrainableWorker):
         with contextlib.ExitStack() as stack:
             if self.engine is None:
                 gen_params, mesh, rules = self.params, self.mesh, self.rules
-            else:
-                gen_params = stack.enter_context(self.engine.generation(self.params))
+            else:  # the training weights are donated into the generation copy and sliced back after
+                gen_params = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
                 mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
             for k, start in enumerate(range(0, len(ids), chunk)):
                 out = generate_from_state(self.graphdef, gen_params, ids[start:start + chunk],
@@ -257,6 +257,9 @@ class ActorWorker(TrainableWorker):
             tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
             meta={"temperature": 1.0 if params.greedy else float(params.temperature)},
         )
+
+    def _set_trained_params(self, params: Any) -> None:
+        self.state = dataclasses.replace(self.state, params=params)
 
     # ------------------------------------------------------------------ log-probs
     @register(DP_COMPUTE)
