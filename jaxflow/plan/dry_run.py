@@ -341,8 +341,8 @@ def format_summary(r: DryRunReport) -> str:
     for p in r.programs:
         if p.name == "actor/reshard" and p.extra:
             e = p.extra
-            lines.append(f"  actor/reshard: {e['programs']} programs / {e['calls']} calls, receives "
-                         f"{e['received_bytes'] / u:.2f} {name} per device "
+            lines.append(f"  actor/reshard: {e['programs']} programs / {e['calls']} calls, receives (ring model of the HLO's collectives) "
+                         f"{e['ring_received_bytes'] / u:.2f} {name} per device "
                          f"(Table 2: {e['table2_comm_bytes'] / u:.2f}), redundancy {e['redundancy_bytes'] / u:.2f} {name}")
     lines += [f"note: {n}" for n in r.notes]
     verdict = "everything fits" if r.fits else "DOES NOT FIT: " + ", ".join(

@@ -339,7 +339,7 @@ def reshard_program(engine: HybridEngine, state: Any) -> ProgramSpec:
             temp_bytes=rep.peak_extra_bytes - rep.output_bytes, generated_code_bytes=0,
             compile_seconds=time.perf_counter() - t0,
             extra=dict(strategy=rep.strategy, programs=rep.programs, calls=rep.calls,
-                       received_bytes=rep.received_bytes, table2_comm_bytes=rep.table2.comm_bytes,
+                       ring_received_bytes=rep.ring_received_bytes, table2_comm_bytes=rep.table2.comm_bytes,
                        comm_ratio=rep.comm_ratio, peak_extra_bytes=rep.peak_extra_bytes,
                        redundancy_bytes=rep.redundancy_bytes, full_remat=rep.full_remat))
 

@@ -83,6 +83,18 @@ def derive_generation_rules(train_rules: Rules, train_mesh: Mesh) -> Rules:
     return tuple(out)
 
 
+def zero3_rules(train_rules: Rules, train_mesh: Mesh, weight_axes_: tuple[str, ...]) -> Rules:
+    """``train_rules`` with every name split over the weight axes also split over the mesh's
+    other (replica) axes, major: the ZeRO-3 layout of DeepSpeed-Chat, weights over all
+    devices."""
+    replica = tuple(a for a in train_mesh.axis_names if a not in weight_axes_ and train_mesh.shape[a] > 1)
+    out = []
+    for name, axes in train_rules:
+        present = tuple(a for a in _axes_tuple(axes) if a in train_mesh.shape)
+        out.append((name, replica + present if name != "batch" and present and present == weight_axes_ else axes))
+    return tuple(out)
+
+
 def _flat_shardings(tree: Any) -> list[NamedSharding]:
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
@@ -150,7 +162,12 @@ class TransitionReport:
     train_shard_bytes: int  # per device
     gen_shard_bytes: int  # per device: one generation shard
     redundancy_bytes: int  # per device: training weights outside the generation shard
-    received_bytes: float  # max over devices, from the HLO's collectives
+    # Bytes one device receives (max over devices): a ring-algorithm model (all-gather over g
+    # devices: (g-1)/g of its output; all-reduce 2(g-1)/g; ...) applied to the collectives of
+    # the compiled HLO (op, per-device output shape, replica groups). Not a measured transfer.
+    ring_received_bytes: float
+    collective_output_bytes: int  # raw: the collectives' output buffers on one device, summed (max)
+    group_sizes: list[int]  # distinct replica-group sizes of those collectives
     collectives: dict[str, int]  # op -> count
     gather_groups: list[list[int]]  # distinct replica groups of the collectives (device ids)
     output_bytes: int  # memory_analysis(): the generation copy's arrays
@@ -168,7 +185,8 @@ class TransitionReport:
     @property
     def comm_ratio(self) -> float:
         want = self.table2.comm_bytes
-        return self.received_bytes / want if want else (0.0 if self.received_bytes == 0 else float("inf"))
+        got = self.ring_received_bytes
+        return got / want if want else (0.0 if got == 0 else float("inf"))
 
     @property
     def peak_ratio(self) -> float:
@@ -226,6 +244,12 @@ class HybridEngine:
         grouping = "hybrid" if strategy == "hybrid" else "vanilla"
         self.gen_mesh = generation_mesh(train_mesh, gen_tp, self.weight_axes, grouping)
         self.gen_rules = get_rules(gen_rules) if gen_rules is not None else derive_generation_rules(self.train_rules, train_mesh)
+        # d: the training layout's weight replicas (a training dp axis).
+        self.replica_degree = int(train_mesh.devices.size // self.train_degree)
+        if strategy == "naive" and self.replica_degree > 1:
+            # DeepSpeed-Chat trains with ZeRO-3: its weights are split over every device
+            # (t*p*d), the data-parallel axes included, and it gathers them from all of them.
+            self.train_rules = zero3_rules(self.train_rules, train_mesh, self.weight_axes)
         self.bucketed = bucketed and strategy == "hybrid"
         self.bucket_bytes = bucket_bytes
         self._programs: dict[tuple, Any] = {}
@@ -467,6 +491,8 @@ class HybridEngine:
         whole = sorted({line for c in compiled.values() for shape in split - shard_shapes
                         for line in hlo.buffers_with_shape(c.as_text(), shape)})
         received = np.zeros(len(flat_devices))
+        raw_out = np.zeros(len(flat_devices))
+        sizes: set[int] = set()
         counts: dict[str, int] = {}
         groups: set[tuple[int, ...]] = set()
         stats: dict[tuple, tuple[int, int, int]] = {}
@@ -485,6 +511,9 @@ class HybridEngine:
             received += np.asarray(hlo.received_per_device(colls, len(flat_devices)))
             for col in colls:
                 counts[col.op] = counts.get(col.op, 0) + 1
+                sizes.add(col.group_size)
+                for d in {i for g in col.groups for i in g} or {t for _, t in col.pairs}:
+                    raw_out[d] += col.out_bytes
                 groups.update(tuple(flat_devices[i].id for i in g) for g in col.groups)
             out, temp, alias = stats[step.key]
             peak = max(peak, alloc + out - alias + temp)
@@ -504,7 +533,9 @@ class HybridEngine:
             train_shard_bytes=shard_bytes(leaves, src),
             gen_shard_bytes=shard_bytes(leaves, dst),
             redundancy_bytes=redundant_bytes(leaves, src, dst),
-            received_bytes=float(received.max()),
+            ring_received_bytes=float(received.max()),
+            collective_output_bytes=int(raw_out.max()),
+            group_sizes=sorted(sizes),
             collectives=counts,
             gather_groups=[list(g) for g in sorted(groups)],
             output_bytes=alloc,
@@ -516,7 +547,8 @@ class HybridEngine:
             full_remat=bool(remat),
             whole_weights=whole,
             remat_log=remat,
-            table2=table2(self.strategy, model_bytes, self.train_degree, self.gen_tp),
+            table2=table2(self.strategy, model_bytes, self.train_degree, self.gen_tp,
+                          dp=self.replica_degree if self.strategy == "naive" else 1),
         )
         if time_iters:
             rep.seconds = self.time(state, time_iters, reverse)
