@@ -100,7 +100,7 @@ def test_json_report(tiny):
 
 
 def test_over_budget_is_reported():
-    cfg = load_config("ppo_tiny", ["jaxflow.dry_run.device_memory_gib=0.001"])  # ~1 MiB
+    cfg = load_config("ppo_tiny", ["jaxflow.dry_run.device_memory_gib=0.001", "jaxflow.placement.type=colocated"])
     text = io.StringIO()
     report = dry_run(cfg, out=text, programs=["ref/log_probs"])
     assert not report.fits and not report.program("ref/log_probs").fits

@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh
 from jaxflow.automap.workload import RoleModel, Workload
 from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
 from jaxflow.sampling import bucket_size
-from jaxflow.plan import dry_run as dr
+from jaxflow.plan.dry_run import RolePlan, activation_bytes, kv_cache_bytes
 from jaxflow.workers.base import num_micro_batches
 
 
@@ -68,7 +68,7 @@ class RoleLayout:
     mesh: AbstractMesh
     gen_rules: Rules | None
     gen_mesh: AbstractMesh | None
-    plan: dr.RolePlan  # analytic bytes per device (param, optimizer, gradient, activations, KV)
+    plan: RolePlan  # analytic bytes per device (param, optimizer, gradient, activations, KV)
     micro_batches: dict[str, int]
     weight_degree: int  # devices that split the weights' Megatron dimension (fsdp*tp or tp)
 
@@ -138,7 +138,7 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
     heads_axes = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes)
     weight_degree = math.prod(sizes[a] for a in heads_axes)
     param_bytes = sharded_bytes(rm, rules, mesh, rm.param_itemsize)
-    plan = dr.RolePlan(role=role, pool="", head=rm.head, model={}, num_params=rm.num_params,
+    plan = RolePlan(role=role, pool="", head=rm.head, model={}, num_params=rm.num_params,
                        meshes={}, param_bytes=param_bytes)
     dp_ranks = layout.dp * layout.fsdp
     micro: dict[str, int] = {}
@@ -148,10 +148,10 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         micro["train"] = k
         plan.optimizer_bytes = 2 * sharded_bytes(rm, rules, mesh, w.state_itemsize)
         plan.gradient_bytes = param_bytes * (2 if k > 1 else 1)
-        plan.activation_bytes["train"] = dr.activation_bytes(mc, "train", rows / k / dp_ranks, P, R, rules, mesh)
+        plan.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp_ranks, P, R, rules, mesh)
     k = num_micro_batches(w.rows, w.forward_micro[role], dp_ranks, f"{role} forward")
     micro["infer"] = k
-    plan.activation_bytes["infer"] = dr.activation_bytes(mc, "infer", w.rows / k / dp_ranks, P, R, rules, mesh)
+    plan.activation_bytes["infer"] = activation_bytes(mc, "infer", w.rows / k / dp_ranks, P, R, rules, mesh)
     gen_mesh = None
     if role == "actor":
         if not layout.gen_tp or weight_degree % layout.gen_tp:
@@ -164,8 +164,8 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         rows_bucket = bucket_size(prompts, multiple=gen_dp) * w.n
         S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
-        plan.kv_cache_bytes = dr.kv_cache_bytes(mc, rows_bucket, S, gen_rules, gen_mesh)
-        plan.activation_bytes["generate"] = dr.activation_bytes(mc, "generate", prompts / gen_dp, P, R, gen_rules,
+        plan.kv_cache_bytes = kv_cache_bytes(mc, rows_bucket, S, gen_rules, gen_mesh)
+        plan.activation_bytes["generate"] = activation_bytes(mc, "generate", prompts / gen_dp, P, R, gen_rules,
                                                                 gen_mesh)
     return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree)
 
