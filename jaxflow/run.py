@@ -28,7 +28,7 @@ named configs:
 """
 
 
-def _simulate_devices(n: int) -> None:
+def simulate_devices(n: int) -> None:
     """Simulated host devices; read by XLA when the backend starts (after this, before use)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         if dry_run:
             with cfg.unlocked():
                 cfg.jaxflow.dry_run.enable = True
-        _simulate_devices(cfg.jaxflow.num_devices)
+        simulate_devices(cfg.jaxflow.num_devices)
         configs.validate(cfg)
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -97,16 +97,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = warm_start(cfg)
-        history = RLTrainer(cfg).fit()
+        RLTrainer(cfg).fit()  # prints the end-of-run summary
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
-    scores = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
-    if scores:
-        print(f"done: critic/score/mean {scores[0]:.3f} (first step) -> {scores[-1]:.3f} (last step)", flush=True)
     return 0
 
 

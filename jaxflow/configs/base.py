@@ -182,6 +182,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
     ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
     ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
+    ("trainer.save_hf", False,
+     "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
+     "the end of a run always writes <run dir>/hf_actor."),
     ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
     ("trainer.val_before_train", True, "Validate once before the first step."),
     ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),

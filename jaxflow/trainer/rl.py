@@ -5,7 +5,8 @@ and the non-finite guard.
 ::
 
     trainer = RLTrainer(cfg)          # tokenizer, data, placement, workers, checkpoints, loggers
-    history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot
+    history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot,
+                                      # export the actor (<run_dir>/hf_actor), print a summary
 
 Determinism: the rollout seed of step ``s`` is ``fold_in(trainer.seed, s)`` and the data order
 a function of ``data.seed`` and the epoch, both restored from checkpoints, so a run resumed
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -25,7 +27,13 @@ from ml_collections import ConfigDict
 
 from jaxflow.algos import batch_from_prompts
 from jaxflow.algos.programs import AlgoState, get_algorithm, select_algorithm
-from jaxflow.configs import ConfigError, build_placement, checkpoint_dir, critic_enabled, uses_reference
+from jaxflow.configs import (
+    ConfigError,
+    build_placement,
+    checkpoint_dir,
+    critic_enabled,
+    uses_reference,
+)
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.rewards import RewardScorer
 from jaxflow.trainer.builders import (
@@ -41,8 +49,17 @@ from jaxflow.trainer.builders import (
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
-from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
+from jaxflow.trainer.hf_export import HF_DIR, write_hf
+from jaxflow.trainer.metrics import (
+    JSONL_NAME,
+    TENSORBOARD_DIR,
+    MetricsLogger,
+    ProgressBar,
+    read_jsonl,
+    scalar_metrics,
+)
 from jaxflow.trainer.plot import plot_run
+from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
 
 log = logging.getLogger(__name__)
@@ -105,6 +122,7 @@ class RLTrainer:
         cfg, tok, p = self.cfg, self.tokenizer, self.placement
         opt_steps = optimizer_steps(cfg, cfg.trainer.total_training_steps or 1)
         actor = load_model(cfg, "actor", "lm", tok, mesh=p.mesh("actor", "train"), rules=p.rules("actor", "train"))
+        self.actor_graphdef = actor[0]
         critic = None
         if critic_enabled(cfg):
             critic = load_model(cfg, "critic", "value", tok, mesh=p.mesh("critic", "train"),
@@ -141,6 +159,13 @@ class RLTrainer:
                          extra={"step": step, "algo_state": self.algo_state.state_dict(),
                                 "guard": self.guard.state_dict()})
         self.ckpt.save(step, self._train_states(), host, force=True)
+        if self.cfg.trainer.save_hf:
+            self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
+
+    def export_actor(self, out_dir: str | os.PathLike) -> str:
+        """The actor as an HF directory with the tokenizer (written from its sharded params)."""
+        params = self.workers.actor.get_train_state()[0].params
+        return str(write_hf(self.actor_graphdef, params, self.tokenizer, out_dir))
 
     def resume(self) -> int:
         """Restore the latest checkpoint per ``trainer.resume_mode``; the step to start from."""
@@ -185,6 +210,7 @@ class RLTrainer:
         size = cfg.data.val_batch_size or len(self.val_data)
         scores, lengths, by_source = [], [], {}
         params = rollout_config(cfg, self.tokenizer, validation=True)
+        progress = ProgressBar(len(self.val_data), desc="validate", unit="prompt", leave=False)
         for start in range(0, len(self.val_data), size):
             idx = np.arange(start, min(start + size, len(self.val_data)))
             prompts = batch_from_prompts(self.val_data.batch(idx))
@@ -199,8 +225,10 @@ class RLTrainer:
                 by_source.setdefault(src, []).append(s)
             shown = sum(len(x) for x in scores) - len(seq)
             for i in range(max(0, min(len(seq), cfg.trainer.log_val_generations - shown))):
-                print(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
-                      f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", flush=True)
+                progress.write(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
+                               f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", file=sys.stdout)
+            progress.update_to(start + len(seq))
+        progress.close()
         metrics = {"val/score/mean": float(np.concatenate(scores).mean()),
                    "val/response_length/mean": float(np.concatenate(lengths).mean())}
         for src, s in by_source.items():
@@ -211,6 +239,7 @@ class RLTrainer:
 
     def fit(self) -> list[dict[str, float]]:
         cfg, t = self.cfg, self.cfg.trainer
+        started = time.perf_counter()
         start_step = self.resume()
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
                                experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
@@ -241,7 +270,14 @@ class RLTrainer:
         finally:
             logger.close()
             self.ckpt.close()
+        outputs = {"metrics": None, "plot": None, "tensorboard": None,
+                   "checkpoints": str(self.run_dir) if t.save_freq > 0 else None}
         if "jsonl" in t.logger:
-            path = plot_run(self.run_dir)
-            print(f"plot: {path}", flush=True)
+            outputs["metrics"] = os.path.join(self.run_dir, JSONL_NAME)
+            outputs["plot"] = str(plot_run(self.run_dir))
+        if "tensorboard" in t.logger:
+            outputs["tensorboard"] = os.path.join(self.run_dir, TENSORBOARD_DIR)
+        outputs["HF export"] = self.export_actor(os.path.join(self.run_dir, HF_DIR))
+        logged = read_jsonl(outputs["metrics"]) if outputs["metrics"] else history  # earlier steps of a resumed run
+        print(run_summary(logged, wall_s=time.perf_counter() - started, outputs=outputs), flush=True)
         return history

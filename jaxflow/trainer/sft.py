@@ -17,17 +17,21 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from ml_collections import ConfigDict
 
-import jaxflow.models as models
 from jaxflow.configs import build_placement
-from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
+from jaxflow.mesh import state_shardings
 from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.trainer.builders import build_tokenizer, builtin_task, load_model
+from jaxflow.trainer.hf_export import write_hf
 from jaxflow.trainer.metrics import MetricsLogger
-from jaxflow.workers import OptimConfig, create_train_state, make_optimizer, make_train_step
+from jaxflow.workers import (
+    OptimConfig,
+    create_train_state,
+    make_optimizer,
+    make_train_step,
+)
 from jaxflow.workers.base import num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 
@@ -91,9 +95,7 @@ def run_sft(cfg: ConfigDict) -> dict[str, float]:
         logger.log(metrics, step)
     logger.close()
 
-    model = nnx.merge(graphdef, jax.device_get(state.params))
-    models.save_pretrained(model, s.output_dir)
-    tokenizer.save_pretrained(s.output_dir)
+    write_hf(graphdef, state.params, tokenizer, s.output_dir)
     print(f"sft: wrote {s.output_dir} (final loss {metrics.get('sft/loss', float('nan')):.4f})", flush=True)
     return metrics
 
