@@ -1,6 +1,6 @@
 """``python -m jaxflow.run [--config=NAME|path.py] [--config.key=value ...] [--dry_run]``
 
-Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``ppo_tiny``), the
+Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``grpo_tiny``), the
 supervised warm start (``sft_tiny``), or with ``--dry_run`` the plan and ahead-of-time
 compilation of any config on simulated devices. ``--help`` lists the named configs.
 On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device count).
@@ -15,7 +15,7 @@ import sys
 USAGE = """usage: python -m jaxflow.run [--config=NAME|path/to/config.py] [--config.KEY=VALUE ...] [--dry_run]
                              [--json=PATH]
 
-Runs an RLHF experiment with jaxflow. Without --config the default is ppo_tiny (PPO on a
+Runs an RLHF experiment with jaxflow. Without --config the default is grpo_tiny (GRPO on a
 built-in task, a few minutes on a laptop CPU). Config keys follow verl's names; see the
 README's table, or `python -m jaxflow.configs.docs`.
 

@@ -235,7 +235,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.model.remat_policy", "none", "Rematerialisation in training: none | full | dots | dots_no_batch."),
     ("jaxflow.optim.state_dtype", "float32", "dtype of the AdamW moments: float32 | bfloat16."),
     # --- jaxflow: data / reward / trainer ----------------------------------------------------
-    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse."),
+    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse | reverse_digits."),
     ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
     ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
     ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
