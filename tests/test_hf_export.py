@@ -8,9 +8,9 @@ import torch
 import transformers
 from flax import nnx
 
+from jaxflow.configs.run_spec import build_tokenizer
 from jaxflow.export import main as export_main
 from jaxflow.run import main as run_main
-from jaxflow.trainer.builders import build_tokenizer
 from jaxflow.trainer.checkpoint import CheckpointManager
 from jaxflow.trainer.hf_export import abstract_train_state, run_config
 from tests.hf_reference import hf_logits

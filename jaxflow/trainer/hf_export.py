@@ -28,15 +28,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import jaxflow.models as models
-from jaxflow.configs import build_placement, model_config
-from jaxflow.configs.resolve import PRESET_PREFIX, model_path
+from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
-from jaxflow.trainer.builders import (
-    actor_config,
-    build_tokenizer,
-    critic_config,
-    optimizer_steps,
-)
 from jaxflow.trainer.checkpoint import CheckpointManager
 from jaxflow.workers import TrainState, make_optimizer
 from jaxflow.workers.train_state import train_state_shardings
@@ -69,22 +62,19 @@ def run_config(run_dir: str | os.PathLike) -> ConfigDict:
 
 def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nnx.GraphDef, TrainState]:
     """``(graphdef, TrainState of jax.ShapeDtypeStruct)`` of ``role`` exactly as the RL trainer
-    builds it, each leaf carrying its sharding on the role's training mesh; nothing allocated."""
+    builds it (from the run's `RunSpec`), each leaf carrying its sharding on the role's
+    training mesh; nothing allocated."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
-    head = ROLES[role]
-    mcfg = model_config(cfg, role)
+    spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    if role not in spec.roles:
+        raise ValueError(f"the run has no {role} (its roles: {', '.join(spec.roles)})")
+    mcfg = spec.models[role].config
     if mcfg is None:
-        raise FileNotFoundError(f"the {role}'s model config is unknown: no config.json at its model path")
-    path = model_path(cfg, role)
-    if not path or path.startswith(PRESET_PREFIX):  # a preset takes the tokenizer's ids, as in load_model
-        mcfg = mcfg.replace(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    placement = build_placement(cfg)
-    mesh, rules = placement.mesh(role, "train"), placement.rules(role, "train")
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: models.HEADS[head](mcfg, rngs=nnx.Rngs(0))))
-    steps = optimizer_steps(cfg, cfg.trainer.total_training_steps or 1)
-    optim = (actor_config(cfg, steps) if role == "actor" else critic_config(cfg, steps)).optim
-    tx, _ = make_optimizer(optim)
+        raise FileNotFoundError(f"the {role}'s model config is unknown: no config.json in {spec.models[role].path}")
+    mesh, rules = spec.placement.mesh(role, "train"), spec.placement.rules(role, "train")
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: models.HEADS[ROLES[role]](mcfg, rngs=nnx.Rngs(0))))
+    tx, _ = make_optimizer((spec.actor if role == "actor" else spec.critic).optim)
     shardings = train_state_shardings(params, state_shardings(params, rules, mesh), tx, mesh)
     init = jax.jit(lambda p: TrainState(params=p, opt_state=tx.init(p), step=jnp.zeros((), jnp.int32)),
                    out_shardings=shardings)
