@@ -177,8 +177,10 @@ def test_resume_modes(tmp_path):
         assert r.step == 5 and r.host.data_loader == {"i": 5}
         _assert_bit_exact(r.arrays["p"], _small(5)[0])
 
-    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    with pytest.raises(FileExistsError, match=r"already holds checkpoints \(steps \[3, 5\]\); nothing was deleted"):
         CheckpointManager(tmp_path / "run", resume_mode="disable")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
 
     # resume_path: a given step dir; later saves go to the manager's own directory
     with CheckpointManager(tmp_path / "branch", resume_mode="resume_path",
@@ -191,15 +193,20 @@ def test_resume_modes(tmp_path):
         CheckpointManager(tmp_path / "x", resume_mode="resume_path",
                           resume_path=tmp_path / "run" / "step_9").resume(target)
 
-    # resuming from step 3 inside the same directory: saving step 4 drops the abandoned step 5
+    # resuming from step 3 inside the same directory: saving step 4 moves the abandoned step 5
+    # aside, intact (never deleted)
     with CheckpointManager(tmp_path / "run", resume_mode="resume_path",
                            resume_path=tmp_path / "run" / "step_3") as ckpt:
         assert ckpt.resume(target).step == 3
         ckpt.save(4, {"p": params})
         assert ckpt.all_steps() == [3, 4]
-
-    with CheckpointManager(tmp_path / "run", resume_mode="disable", overwrite=True) as ckpt:
-        assert ckpt.all_steps() == [] and ckpt.resume(target) is None
+    (abandoned,) = (tmp_path / "run").glob("step_5.abandoned-*")
+    assert not (tmp_path / "run" / "step_5").exists() and (abandoned / MARKER).is_file()
+    (tmp_path / "restored").mkdir()
+    os.rename(abandoned, tmp_path / "restored" / "step_5")  # what a user does to get it back
+    r = CheckpointManager(tmp_path / "restored", read_only=True).restore(targets=target)
+    assert r.step == 5
+    _assert_bit_exact(r.arrays["p"], _small(5)[0])
 
 
 _KILLED_SAVE = textwrap.dedent("""

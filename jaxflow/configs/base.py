@@ -318,12 +318,11 @@ def get_base_config() -> ConfigDict:
 def tiny_config(name: str) -> ConfigDict:
     """The base config with the settings shared by the ``*_tiny`` configs: a self-contained CPU
     run of a few minutes that visibly learns one-digit addition (300 steps, validation every 50,
-    no checkpoints, no resuming)."""
+    no checkpoints; a rerun resumes from the run directory's checkpoints if it has any)."""
     cfg = get_base_config()
     cfg.trainer.experiment_name = name
     cfg.trainer.total_training_steps = 300
     cfg.trainer.test_freq = 50
-    cfg.trainer.resume_mode = "disable"
     cfg.trainer.logger = ["console", "jsonl"]
     # One-digit addition ("3+5=" -> "8"): prompts of 5 tokens, answers of at most 3 (with EOS).
     cfg.jaxflow.data.addition_digits = 1
@@ -380,7 +379,6 @@ def paper_ppo_config(
     cfg.trainer.val_before_train = False
     cfg.trainer.test_freq = -1
     cfg.trainer.save_freq = -1
-    cfg.trainer.resume_mode = "disable"
     cfg.trainer.logger = ["console", "jsonl"]
 
     cfg.data.max_prompt_length = 1024

@@ -20,6 +20,7 @@ on first use.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -117,6 +118,12 @@ def _type_ok(value: Any, typ: type) -> bool:
     return isinstance(value, typ)
 
 
+def _numbers(value: Any) -> list[float]:
+    """The float values in a key's value (itself, or a sequence's elements)."""
+    items = value if isinstance(value, (tuple, list)) else [value]
+    return [x for x in items if isinstance(x, float)]
+
+
 def _check_schema(c: _Checker) -> None:
     keys = leaf_keys(c.cfg)
     for key in keys:
@@ -133,6 +140,8 @@ def _check_schema(c: _Checker) -> None:
             c.add(key, f"expected a {typ.__name__} of {ELEMENT_TYPES[key].__name__}, got {value!r}")
         elif key.endswith(".betas") and len(value) != 2:
             c.add(key, f"expected (beta1, beta2), got {value!r}")
+        elif not all(math.isfinite(x) for x in _numbers(value)):
+            c.add(key, f"must be a finite number, got {value!r}")
     present = set(keys)
     for key in KEY_TYPES:
         if key not in present:

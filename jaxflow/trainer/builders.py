@@ -18,8 +18,8 @@ from jaxflow.configs import model_config
 from jaxflow.configs.resolve import model_path
 from jaxflow.configs.resolve import PRESET_PREFIX
 from jaxflow.data.char_tokenizer import CharTokenizer
-from jaxflow.data.dataset import PromptDataset, write_builtin_datasets
-from jaxflow.data.tasks import Task, get_task
+from jaxflow.data.dataset import PromptDataset
+from jaxflow.data.tasks import Task, get_task, make_mixed_examples
 from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
 
@@ -42,24 +42,50 @@ def builtin_task(cfg: ConfigDict) -> Task:
     return get_task(name, **params)
 
 
-def dataset_files(cfg: ConfigDict, run_dir: str) -> tuple[list[str], list[str]]:
-    """``(train files, val files)``: the configured ones, or the built-in task written (once,
-    deterministically) under ``run_dir/data`` in verl's parquet schema."""
+@dataclasses.dataclass(frozen=True)
+class BuiltinSplit:
+    """A split of the built-in task, generated in memory (no file is written or read)."""
+
+    task: Task
+    split: str  # "train" or "test"
+    num_examples: int
+    seed: int
+
+    def rows(self) -> list[dict[str, Any]]:
+        return make_mixed_examples([self.task], self.num_examples, seed=self.seed, split=self.split)
+
+
+DataSource = list[str] | BuiltinSplit
+
+
+def dataset_sources(cfg: ConfigDict) -> tuple[DataSource, DataSource]:
+    """``(train, val)``: the configured files, or for an empty key the built-in task's split
+    (``jaxflow.data.builtin_task``), generated deterministically in memory."""
     train = [f for f in cfg.data.train_files.split(",") if f]
     val = [f for f in cfg.data.val_files.split(",") if f]
-    if not train or not val:
-        d = cfg.jaxflow.data
-        written = write_builtin_datasets(os.path.join(run_dir, "data"), tasks=(builtin_task(cfg),),
-                                         n_train=d.num_train_examples, n_test=d.num_val_examples,
-                                         seed=cfg.data.seed)
-        train = train or [written["train"]]
-        val = val or [written["test"]]
+    d = cfg.jaxflow.data
+    if not train:
+        train = BuiltinSplit(builtin_task(cfg), "train", d.num_train_examples, cfg.data.seed)
+    if not val:
+        val = BuiltinSplit(builtin_task(cfg), "test", d.num_val_examples, cfg.data.seed)
     return train, val
 
 
-def build_dataset(cfg: ConfigDict, files: list[str], tokenizer: Any) -> PromptDataset:
-    return PromptDataset(files, tokenizer, prompt_key=cfg.data.prompt_key,
-                         max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation)
+def build_dataset(cfg: ConfigDict, source: DataSource, tokenizer: Any) -> PromptDataset:
+    kwargs = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+                  truncation=cfg.data.truncation)
+    if isinstance(source, BuiltinSplit):
+        return PromptDataset(f"built-in {source.task.name} {source.split} split", tokenizer, rows=source.rows(),
+                             **kwargs)
+    return PromptDataset(source, tokenizer, **kwargs)
+
+
+def describe_source(source: DataSource, dataset: PromptDataset) -> str:
+    """For the console: where a split's prompts come from, and how many were kept."""
+    if isinstance(source, BuiltinSplit):
+        key = "data.train_files" if source.split == "train" else "data.val_files"
+        return f"BUILT-IN task {source.task.name!r} ({source.split} split, {len(dataset)} prompts; {key} is empty)"
+    return f"{', '.join(source)} ({len(dataset)} prompts)"
 
 
 def load_model(cfg: ConfigDict, role: str, head: str, tokenizer: Any, *, mesh=None, rules=None,

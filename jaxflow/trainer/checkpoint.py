@@ -14,7 +14,13 @@ Crash safety. Orbax writes a step to ``step_N.orbax-checkpoint-tmp-<t>/`` and re
 orbax never lists. On top of that we write ``jaxflow_checkpoint.json`` (tmp file + ``os.replace``)
 after orbax reports the step finished: a checkpoint is *complete* only with that marker, so a
 step directory that a non-atomic rename or copy left half-written is never resumed from. A
-writer removes incomplete steps when it opens the directory; a reader ignores them.
+writer removes orbax's tmp directories when it opens the directory and moves marker-less
+``step_N`` directories aside (``step_N.incomplete-<time>``); a reader ignores both.
+
+Nothing a user has is deleted except by the retention rule (``max_to_keep``, applied only after
+a newer step is complete): a fresh run (``resume_mode="disable"``) in a directory that holds
+checkpoints is refused, and steps that a run resumed from an earlier step would overwrite are
+moved aside (``step_N.abandoned-<time>``), never removed.
 
 Restoring reads each array straight into the sharding of its target
 (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``): every device reads only its shard, so a
@@ -40,6 +46,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
 from jaxflow.models.safetensors_io import CheckpointError
+from jaxflow.workers.train_state import tree_all_finite
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +175,14 @@ def check_tree_matches(stored: PyTree, target: PyTree, *, item: str, where: str)
                 f"checkpoint but the target expects {want}")
 
 
+_tree_all_finite = jax.jit(tree_all_finite)
+
+
+def all_finite(tree: PyTree) -> bool:
+    """True when no floating-point leaf of ``tree`` holds NaN or Inf (reduced on the devices)."""
+    return bool(_tree_all_finite(tree))
+
+
 def flatten_tree(tree: PyTree) -> tuple[dict[str, Any], Any]:
     """``({"params__layers__0__kernel": leaf, ...}, treedef)``: any pytree as one level of string
     keys, so items can hold trees orbax cannot name (e.g. ``nnx.State`` with the integer keys of
@@ -220,14 +235,15 @@ class CheckpointManager:
     """Saves and restores training state under ``directory`` (``step_N`` subdirectories).
 
     ``resume_mode`` follows verl: ``"disable"`` starts fresh (a directory that already holds
-    checkpoints is an error unless ``overwrite=True``, which deletes them), ``"auto"`` continues
+    checkpoints is an error: ``FileExistsError``; nothing is deleted), ``"auto"`` continues
     from the latest complete checkpoint if there is one, ``"resume_path"`` from the step
     directory ``resume_path`` (any directory; later saves still go to ``directory``).
 
     ``save`` writes a step when ``step % save_interval_steps == 0`` or ``force=True`` and keeps
-    the latest ``max_to_keep`` complete steps (None: all). A save at step N first deletes any
-    complete steps >= N in ``directory``: they belong to a run that was abandoned by resuming
-    from an earlier step. One process (group) writes a directory at a time; open it with
+    the latest ``max_to_keep`` complete steps (None: all). A save at step N first moves any
+    complete steps >= N in ``directory`` aside to ``step_M.abandoned-<time>``: they belong to a
+    run that was abandoned by resuming from an earlier step. One process (group) writes a
+    directory at a time; open it with
     ``read_only=True`` to read while another run writes.
     """
 
@@ -241,7 +257,6 @@ class CheckpointManager:
         resume_path: str | os.PathLike | None = None,
         async_save: bool = False,
         read_only: bool = False,
-        overwrite: bool = False,
     ):
         if resume_mode not in RESUME_MODES:
             raise ValueError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
@@ -266,14 +281,10 @@ class CheckpointManager:
             if self._primary:
                 self._remove_incomplete()
             if resume_mode == "disable" and self.all_steps():
-                if not overwrite:
-                    raise FileExistsError(
-                        f'resume_mode="disable" but {self.directory} already holds checkpoints '
-                        f"(steps {self.all_steps()}); use a new directory, resume_mode=\"auto\", "
-                        "or overwrite=True to delete them")
-                for step in self.all_steps():
-                    log.warning("resume_mode=disable with overwrite: deleting %s", self.step_dir(step))
-                    self._delete(step)
+                raise FileExistsError(
+                    f'resume_mode="disable" (a fresh run) but {self.directory} already holds checkpoints '
+                    f"(steps {self.all_steps()}); nothing was deleted. Continue them with resume_mode=\"auto\" "
+                    "or start the fresh run in another directory")
 
         self._mgr = None
         if not read_only:
@@ -352,9 +363,10 @@ class CheckpointManager:
         self.wait()
         superseded = [s for s in self.all_steps() if s >= step]
         if superseded:
-            log.warning("saving step %d: deleting checkpoints %s of an abandoned run", step, superseded)
             for s in superseded:
-                self._delete(s)
+                moved = self._move_aside(self.step_dir(s), "abandoned")
+                log.warning("saving step %d: moved checkpoint step %d of an abandoned run to %s (delete it "
+                            "when no longer needed)", step, s, moved)
             self._mgr.reload()
         host = host if host is not None else HostState()
         host_json = {
@@ -410,14 +422,27 @@ class CheckpointManager:
             (path / MARKER).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
 
+    def _move_aside(self, path: Path, why: str) -> Path:
+        """Renames ``path`` to ``<path>.<why>-<unix time>`` (never listed as a step); the new path."""
+        target = path.with_name(f"{path.name}.{why}-{int(time.time())}")
+        n = 1
+        while target.exists():
+            target = path.with_name(f"{path.name}.{why}-{int(time.time())}-{n}")
+            n += 1
+        if self._primary:
+            os.replace(path, target)
+        return target
+
     def _remove_incomplete(self) -> None:
+        """Removes orbax's tmp directories (debris of our own interrupted saves) and moves
+        marker-less step directories aside (they may hold data someone wants)."""
         for p in sorted(self.directory.iterdir()) if self.directory.is_dir() else []:
             if _TMP_RE.match(p.name) and p.is_dir():
                 log.warning("removing %s left by an interrupted save", p)
                 shutil.rmtree(p)
             elif step_of(p) is not None and p.is_dir() and not is_complete(p):
-                log.warning("removing incomplete checkpoint %s (no %s; an interrupted save)", p, MARKER)
-                shutil.rmtree(p)
+                moved = self._move_aside(p, "incomplete")
+                log.warning("moved incomplete checkpoint %s (no %s; an interrupted save) to %s", p, MARKER, moved)
             elif is_complete(p):  # an HF export cut short
                 for tmp in p.glob(f".{HF_ACTOR_DIR}.tmp-*"):
                     shutil.rmtree(tmp, ignore_errors=True)

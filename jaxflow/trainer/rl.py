@@ -34,12 +34,13 @@ from jaxflow.trainer.builders import (
     build_dataset,
     build_tokenizer,
     critic_config,
-    dataset_files,
+    dataset_sources,
+    describe_source,
     load_model,
     optimizer_steps,
     rollout_config,
 )
-from jaxflow.trainer.checkpoint import CheckpointManager, HostState
+from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
 from jaxflow.trainer.plot import plot_run
@@ -79,10 +80,24 @@ class RLTrainer:
         t = cfg.trainer
         self.run_dir = checkpoint_dir(cfg)
         os.makedirs(self.run_dir, exist_ok=True)
+        # First, before anything is built or written: a fresh run refuses a directory that holds
+        # checkpoints (it never deletes them).
+        try:
+            self.ckpt = CheckpointManager(
+                self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
+                save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
+                resume_mode=t.resume_mode, resume_path=t.resume_from_path)
+        except FileExistsError as e:
+            raise ConfigError("trainer.resume_mode", f"is 'disable' (a fresh run) but {self.run_dir} already holds "
+                              f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
+                              "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
+                              "trainer.default_local_dir to another directory") from e
         self.tokenizer = build_tokenizer(cfg)
-        train_files, val_files = dataset_files(cfg, self.run_dir)
-        self.train_data = build_dataset(cfg, train_files, self.tokenizer)
-        self.val_data = build_dataset(cfg, val_files, self.tokenizer)
+        train, val = dataset_sources(cfg)
+        self.train_data = build_dataset(cfg, train, self.tokenizer)
+        self.val_data = build_dataset(cfg, val, self.tokenizer)
+        print(f"data: train = {describe_source(train, self.train_data)}; "
+              f"validation = {describe_source(val, self.val_data)}", flush=True)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
         self.total_steps = t.total_training_steps or t.total_epochs * self.loader.steps_per_epoch
@@ -93,11 +108,6 @@ class RLTrainer:
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.from_config(cfg)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
-        self.ckpt = CheckpointManager(
-            self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
-            save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
-            resume_mode=t.resume_mode, resume_path=t.resume_from_path,
-            overwrite=t.resume_mode == "disable")
 
     # ------------------------------------------------------------------ construction
 
@@ -137,10 +147,17 @@ class RLTrainer:
         return states
 
     def save(self, step: int, history: list[dict[str, float]]) -> None:
+        """Checkpoint ``step``; refuses (``NonFiniteError``) train states holding NaN or Inf, so a
+        non-finite state never replaces, or prunes, a good checkpoint."""
+        states = self._train_states()
+        bad = [name for name, state in states.items() if not all_finite(state.params)]
+        if bad:
+            raise NonFiniteError(f"step {step}: the {' and '.join(bad)} parameters hold NaN or Inf; not saving them "
+                                 f"(latest good checkpoint: step {self.ckpt.latest_step()})")
         host = HostState(data_loader=self.loader.state_dict(), metrics_tail=history[-5:],
                          extra={"step": step, "algo_state": self.algo_state.state_dict(),
                                 "guard": self.guard.state_dict()})
-        self.ckpt.save(step, self._train_states(), host, force=True)
+        self.ckpt.save(step, states, host, force=True)
 
     def resume(self) -> int:
         """Restore the latest checkpoint per ``trainer.resume_mode``; the step to start from."""
@@ -230,14 +247,18 @@ class RLTrainer:
                 if t.test_freq > 0 and (step % t.test_freq == 0 or last):
                     metrics.update(self.validate())
                 try:
-                    self.guard.check(metrics, step)
+                    healthy = self.guard.check(metrics, step)
                 except NonFiniteError:
                     logger.log(metrics, step)
                     raise
                 logger.log(metrics, step)
                 history.append({"step": step, **metrics})
                 if t.save_freq > 0 and (step % t.save_freq == 0 or last):
-                    self.save(step, history)
+                    if healthy:
+                        self.save(step, history)
+                    else:  # nothing saved, so nothing pruned: the last good checkpoint stays the latest
+                        print(f"step {step}: not saving a checkpoint after a refused update (latest good "
+                              f"checkpoint: step {self.ckpt.latest_step()})", flush=True)
         finally:
             logger.close()
             self.ckpt.close()
