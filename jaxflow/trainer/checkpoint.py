@@ -45,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
-from jaxflow.models.safetensors_io import CheckpointError
+from jaxflow.models.hf_io import CheckpointError
 from jaxflow.workers.train_state import tree_all_finite
 
 log = logging.getLogger(__name__)
