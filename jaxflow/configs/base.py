@@ -238,6 +238,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
     ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),
     ("jaxflow.reward.timeout_s", 5.0, "Per-response time limit of a custom reward function (then it scores 0)."),
+    ("jaxflow.reward.batch_timeout_s", 60.0,
+     "Time limit of one batch's custom reward calls; samples unscored by then score 0 (counted as timeouts)."),
+    ("jaxflow.reward.load_timeout_s", 60.0,
+     "Time limit for importing custom_reward_function.path (in a worker, before the run builds anything else)."),
+    ("jaxflow.reward.max_failure_fraction", 0.5,
+     "Stop the run when more than this fraction of the reward calls of the last 5 batches failed (errors and "
+     "timeouts); a batch whose every sample fails always stops it. 1.0 = only that."),
     ("jaxflow.reward.partial_credit", False,
      "Built-in tasks: reward the fraction of correct answer characters instead of 0/1."),
     ("jaxflow.trainer.max_nonfinite_steps", 3,

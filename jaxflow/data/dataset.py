@@ -287,6 +287,7 @@ class PromptDataset:
             )
         self._columns = [columns[k] for k in keep]
         self._texts = [texts[k] for k in keep]
+        self._where = [f"{located[k][1]}: {located[k][2]}" for k in keep]
         self.stats = {
             "num_rows": len(located),
             "num_truncated": num_truncated,
@@ -319,6 +320,15 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    def check_ground_truths(self, allowed: tuple[type, ...], why: str) -> None:
+        """Raises :class:`DatasetError` naming the first row whose ground truth is not one of
+        ``allowed`` (e.g. a null, or a list where a scorer compares one string)."""
+        for where, columns in zip(self._where, self._columns):
+            truth = columns["ground_truth"]
+            if not isinstance(truth, allowed) or isinstance(truth, bool):
+                raise DatasetError(f"{where}: reward_model.ground_truth is {truth!r:.100} "
+                                   f"({type(truth).__name__}); {why}")
 
     def prompt_ids(self, i: int) -> np.ndarray:
         """The (possibly truncated) token ids of row ``i``."""

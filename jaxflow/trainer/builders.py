@@ -14,7 +14,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import jaxflow.models as models
-from jaxflow.configs import model_config
+from jaxflow.configs import ConfigError, active_roles, model_config
 from jaxflow.configs.resolve import model_path
 from jaxflow.configs.resolve import PRESET_PREFIX
 from jaxflow.data.char_tokenizer import CharTokenizer
@@ -26,13 +26,29 @@ from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RolloutConfi
 
 def build_tokenizer(cfg: ConfigDict) -> Any:
     """``jaxflow.data.tokenizer``: ``char`` (the built-in character tokenizer), a tokenizer
-    directory / ``tokenizer.json``, or ``model`` (the actor checkpoint's own tokenizer)."""
+    directory / ``tokenizer.json``, or ``model`` (the actor checkpoint's own tokenizer).
+
+    Refused (``ConfigError``): ``char`` with an actor checkpoint that ships a different
+    tokenizer (its ids would mean other tokens), and a tokenizer with more ids than a model's
+    vocabulary (ids past the embedding table)."""
     name = cfg.jaxflow.data.tokenizer
+    path = model_path(cfg, "actor")
     if name == "char":
-        return CharTokenizer()
-    if name == "model":
-        name = cfg.actor_rollout_ref.model.path
-    return load_tokenizer(name)
+        tokenizer = CharTokenizer()
+        own = os.path.join(os.path.expanduser(path), "tokenizer.json") if path else ""
+        if own and os.path.isfile(own) and load_tokenizer(own).backend.get_vocab() != tokenizer.backend.get_vocab():
+            raise ConfigError("jaxflow.data.tokenizer", f"is 'char' (the built-in character tokenizer) but the actor "
+                              f"checkpoint {path} ships its own tokenizer, whose ids mean other tokens; set "
+                              "jaxflow.data.tokenizer=model (or the path of the tokenizer the model was trained with)")
+    else:
+        tokenizer = load_tokenizer(path if name == "model" else name)
+    for role in active_roles(cfg):
+        model = model_config(cfg, role)
+        if model is not None and tokenizer.vocab_size > model.vocab_size:
+            raise ConfigError("jaxflow.data.tokenizer", f"the tokenizer has {tokenizer.vocab_size} ids but the {role} "
+                              f"model's vocabulary has {model.vocab_size} rows: ids past it have no embedding; use the "
+                              "model's own tokenizer (jaxflow.data.tokenizer=model)")
+    return tokenizer
 
 
 def builtin_task(cfg: ConfigDict) -> Task:
@@ -101,9 +117,6 @@ def load_model(cfg: ConfigDict, role: str, head: str, tokenizer: Any, *, mesh=No
             mesh=mesh, rules=rules, head=head, scan_layers=m.scan_layers, remat_policy=m.remat_policy)
         return nnx.split(model)
     mcfg = model_config(cfg, role).replace(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    if mcfg.vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"jaxflow.model.vocab_size={mcfg.vocab_size} is smaller than the tokenizer's "
-                         f"{tokenizer.vocab_size} ids")
     seed = cfg.trainer.seed if seed is None else seed
     return nnx.split(models.init_model(mcfg, head=head, seed=seed))
 

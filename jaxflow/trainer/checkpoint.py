@@ -66,6 +66,22 @@ class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tree structure or shapes differ from the restore targets."""
 
 
+class DamagedCheckpointError(CheckpointError):
+    """A complete checkpoint's files cannot be read (truncated, corrupted); names step and item."""
+
+    def __init__(self, message: str, *, step: int | None, item: str, reason: str):
+        super().__init__(message)
+        self.step, self.item, self.reason = step, item, reason
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of an exception chain, as one line (orbax wraps the real error)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:300]}"
+
+
 @dataclasses.dataclass
 class HostState:
     """Host-side (JSON) state saved beside the arrays.
@@ -206,6 +222,20 @@ def _as_restore_target(tree: PyTree) -> PyTree:
     return jax.tree.map(leaf, tree)
 
 
+def _restore_items(path: Path, args: dict[str, Any]) -> dict[str, Any]:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        return ckptr.restore(path, args=ocp.args.Composite(**args))
+
+
+def _readable(path: Path, name: str, arg: Any) -> bool:
+    """Whether item ``name`` of the step directory ``path`` restores on its own."""
+    try:
+        _restore_items(path, {name: arg})
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 # ----------------------------------------------------------------------------- step directories
 
 
@@ -274,6 +304,7 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self._async = async_save
         self._pending: list[tuple[int, list[str]]] = []  # saved by orbax, marker not yet written
+        self._broken = False  # a save was cut short
         self._primary = jax.process_index() == 0
 
         if not read_only:
@@ -380,7 +411,12 @@ class CheckpointManager:
         }
         items = {name: ocp.args.StandardSave(flatten_tree(tree)[0]) for name, tree in arrays.items()}
         items[HOST_ITEM] = ocp.args.JsonSave(host_json)
-        if not self._mgr.save(step, args=ocp.args.Composite(**items), force=True):
+        try:
+            saved = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
+        except BaseException:  # Ctrl-C, disk full, ...: the step stays incomplete (no marker)
+            self._broken = True
+            raise
+        if not saved:
             raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
         self._pending.append((step, sorted(arrays)))
         if not self._async:
@@ -394,7 +430,11 @@ class CheckpointManager:
         """Block until background saves are on disk, then mark them complete."""
         if self._mgr is None:
             return
-        self._mgr.wait_until_finished()
+        try:
+            self._mgr.wait_until_finished()
+        except BaseException:
+            self._broken = True
+            raise
         pending, self._pending = self._pending, []
         for step, names in pending:
             path = self.step_dir(step)
@@ -503,14 +543,22 @@ class CheckpointManager:
                 have = sorted(p.name for p in path.iterdir() if p.is_dir() and _ITEM_RE.match(p.name)
                               and p.name not in (HOST_ITEM, HF_ACTOR_DIR))
                 raise CheckpointMismatchError(f"{path}: no item {name!r} (has {have})")
-            meta = ocp.StandardCheckpointHandler().metadata(path / name)
+            try:
+                meta = ocp.StandardCheckpointHandler().metadata(path / name)
+            except Exception as e:  # noqa: BLE001 - any unreadable metadata is damage
+                raise self._damaged(path, name, e) from e
             check_tree_matches(meta.tree, target, item=name, where=str(path))
 
         args = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
         args[HOST_ITEM] = ocp.args.JsonRestore()
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            out = ckptr.restore(path, args=ocp.args.Composite(**args))
-        raw = out[HOST_ITEM]
+        try:
+            out = _restore_items(path, args)
+            raw = out[HOST_ITEM]
+            if not isinstance(raw, Mapping) or "step" not in raw:
+                raise ValueError(f"the host state is not a JSON object with a step: {raw!r:.100}")
+        except Exception as e:  # noqa: BLE001 - find which item is damaged and say so in one line
+            item = next((name for name in args if not _readable(path, name, args[name])), "?")
+            raise self._damaged(path, item, e) from e
         host = HostState(
             data_loader=decode_json(raw.get("data_loader", {})),
             rng=decode_json(raw.get("rng")),
@@ -522,22 +570,55 @@ class CheckpointManager:
                   for name, (leaves, treedef) in flat.items()}
         return Restored(step=int(raw["step"]), arrays=arrays, host=host, path=path)
 
+    def _damaged(self, path: Path, item: str, error: BaseException) -> DamagedCheckpointError:
+        step = step_of(path)
+        others = [s for s in self.all_steps() if s != step]
+        fix = (f"resume from an earlier step ({', '.join(str(self.step_dir(s)) for s in others[-1:])}) or delete "
+               f"{path}" if others else f"delete {path} to start afresh")
+        reason = _root_cause(error)
+        return DamagedCheckpointError(f"checkpoint {path} is damaged: item {item!r} cannot be read ({reason}); {fix}",
+                                      step=step, item=item, reason=reason)
+
     def resume(self, targets: Mapping[str, PyTree]) -> Restored | None:
-        """Restore as ``resume_mode`` says, or None when the run starts fresh."""
+        """Restore as ``resume_mode`` says, or None when the run starts fresh.
+
+        ``"auto"`` skips a damaged checkpoint (files truncated or unreadable): it warns in one
+        line naming the step and the item, moves the step aside (``step_N.damaged-<time>``, so
+        later resumes do not trip on it again; nothing is deleted) and continues from the
+        previous complete step. ``"resume_path"`` raises :class:`DamagedCheckpointError`."""
         path = self.resume_dir()
-        if path is None:
-            return None
-        restored = self.restore(targets=targets, path=path)
-        log.info("resumed from %s (step %d)", path, restored.step)
-        return restored
+        while path is not None:
+            try:
+                restored = self.restore(targets=targets, path=path)
+            except DamagedCheckpointError as e:
+                if self.resume_mode != "auto" or self.read_only:
+                    raise
+                moved = self._move_aside(path, "damaged")
+                earlier = self.latest_step()
+                log.warning("skipping damaged checkpoint step %s (item %r cannot be read: %s); moved it to %s; "
+                            "%s", e.step, e.item, e.reason, moved,
+                            f"resuming from step {earlier}" if earlier is not None else "no earlier checkpoint: "
+                            "starting afresh")
+                path = None if earlier is None else self.step_dir(earlier)
+                continue
+            log.info("resumed from %s (step %d)", path, restored.step)
+            return restored
+        return None
 
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        if self._mgr is not None:
-            self.wait()
-            self._mgr.close()
-            self._mgr = None
+        """Finishes pending saves and stops orbax. After a save that was cut short (Ctrl-C, a
+        write error) nothing more is waited for or marked: that step stays incomplete and the
+        next writer removes it."""
+        if self._mgr is None:
+            return
+        if self._broken:  # orbax's threads may wait for the write that was cut short: leave them
+            self._pending, self._mgr = [], None
+            return
+        self.wait()
+        self._mgr.close()
+        self._mgr = None
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -27,7 +27,7 @@ from jaxflow.algos import batch_from_prompts
 from jaxflow.algos.programs import AlgoState, get_algorithm, select_algorithm
 from jaxflow.configs import ConfigError, build_placement, checkpoint_dir, critic_enabled, uses_reference
 from jaxflow.data.dataset import PromptDataLoader
-from jaxflow.rewards import RewardScorer
+from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer.builders import (
     abstract_like,
     actor_config,
@@ -50,6 +50,8 @@ log = logging.getLogger(__name__)
 
 CONSOLE_KEYS = {
     "critic/score/mean": "score",
+    "reward/num_errors": "reward_errors",
+    "reward/num_timeouts": "reward_timeouts",
     "val/score/mean": "val_score",
     "actor/reward_kl_penalty": "kl",
     "actor/ppo_kl": "ppo_kl",
@@ -92,10 +94,18 @@ class RLTrainer:
                               f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
                               "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
                               "trainer.default_local_dir to another directory") from e
+        # Then the user's reward function, imported in a worker under a time limit: a file that
+        # hangs or fails at import, or a wrong signature, stops the run before anything is built.
+        self.scorer = self._build_scorer()
         self.tokenizer = build_tokenizer(cfg)
         train, val = dataset_sources(cfg)
         self.train_data = build_dataset(cfg, train, self.tokenizer)
         self.val_data = build_dataset(cfg, val, self.tokenizer)
+        if not cfg.custom_reward_function.path:  # the built-in scorers compare one string or number
+            for data in (self.train_data, self.val_data):
+                data.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
+                                         "with one string or number; fix the data or use a custom reward function "
+                                         "(custom_reward_function.path)")
         print(f"data: train = {describe_source(train, self.train_data)}; "
               f"validation = {describe_source(val, self.val_data)}", flush=True)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
@@ -111,6 +121,15 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ construction
 
+    def _build_scorer(self) -> RewardScorer:
+        fn, r = self.cfg.custom_reward_function, self.cfg.jaxflow.reward
+        try:
+            return RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name, timeout_s=r.timeout_s,
+                                batch_timeout_s=r.batch_timeout_s, load_timeout_s=r.load_timeout_s,
+                                max_failure_fraction=r.max_failure_fraction)
+        except (RewardFunctionError, ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
+            raise ConfigError("custom_reward_function", str(e)) from e
+
     def _build_workers(self):
         cfg, tok, p = self.cfg, self.tokenizer, self.placement
         opt_steps = optimizer_steps(cfg, cfg.trainer.total_training_steps or 1)
@@ -125,15 +144,9 @@ class RLTrainer:
         cost_model = None
         if cfg.jaxflow.safe_rlhf.enable and cfg.jaxflow.safe_rlhf.cost_model_path:
             cost_model = load_model(cfg, "cost", "reward", tok, mesh=p.mesh("cost"), rules=p.rules("cost"))
-        fn = cfg.custom_reward_function
-        try:
-            scorer = RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name,
-                                  timeout_s=cfg.jaxflow.reward.timeout_s)
-        except (ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
-            raise ConfigError("custom_reward_function", str(e)) from e
         return build_local_workers(
             p, actor=actor, ref=actor if uses_reference(cfg) else None, critic=critic,
-            reward_model=reward_model, cost_model=cost_model, rule_reward=RuleRewardWorker(tok, scorer),
+            reward_model=reward_model, cost_model=cost_model, rule_reward=RuleRewardWorker(tok, self.scorer),
             actor_config=actor_config(cfg, opt_steps),
             critic_config=critic_config(cfg, opt_steps) if critic is not None else None,
             rollout=rollout_config(cfg, tok))
