@@ -128,7 +128,7 @@ def _run_dir(cfg: Any) -> str | None:
 
 def _train(cfg: Any, json_path: str | None) -> int:
     if cfg.jaxflow.dry_run.enable:
-        from jaxflow.trainer.dry_run import dry_run
+        from jaxflow.plan.dry_run import dry_run
 
         dry_run(cfg, json_path=json_path)
         return 0
@@ -141,7 +141,8 @@ def _train(cfg: Any, json_path: str | None) -> int:
     from jaxflow.trainer.rl import RLTrainer
     from jaxflow.trainer.sft import warm_start
 
-    history = RLTrainer(warm_start(cfg)).fit()
+    cfg, actor_params = warm_start(cfg)
+    history = RLTrainer(cfg, actor_params=actor_params).fit()
     scores = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
     if scores:
         print(f"done: critic/score/mean {scores[0]:.3f} (first step) -> {scores[-1]:.3f} (last step)", flush=True)

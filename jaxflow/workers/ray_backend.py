@@ -394,6 +394,8 @@ class RayBackend:
         cost_model: Any = None,
         reward_weights: tuple[float, float] = (1.0, 1.0),
         strategy: str = "hybrid",
+        ref_micro_batch_size_per_device: int | None = None,
+        reward_micro_batch_size_per_device: int | None = None,
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
@@ -402,7 +404,9 @@ class RayBackend:
         scorer runs on the driver."""
         ray = _ray()
         settings = RoleSettings(actor_config=actor_config, rollout=rollout,
-                                critic_config=critic_config or CriticConfig(), strategy=strategy)
+                                critic_config=critic_config or CriticConfig(), strategy=strategy,
+                                ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
+                                reward_micro_batch_size_per_device=reward_micro_batch_size_per_device)
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
         refs: dict[int, Any] = {}
 
