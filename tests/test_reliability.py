@@ -253,7 +253,9 @@ def test_data_and_tokenizers_that_do_not_fit_are_refused_before_training(tmp_pat
     big = tmp_path / "big_tokenizer"
     CharTokenizer(chars="".join(chr(c) for c in range(0x100, 0x100 + 200))).save_pretrained(big)
     cases.append(([f"--config.jaxflow.data.tokenizer={big}"],
-                  ["the tokenizer has 204 ids but the actor model's vocabulary has 128 rows"]))
+                  ["jaxflow.model.vocab_size: 128 is smaller than the tokenizer's 204 ids"]))
+    cases.append(([f"--config.actor_rollout_ref.model.path={ckpt}", f"--config.jaxflow.data.tokenizer={big}"],
+                  [f"the tokenizer has 204 ids but the actor model {ckpt} has 128 vocabulary rows"]))
     for args, messages in cases:
         assert main([*base, *args]) == 2, args
         err = capsys.readouterr().err.strip()
