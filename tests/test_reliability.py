@@ -95,13 +95,12 @@ def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_
     assert code == 2 and error_lines(out) == [
         "error: actor_rollout_ref.actor.optim.lr: must be a finite number, got inf"], out
 
-    # The newest checkpoint is damaged (its array file truncated): the rerun warns in one line naming
+    # The newest checkpoint is damaged (its array files truncated): the rerun warns in one line naming
     # the step and item, moves it aside and resumes from step 1. There lr=1e39 (valid, but inf in
     # float32) overflows every update: steps 2 and 3 are refused, nothing is saved or pruned, and the
     # run stops with the last good checkpoint intact.
-    data_file = max((p for p in (run_dir / "step_2" / "actor_params").rglob("*") if p.is_file()),
-                    key=lambda p: p.stat().st_size)
-    data_file.write_bytes(data_file.read_bytes()[:100])
+    for data_file in (p for p in (run_dir / "step_2" / "actor_params").rglob("*") if p.is_file() and p.parent.name == "d"):
+        data_file.write_bytes(data_file.read_bytes()[:100])  # the array data files, truncated
     code, out = run_cli([*TINY, *keep_two, "--config.trainer.total_training_steps=6",
                          "--config.actor_rollout_ref.actor.optim.lr=1e39",
                          "--config.jaxflow.trainer.max_nonfinite_steps=2"], run_dir)
@@ -314,3 +313,17 @@ def test_ctrl_c_during_a_save_exits_in_one_line_and_the_next_run_resumes(tmp_pat
         assert f"the latest complete checkpoint is step {complete[-1]}" in line, (line, complete)
     # The log file has the details the console left out.
     assert "KeyboardInterrupt" in (run_dir / "jaxflow.log").read_text()
+
+
+def test_a_full_disk_is_one_line(tmp_path):
+    """The run directory's config.json is a link to /dev/full: every write to it fails with
+    ENOSPC, as on a full disk."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.json").symlink_to("/dev/full")
+    code, out = run_cli([*TINY, "--config.trainer.total_training_steps=1"], run_dir)
+    assert code == 2, out
+    (line,) = error_lines(out)
+    assert line.startswith("error: cannot write") and "No space left on device (is the disk full?)" in line, line
+    assert "Traceback" not in out
+    assert "OSError" in (run_dir / "jaxflow.log").read_text() or "No space" in (run_dir / "jaxflow.log").read_text()
