@@ -99,14 +99,16 @@ def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_
     # the step and item, moves it aside and resumes from step 1. There lr=1e39 (valid, but inf in
     # float32) overflows every update: steps 2 and 3 are refused, nothing is saved or pruned, and the
     # run stops with the last good checkpoint intact.
-    for data_file in (p for p in (run_dir / "step_2" / "actor_params").rglob("*") if p.is_file() and p.parent.name == "d"):
+    data_files = [p for p in (run_dir / "step_2" / "actor").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert data_files
+    for data_file in data_files:
         data_file.write_bytes(data_file.read_bytes()[:100])  # the array data files, truncated
     code, out = run_cli([*TINY, *keep_two, "--config.trainer.total_training_steps=6",
                          "--config.actor_rollout_ref.actor.optim.lr=1e39",
                          "--config.jaxflow.trainer.max_nonfinite_steps=2"], run_dir)
     assert code == 3, out
     (warning,) = [line for line in out.splitlines() if "damaged" in line]
-    assert "skipping damaged checkpoint step 2 (item 'actor_params' cannot be read" in warning
+    assert "skipping damaged checkpoint step 2 (item 'actor' cannot be read" in warning
     assert "resuming from step 1" in warning and "Traceback" not in out
     assert "resumed from" in out and "step_1" in out
     assert "step 2: not saving a checkpoint after a refused update (latest good checkpoint: step 1)" in out
