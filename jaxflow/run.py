@@ -130,6 +130,12 @@ def _train(cfg: Any, json_path: str | None) -> int:
     if cfg.jaxflow.dry_run.enable:
         from jaxflow.plan.dry_run import dry_run
 
+        if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
+            from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
+            from jaxflow.workers.ray_backend import describe_hosts
+
+            print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
+
         dry_run(cfg, json_path=json_path)
         return 0
     if cfg.jaxflow.job == "sft":

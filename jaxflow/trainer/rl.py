@@ -14,6 +14,7 @@ from step ``k`` continues exactly as the uninterrupted run would have.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,6 +25,7 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxflow.configs import ConfigError, checkpoint_dir
+from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
@@ -35,12 +37,14 @@ from jaxflow.trainer.builders import (
     dataset_sources,
     describe_source,
     load_model,
+
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
 from jaxflow.trainer.plot import plot_run
 from jaxflow.workers import RuleRewardWorker, build_local_workers
+from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -108,17 +112,31 @@ class RLTrainer:
               f"validation = {describe_source(val, self.val_data)}", flush=True)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
-        self.spec: RunSpec = describe_run(cfg, eos_token_id=self.tokenizer.eos_token_id,
+        self.backend = None
+        devices = None
+        if cfg.jaxflow.backend == "ray":  # Ray is imported only on this path
+            from jaxflow.workers.ray_backend import RayBackend
+
+            self.backend = RayBackend(ray_config(cfg))
+            devices = ray_devices(cfg)
+        self.spec: RunSpec = describe_run(cfg, devices=devices, eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id,
                                           num_train_prompts=len(self.train_data))
         check_vocab(self.spec, self.tokenizer)
         self.total_steps = self.spec.training_steps
         self.placement = self.spec.placement
-        self.workers = self._build_workers(actor_params)
+        # Kept for restarts only (the Ray backend rebuilds its groups from them).
+        self._restart_actor_params = actor_params if self.backend is not None else None
+        try:
+            self.workers = self._build_workers(actor_params)
+        except BaseException:
+            self.close()
+            raise
         self.algorithm_name = select_algorithm(self.spec.algorithm)
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
+        self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
 
     # ------------------------------------------------------------------ construction
 
@@ -135,11 +153,16 @@ class RLTrainer:
         spec, p = self.spec, self.placement
 
         def model(role: str) -> Any:
+            """Local: the model on its mesh. Ray: a recipe ``(mesh, rules) -> model`` that each
+            worker process runs on its own mesh."""
+            if self.backend is not None:
+                return functools.partial(load_model, spec.models[role])
             phase = "train" if role in ("actor", "critic") else "infer"
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
-        return build_local_workers(
+        build = build_local_workers if self.backend is None else self.backend.build_workers
+        return build(
             p, actor=actor, ref=actor if "ref" in spec.roles else None,
             critic=model("critic") if "critic" in spec.roles else None,
             reward_model=model("reward") if "reward" in spec.roles else None,
@@ -148,6 +171,11 @@ class RLTrainer:
             actor_config=spec.actor, critic_config=spec.critic, rollout=spec.rollout,
             ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
             reward_micro_batch_size_per_device=spec.reward.micro_batch_size_per_device)
+
+    def close(self) -> None:
+        """Stops the worker processes of the Ray backend (nothing to do locally)."""
+        if self.backend is not None:
+            self.backend.shutdown()
 
     # ------------------------------------------------------------------ state
 
@@ -235,15 +263,57 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> list[dict[str, float]]:
+        """Train (resuming per ``trainer.resume_mode``), validate, save, plot. With the Ray
+        backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
+        call passed its deadline) stops every group, starts fresh processes and resumes from
+        the last complete checkpoint (from the start if there is none yet)."""
+        history: list[dict[str, float]] = []
+        restarts = 0
+        try:
+            while True:
+                try:
+                    self._fit_attempt(history)
+                    break
+                except WorkerGroupError as e:
+                    if restarts >= self.cfg.jaxflow.ray.max_restarts:
+                        raise
+                    restarts += 1
+                    self._restart(e, restarts)
+        finally:
+            self.ckpt.close()
+            self.close()
+        if "jsonl" in self.cfg.trainer.logger:
+            path = plot_run(self.run_dir)
+            print(f"plot: {path}", flush=True)
+        return history
+
+    def _restart(self, error: Exception, restarts: int) -> None:
+        step = self.ckpt.latest_step()
+        where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
+        print(f"worker failure: {error}\nrestart {restarts}/{self.cfg.jaxflow.ray.max_restarts}: fresh worker "
+              f"processes, resuming from {where}", flush=True)
+        self.close()
+        self.workers = self._build_workers(self._restart_actor_params)
+        self.ckpt.resume_mode = "auto"
+        if step is None:
+            loader, algo, guard = self._initial_host_state
+            self.loader.load_state_dict(loader)
+            self.algo_state.load_state_dict(algo)
+            self.guard.load_state_dict(guard)
+
+    def _fit_attempt(self, history: list[dict[str, float]]) -> None:
         cfg, t = self.cfg, self.cfg.trainer
         start_step = self.resume()
+        history[:] = [h for h in history if h["step"] <= start_step]
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
                                experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
                                resume_step=start_step if start_step else None, total_steps=self.total_steps)
+        if self.backend is None:
+            where = f"{jax.devices()[0].platform} devices; run dir {self.run_dir}\n{self.placement.describe()}"
+        else:
+            where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
         print(f"jaxflow: {self.algorithm_name} ({cfg.algorithm.adv_estimator}) for {self.total_steps} steps on "
-              f"{cfg.jaxflow.num_devices} {jax.devices()[0].platform} devices; run dir {self.run_dir}\n"
-              f"{self.placement.describe()}", flush=True)
-        history: list[dict[str, float]] = []
+              f"{cfg.jaxflow.num_devices} {where}", flush=True)
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
                 val = self.validate()
@@ -269,8 +339,3 @@ class RLTrainer:
                               f"checkpoint: step {self.ckpt.latest_step()})", flush=True)
         finally:
             logger.close()
-            self.ckpt.close()
-        if "jsonl" in t.logger:
-            path = plot_run(self.run_dir)
-            print(f"plot: {path}", flush=True)
-        return history
