@@ -34,6 +34,19 @@ def _simulate_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
+def enable_compilation_cache() -> str:
+    """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run loads its
+    compiled programs instead of compiling them again. Returns the directory."""
+    import jax
+
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors in what the user gave (config, data, checkpoints, reward function): reported in
     one line, without a traceback."""
@@ -75,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    enable_compilation_cache()
 
     if cfg.jaxflow.dry_run.enable:
         from jaxflow.trainer.dry_run import dry_run

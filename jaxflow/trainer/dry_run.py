@@ -17,15 +17,16 @@ What it reports, per device (the most loaded device of each mesh):
    ``jaxflow.optim.state_dtype`` (Adam's moments, sharded like the parameters); gradients
    (parameter dtype; twice that with micro-batch accumulation: the running sum and the
    micro-batch's); an activation estimate (below); for the actor, the generation copy of
-   the weights and the KV cache, ``rows per generation replica x (P+R) x layers x 2 x
-   kv_heads x head_dim / (their shards) x dtype``. A pool's peak is what its roles keep
+   the weights and the paged KV pool of the rollout engine (`jaxflow.sampling.engine_shape`:
+   the prompts' pages plus ``slots x (R / page_size + 1)`` response pages per generation
+   replica, x page_size x layers x 2 x kv_heads x head_dim / (their shards) x dtype). A pool's peak is what its roles keep
    (parameters, optimizer state) plus the largest transient of any of its phases; it fits
    when that is at most ``jaxflow.dry_run.device_memory_gib``.
 3. **Compiled memory** of every program of an RL step, lowered on ``jax.ShapeDtypeStruct``
    inputs through the workers' own program builders and compiled for the role's mesh
    (:mod:`jaxflow.trainer.dry_run_programs`): the actor and critic optimizer steps (one
-   mini-batch, micro-batched as configured), the actor's generate program (prefill + decode
-   loop, ``max_num_seqs`` per generation replica and call), its train -> generate reshard,
+   mini-batch, micro-batched as configured), the actor's generate program (chunked prefill +
+   continuous decode over ``max_num_seqs`` slots per generation replica, one call), its train -> generate reshard,
    the reference log-probs and the reward (and cost) model scores. From XLA's
    ``memory_analysis()``: argument, output, alias (outputs written over donated inputs),
    temp and generated-code bytes; ``peak = argument + output - alias + temp``. A program
@@ -37,9 +38,11 @@ Activation estimate (``b`` rows per device, ``T = P + R``, ``D`` width, ``F`` ML
 ``H``/``N`` query/kv heads of ``K`` dims, ``V`` vocabulary, ``c`` compute bytes, each
 divided by the devices that split it)::
 
-    layer  = b T (4 D + 3 F + 2 H K + 2 N K) c + 2 b H T S 4        (S = T; prefill: S = P + R)
+    layer  = b T (4 D + 3 F + 2 H K + 2 N K) c + 2 b H T S 4        (S = T)
     train  = L b T D c + layer + 3 b R V 4      (remat; without remat: L * layer + ...)
     infer  = layer + 2 b R V 4
+    generate = max(layer(prefill_rows, T = S = prefill_len), layer(slots, T = 1, S = P + R)
+                   + 2 slots V 4) + 2 rows R 4
 
 On CPU, XLA computes bf16 in f32: compiled temp bytes are an upper bound of what a GPU or
 TPU needs. :mod:`jaxflow.trainer.dry_run_programs` says which compile options the dry run
@@ -64,9 +67,9 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.configs import active_roles, build_placement, model_config
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
-from jaxflow.models import KVCache, ModelConfig
+from jaxflow.models import ModelConfig
 from jaxflow.reshard import HybridEngine, shard_bytes
-from jaxflow.sampling import bucket_size
+from jaxflow.sampling import EngineShape, engine_shape
 from jaxflow.trainer import dry_run_programs as progs
 
 GiB = 1024**3
@@ -246,23 +249,19 @@ def activation_bytes(mc: ModelConfig, phase: str, b: float, P: int, R: int, rule
         return int(kept + layer + logits)
     if phase == "infer":
         return int(_layer_bytes(mc, b, T, T, rules, mesh) + 2 * b * R * mc.vocab_size / sv * 4)
-    if phase == "generate":  # the prefill of b prompts against P + R cache slots dominates
-        return int(_layer_bytes(mc, b, P, T, rules, mesh) + 2 * b * mc.vocab_size / sv * 4)
     raise ValueError(phase)
 
 
-def kv_cache_bytes(mc: ModelConfig, rows: int, S: int, rules: Rules, mesh: Mesh) -> int:
-    """Per-device bytes of the generation KV cache (k and v), sharded as the sampler does
-    (axes that do not divide a dimension are left out)."""
-    sizes = dict(layers=mc.num_layers, batch=rows, cache_length=S, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-    total = 0
-    for axes in (KVCache.K_AXES, KVCache.V_AXES):
-        per_device = 1
-        for name, entry in zip(axes, logical_to_spec(axes, rules, mesh)):
-            n = math.prod(mesh.shape[a] for a in _axes(entry))
-            per_device *= sizes[name] // n if sizes[name] % n == 0 else sizes[name]
-        total += per_device
-    return total * jnp.dtype(mc.dtype).itemsize
+def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
+    """The rollout's working set per device: the larger of one prefill chunk (prefill_rows x
+    prefill_len queries over a block of keys as long as the chunk) and one decode step (slots
+    queries, logits over the vocabulary), plus the response buffers (tokens, log-probs)."""
+    sv = _shards(rules, mesh, "vocab")
+    C = shape.prefill_len
+    prefill = _layer_bytes(mc, shape.prefill_rows, C, C, rules, mesh)
+    decode = _layer_bytes(mc, shape.slots, 1, shape.prompt_len + shape.response_len, rules, mesh) + (
+        2 * shape.slots * mc.vocab_size / sv * 4)
+    return int(max(prefill, decode) + 2 * shape.rows * shape.response_len * 4)
 
 
 def _params_bytes(state: Any, rules: Rules, mesh: Mesh, dtype: Any = None) -> int:
@@ -410,14 +409,12 @@ def _role_plan(cfg: Any, placement: Any, role: str, mc: ModelConfig, state: Any,
                      f"{dict(placement.mesh(role, 'generate').shape)}")
     rp.meshes["generate"] = dict(gmesh.shape)
     gen_dp = progs.batch_axis_size(grules, gmesh)
-    prompts = max(1, progs.generation_rows(cfg, gen_dp) // n)
-    rows_bucket = bucket_size(prompts, multiple=gen_dp) * n  # the sampler's shape buckets
-    S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
+    shape = engine_shape(mc, cfg.data.train_batch_size, P, R, n=n, replicas=gen_dp, slots=progs.generation_slots(cfg))
     rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
-    rp.kv_cache_bytes = kv_cache_bytes(mc, rows_bucket, S, grules, gmesh)
-    rp.activation_bytes["generate"] = activation_bytes(mc, "generate", prompts / gen_dp, P, R, grules, gmesh)
+    rp.kv_cache_bytes = shape.pool_bytes // _shards(grules, gmesh, "kv_heads")
+    rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
-        specs["actor/generate"], _ = progs.generate_program(cfg, graphdef, state, engine)
+        specs["actor/generate"], _ = progs.generate_program(cfg, mc, graphdef, state, engine)
     if "actor/reshard" in wanted:
         specs["actor/reshard"] = progs.reshard_program(engine, state)
     return rp

@@ -45,7 +45,7 @@ from jaxflow.configs.overrides import get_value
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
-from jaxflow.sampling import SamplingParams, lower_generate
+from jaxflow.sampling import SamplingParams, engine_shape, lower_generate
 from jaxflow.workers.actor import actor_loss
 from jaxflow.workers.base import num_micro_batches, row_program
 from jaxflow.workers.critic import CriticConfig, critic_loss
@@ -326,12 +326,11 @@ def forward_program(cfg: Any, name: str, graphdef: nnx.GraphDef, state: Any, mes
     return spec, k
 
 
-def generation_rows(cfg: Any, gen_dp: int) -> int:
-    """Sequences one generate call produces: the whole rollout, or ``max_num_seqs`` per
-    generation data-parallel replica when set."""
+def generation_slots(cfg: Any) -> int | None:
+    """Decode slots per generation replica: ``max_num_seqs`` when set (None: the engine's
+    default). One generate call covers the whole rollout."""
     r = cfg.actor_rollout_ref.rollout
-    total = cfg.data.train_batch_size * r.n
-    return min(total, r.max_num_seqs * gen_dp) if r.max_num_seqs > 0 else total
+    return r.max_num_seqs if r.max_num_seqs > 0 else None
 
 
 def sampling_params(cfg: Any) -> SamplingParams:
@@ -344,28 +343,31 @@ def sampling_params(cfg: Any) -> SamplingParams:
                           n=r.n, eos_token_ids=())
 
 
-def generate_program(cfg: Any, graphdef: nnx.GraphDef, state: Any, engine: HybridEngine) -> tuple[ProgramSpec, int]:
-    """The actor's rollout program (prefill + decode loop) in the generation layout, for one
-    call of :func:`generation_rows` sequences. Returns the spec and the prompts per call."""
+def generate_program(cfg: Any, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any,
+                     engine: HybridEngine) -> tuple[ProgramSpec, int]:
+    """The actor's rollout program (chunked prefill + continuous decode over
+    :func:`generation_slots` slots per replica) in the generation layout, for the whole
+    rollout in one call. Returns the spec and the prompts per call."""
     mesh, rules = engine.gen_mesh, engine.gen_rules
     n = cfg.actor_rollout_ref.rollout.n
     P = cfg.data.max_prompt_length
     gen_dp = batch_axis_size(rules, mesh)
-    prompts = max(1, generation_rows(cfg, gen_dp) // n)
-    calls = -(-cfg.data.train_batch_size // prompts)
+    prompts = cfg.data.train_batch_size
+    slots = generation_slots(cfg)
     params = abstract_params(state, rules, mesh)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
     sp = sampling_params(cfg)
-    prompt_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
-    prompt_bytes = 2 * shard_bytes([jax.ShapeDtypeStruct(ids.shape, ids.dtype)], [prompt_sharding])
+    shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots)
     spec = ProgramSpec(
         name="actor/generate", role="actor", phase="generate", mesh=mesh,
         description=(f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
-                     f"({prompts * n // gen_dp} per generation replica; {calls} call{'s' if calls > 1 else ''} "
-                     f"per step)"),
-        analytic_argument_bytes=tree_bytes_per_device(params) + prompt_bytes,
+                     f"({shape.rows} per generation replica through {shape.slots} decode slots, "
+                     f"prefill chunks of {shape.prefill_rows}x{shape.prefill_len})"),
+        # + each replica's prompts (ids [prompts, P], lengths) and row limits, int32
+        analytic_argument_bytes=tree_bytes_per_device(params) + 4 * (shape.prompts * (shape.prompt_len + 1)
+                                                                     + shape.rows + 2),
         args_hold=(),  # a generation copy of the weights: the training state stays resident
-        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules))
+        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots))
     return spec, prompts
 
 

@@ -47,7 +47,8 @@ class RolloutConfig:
     """How the actor samples (verl's ``rollout``): ``n`` responses per prompt of at most
     ``max_new_tokens`` tokens. ``eos_token_ids``/``pad_token_id`` default to the model
     config's; ``seed`` seeds the whole run's rollouts (each call folds in its index);
-    ``max_num_seqs`` > 0 generates at most that many sequences per generation replica at once."""
+    ``max_num_seqs`` > 0 decodes at most that many sequences per generation replica at once (the
+    engine's decode slots: a finished sequence's slot is refilled); 0: the engine's default."""
 
     n: int = 1
     max_new_tokens: int = 32
@@ -209,23 +210,17 @@ class ActorWorker(TrainableWorker):
         rng = jax.random.fold_in(jax.random.key(rollout.seed), index)
         if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
-        # At most max_num_seqs sequences per generation replica at once (bounds the KV cache).
-        replicas = self.dp_size if self.engine is None else self.mesh.devices.size // self.engine.gen_mesh.shape["tp"]
-        chunk = len(ids) if rollout.max_num_seqs <= 0 else max(1, rollout.max_num_seqs * replicas // params.n)
-        outs = []
+        slots = rollout.max_num_seqs if rollout.max_num_seqs > 0 else None
         with contextlib.ExitStack() as stack:
             if self.engine is None:
                 gen_params, mesh, rules = self.params, self.mesh, self.rules
             else:
                 gen_params = stack.enter_context(self.engine.generation(self.params))
                 mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
-            for k, start in enumerate(range(0, len(ids), chunk)):
-                out = generate_from_state(self.graphdef, gen_params, ids[start:start + chunk],
-                                          mask[start:start + chunk], params, mesh=mesh, rules=rules,
-                                          rng=rng if k == 0 else jax.random.fold_in(rng, k))
-                outs.append(jax.block_until_ready((out.responses, out.response_mask, out.log_probs)))
-        responses, response_mask, log_probs = (
-            outs[0] if len(outs) == 1 else [jnp.concatenate(parts) for parts in zip(*outs)])
+            out = generate_from_state(self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng,
+                                      slots=slots)
+            responses, response_mask, log_probs = jax.block_until_ready(
+                (out.responses, out.response_mask, out.log_probs))
         rows = prompts.repeat(params.n, interleave=True)
         return rows.update(
             tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
