@@ -36,6 +36,7 @@ caller gives them (e.g. resharded from training).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -155,25 +156,40 @@ def _replica_rules(rules: Rules) -> Rules:
 
 def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng,
                       temperature, top_p, *, static: Static, mesh: Mesh | None, rules: Rules):
-    """The traced program: every replica's `batcher.rollout`, vmapped over the replica axis
-    (sharded over the mesh's batch axes). Returns rows flattened to [replicas * rows, ...]."""
+    """The traced program: every replica's `batcher.rollout`, each on its own dp group
+    (``shard_map`` manual over the mesh's batch axes, the rest of the mesh left to the
+    compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes selects over the
+    whole carry (the page pools copied every step, the prefill branch run every step).
+    Returns rows flattened to [replicas * rows, ...]."""
     global _TRACE_COUNT
     _TRACE_COUNT += 1
-    model = nnx.merge(graphdef, state)
 
-    def one(ids, plen, limits, offset, num_rows):
-        return rollout(model, ids, plen, limits, offset, num_rows, rng, temperature, top_p, static)
+    def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p):
+        """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
+        model = nnx.merge(graphdef, state)
+        # inside shard_map, constraints name the context's (partly manual) mesh
+        ctx = sharding_rules(_replica_rules(rules), jax.sharding.get_abstract_mesh() if manual else mesh) if (
+            mesh is not None) else contextlib.nullcontext()
+        with ctx:
+            out = rollout(model, ids[0], plen[0], limits[0], offset[0], num_rows[0], rng, temperature, top_p, static)
+        return jax.tree.map(lambda x: x[None], out)
 
-    args = (ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R)
-    if mesh is None:
-        out = jax.vmap(one)(*args)
+    args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p)
+    axes = () if mesh is None else _axes_of(_batch_spec(rules, mesh)[0])
+    manual = bool(axes) and ids_RxBxP.shape[0] > 1
+    if not manual:
+        out = local(*args)
     else:
-        spec = _batch_spec(rules, mesh)[0]
-        with sharding_rules(_replica_rules(rules), mesh):
-            out = jax.vmap(one, spmd_axis_name=spec)(*args)
+        rep, rows = PartitionSpec(), PartitionSpec(axes)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep),
+                            out_specs=rows, axis_names=set(axes), check_vma=False)(*args)
     flat = {k: v.reshape((-1,) + v.shape[2:]) for k, v in out.items()
             if k in ("responses", "response_mask", "log_probs", "lengths", "logits")}
     return dict(out, **flat, num_steps=jnp.max(out["num_steps"]))
+
+
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @functools.lru_cache(maxsize=64)

@@ -252,6 +252,14 @@ def activation_bytes(mc: ModelConfig, phase: str, b: float, P: int, R: int, rule
     raise ValueError(phase)
 
 
+def kv_pool_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
+    """Per-device bytes of the rollout engine's page pool (keys and values): one replica's
+    pool, split over kv heads as the engine constrains it (not split when tp does not divide
+    the kv heads)."""
+    n = _shards(rules, mesh, "kv_heads")
+    return shape.pool_bytes // n if mc.num_kv_heads % n == 0 else shape.pool_bytes
+
+
 def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
     """The rollout's working set per device: the larger of one prefill chunk (prefill_rows x
     prefill_len queries over a block of keys as long as the chunk) and one decode step (slots
@@ -411,7 +419,7 @@ def _role_plan(cfg: Any, placement: Any, role: str, mc: ModelConfig, state: Any,
     gen_dp = progs.batch_axis_size(grules, gmesh)
     shape = engine_shape(mc, cfg.data.train_batch_size, P, R, n=n, replicas=gen_dp, slots=progs.generation_slots(cfg))
     rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
-    rp.kv_cache_bytes = shape.pool_bytes // _shards(grules, gmesh, "kv_heads")
+    rp.kv_cache_bytes = kv_pool_bytes(mc, shape, grules, gmesh)
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
         specs["actor/generate"], _ = progs.generate_program(cfg, mc, graphdef, state, engine)
