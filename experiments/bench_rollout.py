@@ -40,8 +40,8 @@ import numpy as np
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 WORKLOADS = {
-    "static": dict(prompts=32, n=1, prompt_len=64, max_new_tokens=128, lengths="fixed"),
-    "rl": dict(prompts=32, n=8, prompt_len=64, max_new_tokens=512, lengths="lognormal"),
+    "static": dict(prompts=32, n=1, prompt_len=64, max_new_tokens=128, lengths="fixed", slots=0),
+    "rl": dict(prompts=32, n=8, prompt_len=64, max_new_tokens=512, lengths="lognormal", slots=64),
 }
 MODEL = dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=2)
 EOS = 2  # the checkpoint's EOS id (transformers forces it at a row's length)
@@ -57,7 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed calls per engine and round")
     p.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
     p.add_argument("--hf_threads", default="0", help="torch thread counts to time (0: torch's default)")
-    p.add_argument("--slots", type=int, default=0, help="jaxflow decode slots (0: the engine's default)")
+    p.add_argument("--slots", type=int, default=0,
+                   help="jaxflow decode slots (0: the workload's: 64 for rl, the engine's default for static)")
     p.add_argument("--page_size", type=int, default=0, help="jaxflow KV page size (0: the engine's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -131,8 +132,9 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
     kw = {}
     if per_row:
         kw["max_new_tokens"] = lengths
-        if args.slots:
-            kw["slots"] = args.slots
+        slots = args.slots or WORKLOADS[args.workload]["slots"]
+        if slots:
+            kw["slots"] = slots
         if args.page_size:
             kw["page_size"] = args.page_size
     result = {}
@@ -147,7 +149,10 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
     got = np.asarray(out.lengths)
     if per_row:
         assert (got == lengths).all(), "the engine did not enforce the per-row lengths"
-    stats = dict(getattr(out, "stats", None) or {})
+    stats = {k: np.asarray(v).tolist() if hasattr(v, "shape") else v for k, v in (getattr(out, "stats", None)
+                                                                             or {}).items()}
+    if "peak_pages" in stats:  # measured: the most pages in use at once (summed over replicas)
+        stats["peak_kv_bytes_in_use"] = int(np.sum(stats["peak_pages"])) * stats["page_bytes"]
     if not per_row:  # the static engine's cache: [layers, rows, kv_heads, P + R slots, head_dim] x (k, v)
         S = out.responses.shape[1] + _bucket(w["prompt_len"])
         stats["kv_pool_bytes"] = 2 * MODEL["layers"] * len(got) * MODEL["kv_heads"] * S * (
@@ -321,12 +326,12 @@ def main(argv=None) -> dict:
     ids, _, lengths = workload_rows(args.workload)
     summary = {}
     for name, rs in runs.items():
-        tps = [x for r in rs for x in (args_useful / t for args_useful, t in ((r["useful_tokens"], t) for t in r["times"]))]
+        tps = [r["useful_tokens"] / t for r in rs for t in r["times"]]
         summary[name] = dict(median_tokens_per_s=statistics.median(tps), best_tokens_per_s=max(tps),
                              calls_tokens_per_s=tps, compile_s=[r.get("compile_s") for r in rs],
                              first_call_s=[r["first_call_s"] for r in rs], stats=rs[-1].get("stats"))
     w = WORKLOADS[args.workload]
-    result = dict(workload=dict(args.workload and w, name=args.workload, useful_tokens=int(lengths.sum()),
+    result = dict(workload=dict(w, name=args.workload, useful_tokens=int(lengths.sum()),
                                 mean_length=float(lengths.mean()), max_length=int(lengths.max()),
                                 mode="greedy" if args.greedy else "sample T=1", model=MODEL, dtype="float32"),
                   machine=dict(machine, load_avg_during=load, steal_fraction=(steal1[0] - steal0[0]) / max(

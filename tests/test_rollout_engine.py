@@ -12,7 +12,14 @@ import torch
 
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.models import from_pretrained
-from jaxflow.sampling import SamplingParams, generate, paged_attention, sample_tokens, stop_length, trace_count
+from jaxflow.sampling import (
+    SamplingParams,
+    generate,
+    paged_attention,
+    sample_tokens,
+    stop_length,
+    trace_count,
+)
 from jaxflow.sampling.logits_processing import argmax
 from tests.hf_reference import random_hf_model
 

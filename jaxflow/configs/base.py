@@ -124,7 +124,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("actor_rollout_ref.rollout.ignore_eos", False,
      "Keep generating past EOS to the full response length (throughput benchmarks)."),
     ("actor_rollout_ref.rollout.max_num_seqs", 0,
-     "Sequences generated at once per generation data-parallel group (bounds the KV cache); 0 = the whole batch."),
+     "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled "
+     "(bounds the paged KV cache); 0 = the engine's default (every row, at most 256)."),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device", 16,
      "Responses per data-parallel rank per old-log-prob forward pass of the actor."),
     ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt."),

@@ -562,6 +562,7 @@ __all__ = [
     "compile_program",
     "dry_run",
     "format_plan",
-    "kv_cache_bytes",
+    "generate_activation_bytes",
+    "kv_pool_bytes",
     "plan",
 ]
