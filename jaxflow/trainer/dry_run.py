@@ -254,10 +254,11 @@ def activation_bytes(mc: ModelConfig, phase: str, b: float, P: int, R: int, rule
 
 def kv_pool_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
     """Per-device bytes of the rollout engine's page pool (keys and values): one replica's
-    pool, split over kv heads as the engine constrains it (not split when tp does not divide
-    the kv heads)."""
-    n = _shards(rules, mesh, "kv_heads")
-    return shape.pool_bytes // n if mc.num_kv_heads % n == 0 else shape.pool_bytes
+    pool, split over kv heads and head_dim as the engine constrains it (a dimension the rules'
+    axes do not divide is not split)."""
+    n_heads, n_dim = _shards(rules, mesh, "kv_heads"), _shards(rules, mesh, "head_dim")
+    split = (n_heads if mc.num_kv_heads % n_heads == 0 else 1) * (n_dim if mc.head_dim % n_dim == 0 else 1)
+    return shape.pool_bytes // split
 
 
 def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
