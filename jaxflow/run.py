@@ -91,7 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
 
     if cfg.jaxflow.dry_run.enable:
-        from jaxflow.trainer.dry_run import dry_run
+        from jaxflow.plan.dry_run import dry_run
+
+        if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
+            from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
+            from jaxflow.workers.ray_backend import describe_hosts
+
+            print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
 
         dry_run(cfg, json_path=json_path)
         return 0
@@ -110,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxflow.trainer.sft import warm_start
 
     try:
-        cfg = warm_start(cfg)
-        history = RLTrainer(cfg).fit()
+        cfg, actor_params = warm_start(cfg)
+        history = RLTrainer(cfg, actor_params=actor_params).fit()
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
-"""The RL loop: a single controller that runs an algorithm program (`jaxflow.algos.programs`)
-over worker groups built from the experiment config, with validation, checkpoints, metrics
-and the non-finite guard.
+"""The RL loop: a single controller that runs an iteration program (`jaxflow.programs`) over
+worker groups built from the run's typed description (`jaxflow.configs.run_spec`), with
+validation, checkpoints, metrics and the non-finite guard.
 
 ::
 
@@ -14,6 +14,7 @@ from step ``k`` continues exactly as the uninterrupted run would have.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -23,27 +24,26 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxflow.algos import batch_from_prompts
-from jaxflow.algos.programs import AlgoState, get_algorithm, select_algorithm
-from jaxflow.configs import ConfigError, build_placement, checkpoint_dir, critic_enabled, uses_reference
+from jaxflow.configs import ConfigError, checkpoint_dir
+from jaxflow.configs.resolve import ray_config, ray_devices
+from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.rewards import RewardScorer
+from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
 from jaxflow.trainer.builders import (
     abstract_like,
-    actor_config,
     build_dataset,
-    build_tokenizer,
-    critic_config,
+    check_vocab,
     dataset_files,
     load_model,
-    optimizer_steps,
-    rollout_config,
+
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
 from jaxflow.trainer.plot import plot_run
 from jaxflow.workers import RuleRewardWorker, build_local_workers
+from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ def _mean(value: Any) -> float:
 class RLTrainer:
     """Everything one RL run needs, built from a validated experiment config."""
 
-    def __init__(self, cfg: ConfigDict):
+    def __init__(self, cfg: ConfigDict, *, actor_params: Any = None):
+        """``actor_params``: initial actor (and reference) weights as ``(graphdef, params)``
+        (e.g. the SFT warm start's, handed over in memory); default: the configured model."""
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = checkpoint_dir(cfg)
@@ -85,14 +87,31 @@ class RLTrainer:
         self.val_data = build_dataset(cfg, val_files, self.tokenizer)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
-        self.total_steps = t.total_training_steps or t.total_epochs * self.loader.steps_per_epoch
+        self.backend = None
+        devices = None
+        if cfg.jaxflow.backend == "ray":  # Ray is imported only on this path
+            from jaxflow.workers.ray_backend import RayBackend
 
-        self.placement = build_placement(cfg)
-        self.workers = self._build_workers()
-        self.algorithm_name = select_algorithm(cfg)
+            self.backend = RayBackend(ray_config(cfg))
+            devices = ray_devices(cfg)
+        self.spec: RunSpec = describe_run(cfg, devices=devices, eos_token_id=self.tokenizer.eos_token_id,
+                                          pad_token_id=self.tokenizer.pad_token_id,
+                                          num_train_prompts=len(self.train_data))
+        check_vocab(self.spec, self.tokenizer)
+        self.total_steps = self.spec.training_steps
+        self.placement = self.spec.placement
+        # Kept for restarts only (the Ray backend rebuilds its groups from them).
+        self._restart_actor_params = actor_params if self.backend is not None else None
+        try:
+            self.workers = self._build_workers(actor_params)
+        except BaseException:
+            self.close()
+            raise
+        self.algorithm_name = select_algorithm(self.spec.algorithm)
         self.algorithm = get_algorithm(self.algorithm_name)
-        self.algo_state = AlgoState.from_config(cfg)
+        self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
+        self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
         self.ckpt = CheckpointManager(
             self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
             save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
@@ -101,32 +120,39 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ construction
 
-    def _build_workers(self):
-        cfg, tok, p = self.cfg, self.tokenizer, self.placement
-        opt_steps = optimizer_steps(cfg, cfg.trainer.total_training_steps or 1)
-        actor = load_model(cfg, "actor", "lm", tok, mesh=p.mesh("actor", "train"), rules=p.rules("actor", "train"))
-        critic = None
-        if critic_enabled(cfg):
-            critic = load_model(cfg, "critic", "value", tok, mesh=p.mesh("critic", "train"),
-                                rules=p.rules("critic", "train"))
-        reward_model = None
-        if cfg.reward_model.enable:
-            reward_model = load_model(cfg, "reward", "reward", tok, mesh=p.mesh("reward"), rules=p.rules("reward"))
-        cost_model = None
-        if cfg.jaxflow.safe_rlhf.enable and cfg.jaxflow.safe_rlhf.cost_model_path:
-            cost_model = load_model(cfg, "cost", "reward", tok, mesh=p.mesh("cost"), rules=p.rules("cost"))
-        fn = cfg.custom_reward_function
+    def _build_workers(self, actor_params: Any = None):
+        spec, p = self.spec, self.placement
+
+        def model(role: str) -> Any:
+            """Local: the model on its mesh. Ray: a recipe ``(mesh, rules) -> model`` that each
+            worker process runs on its own mesh."""
+            if self.backend is not None:
+                return functools.partial(load_model, spec.models[role])
+            phase = "train" if role in ("actor", "critic") else "infer"
+            return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
+
+        actor = model("actor") if actor_params is None else actor_params
+        r = spec.reward
         try:
-            scorer = RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name,
-                                  timeout_s=cfg.jaxflow.reward.timeout_s)
+            scorer = RewardScorer(custom_reward_path=r.custom_function_path, custom_reward_name=r.custom_function_name,
+                                  timeout_s=r.timeout_s)
         except (ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
-        return build_local_workers(
-            p, actor=actor, ref=actor if uses_reference(cfg) else None, critic=critic,
-            reward_model=reward_model, cost_model=cost_model, rule_reward=RuleRewardWorker(tok, scorer),
-            actor_config=actor_config(cfg, opt_steps),
-            critic_config=critic_config(cfg, opt_steps) if critic is not None else None,
-            rollout=rollout_config(cfg, tok))
+        build = build_local_workers if self.backend is None else self.backend.build_workers
+        return build(
+            p, actor=actor, ref=actor if "ref" in spec.roles else None,
+            critic=model("critic") if "critic" in spec.roles else None,
+            reward_model=model("reward") if "reward" in spec.roles else None,
+            cost_model=model("cost") if "cost" in spec.roles else None,
+            rule_reward=RuleRewardWorker(self.tokenizer, scorer),
+            actor_config=spec.actor, critic_config=spec.critic, rollout=spec.rollout,
+            ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
+            reward_micro_batch_size_per_device=r.micro_batch_size_per_device)
+
+    def close(self) -> None:
+        """Stops the worker processes of the Ray backend (nothing to do locally)."""
+        if self.backend is not None:
+            self.backend.shutdown()
 
     # ------------------------------------------------------------------ state
 
@@ -162,14 +188,13 @@ class RLTrainer:
         """One iteration of the algorithm on the next prompt batch; verl-named metrics."""
         start = time.perf_counter()
         prompts = batch_from_prompts(next(self.loader))
-        prompts.meta["step"] = step
-        prompts.meta["update_actor"] = step > self.cfg.trainer.critic_warmup
-        raw = self.algorithm(self.workers, prompts, self.cfg, self.algo_state)
+        raw = self.algorithm(self.workers, prompts, self.spec.algorithm, self.algo_state, step=step,
+                             update_actor=step > self.spec.critic_warmup)
         metrics = {k: _mean(v) for k, v in scalar_metrics(raw).items()} if raw else {}
         metrics.update({k: _mean(v) for k, v in raw.items() if k not in metrics and np.size(v)})
         elapsed = time.perf_counter() - start
         metrics["timing_s/step"] = elapsed
-        n = self.cfg.actor_rollout_ref.rollout.n
+        n = self.spec.n
         prompt_tokens = float(np.asarray(prompts["prompt_mask"]).sum()) * n
         response_tokens = metrics.get("response_length/mean", 0.0) * len(prompts) * n
         metrics["perf/total_num_tokens"] = prompt_tokens + response_tokens
@@ -184,12 +209,10 @@ class RLTrainer:
         cfg = self.cfg
         size = cfg.data.val_batch_size or len(self.val_data)
         scores, lengths, by_source = [], [], {}
-        params = rollout_config(cfg, self.tokenizer, validation=True)
         for start in range(0, len(self.val_data), size):
             idx = np.arange(start, min(start + size, len(self.val_data)))
             prompts = batch_from_prompts(self.val_data.batch(idx))
-            prompts.meta["rollout"] = params
-            out = self.workers.actor.generate(prompts)
+            out = self.workers.actor.generate(prompts, sampling="val")
             out |= self.workers.reward(out)
             mask = np.asarray(jax.device_get(out["response_mask"]))
             seq = (np.asarray(jax.device_get(out["token_level_scores"])) * (mask > 0)).sum(-1)
@@ -210,15 +233,57 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> list[dict[str, float]]:
+        """Train (resuming per ``trainer.resume_mode``), validate, save, plot. With the Ray
+        backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
+        call passed its deadline) stops every group, starts fresh processes and resumes from
+        the last complete checkpoint (from the start if there is none yet)."""
+        history: list[dict[str, float]] = []
+        restarts = 0
+        try:
+            while True:
+                try:
+                    self._fit_attempt(history)
+                    break
+                except WorkerGroupError as e:
+                    if restarts >= self.cfg.jaxflow.ray.max_restarts:
+                        raise
+                    restarts += 1
+                    self._restart(e, restarts)
+        finally:
+            self.ckpt.close()
+            self.close()
+        if "jsonl" in self.cfg.trainer.logger:
+            path = plot_run(self.run_dir)
+            print(f"plot: {path}", flush=True)
+        return history
+
+    def _restart(self, error: Exception, restarts: int) -> None:
+        step = self.ckpt.latest_step()
+        where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
+        print(f"worker failure: {error}\nrestart {restarts}/{self.cfg.jaxflow.ray.max_restarts}: fresh worker "
+              f"processes, resuming from {where}", flush=True)
+        self.close()
+        self.workers = self._build_workers(self._restart_actor_params)
+        self.ckpt.resume_mode = "auto"
+        if step is None:
+            loader, algo, guard = self._initial_host_state
+            self.loader.load_state_dict(loader)
+            self.algo_state.load_state_dict(algo)
+            self.guard.load_state_dict(guard)
+
+    def _fit_attempt(self, history: list[dict[str, float]]) -> None:
         cfg, t = self.cfg, self.cfg.trainer
         start_step = self.resume()
+        history[:] = [h for h in history if h["step"] <= start_step]
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
                                experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
                                resume_step=start_step if start_step else None, total_steps=self.total_steps)
+        if self.backend is None:
+            where = f"{jax.devices()[0].platform} devices; run dir {self.run_dir}\n{self.placement.describe()}"
+        else:
+            where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
         print(f"jaxflow: {self.algorithm_name} ({cfg.algorithm.adv_estimator}) for {self.total_steps} steps on "
-              f"{cfg.jaxflow.num_devices} {jax.devices()[0].platform} devices; run dir {self.run_dir}\n"
-              f"{self.placement.describe()}", flush=True)
-        history: list[dict[str, float]] = []
+              f"{cfg.jaxflow.num_devices} {where}", flush=True)
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
                 val = self.validate()
@@ -240,8 +305,3 @@ class RLTrainer:
                     self.save(step, history)
         finally:
             logger.close()
-            self.ckpt.close()
-        if "jsonl" in t.logger:
-            path = plot_run(self.run_dir)
-            print(f"plot: {path}", flush=True)
-        return history

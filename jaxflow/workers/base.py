@@ -19,8 +19,9 @@ visible to the process, which is what a per-host process of a multi-process back
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -65,6 +66,31 @@ def split_model(model: ModelLike, mesh: Mesh, rules: Rules, head: str) -> tuple[
     return graphdef, jax.device_put(params, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoleLayout:
+    """What a role's jitted programs are built from: the model's structure and its layout
+    (mesh, logical-axis rules, parameter shardings). A worker has one for its real
+    parameters (`RoleWorker.layout`); a planner builds one from an abstract model."""
+
+    graphdef: nnx.GraphDef
+    mesh: Mesh
+    rules: Rules
+    param_shardings: Any
+
+    @property
+    def batch_axes(self) -> Any:
+        """The mesh axes the ``batch`` rule splits rows over (a PartitionSpec entry)."""
+        return logical_to_spec(("batch",), self.rules, self.mesh)[0]
+
+    @property
+    def dp_size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in axes_tuple(self.batch_axes)], dtype=np.int64))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
 class RoleWorker:
     """Base of the model-holding roles: ``mesh``, ``rules``, ``graphdef``, ``params``.
 
@@ -98,6 +124,11 @@ class RoleWorker:
     @property
     def param_shardings(self) -> Any:
         return state_shardings(self.params, self.rules, self.mesh)
+
+    @property
+    def layout(self) -> RoleLayout:
+        """This role's `RoleLayout` (what its program builders take)."""
+        return RoleLayout(self.graphdef, self.mesh, self.rules, self.param_shardings)
 
     @property
     def dp_size(self) -> int:
@@ -182,17 +213,18 @@ def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str
     return rows // size
 
 
-def row_program(worker: RoleWorker, fn, num_micro: int = 1):
+def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1):
     """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, tensors, scalars)``
     over the role's mesh: parameters in their layout, rows of every column and every output
     over the data-parallel axes, ``num_micro`` micro-batches one after the other (to bound
-    activation memory). Compiled once per column set and shapes."""
-    rows = NamedSharding(worker.mesh, PartitionSpec(worker.batch_axes))
-    graphdef, mesh, rules, batch_axes = worker.graphdef, worker.mesh, worker.rules, worker.batch_axes
+    activation memory). Compiled once per column set and shapes. The role builders
+    (`jaxflow.workers.actor.log_probs_program`, ...) are this with their ``fn``."""
+    rows = NamedSharding(layout.mesh, PartitionSpec(layout.batch_axes))
+    graphdef, mesh, rules, batch_axes = layout.graphdef, layout.mesh, layout.rules, layout.batch_axes
 
     def run(params, tensors, scalars):
         with sharding_rules(rules, mesh):
             model = nnx.merge(graphdef, params)
             return map_micro(lambda t: fn(model, t, scalars), tensors, num_micro, mesh, batch_axes)
 
-    return jax.jit(run, in_shardings=(worker.param_shardings, rows, worker.replicated), out_shardings=rows)
+    return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_micro_batches, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
@@ -85,6 +85,21 @@ def critic_loss(cfg: CriticConfig):
     return loss_fn
 
 
+def values_program(layout: RoleLayout, num_micro: int):
+    """``jit(params, tensors, {}) -> {"values": [B, R]}`` in ``num_micro`` micro-batches."""
+    return row_program(layout, lambda model, t, _: {"values": response_values(model, t)}, num_micro)
+
+
+def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any,
+                      num_micro: int):
+    """The critic's jitted optimizer step (`make_train_step` with `critic_loss`) on a
+    mini-batch of the columns ``CriticConfig.UPDATE_KEYS`` (all ``[rows, length]``)."""
+    return make_train_step(
+        layout.graphdef, tx, schedule, critic_loss(config), mesh=layout.mesh, rules=layout.rules,
+        state_shardings=state_shardings, batch_ndims={c: 2 for c in CriticConfig.UPDATE_KEYS},
+        num_micro=num_micro, loss_scale_factor=config.loss_scale_factor)
+
+
 class CriticWorker(TrainableWorker):
     """Value model: `values`, `update`.
 
@@ -109,40 +124,42 @@ class CriticWorker(TrainableWorker):
     def values(self, batch: Batch) -> Batch:
         """``values`` [B, R] of the responses (0 on padding)."""
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.config.forward_micro_batch_size_per_device, self.dp_size,
-                              "critic values")
-        program = self._compiled(("values", k), lambda: row_program(
-            self, lambda model, t, _: {"values": response_values(model, t)}, k))
-        return Batch(program(self.params, tensors, {}))
+        return Batch(self.values_program(len(batch))(self.params, tensors, {}))
 
-    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int]):
+    def values_program(self, rows: int):
+        """The jitted value forward of ``rows`` responses (`values_program`)."""
+        k = num_micro_batches(rows, self.config.forward_micro_batch_size_per_device, self.dp_size, "critic values")
+        return self._compiled(("values", k), lambda: values_program(self.layout, k))
+
+    def train_program(self, mini_batch_rows: int):
+        """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
+        (`critic_train_step`)."""
         cfg = self.config
         k = num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
                               "critic mini-batch")
         loss_key = (cfg.cliprange_value, cfg.loss_agg_mode, cfg.loss_scale_factor)
-        return self._compiled(("update", k, loss_key), lambda: make_train_step(
-            self.graphdef, self.tx, self.schedule, critic_loss(cfg), mesh=self.mesh, rules=self.rules,
-            state_shardings=self.state_shardings, batch_ndims=batch_ndims, num_micro=k,
-            loss_scale_factor=cfg.loss_scale_factor))
+        return self._compiled(("update", k, loss_key), lambda: critic_train_step(
+            self.layout, self.tx, self.schedule, cfg, self.state_shardings, k))
 
     @register(DP_TRAIN)
-    def update(self, batch: Batch) -> dict[str, np.ndarray]:
-        """PPO epochs of value updates; needs ``values`` (rollout-time) and ``returns``."""
+    def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
+        """PPO epochs of value updates; needs ``values`` (rollout-time) and ``returns``.
+        ``step``: the training step, which seeds the shuffle (None: this worker's call count)."""
         cfg = self.config
         keys = CriticConfig.UPDATE_KEYS
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"CriticWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
         host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
-        step = self._train_program(cfg.ppo_mini_batch_size, {n: host[n].ndim for n in keys})
-        index = batch.meta.get("step")  # the training step (resumed runs shuffle alike)
+        train_step = self.train_program(cfg.ppo_mini_batch_size)
+        index = step  # the training step (resumed runs shuffle alike)
         if index is None:
             index = self._num_updates
             self._num_updates += 1
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = step(self.state, self.put({n: v[idx] for n, v in host.items()}), {})
+            self.state, metrics = train_step(self.state, self.put({n: v[idx] for n, v in host.items()}), {})
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
@@ -151,6 +168,6 @@ class CriticWorker(TrainableWorker):
         """One optimizer step on one mini-batch (all rows, in order)."""
         keys = CriticConfig.UPDATE_KEYS
         rows = np.shape(minibatch["response_mask"])[0]
-        step = self._train_program(rows, {n: np.ndim(minibatch[n]) for n in keys})
+        step = self.train_program(rows)
         self.state, metrics = step(self.state, self.put(minibatch, keys), {})
         return {f"critic/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -7,8 +7,9 @@
         meshes={"actor": "fsdp=2,tp=2"}, gen_tp={"actor": 2}, models={"actor": cfg, "ref": cfg})
     w = build_local_workers(placement, actor=policy, ref=policy, critic=value_model,
                             rule_reward=RuleRewardWorker(tokenizer),
-                            actor_config=ActorConfig(...), rollout=RolloutConfig(n=4, ...))
-    metrics = jaxflow.algos.ppo_iteration(w, prompts, cfg)
+                            actor_config=ActorConfig(...),
+                            rollout=RolloutConfig(train=SamplingParams(max_new_tokens=8, n=4)))
+    metrics = jaxflow.programs.ppo_iteration(w, prompts, settings)
 
 Each role gets its placement mesh and rules (the actor its training mesh and rules, and the
 hybrid engine towards the placement's generation layout); roles sharing a pool take turns
@@ -41,10 +42,16 @@ def build_local_workers(
     cost_model: ModelLike | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
     strategy: str = "hybrid",
+    ref_micro_batch_size_per_device: int | None = None,
+    reward_micro_batch_size_per_device: int | None = None,
 ) -> Workers:
-    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says."""
+    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says.
+    ``ref_micro_batch_size_per_device`` / ``reward_micro_batch_size_per_device``: the
+    micro-batches of the reference's and the reward (and cost) models' forwards."""
     settings = RoleSettings(actor_config=actor_config, rollout=rollout,
-                            critic_config=critic_config or CriticConfig(), strategy=strategy)
+                            critic_config=critic_config or CriticConfig(), strategy=strategy,
+                            ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
+                            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device)
     models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
     groups = {role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
               for role, model in models.items() if model is not None}

@@ -17,9 +17,19 @@ from jax.sharding import Mesh
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.rewards import RewardScorer, token_level_scores
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, register
+
+
+def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_level_scores"):
+    """``jit(params, tensors, {}) -> {output_key: [B, R]}``: each row's score on its last
+    response token, in ``num_micro`` micro-batches."""
+
+    def fn(model, t, _):
+        return {output_key: scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
+
+    return row_program(layout, fn, num_micro)
 
 
 class RewardModelWorker(RoleWorker):
@@ -46,14 +56,12 @@ class RewardModelWorker(RoleWorker):
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "reward scores")
-        key = self.output_key
+        return Batch(self.scores_program(len(batch))(self.params, tensors, {}))
 
-        def fn(model, t, _):
-            return {key: scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
-
-        program = self._compiled(("scores", k), lambda: row_program(self, fn, k))
-        return Batch(program(self.params, tensors, {}))
+    def scores_program(self, rows: int):
+        """The jitted scoring forward of ``rows`` responses (`scores_program`)."""
+        k = num_micro_batches(rows, self.micro_batch_size_per_device, self.dp_size, "reward scores")
+        return self._compiled(("scores", k), lambda: scores_program(self.layout, k, self.output_key))
 
 
 class RuleRewardWorker:
@@ -61,7 +69,7 @@ class RuleRewardWorker:
     `jaxflow.rewards.RewardScorer` by ``data_source`` (or a user function).
 
     Reads the non-tensor columns ``data_source``, ``ground_truth`` and (optionally)
-    ``extra_info`` that prompt batches carry (`jaxflow.algos.batch_ops.batch_from_prompts`).
+    ``extra_info`` that prompt batches carry (`jaxflow.programs.batch_from_prompts`).
 
     Args:
       tokenizer: decodes responses (``batch_decode``; special tokens are skipped, as verl).

@@ -29,6 +29,8 @@ class RoleSettings:
     rollout: RolloutConfig = RolloutConfig()
     critic_config: CriticConfig = CriticConfig()
     strategy: str = "hybrid"
+    ref_micro_batch_size_per_device: int | None = None  # the reference's log-prob forward
+    reward_micro_batch_size_per_device: int | None = None  # the reward and cost models' forward
 
 
 def role_class(role: str) -> type:
@@ -53,12 +55,14 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
                            gen_rules=gen_rules, strategy=settings.strategy)
     if role == "ref":
         return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
-                               temperature=settings.rollout.temperature)
+                               temperature=settings.rollout.train.temperature,
+                               micro_batch_size_per_device=settings.ref_micro_batch_size_per_device)
     if role == "critic":
         return CriticWorker(model=model, mesh=placement.mesh("critic"), rules=placement.rules("critic", "train"),
                             config=settings.critic_config)
     extra = {"output_key": "token_level_cost"} if role == "cost" else {}
-    return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"), **extra)
+    return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"),
+                            micro_batch_size_per_device=settings.reward_micro_batch_size_per_device, **extra)
 
 
 def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:
