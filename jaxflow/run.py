@@ -1,6 +1,6 @@
 """``python -m jaxflow.run [--config=NAME|path.py] [--config.key=value ...] [--dry_run]``
 
-Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``ppo_tiny``), the
+Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``grpo_tiny``), the
 supervised warm start (``sft_tiny``), or with ``--dry_run`` the plan and ahead-of-time
 compilation of any config on simulated devices. ``--help`` lists the named configs.
 On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device count).
@@ -15,7 +15,7 @@ import sys
 USAGE = """usage: python -m jaxflow.run [--config=NAME|path/to/config.py] [--config.KEY=VALUE ...] [--dry_run]
                              [--json=PATH]
 
-Runs an RLHF experiment with jaxflow. Without --config the default is ppo_tiny (PPO on a
+Runs an RLHF experiment with jaxflow. Without --config the default is grpo_tiny (GRPO on a
 built-in task, a few minutes on a laptop CPU). Config keys follow verl's names; see the
 README's table, or `python -m jaxflow.configs.docs`.
 
@@ -28,7 +28,7 @@ named configs:
 """
 
 
-def _simulate_devices(n: int) -> None:
+def simulate_devices(n: int) -> None:
     """Simulated host devices; read by XLA when the backend starts (after this, before use)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         if dry_run:
             with cfg.unlocked():
                 cfg.jaxflow.dry_run.enable = True
-        _simulate_devices(cfg.jaxflow.num_devices)
+        simulate_devices(cfg.jaxflow.num_devices)
         configs.validate(cfg)
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -117,16 +117,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, actor_params = warm_start(cfg)
-        history = RLTrainer(cfg, actor_params=actor_params).fit()
+        RLTrainer(cfg, actor_params=actor_params).fit()  # prints the end-of-run summary
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
-    scores = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
-    if scores:
-        print(f"done: critic/score/mean {scores[0]:.3f} (first step) -> {scores[-1]:.3f} (last step)", flush=True)
     return 0
 
 

@@ -183,6 +183,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
     ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
     ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
+    ("trainer.save_hf", False,
+     "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
+     "the end of a run always writes <run dir>/hf_actor."),
     ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
     ("trainer.val_before_train", True, "Validate once before the first step."),
     ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
@@ -251,7 +254,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.model.remat_policy", "none", "Rematerialisation in training: none | full | dots | dots_no_batch."),
     ("jaxflow.optim.state_dtype", "float32", "dtype of the AdamW moments: float32 | bfloat16."),
     # --- jaxflow: data / reward / trainer ----------------------------------------------------
-    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse."),
+    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse | reverse_digits."),
     ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
     ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
     ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
