@@ -30,8 +30,8 @@ from jaxflow.configs import ConfigError, checkpoint_dir
 from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.data.dataset import PromptDataLoader
-from jaxflow.rewards import RewardScorer
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
+from jaxflow.rewards import RewardScorer
 from jaxflow.trainer.builders import (
     abstract_like,
     build_dataset,
