@@ -36,7 +36,7 @@ def run(backend: str, args: argparse.Namespace, out_dir: str) -> tuple[list[dict
     ]
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "jaxflow.run", f"--config={args.config}", *overrides], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode:
         sys.exit(f"{backend} run failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -45,8 +45,9 @@ def run(backend: str, args: argparse.Namespace, out_dir: str) -> tuple[list[dict
     return [r for r in rows if "step" in r and r.get("timing_s/step") is not None], wall
 
 
-def compare(local: list[dict], ray: list[dict], rtol: float, atol: float) -> tuple[float, list[str]]:
-    worst, bad = 0.0, []
+def compare(local: list[dict], ray: list[dict], rtol: float, atol: float) -> tuple[list, list[str]]:
+    """``(largest relative differences as (rel, step, key, local, ray), mismatches)``."""
+    diffs, bad = [], []
     for a, b in zip(local, ray):
         for k, va in a.items():
             if k.startswith(SKIP_PREFIXES) or not isinstance(va, (int, float)) or k not in b:
@@ -56,9 +57,8 @@ def compare(local: list[dict], ray: list[dict], rtol: float, atol: float) -> tup
             rel = err / max(abs(va), 1e-30)
             if err > rtol * abs(va) + atol:
                 bad.append(f"step {a['step']} {k}: local {va!r} ray {vb!r} (rel {rel:.2e})")
-            elif abs(va) > atol:
-                worst = max(worst, rel)
-    return worst, bad
+            diffs.append((rel, a["step"], k, va, vb))
+    return sorted(diffs, reverse=True), bad
 
 
 def main() -> None:
@@ -70,15 +70,16 @@ def main() -> None:
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--atol", type=float, default=1e-7)
     p.add_argument("--json", default=None)
+    p.add_argument("--out", default=None, help="run directories go here (default: a new temporary directory)")
     p.add_argument("overrides", nargs="*", help="more --config.KEY=VALUE overrides for both runs")
     args = p.parse_args()
     load = os.getloadavg()[0]
-    with tempfile.TemporaryDirectory() as tmp:
-        results = {b: run(b, args, os.path.join(tmp, b)) for b in ("local", "ray")}
-    (local, local_wall), (ray, ray_wall) = results["local"], results["ray"]
-    worst, bad = compare(local, ray, args.rtol, args.atol)
-    report = {"config": args.config, "placement": args.placement, "steps": args.steps,
-              "load_avg_1min_at_start": load, "metrics_compared_per_step": None, "worst_rel_diff": worst,
+    tmp = args.out or tempfile.mkdtemp(prefix="ray_vs_local_")
+    results = {b: run(b, args, os.path.join(tmp, b)) for b in ("local", "ray")}
+    local, ray = results["local"][0], results["ray"][0]
+    diffs, bad = compare(local, ray, args.rtol, args.atol)
+    report = {"config": args.config, "placement": args.placement, "steps": args.steps, "run_dirs": tmp,
+              "load_avg_1min_at_start": load, "values_compared": len(diffs), "largest_rel_diffs": diffs[:5],
               "mismatches": bad}
     print(f"{args.config} ({args.placement}), {args.steps} steps, 1-min load average {load:.1f} at start (2 cores)")
     print(f"{'backend':8} {'step 1 s':>9} {'median s/step (2..)':>20} {'best s/step (2..)':>18} {'process wall s':>15}")
@@ -91,8 +92,10 @@ def main() -> None:
     ratio = report["ray"]["median_step_s_after_first"] / report["local"]["median_step_s_after_first"]
     report["ray_over_local_median"] = ratio
     print(f"measured Ray/local time per step (median, steps 2..{args.steps}): {ratio:.1f}x")
-    print(f"metrics over {len(local)} steps: worst relative difference {worst:.2e} "
-          f"(rtol {args.rtol:g}, atol {args.atol:g}); mismatches: {len(bad)}")
+    print(f"{len(diffs)} metric values over {len(local)} steps; mismatches (|a-b| > rtol|a| + atol, rtol "
+          f"{args.rtol:g}, atol {args.atol:g}): {len(bad)}; largest relative differences:")
+    for rel, step, key, va, vb in diffs[:5]:
+        print(f"  step {step} {key}: local {va:.9g} ray {vb:.9g} (rel {rel:.2e}, abs {abs(va - vb):.2e})")
     for line in bad:
         print("  " + line)
     if args.json:

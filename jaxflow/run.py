@@ -1,6 +1,6 @@
 """``python -m jaxflow.run [--config=NAME|path.py] [--config.key=value ...] [--dry_run]``
 
-Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``ppo_tiny``), the
+Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``grpo_tiny``), the
 supervised warm start (``sft_tiny``), or with ``--dry_run`` the plan and ahead-of-time
 compilation of any config on simulated devices. ``--help`` lists the named configs.
 On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device count).
@@ -20,7 +20,7 @@ INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
 USAGE = """usage: python -m jaxflow.run [--config=NAME|path/to/config.py] [--config.KEY=VALUE ...] [--dry_run]
                              [--json=PATH]
 
-Runs an RLHF experiment with jaxflow. Without --config the default is ppo_tiny (PPO on a
+Runs an RLHF experiment with jaxflow. Without --config the default is grpo_tiny (GRPO on a
 built-in task, a few minutes on a laptop CPU). Config keys follow verl's names; see the
 README's table, or `python -m jaxflow.configs.docs`.
 
@@ -33,10 +33,23 @@ named configs:
 """
 
 
-def _simulate_devices(n: int) -> None:
+def simulate_devices(n: int) -> None:
     """Simulated host devices; read by XLA when the backend starts (after this, before use)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def enable_compilation_cache() -> str:
+    """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run loads its
+    compiled programs instead of compiling them again. Returns the directory."""
+    import jax
+
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -203,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg.jaxflow.dry_run.enable = True
         num_devices = cfg.get("jaxflow", {}).get("num_devices")  # validated next; absent in a broken config
         if isinstance(num_devices, int) and num_devices > 0:
-            _simulate_devices(num_devices)
+            simulate_devices(num_devices)
         configs.validate(cfg)
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -215,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {_storage_error(e) or e} (the run directory {run_dir})", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("python -m jaxflow.run %s", " ".join(argv))
+    enable_compilation_cache()
     try:
         return _train(cfg, json_path)
     except KeyboardInterrupt:

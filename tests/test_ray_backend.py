@@ -115,8 +115,8 @@ def test_sigkill_becomes_error_naming_group_and_rank(backend):
     group = backend.group(processes, Toy, name="victim", mesh="dp=4")
     pids = list(processes.pids)
     group.busy(1)  # compiled; later calls with these shapes get the step deadline
-    killer = subprocess.Popen([sys.executable, "-c", f"import os,signal,time; time.sleep(2); "
-                               f"os.kill({pids[1]}, signal.SIGKILL)"])
+    kill = f"import os, signal, time; time.sleep(2); os.kill({pids[1]}, signal.SIGKILL)"
+    killer = subprocess.Popen([sys.executable, "-c", kill])
     start = time.monotonic()
     with pytest.raises(WorkerDied, match=r"worker group 'victim' rank 1 \(pid \d+\) died during victim.busy") as e:
         group.busy(10**9)  # all-reduces until a rank dies; the other waits in one

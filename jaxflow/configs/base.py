@@ -124,7 +124,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("actor_rollout_ref.rollout.ignore_eos", False,
      "Keep generating past EOS to the full response length (throughput benchmarks)."),
     ("actor_rollout_ref.rollout.max_num_seqs", 0,
-     "Sequences generated at once per generation data-parallel group (bounds the KV cache); 0 = the whole batch."),
+     "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled "
+     "(bounds the paged KV cache); 0 = the engine's default (every row, at most 256)."),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device", 16,
      "Responses per data-parallel rank per old-log-prob forward pass of the actor."),
     ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt."),
@@ -182,6 +183,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
     ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
     ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
+    ("trainer.save_hf", False,
+     "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
+     "the end of a run always writes <run dir>/hf_actor."),
     ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
     ("trainer.val_before_train", True, "Validate once before the first step."),
     ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
@@ -250,7 +254,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.model.remat_policy", "none", "Rematerialisation in training: none | full | dots | dots_no_batch."),
     ("jaxflow.optim.state_dtype", "float32", "dtype of the AdamW moments: float32 | bfloat16."),
     # --- jaxflow: data / reward / trainer ----------------------------------------------------
-    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse."),
+    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse | reverse_digits."),
     ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
     ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
     ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),

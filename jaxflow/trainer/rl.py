@@ -5,7 +5,8 @@ validation, checkpoints, metrics and the non-finite guard.
 ::
 
     trainer = RLTrainer(cfg)          # tokenizer, data, placement, workers, checkpoints, loggers
-    history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot
+    history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot,
+                                      # export the actor (<run_dir>/hf_actor), print a summary
 
 Determinism: the rollout seed of step ``s`` is ``fold_in(trainer.seed, s)`` and the data order
 a function of ``data.seed`` and the epoch, both restored from checkpoints, so a run resumed
@@ -17,6 +18,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -37,12 +39,13 @@ from jaxflow.trainer.builders import (
     dataset_sources,
     describe_source,
     load_model,
-
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
-from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
+from jaxflow.trainer.hf_export import HF_DIR, write_hf
+from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.plot import plot_run
+from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
 from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
 
@@ -161,6 +164,7 @@ class RLTrainer:
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
+        self.actor_graphdef = actor[0]
         build = build_local_workers if self.backend is None else self.backend.build_workers
         return build(
             p, actor=actor, ref=actor if "ref" in spec.roles else None,
@@ -197,6 +201,13 @@ class RLTrainer:
                          extra={"step": step, "algo_state": self.algo_state.state_dict(),
                                 "guard": self.guard.state_dict()})
         self.ckpt.save(step, states, host, force=True)
+        if self.cfg.trainer.save_hf:
+            self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
+
+    def export_actor(self, out_dir: str | os.PathLike) -> str:
+        """The actor as an HF directory with the tokenizer (written from its sharded params)."""
+        params = self.workers.actor.get_train_state()[0].params
+        return str(write_hf(self.actor_graphdef, params, self.tokenizer, out_dir))
 
     def resume(self) -> int:
         """Restore the latest checkpoint per ``trainer.resume_mode``; the step to start from."""
@@ -239,6 +250,7 @@ class RLTrainer:
         cfg = self.cfg
         size = cfg.data.val_batch_size or len(self.val_data)
         scores, lengths, by_source = [], [], {}
+        progress = ProgressBar(len(self.val_data), desc="validate", unit="prompt", leave=False)
         for start in range(0, len(self.val_data), size):
             idx = np.arange(start, min(start + size, len(self.val_data)))
             prompts = batch_from_prompts(self.val_data.batch(idx))
@@ -252,8 +264,10 @@ class RLTrainer:
                 by_source.setdefault(src, []).append(s)
             shown = sum(len(x) for x in scores) - len(seq)
             for i in range(max(0, min(len(seq), cfg.trainer.log_val_generations - shown))):
-                print(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
-                      f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", flush=True)
+                progress.write(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
+                               f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", file=sys.stdout)
+            progress.update_to(start + len(seq))
+        progress.close()
         metrics = {"val/score/mean": float(np.concatenate(scores).mean()),
                    "val/response_length/mean": float(np.concatenate(lengths).mean())}
         for src, s in by_source.items():
@@ -263,10 +277,12 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> list[dict[str, float]]:
-        """Train (resuming per ``trainer.resume_mode``), validate, save, plot. With the Ray
+        """Train (resuming per ``trainer.resume_mode``), validate, save, plot, export the actor
+        (``<run_dir>/hf_actor``) and print a summary. With the Ray
         backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
         call passed its deadline) stops every group, starts fresh processes and resumes from
         the last complete checkpoint (from the start if there is none yet)."""
+        started = time.perf_counter()
         history: list[dict[str, float]] = []
         restarts = 0
         try:
@@ -279,12 +295,20 @@ class RLTrainer:
                         raise
                     restarts += 1
                     self._restart(e, restarts)
+            hf_dir = self.export_actor(os.path.join(self.run_dir, HF_DIR))  # while the workers live
         finally:
             self.ckpt.close()
             self.close()
-        if "jsonl" in self.cfg.trainer.logger:
-            path = plot_run(self.run_dir)
-            print(f"plot: {path}", flush=True)
+        t = self.cfg.trainer
+        outputs = {"metrics": None, "plot": None, "tensorboard": None,
+                   "checkpoints": str(self.run_dir) if t.save_freq > 0 else None, "HF export": hf_dir}
+        if "jsonl" in t.logger:
+            outputs["metrics"] = os.path.join(self.run_dir, JSONL_NAME)
+            outputs["plot"] = str(plot_run(self.run_dir))
+        if "tensorboard" in t.logger:
+            outputs["tensorboard"] = os.path.join(self.run_dir, TENSORBOARD_DIR)
+        logged = read_jsonl(outputs["metrics"]) if outputs["metrics"] else history  # earlier steps of a resumed run
+        print(run_summary(logged, wall_s=time.perf_counter() - started, outputs=outputs), flush=True)
         return history
 
     def _restart(self, error: Exception, restarts: int) -> None:

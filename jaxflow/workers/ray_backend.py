@@ -173,8 +173,9 @@ def describe_hosts(placement: Placement, config: RayConfig) -> str:
     """The per-host plan of a Ray run, without a cluster: each pool's hosts and bundles (one
     process per host), and the mesh that the processes of each role form."""
     per = config.devices_per_host
-    lines = [f"ray backend: {sum(p.size for p in placement.pools.values()) // per} hosts x {per} {config.accelerator} "
-             f"devices; one process per host per worker group, each group its own jax.distributed world"]
+    num_hosts = sum(p.size for p in placement.pools.values()) // per
+    lines = [(f"ray backend: {num_hosts} hosts x {per} {config.accelerator} devices; one process per host per "
+              "worker group, each group its own jax.distributed world")]
     for pool, roles in placement.groups().items():
         hosts = pool_hosts(placement, pool, per)
         lines.append(f"group {pool!r}: hosts {hosts[0]}..{hosts[-1]} ({len(hosts)} processes, ranks 0..{len(hosts) - 1}), "
