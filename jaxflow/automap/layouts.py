@@ -25,8 +25,8 @@ from jax.sharding import AbstractMesh
 
 from jaxflow.automap.workload import RoleModel, Workload
 from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
-from jaxflow.sampling import bucket_size
-from jaxflow.plan.dry_run import RolePlan, activation_bytes, kv_cache_bytes
+from jaxflow.plan.dry_run import RolePlan, activation_bytes, generate_activation_bytes, kv_pool_bytes
+from jaxflow.sampling import engine_shape
 from jaxflow.workers.base import num_micro_batches
 
 
@@ -160,13 +160,12 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         check_model_fits(mc, gsizes, gen_rules)
         gen_mesh = abstract_mesh(gsizes)
         gen_dp = layout.devices // layout.gen_tp
-        prompts = max(1, generation_rows(w, gen_dp, layout.max_num_seqs) // w.n)
-        rows_bucket = bucket_size(prompts, multiple=gen_dp) * w.n
-        S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
+        # the rollout engine: the whole rollout in one call, max_num_seqs decode slots per replica
+        shape = engine_shape(mc, max(1, w.rows // w.n), P, R, n=w.n, replicas=gen_dp,
+                             slots=(layout.max_num_seqs or w.max_num_seqs) or None)
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
-        plan.kv_cache_bytes = kv_cache_bytes(mc, rows_bucket, S, gen_rules, gen_mesh)
-        plan.activation_bytes["generate"] = activation_bytes(mc, "generate", prompts / gen_dp, P, R, gen_rules,
-                                                                gen_mesh)
+        plan.kv_cache_bytes = kv_pool_bytes(mc, shape, gen_rules, gen_mesh)
+        plan.activation_bytes["generate"] = generate_activation_bytes(mc, shape, gen_rules, gen_mesh)
     return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree)
 
 
