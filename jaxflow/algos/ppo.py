@@ -18,9 +18,11 @@ reference (needed for the in-reward KL penalty or the actor's KL loss). Everythi
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 from jaxflow.algos import steps
+from jaxflow.algos.advantages import get_advantage_estimator
 from jaxflow.algos.batch_ops import compute_data_metrics
 from jaxflow.algos.kl import AdaptiveKLController, FixedKLController, get_kl_controller
 from jaxflow.data.batch import Batch
@@ -66,6 +68,7 @@ class PPOConfig:
     """What `ppo_iteration` reads (the rest of an experiment config configures the workers)."""
 
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    balance_batch: bool = False
 
 
 def ppo_iteration(w: Any, prompts: Batch, cfg: Any,
@@ -84,8 +87,25 @@ def ppo_iteration(w: Any, prompts: Batch, cfg: Any,
     if algo.use_kl_in_reward and kl_ctrl is None:
         kl_ctrl = get_kl_controller(algo.kl_ctrl)
     timer = steps.StepTimer()
-    batch = steps.rollout(w, prompts, timer)  # gen, old_log_prob, ref, values, reward
+    # gen, old_log_prob (only when the advantages need it: the update gets it itself), ref, values, reward
+    batch = steps.rollout(w, prompts, timer, old_log_probs=needs_old_log_probs(algo),
+                          balance=balance_enabled(cfg))
     batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     metrics |= steps.update(w, batch, timer)
+    metrics |= batch.meta.get("balance_metrics", {})
     return metrics | compute_data_metrics(batch) | timer.metrics()
+
+
+def needs_old_log_probs(algo: Any) -> bool:
+    """Whether the rollout must score ``old_log_probs`` before the advantages: for the
+    in-reward KL penalty, or an estimator that reads them. Otherwise the actor's update
+    takes them from its own forward (on-policy) or computes them itself."""
+    estimator = get_advantage_estimator(algo.adv_estimator)
+    return bool(algo.use_kl_in_reward) or "old_log_probs" in inspect.signature(estimator).parameters
+
+
+def balance_enabled(cfg: Any) -> bool:
+    """verl's ``trainer.balance_batch`` (an experiment config) or `PPOConfig.balance_batch`."""
+    trainer = getattr(cfg, "trainer", None)
+    return bool(getattr(cfg, "balance_batch", False) or getattr(trainer, "balance_batch", False))

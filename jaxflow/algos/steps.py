@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from jaxflow.algos.balance import balance_batch
 from jaxflow.algos.batch_ops import apply_kl_penalty_to_batch, compute_advantage
 from jaxflow.algos.kl import AdaptiveKLController, FixedKLController
 from jaxflow.data.batch import Batch
@@ -61,14 +62,23 @@ def ready(batch: Batch) -> Batch:
     return batch
 
 
-def rollout(w: Any, prompts: Batch, timer: StepTimer) -> Batch:
+def rollout(w: Any, prompts: Batch, timer: StepTimer, *, old_log_probs: bool = True,
+            balance: bool = False) -> Batch:
     """Generation and everything scored on it: ``responses`` (``gen``), ``old_log_probs``
-    (``old_log_prob``), ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when
-    ``w.critic`` (``values``), ``token_level_scores`` (``reward``)."""
+    (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
+    takes them from its own forward when on-policy, or computes them itself),
+    ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when ``w.critic`` (``values``),
+    ``token_level_scores`` (``reward``). ``balance``: right after generation the rows are
+    reordered so the actor's data-parallel ranks get about the same number of tokens
+    (`jaxflow.algos.balance`; its metrics in ``meta["balance_metrics"]``)."""
     with timer("gen"):
         batch = ready(w.actor.generate(prompts))
-    with timer("old_log_prob"):
-        batch |= ready(w.actor.log_probs(batch))
+    if balance:
+        batch, balance_metrics = balance_batch(batch, w.actor.info.dp_size)
+        batch = batch.update(meta={"balance_metrics": balance_metrics})
+    if old_log_probs:
+        with timer("old_log_prob"):
+            batch |= ready(w.actor.log_probs(batch))
     if w.ref is not None:
         with timer("ref"):
             batch |= ready(w.ref.log_probs(batch))

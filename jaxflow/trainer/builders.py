@@ -110,6 +110,10 @@ def actor_config(cfg: ConfigDict, optimizer_steps: int) -> ActorConfig:
         entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
         log_prob_micro_batch_size_per_device=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device,
+        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+        ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
+        log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
+        log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
         optim=_optim(a, a.grad_clip, optimizer_steps, cfg.jaxflow.optim.state_dtype))
 
 
@@ -122,8 +126,18 @@ def critic_config(cfg: ConfigDict, optimizer_steps: int) -> CriticConfig:
         ppo_epochs=c.ppo_epochs, shuffle=c.shuffle, seed=cfg.trainer.seed,
         cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
         forward_micro_batch_size_per_device=c.forward_micro_batch_size_per_device,
+        use_remove_padding=c.model.use_remove_padding, use_dynamic_bsz=c.use_dynamic_bsz,
+        ppo_max_token_len_per_device=c.ppo_max_token_len_per_device,
+        forward_max_token_len_per_device=c.forward_max_token_len_per_device,
         optim=_optim(c, c.grad_clip, optimizer_steps, cfg.jaxflow.optim.state_dtype))
     return CriticConfig(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+def ref_options(cfg: ConfigDict) -> dict[str, Any]:
+    """The reference worker's forward options (verl's ``actor_rollout_ref.ref``)."""
+    r = cfg.actor_rollout_ref.ref
+    return dict(use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
+                max_token_len_per_device=r.log_prob_max_token_len_per_device if r.log_prob_use_dynamic_bsz else None)
 
 
 def rollout_config(cfg: ConfigDict, tokenizer: Any, *, validation: bool = False) -> RolloutConfig:

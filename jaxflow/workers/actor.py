@@ -29,13 +29,14 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxflow.algos import agg_loss, compute_entropy_from_logits, compute_policy_loss, kl_penalty, masked_sum
+from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy, response_logits, token_log_probs
+from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, packed_forward, row_program
+from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
+from jaxflow.workers.packing import pack_minibatch
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
 from jaxflow.workers.protocols import DP_COMPUTE, register
@@ -85,6 +86,12 @@ class ActorConfig:
         ``ref_log_prob`` column.
       log_prob_micro_batch_size_per_device: micro-batch of the log-prob forward (memory).
       log_prob_entropy: `ActorWorker.log_probs` also returns ``entropys``.
+      use_remove_padding: log-prob and update forwards run over packed real tokens
+        (`jaxflow.workers.packing`), same values as the padded rows.
+      use_dynamic_bsz: (with remove padding) update micro-batches hold at most
+        ``ppo_max_token_len_per_device`` tokens per device instead of a fixed row count;
+        ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_device``: the same for
+        the log-prob forward.
       optim: optimizer and schedule (read when the worker is built).
     """
 
@@ -106,6 +113,11 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     log_prob_micro_batch_size_per_device: int | None = None
     log_prob_entropy: bool = False
+    use_remove_padding: bool = False
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_device: int = 16384
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_device: int = 16384
     optim: OptimConfig = OptimConfig()
 
     def loss_key(self) -> tuple:
@@ -114,9 +126,16 @@ class ActorConfig:
                 self.loss_scale_factor, self.policy_loss_kwargs, self.entropy_coeff, self.use_kl_loss,
                 self.kl_loss_coef, self.kl_loss_type)
 
-    def update_keys(self) -> tuple[str, ...]:
-        keys = PROMPT_KEYS + ("old_log_probs", "advantages")
+    def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
+        """The columns an update reads; ``on_policy``: without ``old_log_probs`` (they come
+        from the update's own forward)."""
+        keys = PROMPT_KEYS + (() if on_policy else ("old_log_probs",)) + ("advantages",)
         return keys + ("ref_log_prob",) if self.use_kl_loss else keys
+
+    def is_on_policy(self, rows: int) -> bool:
+        """One optimizer step per rollout of ``rows`` responses: the policy that sampled is
+        the one the step differentiates, so ``old_log_probs = stop_gradient(log_probs)``."""
+        return self.ppo_epochs == 1 and self.ppo_mini_batch_size == rows
 
 
 def actor_loss(cfg: ActorConfig):
@@ -125,16 +144,16 @@ def actor_loss(cfg: ActorConfig):
 
     def loss_fn(model, micro, gbi, scalars):
         mask = micro["response_mask"]
-        logits_BxRxV = response_logits(model, micro, scalars["temperature"])
-        log_prob = token_log_probs(logits_BxRxV, micro["responses"])
+        log_prob, entropy = log_probs_and_entropy(model, micro, scalars["temperature"])
+        # On-policy (no old_log_probs column): the sampling policy is this one, detached.
+        old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro else lax.stop_gradient(log_prob)
         pg_loss, pg = compute_policy_loss(
-            micro["old_log_probs"], log_prob, micro["advantages"], mask,
+            old_log_prob, log_prob, micro["advantages"], mask,
             loss_mode=cfg.loss_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, global_batch_info=gbi,
             **dict(cfg.policy_loss_kwargs),
         )
         agg_kw = {k: gbi[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")}
-        entropy = compute_entropy_from_logits(logits_BxRxV)
         if cfg.entropy_coeff == 0:
             entropy = lax.stop_gradient(entropy)
         entropy_agg = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kw)
@@ -237,10 +256,8 @@ class ActorWorker(TrainableWorker):
     def log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` [B, R] (0 on padding) of the responses under the current policy
         (and ``entropys`` with ``config.log_prob_entropy``)."""
-        tensors = self.put(batch, PROMPT_KEYS)
-        rows = len(batch)
-        k = num_micro_batches(rows, self.config.log_prob_micro_batch_size_per_device, self.dp_size, "log_probs")
-        want_entropy = self.config.log_prob_entropy
+        cfg = self.config
+        want_entropy = cfg.log_prob_entropy
 
         def fn(model, t, scalars):
             lp, ent = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=want_entropy)
@@ -250,32 +267,53 @@ class ActorWorker(TrainableWorker):
                 out["entropys"] = jnp.where(m, ent, 0.0)
             return out
 
-        program = self._compiled(("log_probs", k), lambda: row_program(self, fn, k))
         temperature = np.float32(batch.meta.get("temperature", self.rollout.temperature))
+        if cfg.use_remove_padding:
+            return packed_forward(
+                self, "log_probs", batch, fn, {"temperature": temperature},
+                max_token_len=cfg.log_prob_max_token_len_per_device if cfg.log_prob_use_dynamic_bsz else None,
+                rows_per_micro=cfg.log_prob_micro_batch_size_per_device)
+        tensors = self.put(batch, PROMPT_KEYS)
+        k = num_micro_batches(len(batch), cfg.log_prob_micro_batch_size_per_device, self.dp_size, "log_probs")
+        program = self._compiled(("log_probs", k), lambda: row_program(self, fn, k))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
 
     # ------------------------------------------------------------------ update
-    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int]):
+    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int], packed: bool = False):
         cfg = self.config
-        k = num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
-                              "actor mini-batch")
-        return self._compiled(("update", k, cfg.loss_key()), lambda: make_train_step(
+        k = 1 if packed else num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
+                                               "actor mini-batch")
+        key = ("update", k, packed, tuple(sorted(batch_ndims)), cfg.loss_key())
+        return self._compiled(key, lambda: make_train_step(
             self.graphdef, self.tx, self.schedule, actor_loss(cfg), mesh=self.mesh, rules=self.rules,
             state_shardings=self.state_shardings, batch_ndims=batch_ndims, scalar_names=("temperature",),
-            num_micro=k, loss_scale_factor=cfg.loss_scale_factor))
+            num_micro=k, loss_scale_factor=cfg.loss_scale_factor, presplit=packed))
+
+    def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
+        """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
+        cfg = self.config
+        rows = {n: v[idx] for n, v in host.items()}
+        if not cfg.use_remove_padding:
+            return self.put(rows)
+        return self.put_presplit(pack_minibatch(
+            rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
     @register(DP_TRAIN)
     def update(self, batch: Batch) -> dict[str, np.ndarray]:
-        """PPO epochs over shuffled mini-batches, one optimizer step each. Needs
-        ``old_log_probs`` and ``advantages`` (and ``ref_log_prob`` with the KL loss).
-        Returns each metric's values, one per step."""
+        """PPO epochs over shuffled mini-batches, one optimizer step each. Needs ``advantages``
+        (and ``ref_log_prob`` with the KL loss) and ``old_log_probs``; without them an
+        on-policy update (`ActorConfig.is_on_policy`) takes them from its own forward
+        (detached), any other computes them first. Returns each metric's values, one per step."""
         cfg = self.config
-        keys = cfg.update_keys()
+        on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
+        if "old_log_probs" not in batch and not on_policy and "response_mask" in batch:
+            batch = batch | self.log_probs(batch).select(["old_log_probs"])
+        keys = cfg.update_keys(on_policy)
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"ActorWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
         host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
-        step = self._train_program(cfg.ppo_mini_batch_size, {n: host[n].ndim for n in keys})
         scalars = {"temperature": np.float32(batch.meta.get("temperature", self.rollout.temperature))}
         index = batch.meta.get("step")
         if index is None:
@@ -284,7 +322,10 @@ class ActorWorker(TrainableWorker):
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = step(self.state, self.put({n: v[idx] for n, v in host.items()}), scalars)
+            minibatch = self._minibatch(host, idx)
+            step = self._train_program(cfg.ppo_mini_batch_size, {n: v.ndim for n, v in minibatch.items()},
+                                       packed=cfg.use_remove_padding)
+            self.state, metrics = step(self.state, minibatch, scalars)
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}

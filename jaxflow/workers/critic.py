@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
+from jaxflow.workers.packing import pack_minibatch
 from jaxflow.workers.protocols import DP_COMPUTE, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
 
@@ -44,6 +45,10 @@ class CriticConfig:
       cliprange_value: ``eps_v``.
       loss_agg_mode, loss_scale_factor: aggregation of the value loss.
       forward_micro_batch_size_per_device: micro-batch of the `CriticWorker.values` forward.
+      use_remove_padding: value and update forwards over packed real tokens
+        (`jaxflow.workers.packing`); ``use_dynamic_bsz``: then micro-batches of at most
+        ``ppo_max_token_len_per_device`` (update) / ``forward_max_token_len_per_device``
+        (values) tokens per device instead of fixed row counts.
       optim: optimizer and schedule (read when the worker is built).
     """
 
@@ -56,6 +61,10 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     forward_micro_batch_size_per_device: int | None = None
+    use_remove_padding: bool = False
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_device: int = 32768
+    forward_max_token_len_per_device: int = 32768
     optim: OptimConfig = OptimConfig(lr=1e-5)
 
     UPDATE_KEYS = PROMPT_KEYS + ("values", "returns")
@@ -108,22 +117,39 @@ class CriticWorker(TrainableWorker):
     @register(DP_COMPUTE)
     def values(self, batch: Batch) -> Batch:
         """``values`` [B, R] of the responses (0 on padding)."""
+        cfg = self.config
+
+        def fn(model, t, _):
+            return {"values": response_values(model, t)}
+
+        if cfg.use_remove_padding:
+            return packed_forward(
+                self, "values", batch, fn, {},
+                max_token_len=cfg.forward_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+                rows_per_micro=cfg.forward_micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.config.forward_micro_batch_size_per_device, self.dp_size,
-                              "critic values")
-        program = self._compiled(("values", k), lambda: row_program(
-            self, lambda model, t, _: {"values": response_values(model, t)}, k))
+        k = num_micro_batches(len(batch), cfg.forward_micro_batch_size_per_device, self.dp_size, "critic values")
+        program = self._compiled(("values", k), lambda: row_program(self, fn, k))
         return Batch(program(self.params, tensors, {}))
 
-    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int]):
+    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int], packed: bool = False):
         cfg = self.config
-        k = num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
-                              "critic mini-batch")
+        k = 1 if packed else num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
+                                               "critic mini-batch")
         loss_key = (cfg.cliprange_value, cfg.loss_agg_mode, cfg.loss_scale_factor)
-        return self._compiled(("update", k, loss_key), lambda: make_train_step(
+        return self._compiled(("update", k, packed, loss_key), lambda: make_train_step(
             self.graphdef, self.tx, self.schedule, critic_loss(cfg), mesh=self.mesh, rules=self.rules,
             state_shardings=self.state_shardings, batch_ndims=batch_ndims, num_micro=k,
-            loss_scale_factor=cfg.loss_scale_factor))
+            loss_scale_factor=cfg.loss_scale_factor, presplit=packed))
+
+    def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
+        cfg = self.config
+        rows = {n: v[idx] for n, v in host.items()}
+        if not cfg.use_remove_padding:
+            return self.put(rows)
+        return self.put_presplit(pack_minibatch(
+            rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
     @register(DP_TRAIN)
     def update(self, batch: Batch) -> dict[str, np.ndarray]:
@@ -134,7 +160,6 @@ class CriticWorker(TrainableWorker):
         if missing:
             raise KeyError(f"CriticWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
         host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
-        step = self._train_program(cfg.ppo_mini_batch_size, {n: host[n].ndim for n in keys})
         index = batch.meta.get("step")  # the training step (resumed runs shuffle alike)
         if index is None:
             index = self._num_updates
@@ -142,7 +167,10 @@ class CriticWorker(TrainableWorker):
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = step(self.state, self.put({n: v[idx] for n, v in host.items()}), {})
+            minibatch = self._minibatch(host, idx)
+            step = self._train_program(cfg.ppo_mini_batch_size, {n: v.ndim for n, v in minibatch.items()},
+                                       packed=cfg.use_remove_padding)
+            self.state, metrics = step(self.state, minibatch, {})
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}

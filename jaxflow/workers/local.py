@@ -48,8 +48,10 @@ def build_local_workers(
     cost_model: ModelLike | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
     strategy: str = "hybrid",
+    ref_options: dict[str, Any] | None = None,
 ) -> Workers:
-    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says."""
+    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says
+    (``ref_options``: `ReferenceWorker` keyword arguments)."""
     _needs(placement, "actor")
     spec = placement.roles["actor"]
     gen_rules: Any = placement.rules("actor", "generate") if spec.gen_tp is not None else None
@@ -60,7 +62,8 @@ def build_local_workers(
     if ref is not None:
         _needs(placement, "ref")
         w.ref = LocalWorkerGroup(ReferenceWorker, name="ref", model=ref, mesh=placement.mesh("ref"),
-                                 rules=placement.rules("ref", "infer"), temperature=rollout.temperature)
+                                 rules=placement.rules("ref", "infer"), temperature=rollout.temperature,
+                                 **(ref_options or {}))
     if critic is not None:
         _needs(placement, "critic")
         w.critic = LocalWorkerGroup(CriticWorker, name="critic", model=critic, mesh=placement.mesh("critic"),

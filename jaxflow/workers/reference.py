@@ -8,7 +8,7 @@ from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 from jaxflow.workers.protocols import DP_COMPUTE, register
 
@@ -21,27 +21,36 @@ class ReferenceWorker(RoleWorker):
       mesh, rules: its mesh and (inference) rules.
       temperature: used when the batch carries no ``meta["temperature"]``.
       micro_batch_size_per_device: micro-batch of the forward (memory).
+      use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
+      max_token_len_per_device: with remove padding, micro-batches of at most this many
+        tokens per device (verl's ``log_prob_use_dynamic_bsz``); None = by rows.
     """
 
     head = "lm"
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
-                 temperature: float = 1.0, micro_batch_size_per_device: int | None = None):
+                 temperature: float = 1.0, micro_batch_size_per_device: int | None = None,
+                 use_remove_padding: bool = False, max_token_len_per_device: int | None = None):
         super().__init__(model, mesh, rules)
         self.temperature = temperature
         self.micro_batch_size_per_device = micro_batch_size_per_device
+        self.use_remove_padding = use_remove_padding
+        self.max_token_len_per_device = max_token_len_per_device
 
     @register(DP_COMPUTE)
     def log_probs(self, batch: Batch) -> Batch:
         """``ref_log_prob`` [B, R] (0 on padding): ``log_softmax(logits / T)`` of the responses
         under the reference policy, T = ``batch.meta["temperature"]`` (the rollout's)."""
-        tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "ref log_probs")
-
         def fn(model, t, scalars):
             lp, _ = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=False)
             return {"ref_log_prob": jnp.where(t["response_mask"] > 0, lp, 0.0)}
 
-        program = self._compiled(("log_probs", k), lambda: row_program(self, fn, k))
         temperature = np.float32(batch.meta.get("temperature", self.temperature))
+        if self.use_remove_padding:
+            return packed_forward(self, "log_probs", batch, fn, {"temperature": temperature},
+                                  max_token_len=self.max_token_len_per_device,
+                                  rows_per_micro=self.micro_batch_size_per_device)
+        tensors = self.put(batch, PROMPT_KEYS)
+        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "ref log_probs")
+        program = self._compiled(("log_probs", k), lambda: row_program(self, fn, k))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
