@@ -145,8 +145,8 @@ MALFORMED = [
      "no pool for the active roles ['ref']"),
     ("ppo_tiny", ["jaxflow.mesh.actor.generate.tp=3"], "jaxflow.mesh.actor.generate.tp",
      "must divide the actor's training weight-parallel degree fsdp*tp = 4*2 = 8"),
-    ("ppo_tiny", ["jaxflow.model.num_heads=4", "jaxflow.model.num_kv_heads=2"], "jaxflow.mesh.actor.train",
-     "does not divide num_heads=4"),
+    ("ppo_tiny", ["jaxflow.model.num_heads=4", "jaxflow.model.num_kv_heads=2", "jaxflow.mesh.actor.train.fsdp=1",
+                  "jaxflow.mesh.actor.train.tp=8"], "jaxflow.mesh.actor.train", "does not divide num_heads=4"),
     ("ppo_70b", ["jaxflow.mesh.critic.tp=16", "jaxflow.mesh.critic.fsdp=4"], "jaxflow.mesh.critic",
      "tp=16 does not divide num_kv_heads=8"),
     ("ppo_tiny", ["jaxflow.model.hidden_size=100"], "jaxflow.model.num_heads",
@@ -199,10 +199,10 @@ def test_model_shape_from_a_checkpoint_config_json(tmp_path):
     cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tmp_path}", "jaxflow.model.preset=llama2_7b"])
     model = configs.model_config(cfg, "actor")
     assert (model.vocab_size, model.hidden_size, model.num_heads) == (tiny.vocab_size, tiny.hidden_size, tiny.num_heads)
-    (tmp_path / "config.json").write_text(json.dumps(tiny.replace(num_heads=4, num_kv_heads=2, head_dim=32).to_hf_dict()))
-    with pytest.raises(ConfigError) as info:
+    (tmp_path / "config.json").write_text(json.dumps(tiny.replace(num_heads=3, num_kv_heads=1, head_dim=32).to_hf_dict()))
+    with pytest.raises(ConfigError) as info:  # 3 heads split neither fsdp*tp=8 nor tp=2 ways
         validate(cfg)
-    assert info.value.key == "jaxflow.mesh.actor.train" and "num_heads=4" in str(info.value)
+    assert info.value.key == "jaxflow.mesh.actor.train" and "num_heads=3" in str(info.value)
     assert configs.model_config(apply_overrides(cfg, [f"actor_rollout_ref.model.path={tmp_path}/nothing"])) is None
 
 

@@ -411,7 +411,7 @@ def _check_model_fit(c: _Checker) -> None:
         try:
             if rules.get("train") == "hybrid_train":
                 n = sizes["fsdp"] * sizes["tp"]
-                train_rules, gen_rules = hybrid_rules(model, n)
+                train_rules, gen_rules = hybrid_rules(model, n, tp=sizes["tp"])
                 check_model_fits(model, sizes, train_rules)
                 if "generate" in rules:
                     key, tp = "jaxflow.mesh.actor.generate.tp", cfg.jaxflow.mesh.actor.generate.tp

@@ -23,6 +23,7 @@ Or any grouping with :meth:`Placement.from_groups`::
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,15 +105,20 @@ class Placement:
         try:
             rules = dict(spec.rules)
             if rules.get("train") == "hybrid_train":
-                train, gen = hybrid_rules(model, n)
+                train, gen = hybrid_rules(model, n, tp=sizes["tp"])
                 rules.update({p: train for p, r in rules.items() if r == "hybrid_train"})
                 rules.update({p: gen for p, r in rules.items() if r == "hybrid_generate"})
                 self.roles[role] = spec = dataclasses.replace(spec, rules=rules)
             for phase in spec.rules:
                 if phase == "generate":
-                    if n % spec.gen_tp:
-                        raise ValueError(f"generation tp={spec.gen_tp} does not divide fsdp*tp={n}")
-                    gen_sizes = {"replica": sizes["dp"], "tp": spec.gen_tp, "dp": n // spec.gen_tp}
+                    # The weight axes: (fsdp, tp), or tp alone under the *_embed rules.
+                    heads_axes = dict(get_rules(spec.rules.get("train", "hybrid_train"))).get("heads") or ()
+                    heads_axes = (heads_axes,) if isinstance(heads_axes, str) else heads_axes
+                    w = math.prod(sizes[a] for a in heads_axes if a in sizes) if "tp" in heads_axes else n
+                    what = "fsdp*tp" if w == n else "tp"
+                    if w % spec.gen_tp:
+                        raise ValueError(f"generation tp={spec.gen_tp} does not divide {what}={w}")
+                    gen_sizes = {"replica": sizes["dp"] * n // w, "tp": spec.gen_tp, "dp": w // spec.gen_tp}
                     check_model_fits(model, gen_sizes, get_rules(spec.rules[phase]))
                 else:
                     check_model_fits(model, sizes, get_rules(spec.rules[phase]))

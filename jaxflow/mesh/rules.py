@@ -260,6 +260,18 @@ def _with(rules: Rules, **changes: MeshAxes) -> Rules:
 HYBRID_TRAIN_RULES_KV_HEAD_DIM: Rules = _with(HYBRID_TRAIN_RULES, kv_heads=None, head_dim=("fsdp", "tp"))
 HYBRID_GENERATE_RULES_KV_HEAD_DIM: Rules = _with(HYBRID_GENERATE_RULES, kv_heads=None, head_dim="tp")
 
+# Head counts that do not divide fsdp*tp (Qwen2.5-0.5B: 14 heads, 2 kv heads, on 8 devices):
+# the *_EMBED variants split the Megatron dimensions over 'tp' only and the embedding
+# dimension over 'fsdp' (no weight is split twice along one dimension: a q kernel [D, H, K]
+# is [D/fsdp, H/tp, K]). The weight axes are then ('tp',), so the generation mesh regroups
+# the tp axis only and (dp, fsdp) become the generation 'replica' axis: a device's training
+# shard [D/fsdp, H/tp] still lies inside its generation shard [D, H/gen_tp] (a coarsening),
+# and the transition all-gathers over fsdp and inside the micro-DP groups. Generation uses
+# the HYBRID_GENERATE_RULES* unchanged (embed is never split in generation).
+HYBRID_TRAIN_RULES_EMBED: Rules = _with(
+    HYBRID_TRAIN_RULES, vocab="tp", embed="fsdp", heads="tp", kv_heads="tp", mlp="tp")
+HYBRID_TRAIN_RULES_EMBED_KV_HEAD_DIM: Rules = _with(HYBRID_TRAIN_RULES_EMBED, kv_heads=None, head_dim="tp")
+
 RULE_SETS: dict[str, Rules] = {
     "train": TRAIN_RULES,
     "generate": GENERATE_RULES,
@@ -267,6 +279,8 @@ RULE_SETS: dict[str, Rules] = {
     "hybrid_generate": HYBRID_GENERATE_RULES,
     "hybrid_train_kv_head_dim": HYBRID_TRAIN_RULES_KV_HEAD_DIM,
     "hybrid_generate_kv_head_dim": HYBRID_GENERATE_RULES_KV_HEAD_DIM,
+    "hybrid_train_embed": HYBRID_TRAIN_RULES_EMBED,
+    "hybrid_train_embed_kv_head_dim": HYBRID_TRAIN_RULES_EMBED_KV_HEAD_DIM,
 }
 
 
@@ -279,15 +293,37 @@ def get_rules(rules: str | Rules) -> Rules:
     return tuple(tuple(r) for r in rules)  # type: ignore[return-value]
 
 
-def hybrid_rules(model: Any, num_shards: int) -> tuple[Rules, Rules]:
+def _megatron_dims_divide(model: Any, n: int) -> bool:
+    return all(getattr(model, f) % n == 0 for f in ("num_heads", "intermediate_size", "vocab_size"))
+
+
+def _kv_variant(model: Any, n: int, heads_rules: Rules, head_dim_rules: Rules) -> tuple[Rules, Rules] | None:
+    if model.num_kv_heads % n == 0:
+        return heads_rules, HYBRID_GENERATE_RULES
+    if model.head_dim % n == 0:
+        return head_dim_rules, HYBRID_GENERATE_RULES_KV_HEAD_DIM
+    return None
+
+
+def hybrid_rules(model: Any, num_shards: int, tp: int | None = None) -> tuple[Rules, Rules]:
     """(train, generate) hybrid rule sets for a model whose weights are split ``num_shards``
-    (= fsdp * tp) ways: k/v split over kv_heads when the kv-head count allows it, else over
-    head_dim. Raises if neither divides (the other Megatron dimensions are checked when the
-    shardings are built)."""
-    if model.num_kv_heads % num_shards == 0:
-        return HYBRID_TRAIN_RULES, HYBRID_GENERATE_RULES
-    if model.head_dim % num_shards == 0:
-        return HYBRID_TRAIN_RULES_KV_HEAD_DIM, HYBRID_GENERATE_RULES_KV_HEAD_DIM
+    (= fsdp * tp) ways.
+
+    The Megatron dimensions (heads, mlp, vocab) split jointly over (fsdp, tp); k/v over
+    kv_heads when the kv-head count allows it, else over head_dim. When the Megatron
+    dimensions do not divide ``num_shards`` but do divide ``tp`` (given), and the hidden size
+    divides fsdp = ``num_shards / tp``, the ``*_EMBED`` variants split them over tp only and
+    the embedding over fsdp. Raises if k/v fit no variant (the other dimensions are checked
+    when the shardings are built, which names the one that does not divide)."""
+    joint = _kv_variant(model, num_shards, HYBRID_TRAIN_RULES, HYBRID_TRAIN_RULES_KV_HEAD_DIM)
+    if joint is not None and _megatron_dims_divide(model, num_shards):
+        return joint
+    if tp and num_shards % tp == 0 and model.hidden_size % (num_shards // tp) == 0 and _megatron_dims_divide(model, tp):
+        embed = _kv_variant(model, tp, HYBRID_TRAIN_RULES_EMBED, HYBRID_TRAIN_RULES_EMBED_KV_HEAD_DIM)
+        if embed is not None:
+            return embed
+    if joint is not None:
+        return joint
     raise ValueError(
         f"neither num_kv_heads={model.num_kv_heads} nor head_dim={model.head_dim} splits "
         f"{num_shards} ways; lower fsdp*tp for this model"

@@ -11,9 +11,8 @@ from jaxflow.models.decoder import (
     init_model,
     positions_from_mask,
 )
-from jaxflow.models.hf_io import from_pretrained, save_pretrained
+from jaxflow.models.hf_io import CheckpointError, from_pretrained, save_pretrained
 from jaxflow.models.presets import PRESETS, get_preset
-from jaxflow.models.safetensors_io import CheckpointError
 
 __all__ = [
     "HEADS",

@@ -24,11 +24,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from jaxflow.mesh import TRAIN_RULES, Rules, state_shardings
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.decoder import HEADS, CausalLM, RewardModel, ValueModel
-from jaxflow.models.safetensors_io import CheckpointError, SafetensorsFile, write_safetensors
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
 log = logging.getLogger(__name__)
 
 Transform = Callable[[Any], Any]
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, truncated, or does not match the model."""
 
 
 def _tensor_table(cfg: ModelConfig, head: str) -> list[tuple[tuple[str, ...], str, Transform, Transform]]:
@@ -91,12 +96,13 @@ _ARCH_SUFFIX = {"lm": "ForCausalLM", "value": "ForTokenClassification", "reward"
 
 
 class _Checkpoint:
-    """Tensor name -> file, over a single file or a sharded index."""
+    """Tensor name -> file, over a single file or a sharded index. Files are opened lazily with
+    the ``safetensors`` library (memory-mapped: a tensor is read only when asked for)."""
 
     def __init__(self, path: str):
         self.path = path
         index_path = os.path.join(path, "model.safetensors.index.json")
-        self._files: dict[str, SafetensorsFile] = {}
+        self._files: dict[str, Any] = {}
         if os.path.exists(index_path):
             try:
                 with open(index_path, encoding="utf-8") as f:
@@ -113,12 +119,16 @@ class _Checkpoint:
                 raise CheckpointError(f"no *.safetensors files in {path}")
             self.weight_map = {}
             for file in files:
-                for name in self._open(file).names():
+                for name in self._open(file).keys():
                     self.weight_map[name] = file
 
-    def _open(self, file: str) -> SafetensorsFile:
+    def _open(self, file: str):
         if file not in self._files:
-            self._files[file] = SafetensorsFile(os.path.join(self.path, file))
+            full = os.path.join(self.path, file)
+            try:
+                self._files[file] = safe_open(full, framework="numpy")
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{full}: truncated or corrupt safetensors file ({e})") from None
         return self._files[file]
 
     def __contains__(self, name: str) -> bool:
@@ -128,16 +138,19 @@ class _Checkpoint:
         if name not in self.weight_map:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
         file = self.weight_map[name]
+        full = os.path.join(self.path, file)
         reader = self._open(file)
-        if name not in reader.names():
-            raise CheckpointError(f"tensor {name!r} is missing from {os.path.join(self.path, file)}")
-        shape = reader.shape(name)
+        if name not in reader.keys():
+            raise CheckpointError(f"tensor {name!r} is missing from {full}")
+        shape = tuple(reader.get_slice(name).get_shape())
         if shape != tuple(expected_shape):
             raise CheckpointError(
-                f"tensor {name!r} in {os.path.join(self.path, file)} has shape {shape}; the config "
-                f"implies {tuple(expected_shape)}"
+                f"tensor {name!r} in {full} has shape {shape}; the config implies {tuple(expected_shape)}"
             )
-        return reader.get(name)
+        try:
+            return reader.get_tensor(name)
+        except (SafetensorError, TypeError) as e:
+            raise CheckpointError(f"{full}: cannot read tensor {name!r} ({e})") from None
 
 
 def _strip_layers(path: tuple) -> tuple[tuple[str, ...], int | None]:
@@ -282,13 +295,17 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
     )
     weight_map = {}
     for file, members in zip(files, shards):
-        fetchers = {tensors[n][0]: tensors[n][2] for n in members}
-        write_safetensors(
-            os.path.join(path, file),
-            [(tensors[n][0], tensors[n][1], dtype) for n in members],
-            lambda name: fetchers[name](),
-            metadata={"format": "pt"},
-        )
+        # One file's tensors (at most ``max_shard_bytes``) on the host at a time; written to a
+        # temporary name and renamed, so an interrupted write never leaves a half file.
+        arrays = {tensors[n][0]: np.ascontiguousarray(tensors[n][2](), dtype=dtype) for n in members}
+        for n in members:
+            name, shape, _ = tensors[n]
+            if arrays[name].shape != shape:
+                raise ValueError(f"tensor {name!r}: expected shape {shape}, got {arrays[name].shape}")
+        tmp = os.path.join(path, f".{file}.tmp-{os.getpid()}")
+        save_file(arrays, tmp, metadata={"format": "pt"})
+        os.replace(tmp, os.path.join(path, file))
+        del arrays
         weight_map.update({tensors[n][0]: file for n in members})
     index_path = os.path.join(path, "model.safetensors.index.json")
     if len(files) > 1:

@@ -19,7 +19,6 @@ from jaxflow.trainer.metrics import (
     truncate_jsonl,
 )
 from jaxflow.trainer.plot import plot_metrics, plot_run
-from jaxflow.trainer.tfevents import EventFileWriter, read_events
 
 __all__ = [
     "BACKENDS",
@@ -27,7 +26,6 @@ __all__ = [
     "RESUME_MODES",
     "CheckpointManager",
     "CheckpointMismatchError",
-    "EventFileWriter",
     "HostState",
     "MetricsLogger",
     "NonFiniteError",
@@ -38,7 +36,6 @@ __all__ = [
     "non_finite_keys",
     "plot_metrics",
     "plot_run",
-    "read_events",
     "read_jsonl",
     "skipped_keys",
     "truncate_jsonl",

@@ -39,7 +39,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
-from jaxflow.models.safetensors_io import CheckpointError
+from jaxflow.models.hf_io import CheckpointError
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from jaxflow.trainer.tfevents import EventFileWriter
 
 log = logging.getLogger(__name__)
 
@@ -230,18 +229,25 @@ class JsonlBackend:
 
 
 class TensorBoardBackend:
+    """Scalars through ``tensorboardX``. A resumed run opens a new event file whose first event
+    purges (hides from TensorBoard) the earlier-written steps after ``resume_step``; a fresh
+    run deletes old event files."""
+
     def __init__(self, logdir: str | os.PathLike, resume_step: int | None):
+        from tensorboardX import SummaryWriter
+
         logdir = Path(logdir)
         if resume_step is None and logdir.is_dir():
             for old in logdir.glob("events.out.tfevents.*"):
                 old.unlink()
-        self.writer = EventFileWriter(logdir)
-        if resume_step is not None:  # TensorBoard drops earlier-written steps >= this one
-            self.writer.session_start(resume_step + 1)
+        # The suffix keeps two writers opened within one second apart, in the order opened.
+        self.writer = SummaryWriter(logdir=str(logdir), filename_suffix=f".{time.time_ns()}.{os.getpid()}",
+                                    purge_step=None if resume_step is None else resume_step + 1)
         self.writer.flush()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
-        self.writer.add_scalars(dict(metrics), step)
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -18,20 +18,16 @@ directories.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from jaxflow.mesh import Placement
-from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig
+from jaxflow.workers.actor import ActorConfig, RolloutConfig
 from jaxflow.workers.base import ModelLike
-from jaxflow.workers.critic import CriticConfig, CriticWorker
-from jaxflow.workers.group import LocalWorkerGroup, Workers
-from jaxflow.workers.reference import ReferenceWorker
-from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker
-
-
-def _needs(placement: Placement, role: str) -> None:
-    if role not in placement.roles:
-        raise ValueError(f"a model was given for role {role!r} but the placement has no such role: {placement}")
+from jaxflow.workers.critic import CriticConfig
+from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
+from jaxflow.workers.reward import RewardFn, RuleRewardWorker
+from jaxflow.workers.roles import RoleSettings, make_role_worker
 
 
 def build_local_workers(
@@ -48,36 +44,26 @@ def build_local_workers(
     cost_model: ModelLike | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
     strategy: str = "hybrid",
-    ref_options: dict[str, Any] | None = None,
+    ref_options: Mapping[str, Any] | None = None,
 ) -> Workers:
     """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says
-    (``ref_options``: `ReferenceWorker` keyword arguments)."""
-    _needs(placement, "actor")
-    spec = placement.roles["actor"]
-    gen_rules: Any = placement.rules("actor", "generate") if spec.gen_tp is not None else None
-    w = Workers(actor=LocalWorkerGroup(
-        ActorWorker, name="actor", model=actor, mesh=placement.mesh("actor", "train"),
-        rules=placement.rules("actor", "train"), config=actor_config, rollout=rollout,
-        gen_tp=spec.gen_tp, gen_rules=gen_rules, strategy=strategy))
-    if ref is not None:
-        _needs(placement, "ref")
-        w.ref = LocalWorkerGroup(ReferenceWorker, name="ref", model=ref, mesh=placement.mesh("ref"),
-                                 rules=placement.rules("ref", "infer"), temperature=rollout.temperature,
-                                 **(ref_options or {}))
-    if critic is not None:
-        _needs(placement, "critic")
-        w.critic = LocalWorkerGroup(CriticWorker, name="critic", model=critic, mesh=placement.mesh("critic"),
-                                    rules=placement.rules("critic", "train"), config=critic_config)
-    reward_group = None
-    if reward_model is not None:
-        _needs(placement, "reward")
-        reward_group = LocalWorkerGroup(RewardModelWorker, name="reward", model=reward_model,
-                                        mesh=placement.mesh("reward"), rules=placement.rules("reward", "infer"))
+    (``ref_options``: `ReferenceWorker` keyword arguments, e.g. remove padding)."""
+    settings = RoleSettings(actor_config=actor_config, rollout=rollout,
+                            critic_config=critic_config or CriticConfig(), strategy=strategy,
+                            ref_options=tuple(sorted((ref_options or {}).items())))
+    models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
+    groups = {role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
+              for role, model in models.items() if model is not None}
+    return workers_from_groups(groups, rule_reward=None if rule_reward is None else LocalWorkerGroup(
+        rule_reward, name="rule_reward"), reward_weights=reward_weights)
+
+
+def workers_from_groups(groups: dict[str, WorkerGroup], *, rule_reward: WorkerGroup | None = None,
+                        reward_weights: tuple[float, float] = (1.0, 1.0)) -> Workers:
+    """`Workers` from one group per model role (``reward``: the reward model) and the rule scorer."""
+    reward_group = groups.get("reward")
+    reward = None
     if reward_group is not None or rule_reward is not None:
-        rule_group = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
-        w.reward = RewardFn(model=reward_group, rule=rule_group, weights=reward_weights)
-    if cost_model is not None:
-        _needs(placement, "cost")
-        w.cost = LocalWorkerGroup(RewardModelWorker, name="cost", model=cost_model, mesh=placement.mesh("cost"),
-                                  rules=placement.rules("cost", "infer"), output_key="token_level_cost")
-    return w
+        reward = RewardFn(model=reward_group, rule=rule_reward, weights=reward_weights)
+    return Workers(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"), reward=reward,
+                   cost=groups.get("cost"))

@@ -1,0 +1,196 @@
+"""Per-model parallel layouts in jaxflow's mesh axes (HybridFlow's Algorithm 2 candidates),
+and each layout's memory per device.
+
+A :class:`Layout` is a role's training / inference mesh ``(dp, fsdp, tp)`` on ``n`` devices
+and, for the actor, its generation tensor parallelism ``gen_tp`` (dividing the training
+weight-parallel degree, as the 3D-HybridEngine requires; the rest is generation dp).
+
+Only layouts whose axes divide the model's dimensions under the rules the run itself picks
+(:func:`jaxflow.mesh.hybrid_rules` for the actor, ``TRAIN_RULES`` for the others) and whose
+batches split over the data-parallel ranks are proposed; tensor parallelism stays inside a
+host (``tp, gen_tp <= devices_per_host``), as in the paper.
+
+Memory per device (analytic; the dry run's formulas, :mod:`jaxflow.trainer.dry_run`):
+parameters in their dtype, sharded as the rules say; Adam's two moments in
+``jaxflow.optim.state_dtype``; gradients (twice with micro-batch accumulation); activations
+per micro-batch with the remat policy; for the actor the generation copy of the weights and
+the KV cache of one generation call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from jax.sharding import AbstractMesh
+
+from jaxflow.automap.workload import RoleModel, Workload
+from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
+from jaxflow.sampling import bucket_size
+from jaxflow.trainer import dry_run as dr
+from jaxflow.workers.base import num_micro_batches
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    dp: int
+    fsdp: int
+    tp: int
+    gen_tp: int | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.fsdp * self.tp
+
+    @property
+    def train_sizes(self) -> dict[str, int]:
+        return {"dp": self.dp, "fsdp": self.fsdp, "tp": self.tp}
+
+    def text(self) -> str:
+        gen = f" gen_tp={self.gen_tp}" if self.gen_tp else ""
+        return f"dp={self.dp} fsdp={self.fsdp} tp={self.tp}{gen}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleLayout:
+    """A feasible layout of one role with its rules, meshes and analytic memory."""
+
+    role: str
+    layout: Layout
+    rules: Rules
+    mesh: AbstractMesh
+    gen_rules: Rules | None
+    gen_mesh: AbstractMesh | None
+    plan: dr.RolePlan  # analytic bytes per device (param, optimizer, gradient, activations, KV)
+    micro_batches: dict[str, int]
+    weight_degree: int  # devices that split the weights' Megatron dimension (fsdp*tp or tp)
+
+    @property
+    def persistent_bytes(self) -> int:
+        return self.plan.persistent_bytes
+
+    @property
+    def peak_transient_bytes(self) -> int:
+        return max(self.plan.transient_bytes().values(), default=0)
+
+    @property
+    def meshes(self) -> dict[str, dict[str, int]]:
+        out = {"train" if self.role in ("actor", "critic") else "infer": dict(self.mesh.shape)}
+        if self.gen_mesh is not None:
+            out["generate"] = dict(self.gen_mesh.shape)
+        return out
+
+
+def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+    return AbstractMesh(tuple(sizes.values()), tuple(sizes))
+
+
+def sharded_bytes(rm: RoleModel, rules: Rules, mesh: AbstractMesh, itemsize: int) -> int:
+    """Per-device bytes of the role's parameters under ``rules`` (ValueError if a sharded
+    dimension does not divide its mesh axes, as :func:`jaxflow.mesh.state_shardings`)."""
+    total = 0
+    for leaf in rm.leaves:
+        spec = logical_to_spec(leaf.logical_axes, rules, mesh)
+        n = 1
+        for size, entry in zip(leaf.shape, spec):
+            axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+            k = math.prod(mesh.shape[a] for a in axes)
+            if size % k:
+                raise ValueError(f"dimension {size} of {leaf.logical_axes} does not split {k} ways")
+            n *= size // k
+        total += n
+    return total * itemsize
+
+
+def _gen_sizes(layout: Layout, weight_degree: int) -> dict[str, int]:
+    replica = layout.devices // weight_degree
+    sizes = {"tp": layout.gen_tp, "dp": weight_degree // layout.gen_tp}
+    return {"replica": replica, **sizes} if replica > 1 else sizes
+
+
+def generation_rows(w: Workload, gen_dp: int) -> int:
+    """Sequences one generate call produces (the whole rollout, or max_num_seqs per replica)."""
+    return min(w.rows, w.max_num_seqs * gen_dp) if w.max_num_seqs > 0 else w.rows
+
+
+def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
+    """The layout's rules, meshes and memory; ValueError when it does not fit the model or
+    the batches."""
+    rm = w.models[role]
+    mc = rm.config
+    P, R = w.prompt_len, w.response_len
+    sizes = layout.train_sizes
+    if role == "actor":
+        rules, gen_rules = hybrid_rules(mc, layout.fsdp * layout.tp, tp=layout.tp)
+    else:
+        rules, gen_rules = TRAIN_RULES, None
+    check_model_fits(mc, sizes, rules)
+    mesh = abstract_mesh(sizes)
+    heads_axes = dict(rules)["heads"]
+    heads_axes = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes)
+    weight_degree = math.prod(sizes[a] for a in heads_axes)
+    param_bytes = sharded_bytes(rm, rules, mesh, rm.param_itemsize)
+    plan = dr.RolePlan(role=role, pool="", head=rm.head, model={}, num_params=rm.num_params,
+                       meshes={}, param_bytes=param_bytes)
+    dp_ranks = layout.dp * layout.fsdp
+    micro: dict[str, int] = {}
+    if role in w.mini_batch_rows:
+        rows = w.mini_batch_rows[role]
+        k = num_micro_batches(rows, w.train_micro[role], dp_ranks, f"{role} mini-batch")
+        micro["train"] = k
+        plan.optimizer_bytes = 2 * sharded_bytes(rm, rules, mesh, w.state_itemsize)
+        plan.gradient_bytes = param_bytes * (2 if k > 1 else 1)
+        plan.activation_bytes["train"] = dr.activation_bytes(mc, "train", rows / k / dp_ranks, P, R, rules, mesh)
+    k = num_micro_batches(w.rows, w.forward_micro[role], dp_ranks, f"{role} forward")
+    micro["infer"] = k
+    plan.activation_bytes["infer"] = dr.activation_bytes(mc, "infer", w.rows / k / dp_ranks, P, R, rules, mesh)
+    gen_mesh = None
+    if role == "actor":
+        if not layout.gen_tp or weight_degree % layout.gen_tp:
+            raise ValueError(f"generation tp={layout.gen_tp} does not divide the weight degree {weight_degree}")
+        gsizes = _gen_sizes(layout, weight_degree)
+        check_model_fits(mc, gsizes, gen_rules)
+        gen_mesh = abstract_mesh(gsizes)
+        gen_dp = layout.devices // layout.gen_tp
+        prompts = max(1, generation_rows(w, gen_dp) // w.n)
+        rows_bucket = bucket_size(prompts, multiple=gen_dp) * w.n
+        S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
+        plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
+        plan.kv_cache_bytes = dr.kv_cache_bytes(mc, rows_bucket, S, gen_rules, gen_mesh)
+        plan.activation_bytes["generate"] = dr.activation_bytes(mc, "generate", prompts / gen_dp, P, R, gen_rules,
+                                                                gen_mesh)
+    return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree)
+
+
+def candidate_layouts(n: int, devices_per_host: int, generating: bool) -> list[Layout]:
+    """Every (dp, fsdp, tp[, gen_tp]) on ``n`` devices with tp and gen_tp inside a host
+    (gen_tp's divisibility by the weight degree is checked by :func:`role_layout`)."""
+    out = []
+    for tp in divisors(n):
+        if tp > devices_per_host:
+            continue
+        for fsdp in divisors(n // tp):
+            dp = n // (tp * fsdp)
+            if not generating:
+                out.append(Layout(dp, fsdp, tp))
+                continue
+            for g in divisors(fsdp * tp):
+                if g <= devices_per_host:
+                    out.append(Layout(dp, fsdp, tp, g))
+    return out
+
+
+def feasible_layouts(w: Workload, role: str, n: int, devices_per_host: int) -> list[RoleLayout]:
+    """The role's layouts on ``n`` devices that fit its model and batches (memory is not
+    checked here: it depends on what shares the pool)."""
+    out = []
+    for layout in candidate_layouts(n, devices_per_host, role == "actor"):
+        try:
+            out.append(role_layout(w, role, layout))
+        except ValueError:
+            continue
+    return out
+

@@ -1,0 +1,136 @@
+"""Results of a multi-process SPMD call, moved to the driver from the processes that hold them.
+
+In a multi-process JAX world (one process per host, `jax.distributed`), a worker method
+returns global ``jax.Array``s of which each process holds only its addressable shards. To
+bring one to the driver without a collective and without sending any byte twice, every
+process contributes the shards it holds with ``replica_id == 0`` (exactly one device in the
+world holds replica 0 of each shard), and the driver writes the pieces of all processes
+into one NumPy array:
+
+    per process:   to_pieces(output, process_index)      # on the worker process
+    on the driver: assemble([pieces_0, pieces_1, ...])    # one NumPy array per leaf
+
+Leaves that every process computed alike (host NumPy values, Python scalars, fully replicated
+arrays) travel from process 0 only. A `Batch` (not a pytree) is taken apart into its
+tensors, which travel as pieces, and its host columns and meta, which come from process 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxflow.data.batch import Batch
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+    """One process's part of a global array: ``(index, block)`` for each shard it holds
+    replica 0 of (``index`` is a tuple of slices into the global ``shape``)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    blocks: tuple[tuple[tuple[slice, ...], np.ndarray], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class FromFirst:
+    """Placeholder of a leaf that process 0 sends for everyone."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchParts:
+    tensors: dict[str, Any]
+    non_tensors: Any
+    meta: Any
+
+
+def _is_batch_parts(x: Any) -> bool:
+    return isinstance(x, _BatchParts)
+
+
+def _leaf_pieces(x: Any, process: int) -> Any:
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        blocks = tuple((tuple(s.index), np.asarray(s.data)) for s in x.addressable_shards if s.replica_id == 0)
+        return Pieces(tuple(x.shape), np.dtype(x.dtype), blocks)
+    if process != 0:
+        return FromFirst()
+    return np.asarray(x) if isinstance(x, jax.Array) else x
+
+
+def _split_batches(tree: Any) -> Any:
+    def split(x: Any) -> Any:
+        return _BatchParts(dict(x.tensors), x.non_tensors, x.meta) if isinstance(x, Batch) else x
+
+    return jax.tree.map(split, tree, is_leaf=lambda x: isinstance(x, Batch))
+
+
+def to_pieces(tree: Any, process: int) -> Any:
+    """``tree`` (any pytree, Batches included) with every global array replaced by this
+    process's `Pieces` and every other leaf kept by process 0 only."""
+    tree = _split_batches(tree)
+
+    def convert(x: Any) -> Any:
+        if _is_batch_parts(x):
+            tensors = {k: _leaf_pieces(v, process) for k, v in x.tensors.items()}
+            if process != 0:
+                return _BatchParts(tensors, FromFirst(), FromFirst())
+            return _BatchParts(tensors, x.non_tensors, x.meta)
+        return _leaf_pieces(x, process)
+
+    return jax.tree.map(convert, tree, is_leaf=_is_batch_parts)
+
+
+def to_host_local(tree: Any) -> Any:
+    """``tree`` with its arrays as NumPy, for per-process results (each process's own value).
+    A global array that this process does not hold whole is an error."""
+
+    def convert(x: Any) -> Any:
+        if isinstance(x, Batch):
+            return x.to_host()
+        if isinstance(x, jax.Array):
+            if not (x.is_fully_addressable or x.is_fully_replicated):
+                raise TypeError(
+                    f"a per-process result holds a global array of shape {x.shape} that this process holds only "
+                    "in part; return it from a single-program (e.g. DP_COMPUTE) method instead"
+                )
+            return np.asarray(x)
+        return x
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, Batch))
+
+
+def _merge_leaf(parts: Sequence[Any]) -> Any:
+    first = parts[0]
+    if not isinstance(first, Pieces):
+        return first
+    out = np.empty(first.shape, first.dtype)
+    filled = 0
+    for p in parts:
+        for index, block in p.blocks:
+            out[index] = block
+            filled += block.size
+    if filled != out.size:
+        raise RuntimeError(f"assembling an array of shape {first.shape}: the processes sent {filled} of its "
+                           f"{out.size} elements")
+    return out
+
+
+def assemble(per_process: Sequence[Any]) -> Any:
+    """The driver's value from every process's `to_pieces` output (process order)."""
+    is_leaf = lambda x: isinstance(x, (Pieces, FromFirst, _BatchParts))  # noqa: E731
+    flats = [jax.tree.flatten(t, is_leaf=is_leaf) for t in per_process]
+    treedef = flats[0][1]
+    merged = []
+    for i, first in enumerate(flats[0][0]):
+        parts = [f[0][i] for f in flats]
+        if isinstance(first, _BatchParts):
+            tensors = {k: _merge_leaf([p.tensors[k] for p in parts]) for k in first.tensors}
+            merged.append(Batch(tensors, first.non_tensors, first.meta))
+        else:
+            merged.append(_merge_leaf(parts))
+    return jax.tree.unflatten(treedef, merged)

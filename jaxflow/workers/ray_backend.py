@@ -1,0 +1,441 @@
+"""The Ray backend: each worker group is its own `jax.distributed` world of one process per
+host, driven by the single controller (this process, the Ray driver).
+
+::
+
+    backend = RayBackend(RayConfig(devices_per_host=2))          # joins or starts Ray
+    placement = Placement.split(devices=backend.devices(8))      # 4 hosts x 2 devices
+    with backend:
+        w = backend.build_workers(placement, actor=recipe, ref=recipe, critic=value_recipe, ...)
+        metrics = ppo_iteration(w, prompts, cfg)                  # same program as local
+
+Process model.
+
+* **Pools are placement groups.** The driver's `Placement` is built over `HostSlot`s (one per
+  device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool becomes a Ray
+  placement group with one bundle per host (CPU cores; on GPU the host's GPUs, on TPU the
+  VM's chips), ``PACK`` on CPU (simulated hosts may share a node) and ``STRICT_SPREAD``
+  otherwise (one bundle per node). A pool that the cluster cannot hold is reported
+  (`Unschedulable`) after ``schedule_timeout_s``.
+* **One process per host per group, one JAX world per group.** A `ProcessGroup` starts one
+  `jaxflow.workers.ray_host.HostProcess` actor per bundle; rank 0 picks a free port and every
+  rank calls ``jax.distributed.initialize``. Roles that share a pool share its processes, and
+  each process builds the same role objects as the local backend (over its world's global
+  devices, so the meshes are the local backend's meshes on the same number of devices).
+* **Lock-step calls.** A `RayWorkerGroup` call is put once in the object store and submitted
+  to every rank in the same order; each rank runs the method's single-program form over the
+  global mesh and returns the shards it holds (`jaxflow.workers.host_transfer`), which the
+  driver assembles. Per-rank protocols (``ALL_TO_ALL``) are dispatched by process.
+* **Deadlines.** Every remote call waits at most a deadline: ``compile_deadline_s`` for a
+  method's first call with given shapes (it compiles), ``step_deadline_s`` after that,
+  ``sync_deadline_s`` for world set-up and builds. A rank that dies (`WorkerDied`) or a call
+  past its deadline (`DeadlineExceeded`) raises naming the group and rank, and the group's
+  processes are killed (the world cannot continue without a rank). `RayBackend.shutdown`
+  (also on exit from ``with``) kills every process it started; Ray kills a driver's actors
+  when the driver dies.
+
+Ray is imported only here and only when a backend is made: the local path never loads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxflow.data.batch import Batch
+from jaxflow.mesh import Placement
+from jaxflow.workers.actor import ActorConfig, RolloutConfig
+from jaxflow.workers.critic import CriticConfig
+from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
+from jaxflow.workers.host_transfer import assemble
+from jaxflow.workers.local import workers_from_groups
+from jaxflow.workers.protocols import Protocol, WorkerGroupInfo, get_protocol, method_protocol
+from jaxflow.workers.ray_host import ROLE_FROM_PLACEMENT, HostProcess
+from jaxflow.workers.reward import RuleRewardWorker
+from jaxflow.workers.roles import RoleSettings, role_class
+
+ACCELERATORS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class RayConfig:
+    """Settings of the Ray backend (``jaxflow.ray.*`` in an experiment config).
+
+    Attributes:
+      address: Ray cluster to join; ``""`` joins a running one (``ray start``, RAY_ADDRESS)
+        if there is one and otherwise starts a local one.
+      devices_per_host: accelerators per host (CPU: simulated devices per process).
+      cpus_per_host: CPU cores of each host's bundle.
+      accelerator: ``cpu`` | ``gpu`` | ``tpu``.
+      compile_deadline_s, step_deadline_s, sync_deadline_s: see the module docstring.
+      schedule_timeout_s: how long a pool may wait for its bundles.
+      local_num_cpus: CPUs of a local Ray started here (None: the machine's).
+    """
+
+    address: str = ""
+    devices_per_host: int = 8
+    cpus_per_host: float = 1.0
+    accelerator: str = "cpu"
+    compile_deadline_s: float = 600.0
+    step_deadline_s: float = 300.0
+    sync_deadline_s: float = 120.0
+    schedule_timeout_s: float = 30.0
+    local_num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ACCELERATORS:
+            raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {self.accelerator!r}")
+        if self.devices_per_host < 1:
+            raise ValueError(f"devices_per_host must be >= 1, got {self.devices_per_host}")
+        for name in ("compile_deadline_s", "step_deadline_s", "sync_deadline_s", "schedule_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def bundle(self) -> dict[str, float]:
+        """One host's resources."""
+        extra = {"gpu": {"GPU": self.devices_per_host}, "tpu": {"TPU": self.devices_per_host}}
+        return {"CPU": self.cpus_per_host, **extra.get(self.accelerator, {})}
+
+
+class WorkerGroupError(RuntimeError):
+    """A worker group failed; ``group`` and ``rank`` say where."""
+
+    def __init__(self, message: str, group: str, rank: int | None = None):
+        super().__init__(message)
+        self.group, self.rank = group, rank
+
+
+class WorkerDied(WorkerGroupError):
+    """A worker process died (killed, out of memory, crashed)."""
+
+
+class DeadlineExceeded(WorkerGroupError):
+    """A remote call did not finish within its deadline."""
+
+
+class Unschedulable(WorkerGroupError):
+    """The cluster cannot hold a pool's bundles."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSlot:
+    """A device of a Ray run as the driver sees it: the ``local``-th device of host ``host``.
+    `Placement`s of a Ray run are built over these (the devices themselves live in the
+    workers' processes)."""
+
+    id: int
+    host: int
+    local: int
+
+
+def _ray():
+    import ray
+
+    return ray
+
+
+def _env_for_workers(config: RayConfig) -> dict[str, str]:
+    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                     if not f.startswith("--xla_force_host_platform_device_count"))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
+    if config.accelerator == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _host_tree(tree: Any) -> Any:
+    """Arguments as host values: the driver's jax arrays become NumPy."""
+    def convert(x: Any) -> Any:
+        if isinstance(x, Batch):
+            return x.to_host()
+        return np.asarray(x) if isinstance(x, jax.Array) else x
+
+    return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, Batch))
+
+
+def _signature(tree: Any) -> tuple:
+    """Shapes and dtypes of the array leaves (a new signature means a compile)."""
+    def sig(x: Any) -> Any:
+        if isinstance(x, Batch):
+            return tuple((k, np.shape(v), str(v.dtype)) for k, v in sorted(x.tensors.items()))
+        return (np.shape(x), str(x.dtype)) if hasattr(x, "dtype") else type(x).__name__
+
+    return tuple(jax.tree.leaves(jax.tree.map(sig, tree, is_leaf=lambda x: isinstance(x, Batch))))
+
+
+class ProcessGroup:
+    """The processes of one pool: a placement group of ``num_hosts`` bundles, one
+    `HostProcess` actor per bundle, one `jax.distributed` world (module docstring)."""
+
+    def __init__(self, name: str, num_hosts: int, config: RayConfig):
+        ray = _ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.name, self.num_hosts, self.config = name, num_hosts, config
+        self.actors: list[Any] = []
+        self.pids: list[int] = []
+        self.dead: str | None = None
+        self._seen: set[tuple] = set()
+        bundle = config.bundle()
+        strategy = "PACK" if config.accelerator == "cpu" else "STRICT_SPREAD"
+        self._pg = placement_group([dict(bundle) for _ in range(num_hosts)], strategy=strategy)
+        try:
+            ray.get(self._pg.ready(), timeout=config.schedule_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self._pg)
+            self._pg = None
+            raise Unschedulable(
+                f"worker group {name!r}: {num_hosts} host bundle(s) of {bundle} could not be scheduled within "
+                f"{config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
+                f"{ray.cluster_resources()}, available {ray.available_resources()}", name) from None
+        remote = ray.remote(HostProcess)
+        options = {"num_cpus": config.cpus_per_host, "max_restarts": 0, "max_concurrency": 1,
+                   "runtime_env": {"env_vars": _env_for_workers(config)}}
+        if config.accelerator == "gpu":
+            options["num_gpus"] = config.devices_per_host
+        elif config.accelerator == "tpu":
+            options["resources"] = {"TPU": config.devices_per_host}
+        try:
+            for rank in range(num_hosts):
+                strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+                self.actors.append(remote.options(scheduling_strategy=strategy, **options).remote(
+                    name, rank, num_hosts, config.devices_per_host, config.accelerator))
+            (address,) = self._gather([self.actors[0].free_address.remote()], "picking the coordinator port",
+                                      config.sync_deadline_s)
+            worlds = self._gather([a.init_world.remote(address, config.sync_deadline_s) for a in self.actors],
+                                  "jax.distributed.initialize", config.sync_deadline_s)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.pids = [w["pid"] for w in worlds]
+        self.address = address
+
+    # ------------------------------------------------------------------ calls
+    def _gather(self, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
+        """Every rank's result, waiting at most ``deadline_s`` (module docstring)."""
+        ray = _ray()
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: list[Any] = [None] * len(refs)
+        pending, end = list(refs), time.monotonic() + deadline_s
+        failure: tuple[int, BaseException] | None = None
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, end - time.monotonic()))
+            if not ready:
+                missing = sorted(rank_of[r] for r in pending)
+                self.shutdown(f"{what} passed its deadline")
+                if failure is not None:
+                    rank, error = failure
+                    error.add_note(f"raised by worker group {self.name!r} rank {rank} during {what}; ranks "
+                                   f"{missing} did not finish within {deadline_s:g}s, so the group was stopped")
+                    raise error
+                raise DeadlineExceeded(
+                    f"worker group {self.name!r}: {what} passed its deadline of {deadline_s:g}s; rank(s) {missing} "
+                    f"of {len(refs)} did not answer (the group's processes were stopped)", self.name, missing[0])
+            rank = rank_of[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                pid = self.pids[rank] if rank < len(self.pids) else "?"
+                self.shutdown(f"rank {rank} died")
+                raise WorkerDied(
+                    f"worker group {self.name!r} rank {rank} (pid {pid}) died during {what}: "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", self.name, rank) from None
+            except ray.exceptions.RayTaskError as e:
+                if failure is None:  # the others get the sync deadline to finish (or fail alike)
+                    failure = (rank, e.cause if isinstance(e.cause, BaseException) else e)
+                    end = min(end, time.monotonic() + self.config.sync_deadline_s)
+        if failure is not None:
+            rank, error = failure
+            error.add_note(f"raised by worker group {self.name!r} rank {rank} during {what}")
+            raise error
+        return results
+
+    def _check_alive(self) -> None:
+        if self.dead is not None:
+            raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
+
+    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> None:
+        """Builds ``role`` in every process (see `HostProcess.build`)."""
+        self._check_alive()
+        ref = _ray().put(kwargs)
+        self._gather([a.build.remote(role, worker_cls, ref) for a in self.actors], f"building {role!r}",
+                     self.config.compile_deadline_s)
+
+    def call(self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> Any:
+        """``role.method(*args, **kwargs)`` in lock step on every rank; the assembled result
+        (single-program protocols) or the protocol's collect of the per-rank results."""
+        self._check_alive()
+        ray = _ray()
+        args, kwargs = _host_tree(args), _host_tree(kwargs)
+        key = (role, method, _signature((args, kwargs)))
+        deadline = self.config.step_deadline_s if key in self._seen else self.config.compile_deadline_s
+        what = f"{role}.{method}"
+        if protocol.spmd is None:
+            info = WorkerGroupInfo(world_size=self.num_hosts, dp_size=1)
+            dispatched = protocol.dispatch(info, args, kwargs)
+            inputs = getattr(dispatched, "inputs", dispatched)
+            refs = [a.call.remote(role, method, ray.put(payload)) for a, payload in zip(self.actors, inputs)]
+            outputs = self._gather(refs, what, deadline)
+            self._seen.add(key)
+            return protocol.collect(info, outputs, getattr(dispatched, "state", None))
+        payload = ray.put((args, kwargs))  # put once, read by every rank
+        outputs = self._gather([a.call.remote(role, method, payload) for a in self.actors], what, deadline)
+        self._seen.add(key)
+        return assemble(outputs)
+
+    def shutdown(self, reason: str = "shut down") -> None:
+        """Kills the group's processes and frees its bundles (idempotent)."""
+        if self.dead is None:
+            self.dead = reason
+        ray = _ray()
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.actors = []
+        if getattr(self, "_pg", None) is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self._pg)
+            except Exception:  # noqa: BLE001 - already gone with the cluster
+                pass
+            self._pg = None
+
+    def __repr__(self) -> str:
+        return f"ProcessGroup({self.name!r}, hosts={self.num_hosts}, pids={self.pids})"
+
+
+class RayWorkerGroup(WorkerGroup):
+    """The driver's handle on one role of a `ProcessGroup` (a `WorkerGroup`: its methods are
+    the worker class's registered methods, run in lock step on every process)."""
+
+    def __init__(self, processes: ProcessGroup, role: str, worker_cls: type, kwargs: dict[str, Any] | None = None):
+        self.processes, self.name, self.worker_cls = processes, role, worker_cls
+        self.info = WorkerGroupInfo(world_size=processes.num_hosts, dp_size=1)
+        if kwargs is not None:
+            processes.build(role, worker_cls, kwargs)
+
+    def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        protocol = method_protocol(getattr(self.worker_cls, method, None))
+        if protocol is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{method} is not registered with a protocol")
+        protocol = get_protocol(protocol)
+        return self._finish(protocol, self.processes.call(self.name, method, protocol, args, kwargs))
+
+
+class RayBackend:
+    """Joins (or starts) Ray and starts worker groups; a context manager that stops them."""
+
+    def __init__(self, config: RayConfig = RayConfig()):
+        self.config = config
+        self.groups: dict[str, ProcessGroup] = {}
+        ray = _ray()
+        if not ray.is_initialized():
+            if config.address:
+                ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
+            else:
+                try:
+                    ray.init(address="auto", include_dashboard=False)
+                except (ConnectionError, RuntimeError, ValueError):
+                    ray.init(num_cpus=config.local_num_cpus, include_dashboard=False)
+
+    def devices(self, num_devices: int) -> tuple[HostSlot, ...]:
+        """``num_devices`` `HostSlot`s, ``devices_per_host`` per host (a Placement's devices)."""
+        per = self.config.devices_per_host
+        if num_devices % per:
+            raise ValueError(f"{num_devices} devices are not whole hosts of {per} (jaxflow.ray.devices_per_host)")
+        return tuple(HostSlot(i, i // per, i % per) for i in range(num_devices))
+
+    def hosts_of(self, placement: Placement, pool: str) -> int:
+        """How many hosts ``pool`` takes (it must take whole hosts, in order)."""
+        slots = placement.pools[pool].devices
+        per = self.config.devices_per_host
+        hosts = sorted({s.host for s in slots})
+        if len(slots) != per * len(hosts) or any(s.local != i % per for i, s in enumerate(slots)):
+            raise ValueError(f"pool {pool!r} holds devices {[s.id for s in slots]}: a Ray pool takes whole hosts of "
+                             f"{per} devices (jaxflow.ray.devices_per_host)")
+        return len(hosts)
+
+    def process_group(self, name: str, num_hosts: int) -> ProcessGroup:
+        if name in self.groups:
+            raise ValueError(f"a worker group named {name!r} is already running")
+        group = ProcessGroup(name, num_hosts, self.config)
+        self.groups[name] = group
+        return group
+
+    def group(self, processes: ProcessGroup, worker_cls: type, *, name: str, **kwargs: Any) -> RayWorkerGroup:
+        """A `RayWorkerGroup` of ``worker_cls(**kwargs)`` built in every process of ``processes``
+        (mesh arguments as `MeshSpec` text: each process builds them over its world)."""
+        return RayWorkerGroup(processes, name, worker_cls, kwargs)
+
+    def build_workers(
+        self,
+        placement: Placement,
+        *,
+        actor: Any,
+        actor_config: ActorConfig = ActorConfig(),
+        rollout: RolloutConfig = RolloutConfig(),
+        ref: Any = None,
+        critic: Any = None,
+        critic_config: CriticConfig | None = None,
+        reward_model: Any = None,
+        rule_reward: RuleRewardWorker | None = None,
+        cost_model: Any = None,
+        reward_weights: tuple[float, float] = (1.0, 1.0),
+        strategy: str = "hybrid",
+        ref_options: Mapping[str, Any] | None = None,
+    ) -> Workers:
+        """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
+        roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
+        state)`` pair (sent once through the object store) or a callable ``(mesh, rules) ->
+        model`` run in every process (each reads or initialises its own shards). The rule
+        scorer runs on the driver."""
+        ray = _ray()
+        settings = RoleSettings(actor_config=actor_config, rollout=rollout,
+                                critic_config=critic_config or CriticConfig(), strategy=strategy,
+                                ref_options=tuple(sorted((ref_options or {}).items())))
+        models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
+        refs: dict[int, Any] = {}
+
+        def shipped(model: Any) -> Any:
+            if isinstance(model, tuple):
+                if id(model) not in refs:
+                    refs[id(model)] = ray.put((model[0], jax.device_get(model[1])))
+                return refs[id(model)]
+            return model
+
+        groups: dict[str, WorkerGroup] = {}
+        for pool, roles in placement.groups().items():
+            wanted = [r for r in roles if models.get(r) is not None]
+            if not wanted:
+                continue
+            processes = self.process_group(pool, self.hosts_of(placement, pool))
+            for role in wanted:
+                kwargs = {"placement": placement, "pool": pool, "model": shipped(models[role]), "settings": settings}
+                groups[role] = RayWorkerGroup(processes, role, role_class(role))
+                processes.build(role, ROLE_FROM_PLACEMENT, kwargs)
+        rule = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
+        return workers_from_groups(groups, rule_reward=rule, reward_weights=reward_weights)
+
+    def shutdown(self) -> None:
+        """Stops every group this backend started."""
+        for group in self.groups.values():
+            group.shutdown()
+        self.groups.clear()
+
+    def __enter__(self) -> RayBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

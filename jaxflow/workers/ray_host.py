@@ -1,0 +1,130 @@
+"""The worker side of the Ray backend: one `HostProcess` per host per worker group.
+
+A `HostProcess` is a plain class that `jaxflow.workers.ray_backend` runs as a Ray actor. Its
+life:
+
+1. ``free_address()`` (rank 0 only): an ``ip:port`` for the group's JAX coordinator.
+2. ``init_world(address, ...)``: ``jax.distributed.initialize`` with this rank, before
+   anything touches a device. On CPU, ``devices_per_process`` simulated devices and the gloo
+   cross-process collectives. From then on ``jax.devices()`` are the group's global devices.
+3. ``build(role, ...)``: builds a role worker inside this process, the same class with the
+   same arguments as the local backend (``jaxflow.workers.roles.make_role_worker`` for
+   placement roles, or any worker class). Roles sharing the pool share the process.
+4. ``call(role, method, payload)``: runs the method. Every process of the group receives the
+   same calls in the same order (the driver submits them so, and a Ray actor runs its calls
+   one at a time in order), so every process enters the same compiled programs in the same
+   order. A method with a single-program form runs it (`call_spmd`) over the global mesh
+   and returns its share of the result (`jaxflow.workers.host_transfer.to_pieces`);
+   a per-rank method (ALL_TO_ALL) returns its own value.
+
+Nothing here imports Ray: the class is turned into an actor by the driver.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+ROLE_FROM_PLACEMENT = "placement"
+
+
+def _is_object_ref(x: Any) -> bool:
+    return type(x).__name__ == "ObjectRef"
+
+
+class HostProcess:
+    """One process of one worker group (see the module docstring).
+
+    Args:
+      group: the group's name (for messages).
+      rank: this process's index in the group's `jax.distributed` world.
+      num_processes: processes in the group.
+      devices_per_process: local devices of each process (CPU: simulated device count).
+      platform: ``cpu`` | ``gpu`` | ``tpu``.
+    """
+
+    def __init__(self, group: str, rank: int, num_processes: int, devices_per_process: int, platform: str):
+        self.group, self.rank, self.num_processes = group, rank, num_processes
+        self.devices_per_process, self.platform = devices_per_process, platform
+        self.roles: dict[str, Any] = {}
+        self.infos: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ world
+    def pid(self) -> int:
+        return os.getpid()
+
+    def free_address(self) -> str:
+        """``ip:port`` of a port free on this host (the coordinator's)."""
+        import ray  # inside a Ray actor, Ray is there
+
+        ip = ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"{ip}:{port}"
+
+    def init_world(self, address: str, timeout_s: float) -> dict[str, Any]:
+        """Joins the group's JAX world; returns what this process sees of it."""
+        import jax
+
+        if self.platform == "cpu":
+            jax.config.update("jax_platforms", "cpu")
+            jax.config.update("jax_num_cpu_devices", self.devices_per_process)
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(address, num_processes=self.num_processes, process_id=self.rank,
+                                   initialization_timeout=max(1, int(timeout_s)))
+        local = jax.local_devices()
+        if len(local) != self.devices_per_process:
+            raise RuntimeError(f"group {self.group!r} rank {self.rank}: {len(local)} local devices, expected "
+                               f"{self.devices_per_process}")
+        return {"process_index": jax.process_index(), "global_devices": jax.device_count(),
+                "local_device_ids": [d.id for d in local], "pid": os.getpid()}
+
+    # ------------------------------------------------------------------ roles
+    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> float:
+        """Builds ``worker_cls(**kwargs)`` as ``role`` (``worker_cls == "placement"``: the
+        placement role ``role`` from ``kwargs = {placement, pool, model, settings}``).
+        A callable ``model`` is called here (``model(mesh, rules)``) so that each process
+        reads or initialises only what it needs. Returns the seconds it took."""
+        import jax
+
+        from jaxflow.workers.protocols import WorkerGroupInfo
+        from jaxflow.workers.roles import make_role_worker, pool_placement
+
+        start = time.perf_counter()
+        if worker_cls == ROLE_FROM_PLACEMENT:
+            placement = pool_placement(kwargs["placement"], kwargs["pool"], tuple(jax.devices()))
+            model = kwargs["model"]
+            if _is_object_ref(model):  # a (graphdef, state) pair sent once through the object store
+                import ray
+
+                model = ray.get(model)
+            if callable(model):
+                phase = "train" if role in ("actor", "critic") else "infer"
+                model = model(placement.mesh(role, "train"), placement.rules(role, phase))
+            worker = make_role_worker(role, placement, model, kwargs["settings"])
+        else:
+            worker = worker_cls(**kwargs)
+        mesh = getattr(worker, "mesh", None)
+        self.roles[role] = worker
+        self.infos[role] = (WorkerGroupInfo(world_size=1, dp_size=1) if mesh is None
+                            else WorkerGroupInfo.from_mesh(mesh, worker.dp_axes))
+        return time.perf_counter() - start
+
+    def call(self, role: str, method: str, payload: tuple[tuple, dict]) -> Any:
+        """Runs ``role.method`` on this process's part of the group (module docstring)."""
+        import jax
+
+        from jaxflow.workers.host_transfer import to_host_local, to_pieces
+        from jaxflow.workers.protocols import call_spmd, method_protocol
+
+        args, kwargs = payload
+        bound = getattr(self.roles[role], method)
+        protocol = method_protocol(bound)
+        if protocol is None:
+            raise AttributeError(f"{type(self.roles[role]).__name__}.{method} is not registered with a protocol")
+        if protocol.spmd is None:
+            return to_host_local(bound(*args, **kwargs))
+        return to_pieces(call_spmd(self.infos[role], protocol, bound, *args, **kwargs), jax.process_index())

@@ -1,0 +1,73 @@
+"""One role worker from a placement: the mesh, rules and settings each role class takes.
+
+Both backends call `make_role_worker`: the local backend once on the driver with the
+placement's pools of local devices; the Ray backend in every process of a worker group, with
+the placement's pool rebuilt over that group's `jax.distributed` devices (`pool_placement`).
+So a role is built the same way, from the same arguments, whatever runs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jaxflow.mesh import Placement, ResourcePool
+from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig
+from jaxflow.workers.base import ModelLike
+from jaxflow.workers.critic import CriticConfig, CriticWorker
+from jaxflow.workers.reference import ReferenceWorker
+from jaxflow.workers.reward import RewardModelWorker
+
+MODEL_ROLES = ("actor", "ref", "critic", "reward", "cost")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleSettings:
+    """What the role classes take besides their model and placement."""
+
+    actor_config: ActorConfig = ActorConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    critic_config: CriticConfig = CriticConfig()
+    strategy: str = "hybrid"
+    ref_options: tuple[tuple[str, Any], ...] = ()  # ReferenceWorker keyword arguments, as pairs
+
+
+def role_class(role: str) -> type:
+    """The worker class of a model role."""
+    classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker,
+               "reward": RewardModelWorker, "cost": RewardModelWorker}
+    if role not in classes:
+        raise KeyError(f"unknown model role {role!r}; roles are {MODEL_ROLES}")
+    return classes[role]
+
+
+def make_role_worker(role: str, placement: Placement, model: ModelLike, settings: RoleSettings) -> Any:
+    """The worker of ``role`` on its placement mesh (the actor: its training mesh and rules,
+    and the hybrid engine towards the placement's generation layout)."""
+    if role not in placement.roles:
+        raise ValueError(f"a model was given for role {role!r} but the placement has no such role: {placement}")
+    if role == "actor":
+        spec = placement.roles["actor"]
+        gen_rules: Any = placement.rules("actor", "generate") if spec.gen_tp is not None else None
+        return ActorWorker(model=model, mesh=placement.mesh("actor", "train"), rules=placement.rules("actor", "train"),
+                           config=settings.actor_config, rollout=settings.rollout, gen_tp=spec.gen_tp,
+                           gen_rules=gen_rules, strategy=settings.strategy)
+    if role == "ref":
+        return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
+                               temperature=settings.rollout.temperature, **dict(settings.ref_options))
+    if role == "critic":
+        return CriticWorker(model=model, mesh=placement.mesh("critic"), rules=placement.rules("critic", "train"),
+                            config=settings.critic_config)
+    extra = {"output_key": "token_level_cost"} if role == "cost" else {}
+    return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"), **extra)
+
+
+def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:
+    """The roles of ``pool`` placed on ``devices`` instead (same mesh specs and rules, in the
+    same device order): how a process of a multi-process group sees its pool, ``devices``
+    being its world's global devices."""
+    if len(devices) != placement.pools[pool].size:
+        raise ValueError(f"pool {pool!r} has {placement.pools[pool].size} devices, the process world "
+                         f"{len(devices)}")
+    roles = {r: s for r, s in placement.roles.items() if s.pool == pool}
+    return Placement({pool: ResourcePool(pool, tuple(devices))}, roles)
