@@ -125,8 +125,7 @@ def test_packed_logits_equal_padded(model):
     assert lp.shape == (layout.rows.shape[1], R)
 
 
-@pytest.mark.parametrize("budget", [None, 32])
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("budget,agg", [(32, "token-mean"), (None, "seq-mean-token-mean")])
 def test_packed_loss_and_gradients_equal_padded(model, budget, agg):
     """One packed micro-batch, or several under a token budget, with the mini-batch's
     normalisers: loss, metrics and gradients equal the padded whole-batch ones (1e-5)."""
@@ -199,7 +198,7 @@ def test_actor_packed_dynamic_update_equals_padded(actors):
 
 
 def test_packed_forwards_compile_per_bucket_not_per_step(model):
-    """A reference and a critic over 8 batches of long-tailed, varying lengths: values equal
+    """A reference and a critic over 6 batches of long-tailed, varying lengths: values equal
     the padded path and the packed forward compiles a handful of programs."""
     ref = ReferenceWorker(model, mesh("dp=2"), "train", use_remove_padding=True, max_token_len_per_device=48)
     ref_padded = ReferenceWorker(model, mesh("dp=2"), "train")
@@ -208,7 +207,7 @@ def test_packed_forwards_compile_per_bucket_not_per_step(model):
         use_remove_padding=True, use_dynamic_bsz=True, forward_max_token_len_per_device=48))
     critic_padded = CriticWorker(critic_model, mesh("dp=2"), "train")
     shapes = set()
-    for seed in range(8):
+    for seed in range(6):
         batch = make_batch(10 + seed, rows=8, long_tail=True)
         np.testing.assert_allclose(np.asarray(ref.log_probs(batch)["ref_log_prob"]),
                                    np.asarray(ref_padded.log_probs(batch)["ref_log_prob"]), atol=1e-5)
@@ -232,7 +231,7 @@ def test_balance_batch_equalises_tokens_and_logs_verl_metrics():
     new_lengths = np.asarray(balanced["prompt_mask"]).sum(1) + np.asarray(balanced["response_mask"]).sum(1)
     blocks = new_lengths.reshape(4, 4).sum(1)
     assert blocks.max() - blocks.min() <= lengths.max()
-    assert blocks.max() - blocks.min() <= lengths.reshape(4, 4).sum(1).ptp()
+    assert blocks.max() - blocks.min() <= np.ptp(lengths.reshape(4, 4).sum(1))
     assert metrics["global_seqlen/balanced_max"] == blocks.max() and metrics["global_seqlen/balanced_min"] == blocks.min()
     assert metrics["global_seqlen/max"] == lengths.reshape(4, 4).sum(1).max()
     assert metrics["global_seqlen/mean"] == lengths.sum() / 4

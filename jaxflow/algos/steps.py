@@ -76,8 +76,8 @@ def rollout(w: Any, prompts: Batch, timer: StepTimer, *, old_log_probs: bool = T
     if balance:
         batch, balance_metrics = balance_batch(batch, w.actor.info.dp_size)
         batch = batch.update(meta={"balance_metrics": balance_metrics})
-    if old_log_probs:
-        with timer("old_log_prob"):
+    with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
+        if old_log_probs:
             batch |= ready(w.actor.log_probs(batch))
     if w.ref is not None:
         with timer("ref"):
