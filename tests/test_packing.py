@@ -14,7 +14,8 @@ from jaxflow.algos import global_batch_info
 from jaxflow.algos.balance import balance_batch, balanced_partitions
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec
-from jaxflow.workers import ActorConfig, ActorWorker, CriticConfig, CriticWorker, OptimConfig, ReferenceWorker, RolloutConfig
+from jaxflow.workers import (ActorConfig, ActorWorker, CriticConfig, CriticWorker, OptimConfig, ReferenceWorker,
+                             RewardModelWorker, RolloutConfig)
 from jaxflow.workers.actor import actor_loss
 from jaxflow.workers.forward import packed_outputs, read_responses
 from jaxflow.workers.packing import bucket, pack_inputs, pack_minibatch, plan_packing
@@ -198,7 +199,7 @@ def test_actor_packed_dynamic_update_equals_padded(actors):
 
 
 def test_packed_forwards_compile_per_bucket_not_per_step(model):
-    """A reference and a critic over 6 batches of long-tailed, varying lengths: values equal
+    """A reference, a critic and a reward model over batches of long-tailed, varying lengths: values equal
     the padded path and the packed forward compiles a handful of programs."""
     ref = ReferenceWorker(model, mesh("dp=2"), "train", use_remove_padding=True, max_token_len_per_device=48)
     ref_padded = ReferenceWorker(model, mesh("dp=2"), "train")
@@ -206,6 +207,9 @@ def test_packed_forwards_compile_per_bucket_not_per_step(model):
     critic = CriticWorker(critic_model, mesh("dp=2"), "train", CriticConfig(
         use_remove_padding=True, use_dynamic_bsz=True, forward_max_token_len_per_device=48))
     critic_padded = CriticWorker(critic_model, mesh("dp=2"), "train")
+    reward_model = models.init_model(CFG, "reward", seed=2)
+    rm = RewardModelWorker(reward_model, mesh("dp=2"), "train", use_remove_padding=True)
+    rm_padded = RewardModelWorker(reward_model, mesh("dp=2"), "train")
     shapes = set()
     for seed in range(6):
         batch = make_batch(10 + seed, rows=8, long_tail=True)
@@ -214,6 +218,8 @@ def test_packed_forwards_compile_per_bucket_not_per_step(model):
         if seed < 2:
             np.testing.assert_allclose(np.asarray(critic.values(batch)["values"]),
                                        np.asarray(critic_padded.values(batch)["values"]), atol=1e-5)
+            np.testing.assert_allclose(np.asarray(rm.scores(batch)["token_level_scores"]),
+                                       np.asarray(rm_padded.scores(batch)["token_level_scores"]), atol=1e-5)
         b = host(batch)
         layout = plan_packing(b["prompt_mask"], b["response_mask"], ranks=2, max_token_len=48)
         shapes.add((layout.bins.shape, layout.rows.shape))

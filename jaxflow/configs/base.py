@@ -173,6 +173,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("reward_model.model.path", "",
      "Reward model: HF checkpoint directory, 'preset:NAME', or empty = jaxflow.model.preset randomly initialised "
      "(benchmarks)."),
+    ("reward_model.model.use_remove_padding", False,
+     "Reward (and cost) model forwards over packed real tokens (no padding; same scores)."),
     ("reward_model.micro_batch_size_per_device", 16,
      "Responses per data-parallel rank per reward-model forward pass."),
     ("custom_reward_function.path", _opt(str),

@@ -370,8 +370,8 @@ class RewardModel(nnx.Module):
         self.model = Decoder(cfg, rngs)
         self.score = _param(rngs, _normal, (cfg.hidden_size, 1), ("embed", None), cfg.param_dtype)
 
-    def token_scores(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:
-        hidden, _ = self.model(input_ids_BxL, attention_mask, positions)
+    def token_scores(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+        hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         return jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.score[...].astype(jnp.float32))[..., 0]
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:

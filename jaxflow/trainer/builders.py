@@ -133,11 +133,14 @@ def critic_config(cfg: ConfigDict, optimizer_steps: int) -> CriticConfig:
     return CriticConfig(**{k: v for k, v in kwargs.items() if k in fields})
 
 
-def ref_options(cfg: ConfigDict) -> dict[str, Any]:
-    """The reference worker's forward options (verl's ``actor_rollout_ref.ref``)."""
+def role_options(cfg: ConfigDict) -> dict[str, dict[str, Any]]:
+    """The forward options of the reference and reward / cost workers (verl's
+    ``actor_rollout_ref.ref`` and ``reward_model``)."""
     r = cfg.actor_rollout_ref.ref
-    return dict(use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
-                max_token_len_per_device=r.log_prob_max_token_len_per_device if r.log_prob_use_dynamic_bsz else None)
+    ref = dict(use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
+               max_token_len_per_device=r.log_prob_max_token_len_per_device if r.log_prob_use_dynamic_bsz else None)
+    scorer = dict(use_remove_padding=cfg.reward_model.model.use_remove_padding)
+    return {"ref": ref, "reward": scorer, "cost": scorer}
 
 
 def rollout_config(cfg: ConfigDict, tokenizer: Any, *, validation: bool = False) -> RolloutConfig:

@@ -37,7 +37,7 @@ from jaxflow.trainer.builders import (
     dataset_files,
     load_model,
     optimizer_steps,
-    ref_options,
+    role_options,
     rollout_config,
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState
@@ -127,7 +127,7 @@ class RLTrainer:
             reward_model=reward_model, cost_model=cost_model, rule_reward=RuleRewardWorker(tok, scorer),
             actor_config=actor_config(cfg, opt_steps),
             critic_config=critic_config(cfg, opt_steps) if critic is not None else None,
-            rollout=rollout_config(cfg, tok), ref_options=ref_options(cfg))
+            rollout=rollout_config(cfg, tok), role_options=role_options(cfg))
 
     # ------------------------------------------------------------------ state
 

@@ -117,7 +117,16 @@ def response_values(model: Any, tensors: Mapping[str, Array]) -> Array:
 
 
 def sequence_scores(model: Any, tensors: Mapping[str, Array]) -> Array:
-    """A reward (or cost) model's score of each ``[prompt | response]`` row: ``[B]``."""
+    """A reward (or cost) model's score of each ``[prompt | response]`` row: ``[B]``, read at
+    its last real token (from a packed micro-batch: the slot of its last response token, so
+    rows without a response get an arbitrary value that `scores_on_last_token` drops)."""
+    if is_packed(tensors):
+        scores_NxC = model.token_scores(tensors["packed_ids"], positions=tensors["packed_positions"],
+                                        segment_ids=tensors["packed_segments"])
+        own_BxR = read_responses(scores_NxC, tensors["response_index"] + 1)  # each token's own slot
+        m = tensors["response_mask"] > 0
+        last_B = jnp.max(jnp.where(m, jnp.arange(m.shape[1], dtype=jnp.int32)[None, :], 0), axis=1)
+        return jnp.take_along_axis(own_BxR, last_B[:, None], axis=1)[:, 0]
     ids, mask, _ = full_sequence(tensors)
     return model(ids, attention_mask=mask)
 

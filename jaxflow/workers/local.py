@@ -44,13 +44,14 @@ def build_local_workers(
     cost_model: ModelLike | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
     strategy: str = "hybrid",
-    ref_options: Mapping[str, Any] | None = None,
+    role_options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Workers:
     """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says
-    (``ref_options``: `ReferenceWorker` keyword arguments, e.g. remove padding)."""
+    (``role_options``: extra keyword arguments of the ref / reward / cost workers by role,
+    e.g. remove padding)."""
     settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                             critic_config=critic_config or CriticConfig(), strategy=strategy,
-                            ref_options=tuple(sorted((ref_options or {}).items())))
+                            role_options=RoleSettings.pack_options(role_options))
     models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
     groups = {role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
               for role, model in models.items() if model is not None}

@@ -394,7 +394,7 @@ class RayBackend:
         cost_model: Any = None,
         reward_weights: tuple[float, float] = (1.0, 1.0),
         strategy: str = "hybrid",
-        ref_options: Mapping[str, Any] | None = None,
+        role_options: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
@@ -404,7 +404,7 @@ class RayBackend:
         ray = _ray()
         settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                                 critic_config=critic_config or CriticConfig(), strategy=strategy,
-                                ref_options=tuple(sorted((ref_options or {}).items())))
+                                role_options=RoleSettings.pack_options(role_options))
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
         refs: dict[int, Any] = {}
 

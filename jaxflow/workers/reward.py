@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.rewards import RewardScorer, token_level_scores
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, register
 
@@ -32,26 +32,32 @@ class RewardModelWorker(RoleWorker):
       mesh, rules: its mesh and (inference) rules.
       output_key: the ``[B, R]`` column written.
       micro_batch_size_per_device: micro-batch of the forward (memory).
+      use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
     """
 
     head = "reward"
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
-                 output_key: str = "token_level_scores", micro_batch_size_per_device: int | None = None):
+                 output_key: str = "token_level_scores", micro_batch_size_per_device: int | None = None,
+                 use_remove_padding: bool = False):
         super().__init__(model, mesh, rules)
         self.output_key = output_key
         self.micro_batch_size_per_device = micro_batch_size_per_device
+        self.use_remove_padding = use_remove_padding
 
     @register(DP_COMPUTE)
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
-        tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "reward scores")
         key = self.output_key
 
         def fn(model, t, _):
             return {key: scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
 
+        if self.use_remove_padding:
+            return packed_forward(self, "scores", batch, fn, {}, max_token_len=None,
+                                  rows_per_micro=self.micro_batch_size_per_device)
+        tensors = self.put(batch, PROMPT_KEYS)
+        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "reward scores")
         program = self._compiled(("scores", k), lambda: row_program(self, fn, k))
         return Batch(program(self.params, tensors, {}))
 

@@ -9,6 +9,7 @@ So a role is built the same way, from the same arguments, whatever runs it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from jaxflow.mesh import Placement, ResourcePool
@@ -29,7 +30,16 @@ class RoleSettings:
     rollout: RolloutConfig = RolloutConfig()
     critic_config: CriticConfig = CriticConfig()
     strategy: str = "hybrid"
-    ref_options: tuple[tuple[str, Any], ...] = ()  # ReferenceWorker keyword arguments, as pairs
+    # Extra keyword arguments of the ref / reward / cost workers (e.g. remove padding), as
+    # ``((role, ((name, value), ...)), ...)`` so the settings stay hashable.
+    role_options: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
+
+    def options(self, role: str) -> dict[str, Any]:
+        return dict(dict(self.role_options).get(role, ()))
+
+    @staticmethod
+    def pack_options(role_options: Mapping[str, Mapping[str, Any]] | None) -> tuple:
+        return tuple(sorted((r, tuple(sorted(o.items()))) for r, o in (role_options or {}).items()))
 
 
 def role_class(role: str) -> type:
@@ -54,11 +64,12 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
                            gen_rules=gen_rules, strategy=settings.strategy)
     if role == "ref":
         return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
-                               temperature=settings.rollout.temperature, **dict(settings.ref_options))
+                               temperature=settings.rollout.temperature, **settings.options("ref"))
     if role == "critic":
         return CriticWorker(model=model, mesh=placement.mesh("critic"), rules=placement.rules("critic", "train"),
                             config=settings.critic_config)
     extra = {"output_key": "token_level_cost"} if role == "cost" else {}
+    extra |= settings.options(role)
     return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"), **extra)
 
 
