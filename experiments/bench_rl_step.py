@@ -407,7 +407,8 @@ def main(argv=None) -> None:
         for r in range(args.rounds):
             for system in systems:
                 results[system].append(run_child(system, args, workdir))
-                print(f"round {r + 1}: {system} done", file=sys.stderr)
+                # each child's raw result as it lands (a long run on a loaded machine keeps its partial data)
+                print(f"round {r + 1}: {system} {json.dumps(results[system][-1])}", file=sys.stderr, flush=True)
     load = f"loadavg before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     if args.longtail:
         summary = summarise_longtail(results["longtail"])
