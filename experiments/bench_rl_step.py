@@ -127,8 +127,10 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
 
     import jaxflow.algos as algos
     import jaxflow.models as models
+    import jaxflow.programs as programs
     from jaxflow.data.batch import Batch
     from jaxflow.data.char_tokenizer import CharTokenizer
+    from jaxflow.sampling import SamplingParams
     from jaxflow.workers import (ActorConfig, ActorWorker, CriticConfig, CriticWorker, LocalWorkerGroup,
                                  OptimConfig, ReferenceWorker, RolloutConfig, Workers)
 
@@ -140,7 +142,8 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
     extra = {"use_remove_padding": True, "use_dynamic_bsz": True} if packing else {}
     actor_cfg = ActorConfig(ppo_mini_batch_size=rows, use_kl_loss=algo == "grpo", kl_loss_coef=KL_COEF,
                             kl_loss_type="low_var_kl", optim=OptimConfig(lr=LR), **extra)
-    rollout = RolloutConfig(n=SAMPLES, max_new_tokens=RESPONSE_LEN, eos_token_ids=(), pad_token_id=tok.pad_token_id)
+    rollout = RolloutConfig(train=SamplingParams(n=SAMPLES, max_new_tokens=RESPONSE_LEN, eos_token_ids=(),
+                                                 pad_token_id=tok.pad_token_id))
     policy = models.init_model(cfg, "lm", seed=0)
     mesh, rules = "fsdp=1", "train"
     w = Workers(actor=LocalWorkerGroup(ActorWorker, name="actor", model=policy, mesh=mesh, rules=rules,
@@ -168,12 +171,12 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
     w.reward = reward
     ids = np.array([tok.encode(t, add_special_tokens=False) for t in prompt_texts()], np.int32)
     assert ids.shape == (PROMPTS, PROMPT_LEN), ids.shape
-    prompts = algos.batch_from_prompts({"prompt_ids": ids, "prompt_mask": np.ones_like(ids)})
-    program = algos.PPOConfig(algos.AlgorithmConfig(adv_estimator=algo if algo == "grpo" else "gae"))
+    prompts = programs.batch_from_prompts({"prompt_ids": ids, "prompt_mask": np.ones_like(ids)})
+    settings = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator=algo if algo == "grpo" else "gae"))
     matmul = matmul_gflops()
     timings = []
     for step in range(warmup + steps):
-        metrics = algos.ppo_iteration(w, prompts.update(meta={"step": step}), program)
+        metrics = programs.ppo_iteration(w, prompts, settings, step=step)
         if step >= warmup:
             timings.append({k[len("timing_s/"):]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")})
     train_flops = 3 * forward_flops(rows, PROMPT_LEN + RESPONSE_LEN, RESPONSE_LEN)

@@ -2,22 +2,30 @@
 
 For a Llama-style model (default: vocab 32000, hidden 768, 8 layers, 8 heads, MLP 2048:
 106M parameters, fp32) on 8 simulated CPU devices, for every training layout
-{fsdp=8, fsdp=4 x tp=2, fsdp=2 x tp=4} and generation tp in {1, 2, 4}, and for each
+{fsdp=8, fsdp=4 x tp=2, fsdp=2 x tp=4, dp=2 x fsdp=2 x tp=2} and generation tp in {1, 2, 4}
+(those dividing the weight-parallel degree), and for each
 strategy -- naive (DeepSpeed-Chat: gather the whole model everywhere, then slice), vanilla
 (HybridFlow-V: contiguous generation TP groups, gather within the training group), hybrid
 (HybridFlow: strided TP groups, all-gather inside micro-DP groups) and, for reference,
 hybrid compiled as one XLA program -- it reports, per device:
 
-- bytes received: summed over the collectives of the compiled programs (their HLO: op,
-  per-device shape, replica groups), compile-only on abstract inputs;
+- bytes received, a *ring-algorithm model* (all-gather over g devices receives (g-1)/g of
+  its output, ...) applied to the collectives of the compiled programs (their HLO: op,
+  per-device output shape, replica groups), compile-only on abstract inputs; beside it the raw
+  collective output bytes per device and the replica-group sizes;
 - peak extra bytes: what the transition allocates on top of the training weights, from
   XLA's buffer assignment (``memory_analysis()``: outputs and scratch, in program order);
 - redundancy: training weights outside the device's generation shard (from the layouts);
+- live weight bytes per device *measured* while generating on the timed model (the bytes of
+  ``jax.live_arrays()`` per device, from their shards): with the actor's zero-redundancy
+  swap (training weights donated into the generation copy) and with the training copy kept;
 - wall time of the transition on real arrays (``--time_hidden`` etc. pick the timed model;
   smaller by default to fit host memory: the naive strategy holds 8 full copies);
 - Table 2's value beside each, and measured / Table 2.
 
 XLA's "Involuntary full rematerialization" warning is captured from the compiler's stderr.
+With the training ``dp=2`` layout, naive (DeepSpeed-Chat: ZeRO-3 over all devices, tpd = 8)
+and vanilla (gather within the training model-parallel group, tp = 4) differ as in Table 2.
 
     python experiments/reshard_transition.py              # the table
     python experiments/reshard_transition.py --json       # the rows as JSON
@@ -47,7 +55,7 @@ from jaxflow.mesh import MeshSpec, hybrid_rules  # noqa: E402
 from jaxflow.models import ModelConfig, init_model  # noqa: E402
 from jaxflow.reshard import HybridEngine  # noqa: E402
 
-LAYOUTS = ((8, 1), (4, 2), (2, 4))
+LAYOUTS = ((1, 8, 1), (1, 4, 2), (1, 2, 4), (2, 2, 2))  # (dp, fsdp, tp)
 GEN_TPS = (1, 2, 4)
 STRATEGIES = (("naive", True), ("vanilla", True), ("hybrid", True), ("hybrid", False))
 
@@ -86,6 +94,33 @@ def random_state(cfg: ModelConfig, shardings, seed: int = 0):
     return jax.tree.unflatten(treedef, out)
 
 
+def live_weight_bytes(shapes: set[tuple[int, ...]]) -> int:
+    """Measured: bytes on the most loaded device of the live arrays with a weight's shape."""
+    per_device: dict[int, int] = {}
+    for x in jax.live_arrays():
+        if not x.is_deleted() and tuple(x.shape) in shapes:
+            for shard in x.addressable_shards:
+                per_device[shard.device.id] = per_device.get(shard.device.id, 0) + shard.data.nbytes
+    return max(per_device.values(), default=0)
+
+
+def measure_live(engine: HybridEngine, cfg: ModelConfig) -> tuple[int, int]:
+    """``(swap, keep)``: live weight bytes per device during generation with the training
+    weights donated into the generation copy (the actor's `generation_swap`), and with them
+    kept alive beside it (`generation`). Real arrays; the state is freed afterwards."""
+    _, abstract = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
+    shapes = {tuple(x.shape) for x in jax.tree.leaves(abstract)}
+    state = random_state(cfg, engine.train_shardings(abstract))
+    with engine.generation(state):
+        keep = live_weight_bytes(shapes)
+    seen = []
+    with engine.generation_swap(state, give_back=seen.append):
+        swap = live_weight_bytes(shapes)
+    for x in jax.tree.leaves(seen):
+        x.delete()
+    return swap, keep
+
+
 def measure(args) -> list[dict]:
     cfg = config(args.vocab, args.hidden, args.intermediate, args.layers, args.heads, args.kv_heads)
     _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
@@ -94,28 +129,30 @@ def measure(args) -> list[dict]:
         timed_cfg = config(args.time_vocab, args.time_hidden, args.time_intermediate, args.time_layers, args.heads,
                            args.kv_heads)
     rows = []
-    for fsdp, tp in LAYOUTS:
-        mesh = MeshSpec(fsdp=fsdp, tp=tp).build(jax.devices())
+    for dp, fsdp, tp in LAYOUTS:
+        mesh = MeshSpec(dp=dp, fsdp=fsdp, tp=tp).build(jax.devices())
         train_rules, _ = hybrid_rules(cfg, fsdp * tp)
-        timed_state = None
-        if timed_cfg is not None:
-            shardings = HybridEngine(mesh, train_rules, 1).train_shardings(
-                nnx.split(nnx.eval_shape(lambda: init_model(timed_cfg)))[1])
-            timed_state = random_state(timed_cfg, shardings)
         for gen_tp in GEN_TPS:
+            if (fsdp * tp) % gen_tp:
+                continue
             for strategy, bucketed in STRATEGIES:
                 engine = HybridEngine(mesh, train_rules, gen_tp, strategy, bucketed=bucketed)
                 rep = engine.report(state)
                 row = rep.to_dict()
-                row.update(layout=f"fsdp={fsdp},tp={tp}", label=strategy if bucketed else "hybrid (1 program)")
-                row["seconds"] = engine.time(timed_state, args.reps) if timed_state is not None else None
-                row["timed_model_bytes"] = (sum(x.nbytes for x in jax.tree.leaves(timed_state))
-                                            if timed_state is not None else None)
+                row.update(layout=f"dp={dp},fsdp={fsdp},tp={tp}" if dp > 1 else f"fsdp={fsdp},tp={tp}",
+                           label=strategy if bucketed else "hybrid (1 program)")
+                row["seconds"] = row["live_swap_bytes"] = row["live_keep_bytes"] = row["timed_model_bytes"] = None
+                if timed_cfg is not None:
+                    _, timed_abstract = nnx.split(nnx.eval_shape(lambda: init_model(timed_cfg)))
+                    timed_state = random_state(timed_cfg, engine.train_shardings(timed_abstract))
+                    row["seconds"] = engine.time(timed_state, args.reps)
+                    row["timed_model_bytes"] = sum(x.nbytes for x in jax.tree.leaves(timed_state))
+                    for x in jax.tree.leaves(timed_state):
+                        x.delete()
+                    if bucketed:
+                        row["live_swap_bytes"], row["live_keep_bytes"] = measure_live(engine, timed_cfg)
                 rows.append(row)
                 print(f"  measured {row['layout']} tg={gen_tp} {row['label']}", file=sys.stderr, flush=True)
-        if timed_state is not None:
-            for x in jax.tree.leaves(timed_state):
-                x.delete()
     return rows
 
 
@@ -134,8 +171,9 @@ def print_table(rows: list[dict], args) -> None:
     if rows[0]["timed_model_bytes"]:
         print(f"timed on a {mb(rows[0]['timed_model_bytes']).strip()} MiB model (median of {args.reps}); "
               "MiB per device; T2 = HybridFlow Table 2")
-    head = (f"{'train layout':<15}{'tg':>3}  {'strategy':<19}{'recv':>9}{'T2 comm':>9}{'ratio':>7}"
-            f"{'peak':>9}{'T2 peak':>9}{'ratio':>7}{'redund':>9}{'T2 red':>9}{'ms':>8}  groups  remat")
+    head = (f"{'train layout':<20}{'tg':>3}  {'strategy':<19}{'recv*':>9}{'T2 comm':>9}{'ratio':>7}{'coll out':>9}"
+            f"{'peak':>9}{'T2 peak':>9}{'ratio':>7}{'redund':>9}{'T2 red':>9}{'live sw':>9}{'live kp':>9}{'ms':>8}"
+            f"  groups  remat")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -143,13 +181,20 @@ def print_table(rows: list[dict], args) -> None:
         groups = r["gather_groups"]
         gtxt = f"{len(groups)}x{len(groups[0])}" if groups else "-"
         ms = f"{r['seconds'] * 1e3:8.1f}" if r["seconds"] is not None else f"{'-':>8}"
-        print(f"{r['layout']:<15}{r['gen_tp']:>3}  {r['label']:<19}{mb(r['received_bytes']):>9}"
-              f"{mb(t2['comm_bytes']):>9}{ratio(r['received_bytes'], t2['comm_bytes']):>7}"
+        live = [f"{mb(r[k]):>9}" if r[k] is not None else f"{'-':>9}" for k in ("live_swap_bytes", "live_keep_bytes")]
+        print(f"{r['layout']:<20}{r['gen_tp']:>3}  {r['label']:<19}{mb(r['ring_received_bytes']):>9}"
+              f"{mb(t2['comm_bytes']):>9}{ratio(r['ring_received_bytes'], t2['comm_bytes']):>7}"
+              f"{mb(r['collective_output_bytes']):>9}"
               f"{mb(r['peak_extra_bytes']):>9}{mb(t2['peak_bytes']):>9}{ratio(r['peak_extra_bytes'], t2['peak_bytes']):>7}"
-              f"{mb(r['redundancy_bytes']):>9}{mb(t2['redundancy_bytes']):>9}{ms}  {gtxt:<6}  {'YES' if r['full_remat'] else 'no'}")
-    print("recv: bytes one device receives (collectives of the compiled HLO); peak: allocated on top of the "
-          "training weights (memory_analysis, in program order); redund: training weights outside the "
-          "generation shard; groups: replica groups of the collectives (count x size).")
+              f"{mb(r['redundancy_bytes']):>9}{mb(t2['redundancy_bytes']):>9}{live[0]}{live[1]}{ms}  {gtxt:<6}  "
+              f"{'YES' if r['full_remat'] else 'no'}")
+    print("recv*: bytes one device receives, a ring-algorithm model applied to the collectives of the compiled "
+          "HLO (not a measured transfer); coll out: the raw output bytes of those collectives on one device; "
+          "peak: allocated on top of the training weights (memory_analysis, in program order); redund: training "
+          "weights outside the generation shard (from the layouts); live sw / live kp: MEASURED live weight bytes "
+          "per device during generation on the timed model (jax.live_arrays), with the zero-redundancy swap "
+          "(training weights donated) / with the training copy kept; groups: replica groups of the collectives "
+          "(count x size).")
 
 
 def main(argv=None) -> None:

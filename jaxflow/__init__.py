@@ -1,0 +1,44 @@
+"""jaxflow: HybridFlow (verl) RLHF rebuilt in JAX.
+
+The curated API, loaded on first use (``import jaxflow`` itself imports nothing heavy)::
+
+    import jaxflow
+    cfg = jaxflow.load_config("grpo_tiny", ["actor_rollout_ref.rollout.n=4"])
+    spec = jaxflow.describe_run(cfg)             # the typed description of the run
+    jaxflow.RLTrainer(cfg).fit()                 # or jaxflow.dry_run(cfg)
+
+Subpackages, floor by floor (DESIGN.md): `mesh`; `models`, `data`, `rewards`; `sampling`,
+`reshard`, `algos`; `workers`; `programs`, `configs`; `trainer`, `plan`; `run` (the CLI).
+"""
+
+import importlib
+
+_API = {
+    # configs
+    "get_config": "jaxflow.configs", "load_config": "jaxflow.configs", "validate": "jaxflow.configs",
+    "ConfigError": "jaxflow.configs", "describe_run": "jaxflow.configs", "RunSpec": "jaxflow.configs",
+    # data
+    "Batch": "jaxflow.data",
+    # algorithm maths and settings (verl's names)
+    "AlgorithmConfig": "jaxflow.algos", "AlgorithmSettings": "jaxflow.algos",
+    # iteration programs
+    "ppo_iteration": "jaxflow.programs", "remax_iteration": "jaxflow.programs",
+    "safe_rlhf_iteration": "jaxflow.programs", "register_algorithm": "jaxflow.programs",
+    "AlgoState": "jaxflow.programs",
+    # workers
+    "Workers": "jaxflow.workers", "build_local_workers": "jaxflow.workers",
+    # placement
+    "Placement": "jaxflow.mesh", "MeshSpec": "jaxflow.mesh",
+    # models and the hybrid engine
+    "ModelConfig": "jaxflow.models", "from_pretrained": "jaxflow.models", "HybridEngine": "jaxflow.reshard",
+    # runs and plans
+    "RLTrainer": "jaxflow.trainer.rl", "dry_run": "jaxflow.plan",
+}
+
+__all__ = sorted(_API)
+
+
+def __getattr__(name: str):
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'jaxflow' has no attribute {name!r}")

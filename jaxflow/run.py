@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
 
     if cfg.jaxflow.dry_run.enable:
-        from jaxflow.trainer.dry_run import dry_run
+        from jaxflow.plan.dry_run import dry_run
 
         dry_run(cfg, json_path=json_path)
         return 0
@@ -96,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     from jaxflow.trainer.sft import warm_start
 
     try:
-        cfg = warm_start(cfg)
-        history = RLTrainer(cfg).fit()
+        cfg, actor_params = warm_start(cfg)
+        history = RLTrainer(cfg, actor_params=actor_params).fit()
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -203,7 +203,7 @@ PASSK_IDS = np.array([7, 7, 7, -3, -3, 1, 1, 1])  # pass@k needs >= 2 samples pe
 @jax.jit
 def _all_estimators(cols, params):
     """Every built-in estimator, each fed all columns and params through the registry."""
-    return {name: algos.get_advantage_estimator(name)(**cols, **params) for name in NAMES}
+    return {name: algos.get_adv_estimator_fn(name)(**cols, **params) for name in NAMES}
 
 
 def run_all(batch, **overrides):
@@ -359,7 +359,7 @@ def test_vmap_over_independent_batches():
         stacked = {k: jnp.stack([b1[k], b2[k]]) for k in b1}
 
         def some(cols):
-            return {n: algos.get_advantage_estimator(n)(**cols, **PARAMS) for n in names}
+            return {n: algos.get_adv_estimator_fn(n)(**cols, **PARAMS) for n in names}
 
         out = jax.jit(jax.vmap(some))(stacked)
         for i, b in enumerate((b1, b2)):
@@ -374,17 +374,17 @@ def test_vmap_over_independent_batches():
 
 def test_unknown_estimator_lists_valid_names():
     with pytest.raises(ValueError) as err:
-        algos.get_advantage_estimator("ppo_magic")
+        algos.get_adv_estimator_fn("ppo_magic")
     msg = str(err.value)
     assert "ppo_magic" in msg
     for name in ("gae", "grpo", "rloo", "remax", "opo", "gpg", "grpo_passk"):
         assert name in msg
     with pytest.raises(KeyError):  # also a KeyError, for dict-style callers
-        algos.get_advantage_estimator("ppo_magic")
+        algos.get_adv_estimator_fn("ppo_magic")
 
 
 def test_user_registered_estimator_dispatches_by_column():
-    @algos.register_advantage_estimator("test_mean_baseline")
+    @algos.register_adv_est("test_mean_baseline")
     def mean_baseline(token_level_rewards, response_mask, scale=1.0):
         s = algos.masked_sum(token_level_rewards, response_mask, axis=-1)
         a = scale * (s - s.mean())[:, None] * response_mask
@@ -394,21 +394,21 @@ def test_user_registered_estimator_dispatches_by_column():
         assert "test_mean_baseline" in algos.advantage_estimator_names()
         with jax.enable_x64(True):
             batch = make_batch()
-            fn = jax.jit(algos.get_advantage_estimator("test_mean_baseline"))
+            fn = jax.jit(algos.get_adv_estimator_fn("test_mean_baseline"))
             adv, _ = fn(**batch, **PARAMS, scale=2.0)  # values, group_ids, gamma... are ignored
             s = r_scores(batch["token_level_rewards"], batch["response_mask"])
             np.testing.assert_allclose(
                 np.asarray(adv), 2.0 * (s - s.mean())[:, None] * batch["response_mask"], atol=1e-12
             )
         with pytest.raises(ValueError, match="already registered"):
-            algos.register_advantage_estimator("test_mean_baseline")(lambda **kw: None)
+            algos.register_adv_est("test_mean_baseline")(lambda **kw: None)
     finally:
         algos.ADV_ESTIMATOR_REGISTRY.unregister("test_mean_baseline")
 
 
 def test_missing_column_is_an_error():
     with pytest.raises(TypeError, match="group_ids"):
-        algos.get_advantage_estimator("grpo")(token_level_rewards=jnp.zeros((2, 3)), response_mask=jnp.ones((2, 3)))
+        algos.get_adv_estimator_fn("grpo")(token_level_rewards=jnp.zeros((2, 3)), response_mask=jnp.ones((2, 3)))
 
 
 def test_whiten_matches_reference():
@@ -428,7 +428,7 @@ def test_bool_and_int_masks_and_int_rewards():
         batch = make_batch(11)
         batch["response_mask"][0, 2] = 1.0  # (no hole: int rewards below are per-row)
         batch["token_level_rewards"] = np.round(batch["token_level_rewards"] * 3)
-        fns = {n: algos.get_advantage_estimator(n) for n in ("gae", "grpo")}
+        fns = {n: algos.get_adv_estimator_fn(n) for n in ("gae", "grpo")}
         run_some = jax.jit(lambda cols: {n: f(**cols, **PARAMS) for n, f in fns.items()})
         want = run_some(batch)
         other = dict(batch, response_mask=batch["response_mask"].astype(bool),

@@ -441,7 +441,7 @@ def test_unknown_loss_lists_valid_names():
     for name in ("vanilla", "gspo", "gpg", "cispo", "clip_cov", "kl_cov", "geo_mean"):
         assert name in str(err.value)
     with pytest.raises(KeyError):
-        algos.get_policy_loss("ppo2")
+        algos.get_policy_loss_fn("ppo2")
 
 
 def test_misspelt_mode_option_and_bad_dual_clip_raise():

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 from jaxflow.configs import active_roles, load_config
-from jaxflow.trainer.dry_run import DEFAULT_PROGRAMS, OPTIONAL_PROGRAMS, dry_run
+from jaxflow.plan.dry_run import DEFAULT_PROGRAMS, OPTIONAL_PROGRAMS, dry_run
 
 ALL_PROGRAMS = DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

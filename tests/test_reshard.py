@@ -135,7 +135,7 @@ def test_round_trip_is_bit_exact_and_training_weights_untouched(cfg, fsdp, tp, g
 def test_reverse_transition_is_local_under_hybrid():
     engine = engine_for(GQA, 2, 4, 2)
     report = engine.report(abstract_state(GQA), reverse=True)
-    assert report.collectives == {} and report.received_bytes == 0
+    assert report.collectives == {} and report.ring_received_bytes == 0
 
 
 # --- acceptance 4: greedy generation in the generation layout ----------------------------
@@ -176,7 +176,7 @@ def test_hybrid_meets_table2_and_naive_does_not(fsdp, tp):
         naive = engine_for(GQA, fsdp, tp, gen_tp, "naive").report(state)
         want = hybrid.table2
         # Bytes received per device: within 5% of (tp - tgpg) / (tgpg tp) M.
-        assert abs(hybrid.received_bytes - want.comm_bytes) <= 0.05 * want.comm_bytes, (gen_tp, hybrid)
+        assert abs(hybrid.ring_received_bytes - want.comm_bytes) <= 0.05 * want.comm_bytes, (gen_tp, hybrid)
         # Peak extra memory: the generation copy and nothing else, i.e. M / tgpg.
         assert hybrid.peak_extra_bytes <= hybrid.gen_shard_bytes, (gen_tp, hybrid)
         assert hybrid.gen_shard_bytes == pytest.approx(want.peak_bytes, rel=0.01)  # + replicated norms
@@ -190,21 +190,38 @@ def test_hybrid_meets_table2_and_naive_does_not(fsdp, tp):
                                                     is_leaf=lambda x: isinstance(x, NamedSharding))))
         assert hybrid.largest_buffer_bytes <= largest_leaf
         # Naive, beside it: gathers the whole model on every device.
-        assert naive.received_bytes >= hybrid.received_bytes
-        assert naive.received_bytes == pytest.approx(naive.table2.comm_bytes, rel=0.05)
+        assert naive.ring_received_bytes >= hybrid.ring_received_bytes
+        assert naive.ring_received_bytes == pytest.approx(naive.table2.comm_bytes, rel=0.05)
         assert naive.peak_extra_bytes >= naive.model_bytes
         if gen_tp > 1:
             assert naive.whole_weights  # the gathered copies are visible in its HLO
         assert naive.peak_extra_bytes > hybrid.peak_extra_bytes
         if gen_tp > 1:
-            assert naive.received_bytes > 1.5 * hybrid.received_bytes
+            assert naive.ring_received_bytes > 1.5 * hybrid.ring_received_bytes
 
 
 def test_vanilla_grouping_gathers_within_the_training_group():
     report = engine_for(CFG, 2, 4, 2, "vanilla").report(abstract_state(CFG))
     assert report.gen_mesh == {"dp": 4, "tp": 2}
-    assert report.received_bytes == pytest.approx(report.table2.comm_bytes, rel=0.05)
+    assert report.ring_received_bytes == pytest.approx(report.table2.comm_bytes, rel=0.05)
     assert report.peak_extra_bytes >= report.model_bytes
+
+
+def test_training_dp_separates_naive_from_vanilla():
+    """dp=2 x fsdp=2 x tp=2 (t*p = 4, d = 2), generation tp 2: DeepSpeed-Chat (ZeRO-3 over all
+    8 devices) gathers (tpd-1)/tpd M, HybridFlow-V (tp-1)/tp M within the training group,
+    HybridFlow (tp-tg)/(tg tp) M within micro-DP groups; ring model of the compiled HLO."""
+    state = abstract_state(CFG)
+    reports = {s: engine_for(CFG, 2, 2, 2, s, dp=2).report(state) for s in ("naive", "vanilla", "hybrid")}
+    M = reports["hybrid"].model_bytes
+    for s, want in (("naive", 7 / 8), ("vanilla", 3 / 4), ("hybrid", 1 / 4)):
+        r = reports[s]
+        assert r.table2.comm_bytes == pytest.approx(want * M)
+        assert r.ring_received_bytes == pytest.approx(r.table2.comm_bytes, rel=0.05), s
+        assert r.collective_output_bytes >= r.ring_received_bytes
+    assert reports["naive"].group_sizes == [8] and reports["vanilla"].group_sizes == [4]
+    assert reports["hybrid"].group_sizes == [2] and reports["hybrid"].redundancy_bytes == 0
+    assert reports["naive"].train_shard_bytes < reports["vanilla"].train_shard_bytes  # ZeRO-3: M / 8
 
 
 # --- the measuring tools themselves ------------------------------------------------------
@@ -242,3 +259,8 @@ ENTRY %main {
     assert received[2] == 128 * 3 / 4 + 136 / 2 + 2 * 32 / 2
     groups = hlo._parse_groups("replica_groups=mesh['a'=8,'b'=8,'c'=16] {'a':(2)4,'b':(2)4}", 1024)
     assert len(groups) == 64 and groups[0][:5] == [0, 16, 32, 48, 128]
+    # The device order given separately: mesh of (4, 1, 2) over devices iota([2, 4]).T
+    # = [0, 4, 1, 5, 2, 6, 3, 7]; groups along axis_0.
+    groups = hlo._parse_groups("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
+                               "{'axis_0'}, dimensions={0}", 8)
+    assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]

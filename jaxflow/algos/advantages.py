@@ -19,16 +19,16 @@ Conventions (shared by the whole of ``jaxflow.algos``)
 
 Registry and column dispatch
 ----------------------------
-``get_advantage_estimator(name)`` returns the estimator wrapped so that it can be called with
+``get_adv_estimator_fn(name)`` returns the estimator wrapped so that it can be called with
 keyword arguments by *column name* and silently ignores the keywords it does not take. A
 trainer can therefore hand every column and hyper-parameter it has::
 
-    fn = get_advantage_estimator(cfg.adv_estimator)          # "gae", "grpo", "rloo", ...
+    fn = get_adv_estimator_fn(cfg.adv_estimator)          # "gae", "grpo", "rloo", ...
     advantages, returns = fn(token_level_rewards=r, response_mask=m, values=v,
                              group_ids=uid, reward_baselines=b, gamma=1.0, lam=0.95,
                              norm_adv_by_std_in_grpo=True)
 
-Register your own with ``@register_advantage_estimator("name")`` (verl spelling:
+Register your own with ``@register_adv_est("name")`` (verl spelling:
 ``register_adv_est``); its parameter names define which columns it receives.
 """
 
@@ -159,17 +159,17 @@ def _broadcast(per_seq: Array, response_mask: Array) -> Array:
 ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator")
 
 
-def register_advantage_estimator(name: str, *, override: bool = False):
-    """Decorator: ``@register_advantage_estimator("my_adv")`` makes ``cfg.adv_estimator="my_adv"``
+def register_adv_est(name: str, *, override: bool = False):
+    """Decorator: ``@register_adv_est("my_adv")`` makes ``cfg.adv_estimator="my_adv"``
     select the function. Its parameter names are the columns it receives."""
     return ADV_ESTIMATOR_REGISTRY.register(name, override=override)
 
 
-def get_advantage_estimator(name: str) -> Callable[..., tuple[Array, Array]]:
+def get_adv_estimator_fn(name: str) -> Callable[..., tuple[Array, Array]]:
     """The estimator registered under ``name``, callable with keyword arguments by column name.
 
     Keywords the estimator does not take are ignored, so a trainer may pass all its columns:
-    ``get_advantage_estimator("grpo")(**columns)``. Unknown names raise an error listing the
+    ``get_adv_estimator_fn("grpo")(**columns)``. Unknown names raise an error listing the
     valid ones.
     """
     return accepts_keywords(ADV_ESTIMATOR_REGISTRY.get(name))
@@ -179,15 +179,10 @@ def advantage_estimator_names() -> list[str]:
     return ADV_ESTIMATOR_REGISTRY.names()
 
 
-# verl's spellings, so that its users find them.
-register_adv_est = register_advantage_estimator
-get_adv_estimator_fn = get_advantage_estimator
-
-
 # ----------------------------------------------------------------------------- estimators
 
 
-@register_advantage_estimator("gae")
+@register_adv_est("gae")
 @jax.jit
 def compute_gae_advantage_return(
     token_level_rewards: Array, values: Array, response_mask: Array, gamma: Any, lam: Any
@@ -226,8 +221,8 @@ def compute_gae_advantage_return(
     return masked_whiten(adv, response_mask), returns
 
 
-@register_advantage_estimator("grpo")
-@register_advantage_estimator("grpo_vectorized")
+@register_adv_est("grpo")
+@register_adv_est("grpo_vectorized")
 @jax.jit
 def compute_grpo_outcome_advantage(
     token_level_rewards: Array,
@@ -257,7 +252,7 @@ def _check_groups_of_two(group_ids: Array) -> None:
         raise ValueError(f"pass@k needs at least 2 samples per group, got a group of {counts.min()}")
 
 
-@register_advantage_estimator("grpo_passk")
+@register_adv_est("grpo_passk")
 def compute_grpo_passk_outcome_advantage(
     token_level_rewards: Array,
     response_mask: Array,
@@ -293,8 +288,8 @@ def _passk(token_level_rewards, response_mask, group_ids, epsilon, norm_adv_by_s
     return adv, adv
 
 
-@register_advantage_estimator("rloo")
-@register_advantage_estimator("rloo_vectorized")
+@register_adv_est("rloo")
+@register_adv_est("rloo_vectorized")
 @jax.jit
 def compute_rloo_outcome_advantage(
     token_level_rewards: Array, response_mask: Array, group_ids: Array
@@ -312,7 +307,7 @@ def compute_rloo_outcome_advantage(
     return adv, adv
 
 
-@register_advantage_estimator("reinforce_plus_plus")
+@register_adv_est("reinforce_plus_plus")
 @jax.jit
 def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: Array, response_mask: Array, gamma: Any
@@ -340,7 +335,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return adv, returns
 
 
-@register_advantage_estimator("reinforce_plus_plus_baseline")
+@register_adv_est("reinforce_plus_plus_baseline")
 @jax.jit
 def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Array, response_mask: Array, group_ids: Array
@@ -357,7 +352,7 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     return adv, adv
 
 
-@register_advantage_estimator("remax")
+@register_adv_est("remax")
 @jax.jit
 def compute_remax_outcome_advantage(
     token_level_rewards: Array, reward_baselines: Array, response_mask: Array
@@ -375,7 +370,7 @@ def compute_remax_outcome_advantage(
     return adv, returns
 
 
-@register_advantage_estimator("opo")
+@register_adv_est("opo")
 @jax.jit
 def compute_opo_outcome_advantage(
     token_level_rewards: Array, response_mask: Array, group_ids: Array
@@ -398,7 +393,7 @@ def compute_opo_outcome_advantage(
     return adv, adv
 
 
-@register_advantage_estimator("gpg")
+@register_adv_est("gpg")
 @jax.jit
 def compute_gpg_outcome_advantage(
     token_level_rewards: Array, response_mask: Array, group_ids: Array, f_norm: Any = 1.0

@@ -139,7 +139,7 @@ def register_policy_loss(name: str, *, override: bool = False):
     return POLICY_LOSS_REGISTRY.register(name, override=override)
 
 
-def get_policy_loss(name: str) -> Callable[..., tuple[Array, dict]]:
+def get_policy_loss_fn(name: str) -> Callable[..., tuple[Array, dict]]:
     """The policy loss registered under ``name``; unknown names raise listing the valid ones.
 
     The returned callable ignores the common hyper-parameters (``loss_agg_mode``,
@@ -151,9 +151,6 @@ def get_policy_loss(name: str) -> Callable[..., tuple[Array, dict]]:
 
 def policy_loss_names() -> list[str]:
     return POLICY_LOSS_REGISTRY.names()
-
-
-get_policy_loss_fn = get_policy_loss  # verl's spelling
 
 
 def compute_policy_loss(
@@ -180,7 +177,7 @@ def compute_policy_loss(
     aggregation. ``global_batch_info`` (see :func:`global_batch_info`) sets the global
     normalisers of :func:`agg_loss`. Passing either to a loss that does not take it raises.
     """
-    fn = get_policy_loss(loss_mode)
+    fn = get_policy_loss_fn(loss_mode)
     optional = dict(rollout_is_weights=rollout_is_weights, global_batch_info=global_batch_info)
     return fn(
         old_log_prob,

@@ -3,7 +3,7 @@
 A config string selects the function (``cfg.adv_estimator = "grpo"``); users add their own
 with a decorator::
 
-    @register_advantage_estimator("my_adv")
+    @register_adv_est("my_adv")
     def my_adv(token_level_rewards, response_mask): ...
 
 An unknown name raises ``UnknownNameError`` (both a ``KeyError`` and a ``ValueError``) whose
@@ -91,7 +91,7 @@ def accepts_keywords(
     """Wraps ``fn`` so that keyword arguments it does not declare are dropped.
 
     This lets a caller hand every column it has to any registered function:
-    ``get_advantage_estimator(name)(**columns)``. With ``droppable`` given, only those names are
+    ``get_adv_estimator_fn(name)(**columns)``. With ``droppable`` given, only those names are
     dropped when undeclared and any other unknown keyword still raises ``TypeError`` (so a
     misspelt option is not silently ignored). A function that itself takes ``**kwargs``
     receives everything. Positional arguments pass through unchanged, and a missing required

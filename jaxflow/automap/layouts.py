@@ -10,7 +10,7 @@ Only layouts whose axes divide the model's dimensions under the rules the run it
 batches split over the data-parallel ranks are proposed; tensor parallelism stays inside a
 host (``tp, gen_tp <= devices_per_host``), as in the paper.
 
-Memory per device (analytic; the dry run's formulas, :mod:`jaxflow.trainer.dry_run`):
+Memory per device (analytic; the dry run's formulas, :mod:`jaxflow.plan.dry_run`):
 parameters in their dtype, sharded as the rules say; Adam's two moments in
 ``jaxflow.optim.state_dtype``; gradients (twice with micro-batch accumulation); activations
 per micro-batch with the remat policy; for the actor the generation copy of the weights and
@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh
 from jaxflow.automap.workload import RoleModel, Workload
 from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
 from jaxflow.sampling import bucket_size
-from jaxflow.trainer import dry_run as dr
+from jaxflow.plan import dry_run as dr
 from jaxflow.workers.base import num_micro_batches
 
 

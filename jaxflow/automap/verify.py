@@ -36,7 +36,7 @@ def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DevicePro
     """Compile the plan's programs (the dry run's default set) for ``num_devices`` devices and
     judge them against the profile's device memory. Returns ``{"fits", "programs": [...],
     "rejected": "program: bytes" | None}`` and stores it on ``plan.compiled``."""
-    from jaxflow.trainer.dry_run import dry_run
+    from jaxflow.plan.dry_run import dry_run
 
     planned = apply_plan(cfg, plan, num_devices)
     with planned.unlocked():

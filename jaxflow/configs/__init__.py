@@ -9,6 +9,8 @@
 - :func:`get_config`, :func:`apply_overrides` (:mod:`~jaxflow.configs.overrides`),
   :func:`validate` (:mod:`~jaxflow.configs.validate`; raises :class:`ConfigError`).
 - :data:`KEY_DOCS`: one line per key (``python -m jaxflow.configs.docs`` prints the table).
+- :func:`describe_run` (:mod:`~jaxflow.configs.run_spec`): the one typed description of a
+  run (`RunSpec`) that real runs and dry runs consume.
 - Helpers that interpret a config for the run exactly as validation does
   (:mod:`~jaxflow.configs.resolve`):
   :func:`active_roles`, :func:`placement_groups`, :func:`mesh_sizes`,
@@ -143,6 +145,19 @@ def describe_named() -> str:
     return "\n".join(lines)
 
 
+# The typed run description (`jaxflow.configs.run_spec`) imports JAX and the workers; it
+# loads on first use, so that reading a config stays cheap.
+_RUN_SPEC_NAMES = ("ModelSpec", "RewardSpec", "RunSpec", "build_tokenizer", "describe_run")
+
+
+def __getattr__(name: str):
+    if name in _RUN_SPEC_NAMES:
+        from jaxflow.configs import run_spec
+
+        return getattr(run_spec, name)
+    raise AttributeError(f"module 'jaxflow.configs' has no attribute {name!r}")
+
+
 __all__ = [
     "DEFAULTS",
     "DEFAULT_CONFIG",
@@ -152,13 +167,18 @@ __all__ = [
     "NAMED",
     "ROLES",
     "ConfigError",
+    "ModelSpec",
+    "RewardSpec",
+    "RunSpec",
     "active_roles",
     "apply_overrides",
     "build_placement",
+    "build_tokenizer",
     "checkpoint_dir",
     "critic_enabled",
     "data_parallel_size",
     "describe_named",
+    "describe_run",
     "get_base_config",
     "get_config",
     "leaf_keys",

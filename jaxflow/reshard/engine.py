@@ -4,10 +4,16 @@ layout on the same devices, generation runs, and the generation copy is dropped.
 ::
 
     engine = HybridEngine(train_mesh, HYBRID_TRAIN_RULES, gen_tp=2)   # strategy="hybrid"
-    with engine.generation(train_state) as gen_state:                # jitted, cached
+    with engine.generation_swap(train_state, give_back=keep) as gen_state:   # jitted, cached
         out = generate_from_state(graphdef, gen_state, ..., mesh=engine.gen_mesh,
                                   rules=engine.gen_rules)
-    # gen_state's buffers are freed here; train_state was never touched (nor donated)
+    # train_state was donated into gen_state (freed leaf by leaf as its generation copy was
+    # made); on exit each device's training shard is sliced back out of its generation shard
+    # (no communication under "hybrid"), gen_state is freed, and keep() gets the new state.
+
+A device thus holds one generation shard of the weights while generating, never a training
+shard beside it (HybridFlow's zero redundancy). `HybridEngine.generation` is the variant that
+keeps the training copy alive (for measuring and tests).
 
 Strategies (HybridFlow §5.4, Table 2 in :mod:`jaxflow.reshard.cost`):
 
@@ -38,7 +44,7 @@ import contextlib
 import dataclasses
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -74,6 +80,18 @@ def derive_generation_rules(train_rules: Rules, train_mesh: Mesh) -> Rules:
             continue
         present = tuple(a for a in _axes_tuple(axes) if a in train_mesh.shape)
         out.append((name, "tp" if present and present == wa else None))
+    return tuple(out)
+
+
+def zero3_rules(train_rules: Rules, train_mesh: Mesh, weight_axes_: tuple[str, ...]) -> Rules:
+    """``train_rules`` with every name split over the weight axes also split over the mesh's
+    other (replica) axes, major: the ZeRO-3 layout of DeepSpeed-Chat, weights over all
+    devices."""
+    replica = tuple(a for a in train_mesh.axis_names if a not in weight_axes_ and train_mesh.shape[a] > 1)
+    out = []
+    for name, axes in train_rules:
+        present = tuple(a for a in _axes_tuple(axes) if a in train_mesh.shape)
+        out.append((name, replica + present if name != "batch" and present and present == weight_axes_ else axes))
     return tuple(out)
 
 
@@ -144,7 +162,12 @@ class TransitionReport:
     train_shard_bytes: int  # per device
     gen_shard_bytes: int  # per device: one generation shard
     redundancy_bytes: int  # per device: training weights outside the generation shard
-    received_bytes: float  # max over devices, from the HLO's collectives
+    # Bytes one device receives (max over devices): a ring-algorithm model (all-gather over g
+    # devices: (g-1)/g of its output; all-reduce 2(g-1)/g; ...) applied to the collectives of
+    # the compiled HLO (op, per-device output shape, replica groups). Not a measured transfer.
+    ring_received_bytes: float
+    collective_output_bytes: int  # raw: the collectives' output buffers on one device, summed (max)
+    group_sizes: list[int]  # distinct replica-group sizes of those collectives
     collectives: dict[str, int]  # op -> count
     gather_groups: list[list[int]]  # distinct replica groups of the collectives (device ids)
     output_bytes: int  # memory_analysis(): the generation copy's arrays
@@ -162,7 +185,8 @@ class TransitionReport:
     @property
     def comm_ratio(self) -> float:
         want = self.table2.comm_bytes
-        return self.received_bytes / want if want else (0.0 if self.received_bytes == 0 else float("inf"))
+        got = self.ring_received_bytes
+        return got / want if want else (0.0 if got == 0 else float("inf"))
 
     @property
     def peak_ratio(self) -> float:
@@ -220,6 +244,12 @@ class HybridEngine:
         grouping = "hybrid" if strategy == "hybrid" else "vanilla"
         self.gen_mesh = generation_mesh(train_mesh, gen_tp, self.weight_axes, grouping)
         self.gen_rules = get_rules(gen_rules) if gen_rules is not None else derive_generation_rules(self.train_rules, train_mesh)
+        # d: the training layout's weight replicas (a training dp axis).
+        self.replica_degree = int(train_mesh.devices.size // self.train_degree)
+        if strategy == "naive" and self.replica_degree > 1:
+            # DeepSpeed-Chat trains with ZeRO-3: its weights are split over every device
+            # (t*p*d), the data-parallel axes included, and it gathers them from all of them.
+            self.train_rules = zero3_rules(self.train_rules, train_mesh, self.weight_axes)
         self.bucketed = bucketed and strategy == "hybrid"
         self.bucket_bytes = bucket_bytes
         self._programs: dict[tuple, Any] = {}
@@ -345,19 +375,33 @@ class HybridEngine:
 
     # --- the transition ----------------------------------------------------------------------
 
-    def _run(self, state: Any, reverse: bool) -> Any:
+    def _run(self, state: Any, reverse: bool, donate: bool = False) -> Any:
+        """The transition's program calls in order. ``donate``: each input leaf's buffers are
+        deleted as soon as the last program that reads it has run (XLA cannot write a
+        generation shard over a smaller training shard in place, so the input is freed rather
+        than aliased); the caller must not use ``state`` afterwards."""
         treedef, steps, _, _ = self._plan(state, reverse)
         leaves = jax.tree.leaves(state)
+
+        def drop(xs: list[Any]) -> None:
+            if donate:
+                for x in xs:
+                    x.delete()
+
         if steps[0].key[0] == "whole":
-            return jax.tree.unflatten(treedef, self._get(steps[0].key)(leaves))
+            out = jax.block_until_ready(self._get(steps[0].key)(leaves))
+            drop(leaves)
+            return jax.tree.unflatten(treedef, out)
         if steps[0].key[0] == "gather":
             full = jax.block_until_ready(self._get(steps[0].key)(leaves))
+            drop(leaves)
             out = jax.block_until_ready(self._get(steps[1].key)(full))
             for x in full:
                 x.delete()
             return jax.tree.unflatten(treedef, out)
+        last_read = {step.leaf: i for i, step in enumerate(steps) if step.key[0] in ("update", "direct")}
         out: list[Any] = [None] * len(leaves)
-        for step in steps:
+        for i, step in enumerate(steps):
             fn = self._get(step.key)
             kind = step.key[0]
             if kind == "zeros":
@@ -369,22 +413,30 @@ class HybridEngine:
             # One program at a time: the memory bound assumes it, and XLA:CPU can deadlock
             # with many small collective programs in flight on simulated devices.
             out[step.leaf].block_until_ready()
+            if last_read.get(step.leaf) == i:
+                drop([leaves[step.leaf]])
         return jax.tree.unflatten(treedef, out)
 
-    def to_generation(self, train_state: Any) -> Any:
-        """A new state in the generation layout; ``train_state`` is read, never donated."""
-        return self._run(train_state, reverse=False)
+    def to_generation(self, train_state: Any, *, donate: bool = False) -> Any:
+        """A new state in the generation layout. ``train_state`` is read and kept, or with
+        ``donate`` consumed: each training leaf is freed as soon as its generation copy
+        exists, so the device holds the training copy and the generation copy of a weight
+        at once only while that weight goes over (the zero-redundancy actor,
+        `generation_swap`)."""
+        return self._run(train_state, reverse=False, donate=donate)
 
-    def to_training(self, gen_state: Any) -> Any:
+    def to_training(self, gen_state: Any, *, donate: bool = False) -> Any:
         """The training layout back from a generation copy. Under the hybrid strategy this is
-        local slicing only (every training shard is inside the generation shard), which is
-        what lets a caller drop the training weights during generation (zero redundancy)."""
-        return self._run(gen_state, reverse=True)
+        local slicing only (every training shard is inside the generation shard: no
+        collective), which is what lets a caller drop the training weights during generation
+        (zero redundancy). ``donate``: the generation copy is freed as it goes."""
+        return self._run(gen_state, reverse=True, donate=donate)
 
     @contextlib.contextmanager
     def generation(self, train_state: Any) -> Iterator[Any]:
         """``with engine.generation(train_state) as gen_state: ...``; the generation copy's
-        buffers are deleted on exit (never a buffer the training state owns)."""
+        buffers are deleted on exit (never a buffer the training state owns). The training
+        copy stays alive beside it; `generation_swap` frees it."""
         gen_state = self.to_generation(train_state)
         try:
             yield gen_state
@@ -393,6 +445,25 @@ class HybridEngine:
             for x in jax.tree.leaves(gen_state):
                 if isinstance(x, jax.Array) and id(x) not in keep and not x.is_deleted():
                     x.delete()
+
+    @contextlib.contextmanager
+    def generation_swap(self, train_state: Any, give_back: Callable[[Any], None]) -> Iterator[Any]:
+        """The 3D-HybridEngine's zero-redundancy switch::
+
+            with engine.generation_swap(params, give_back=set_params) as gen_params:
+                ...generate with gen_params...
+
+        ``train_state`` is donated into the generation copy (`to_generation` with
+        ``donate``): during generation a device holds one generation shard of the weights and
+        no training shard. On exit (also on an error), each device's training shard is taken
+        back out of its generation shard (`to_training`: local slicing under the hybrid
+        strategy), the generation copy is freed, and ``give_back`` receives the new training
+        state, bit-identical to ``train_state``."""
+        gen_state = self.to_generation(train_state, donate=True)
+        try:
+            yield gen_state
+        finally:
+            give_back(self.to_training(gen_state, donate=True))
 
     # --- measurement ----------------------------------------------------------------------
 
@@ -420,6 +491,8 @@ class HybridEngine:
         whole = sorted({line for c in compiled.values() for shape in split - shard_shapes
                         for line in hlo.buffers_with_shape(c.as_text(), shape)})
         received = np.zeros(len(flat_devices))
+        raw_out = np.zeros(len(flat_devices))
+        sizes: set[int] = set()
         counts: dict[str, int] = {}
         groups: set[tuple[int, ...]] = set()
         stats: dict[tuple, tuple[int, int, int]] = {}
@@ -438,6 +511,9 @@ class HybridEngine:
             received += np.asarray(hlo.received_per_device(colls, len(flat_devices)))
             for col in colls:
                 counts[col.op] = counts.get(col.op, 0) + 1
+                sizes.add(col.group_size)
+                for d in {i for g in col.groups for i in g} or {t for _, t in col.pairs}:
+                    raw_out[d] += col.out_bytes
                 groups.update(tuple(flat_devices[i].id for i in g) for g in col.groups)
             out, temp, alias = stats[step.key]
             peak = max(peak, alloc + out - alias + temp)
@@ -457,7 +533,9 @@ class HybridEngine:
             train_shard_bytes=shard_bytes(leaves, src),
             gen_shard_bytes=shard_bytes(leaves, dst),
             redundancy_bytes=redundant_bytes(leaves, src, dst),
-            received_bytes=float(received.max()),
+            ring_received_bytes=float(received.max()),
+            collective_output_bytes=int(raw_out.max()),
+            group_sizes=sorted(sizes),
             collectives=counts,
             gather_groups=[list(g) for g in sorted(groups)],
             output_bytes=alloc,
@@ -469,7 +547,8 @@ class HybridEngine:
             full_remat=bool(remat),
             whole_weights=whole,
             remat_log=remat,
-            table2=table2(self.strategy, model_bytes, self.train_degree, self.gen_tp),
+            table2=table2(self.strategy, model_bytes, self.train_degree, self.gen_tp,
+                          dp=self.replica_degree if self.strategy == "naive" else 1),
         )
         if time_iters:
             rep.seconds = self.time(state, time_iters, reverse)

@@ -99,7 +99,12 @@ def _parse_mesh_groups(text: str) -> list[list[int]]:
 
 def _parse_groups(attrs: str, num_devices: int) -> list[list[int]]:
     """``replica_groups`` in the explicit ``{{0,1},{2,3}}``, the iota ``[G,S]<=[dims]T(perm)``
-    or the mesh-axes ``mesh['x'=2,'y'=4] {'y'}`` form; empty means one group of all."""
+    or the mesh-axes ``mesh['x'=2,'y'=4] {'y'}`` form (its device order as ``<=[dims]T(perm)``
+    or ``, device_ids=([dims]T(perm))``); empty means one group of all."""
+    m = re.search(r"replica_groups=(mesh\[[^\]]*\]),\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?)\)\s*(\{[^}]*\})",
+                  attrs)
+    if m:  # the mesh's device order given separately: mesh[...], device_ids=([dims]T(perm)) {...}
+        return _parse_mesh_groups(f"{m.group(1)}<={m.group(2)} {m.group(3)}")
     m = re.search(r"replica_groups=(mesh\[[^\]]*\](?:<=\[[0-9,]+\](?:T\([0-9,]+\))?)?\s*\{[^}]*\})", attrs)
     if m:
         return _parse_mesh_groups(m.group(1))

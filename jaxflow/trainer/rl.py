@@ -1,6 +1,6 @@
-"""The RL loop: a single controller that runs an algorithm program (`jaxflow.algos.programs`)
-over worker groups built from the experiment config, with validation, checkpoints, metrics
-and the non-finite guard.
+"""The RL loop: a single controller that runs an iteration program (`jaxflow.programs`) over
+worker groups built from the run's typed description (`jaxflow.configs.run_spec`), with
+validation, checkpoints, metrics and the non-finite guard.
 
 ::
 
@@ -23,22 +23,17 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxflow.algos import batch_from_prompts
-from jaxflow.algos.programs import AlgoState, get_algorithm, select_algorithm
-from jaxflow.configs import ConfigError, build_placement, checkpoint_dir, critic_enabled, uses_reference
+from jaxflow.configs import ConfigError, checkpoint_dir
+from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.rewards import RewardScorer
+from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
 from jaxflow.trainer.builders import (
     abstract_like,
-    actor_config,
     build_dataset,
-    build_tokenizer,
-    critic_config,
+    check_vocab,
     dataset_files,
     load_model,
-    optimizer_steps,
-    role_options,
-    rollout_config,
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
@@ -75,7 +70,9 @@ def _mean(value: Any) -> float:
 class RLTrainer:
     """Everything one RL run needs, built from a validated experiment config."""
 
-    def __init__(self, cfg: ConfigDict):
+    def __init__(self, cfg: ConfigDict, *, actor_params: Any = None):
+        """``actor_params``: initial actor (and reference) weights as ``(graphdef, params)``
+        (e.g. the SFT warm start's, handed over in memory); default: the configured model."""
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = checkpoint_dir(cfg)
@@ -86,13 +83,16 @@ class RLTrainer:
         self.val_data = build_dataset(cfg, val_files, self.tokenizer)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
-        self.total_steps = t.total_training_steps or t.total_epochs * self.loader.steps_per_epoch
-
-        self.placement = build_placement(cfg)
-        self.workers = self._build_workers()
-        self.algorithm_name = select_algorithm(cfg)
+        self.spec: RunSpec = describe_run(cfg, eos_token_id=self.tokenizer.eos_token_id,
+                                          pad_token_id=self.tokenizer.pad_token_id,
+                                          num_train_prompts=len(self.train_data))
+        check_vocab(self.spec, self.tokenizer)
+        self.total_steps = self.spec.training_steps
+        self.placement = self.spec.placement
+        self.workers = self._build_workers(actor_params)
+        self.algorithm_name = select_algorithm(self.spec.algorithm)
         self.algorithm = get_algorithm(self.algorithm_name)
-        self.algo_state = AlgoState.from_config(cfg)
+        self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
         self.ckpt = CheckpointManager(
             self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
@@ -102,32 +102,32 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ construction
 
-    def _build_workers(self):
-        cfg, tok, p = self.cfg, self.tokenizer, self.placement
-        opt_steps = optimizer_steps(cfg, cfg.trainer.total_training_steps or 1)
-        actor = load_model(cfg, "actor", "lm", tok, mesh=p.mesh("actor", "train"), rules=p.rules("actor", "train"))
-        critic = None
-        if critic_enabled(cfg):
-            critic = load_model(cfg, "critic", "value", tok, mesh=p.mesh("critic", "train"),
-                                rules=p.rules("critic", "train"))
-        reward_model = None
-        if cfg.reward_model.enable:
-            reward_model = load_model(cfg, "reward", "reward", tok, mesh=p.mesh("reward"), rules=p.rules("reward"))
-        cost_model = None
-        if cfg.jaxflow.safe_rlhf.enable and cfg.jaxflow.safe_rlhf.cost_model_path:
-            cost_model = load_model(cfg, "cost", "reward", tok, mesh=p.mesh("cost"), rules=p.rules("cost"))
-        fn = cfg.custom_reward_function
+    def _build_workers(self, actor_params: Any = None):
+        spec, p = self.spec, self.placement
+
+        def model(role: str) -> Any:
+            phase = "train" if role in ("actor", "critic") else "infer"
+            return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
+
+        actor = model("actor") if actor_params is None else actor_params
+        r = spec.reward
         try:
-            scorer = RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name,
-                                  timeout_s=cfg.jaxflow.reward.timeout_s)
+            scorer = RewardScorer(custom_reward_path=r.custom_function_path, custom_reward_name=r.custom_function_name,
+                                  timeout_s=r.timeout_s)
         except (ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
         return build_local_workers(
-            p, actor=actor, ref=actor if uses_reference(cfg) else None, critic=critic,
-            reward_model=reward_model, cost_model=cost_model, rule_reward=RuleRewardWorker(tok, scorer),
-            actor_config=actor_config(cfg, opt_steps),
-            critic_config=critic_config(cfg, opt_steps) if critic is not None else None,
-            rollout=rollout_config(cfg, tok), role_options=role_options(cfg))
+            p, actor=actor, ref=actor if "ref" in spec.roles else None,
+            critic=model("critic") if "critic" in spec.roles else None,
+            reward_model=model("reward") if "reward" in spec.roles else None,
+            cost_model=model("cost") if "cost" in spec.roles else None,
+            rule_reward=RuleRewardWorker(self.tokenizer, scorer),
+            actor_config=spec.actor, critic_config=spec.critic, rollout=spec.rollout,
+            ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
+            reward_micro_batch_size_per_device=r.micro_batch_size_per_device,
+            ref_use_remove_padding=spec.ref_use_remove_padding,
+            ref_max_token_len_per_device=spec.ref_max_token_len_per_device,
+            reward_use_remove_padding=r.use_remove_padding)
 
     # ------------------------------------------------------------------ state
 
@@ -163,14 +163,13 @@ class RLTrainer:
         """One iteration of the algorithm on the next prompt batch; verl-named metrics."""
         start = time.perf_counter()
         prompts = batch_from_prompts(next(self.loader))
-        prompts.meta["step"] = step
-        prompts.meta["update_actor"] = step > self.cfg.trainer.critic_warmup
-        raw = self.algorithm(self.workers, prompts, self.cfg, self.algo_state)
+        raw = self.algorithm(self.workers, prompts, self.spec.algorithm, self.algo_state, step=step,
+                             update_actor=step > self.spec.critic_warmup)
         metrics = {k: _mean(v) for k, v in scalar_metrics(raw).items()} if raw else {}
         metrics.update({k: _mean(v) for k, v in raw.items() if k not in metrics and np.size(v)})
         elapsed = time.perf_counter() - start
         metrics["timing_s/step"] = elapsed
-        n = self.cfg.actor_rollout_ref.rollout.n
+        n = self.spec.n
         prompt_tokens = float(np.asarray(prompts["prompt_mask"]).sum()) * n
         response_tokens = metrics.get("response_length/mean", 0.0) * len(prompts) * n
         metrics["perf/total_num_tokens"] = prompt_tokens + response_tokens
@@ -185,12 +184,10 @@ class RLTrainer:
         cfg = self.cfg
         size = cfg.data.val_batch_size or len(self.val_data)
         scores, lengths, by_source = [], [], {}
-        params = rollout_config(cfg, self.tokenizer, validation=True)
         for start in range(0, len(self.val_data), size):
             idx = np.arange(start, min(start + size, len(self.val_data)))
             prompts = batch_from_prompts(self.val_data.batch(idx))
-            prompts.meta["rollout"] = params
-            out = self.workers.actor.generate(prompts)
+            out = self.workers.actor.generate(prompts, sampling="val")
             out |= self.workers.reward(out)
             mask = np.asarray(jax.device_get(out["response_mask"]))
             seq = (np.asarray(jax.device_get(out["token_level_scores"])) * (mask > 0)).sum(-1)

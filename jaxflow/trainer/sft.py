@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +22,11 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import jaxflow.models as models
-from jaxflow.configs import build_placement
+from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.trainer.builders import build_tokenizer, builtin_task, load_model
+from jaxflow.trainer.builders import builtin_task, check_vocab, load_model
 from jaxflow.trainer.metrics import MetricsLogger
 from jaxflow.workers import OptimConfig, create_train_state, make_optimizer, make_train_step
 from jaxflow.workers.base import num_micro_batches
@@ -52,17 +53,20 @@ def greedy_accuracy(graphdef, params, task, tokenizer, cfg: ConfigDict, n: int =
     return float(np.mean([t.strip() == row["response"] for t, row in zip(texts, rows)]))
 
 
-def run_sft(cfg: ConfigDict) -> dict[str, float]:
-    """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint; final metrics."""
+def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
+    """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint (+ tokenizer).
+    Returns the final metrics and the trained ``(graphdef, params)``, still on the actor's
+    training mesh (the RL warm start takes them over in memory)."""
     s = cfg.jaxflow.sft
     tokenizer = build_tokenizer(cfg)
     task = builtin_task(cfg)
     rows = task.make_sft_examples(cfg.jaxflow.data.num_train_examples, seed=cfg.data.seed, split="train")
     data = tokenize_sft_examples(rows, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
 
-    placement = build_placement(cfg)
-    mesh, rules = placement.mesh("actor", "train"), placement.rules("actor", "train")
-    graphdef, params = load_model(cfg, "actor", "lm", tokenizer, mesh=mesh, rules=rules)
+    spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    check_vocab(spec, tokenizer)
+    mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
+    graphdef, params = load_model(spec.models["actor"], mesh, rules)
     tx, schedule = make_optimizer(OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps,
                                               grad_clip=1.0))
     state, shardings = create_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
@@ -95,16 +99,18 @@ def run_sft(cfg: ConfigDict) -> dict[str, float]:
     models.save_pretrained(model, s.output_dir)
     tokenizer.save_pretrained(s.output_dir)
     print(f"sft: wrote {s.output_dir} (final loss {metrics.get('sft/loss', float('nan')):.4f})", flush=True)
-    return metrics
+    return metrics, graphdef, state.params
 
 
-def warm_start(cfg: ConfigDict) -> ConfigDict:
-    """The RL config, after ``jaxflow.sft.warm_start_steps`` supervised steps when the actor
-    has no checkpoint: SFT runs first and RL starts from its output (written under the run's
-    checkpoint directory). Without a warm start, ``cfg`` is returned unchanged."""
+def warm_start(cfg: ConfigDict) -> tuple[ConfigDict, tuple[nnx.GraphDef, Any] | None]:
+    """``(RL config, actor weights)`` after ``jaxflow.sft.warm_start_steps`` supervised steps
+    when the actor has no checkpoint: SFT runs first and RL starts from its weights, handed
+    over in memory (``RLTrainer(cfg, actor_params=...)``); its HF checkpoint is still written
+    under the run's checkpoint directory, and the RL config points at it. Without a warm
+    start: ``(cfg, None)``."""
     steps = cfg.jaxflow.sft.warm_start_steps
     if steps <= 0 or cfg.actor_rollout_ref.model.path:
-        return cfg
+        return cfg, None
     from jaxflow.configs import checkpoint_dir
 
     out = os.path.join(checkpoint_dir(cfg), "sft_warm_start")
@@ -113,7 +119,7 @@ def warm_start(cfg: ConfigDict) -> ConfigDict:
     sft_cfg.jaxflow.sft.steps = steps
     sft_cfg.jaxflow.sft.output_dir = out
     print(f"jaxflow: supervised warm start ({steps} steps on {cfg.jaxflow.data.builtin_task}) -> {out}", flush=True)
-    run_sft(sft_cfg)
+    _, graphdef, params = run_sft(sft_cfg)
     rl_cfg = ConfigDict(cfg.to_dict())
     rl_cfg.actor_rollout_ref.model.path = out
-    return rl_cfg
+    return rl_cfg, (graphdef, params)

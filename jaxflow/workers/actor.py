@@ -34,9 +34,10 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, packed_forward, row_program
+from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward,
+                                  row_program)
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
-from jaxflow.workers.packing import pack_minibatch
+from jaxflow.workers.packing import PACKED_KEYS, pack_minibatch
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
 from jaxflow.workers.protocols import DP_COMPUTE, register
@@ -45,28 +46,27 @@ from jaxflow.workers.train_state import make_train_step, minibatch_indices
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    """How the actor samples (verl's ``rollout``): ``n`` responses per prompt of at most
-    ``max_new_tokens`` tokens. ``eos_token_ids``/``pad_token_id`` default to the model
-    config's; ``seed`` seeds the whole run's rollouts (each call folds in its index);
-    ``max_num_seqs`` > 0 generates at most that many sequences per generation replica at once."""
+    """How the actor samples (verl's ``rollout``): the training rollouts' `SamplingParams`
+    (``n`` responses per prompt, ``seed`` seeding the whole run: each call folds in its step)
+    and the validation rollouts' (``rollout.val_kwargs``) side by side; ``max_num_seqs`` > 0
+    generates at most that many sequences per generation replica at once."""
 
-    n: int = 1
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    eos_token_ids: tuple[int, ...] | int | None = None
-    pad_token_id: int | None = None
-    seed: int = 0
+    train: SamplingParams = SamplingParams(max_new_tokens=32)
+    val: SamplingParams = SamplingParams(max_new_tokens=32, greedy=True)
     max_num_seqs: int = 0
 
-    def sampling_params(self) -> SamplingParams:
-        return SamplingParams(
-            max_new_tokens=self.max_new_tokens, greedy=self.greedy, temperature=self.temperature,
-            top_k=self.top_k, top_p=self.top_p, n=self.n, eos_token_ids=self.eos_token_ids,
-            seed=self.seed, pad_token_id=self.pad_token_id,
-        )
+    def resolve(self, sampling: SamplingParams | str) -> SamplingParams:
+        """``"train"``, ``"val"``, ``"greedy"`` (the training parameters, argmax, one response
+        per prompt: verl's ``do_sample=False`` request) or explicit parameters."""
+        if isinstance(sampling, SamplingParams):
+            return sampling
+        if sampling == "train":
+            return self.train
+        if sampling == "val":
+            return self.val
+        if sampling == "greedy":
+            return dataclasses.replace(self.train, greedy=True, n=1)
+        raise ValueError(f"sampling must be SamplingParams or one of 'train', 'val', 'greedy', got {sampling!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,6 +137,15 @@ class ActorConfig:
         the one the step differentiates, so ``old_log_probs = stop_gradient(log_probs)``."""
         return self.ppo_epochs == 1 and self.ppo_mini_batch_size == rows
 
+    def train_columns(self, on_policy: bool = False) -> dict[str, int]:
+        """The train step's columns and their ranks: padded ``[rows, length]``, or with remove
+        padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`, all rank 3)."""
+        keys = self.update_keys(on_policy)
+        if not self.use_remove_padding:
+            return {c: 2 for c in keys}
+        rows = [c for c in keys if c not in ("prompt_ids", "prompt_mask", "responses")]
+        return {c: 3 for c in (*rows, *PACKED_KEYS)}
+
 
 def actor_loss(cfg: ActorConfig):
     """The actor's ``loss_fn(model, micro, gbi, scalars) -> (loss, aux)`` for `make_train_step`
@@ -177,6 +186,42 @@ def actor_loss(cfg: ActorConfig):
     return loss_fn
 
 
+def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
+    """``fn(model, tensors, {"temperature": T}) -> {output_key: [B, R]}`` (and ``entropys``):
+    ``log_softmax(logits / T)`` of the responses, 0 on padding, from padded rows or a packed
+    micro-batch."""
+
+    def fn(model, t, scalars):
+        lp, ent = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=with_entropy)
+        m = t["response_mask"] > 0
+        out = {output_key: jnp.where(m, lp, 0.0)}
+        if with_entropy:
+            out["entropys"] = jnp.where(m, ent, 0.0)
+        return out
+
+    return fn
+
+
+def log_probs_program(layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs",
+                      with_entropy: bool = False):
+    """`log_probs_fn` over padded rows in ``num_micro`` micro-batches (`row_program`): the
+    actor's old log-probs and the reference's ``ref_log_prob``."""
+    return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro)
+
+
+def actor_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: ActorConfig, state_shardings: Any,
+                     num_micro: int, *, on_policy: bool = False):
+    """The actor's jitted optimizer step (`make_train_step` with `actor_loss`) on a mini-batch
+    of the columns ``config.train_columns(on_policy)`` and the scalar ``temperature``: padded
+    rows in ``num_micro`` micro-batches, or (remove padding) packed micro-batches."""
+    packed = config.use_remove_padding
+    return make_train_step(
+        layout.graphdef, tx, schedule, actor_loss(config), mesh=layout.mesh, rules=layout.rules,
+        state_shardings=state_shardings, batch_ndims=config.train_columns(on_policy),
+        scalar_names=("temperature",), num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor, presplit=packed)
+
+
 class ActorWorker(TrainableWorker):
     """Policy model: `generate`, `log_probs`, `update`.
 
@@ -207,36 +252,35 @@ class ActorWorker(TrainableWorker):
 
     # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
-    def generate(self, prompts: Batch) -> Batch:
-        """``n`` responses per prompt. Returns the prompts repeated ``n`` times (interleaved,
-        with a ``uid`` per prompt: its samples share it) plus ``responses``,
-        ``response_mask``, ``rollout_log_probs`` (the sampler's log-probs) and
-        ``meta["temperature"]``."""
+    def generate(self, prompts: Batch, *, sampling: SamplingParams | str = "train",
+                 step: int | None = None) -> Batch:
+        """``n`` responses per prompt with ``sampling`` (`RolloutConfig.resolve`: the training
+        or validation parameters, ``"greedy"``, or explicit `SamplingParams`). ``step``: the
+        training step; the rollout key is ``fold_in(key(seed), step)``, so a resumed run
+        samples what the uninterrupted run would have (None: this worker's call count).
+        Returns the prompts repeated ``n`` times (interleaved, with a ``uid`` per prompt: its
+        samples share it) plus ``responses``, ``response_mask``, ``rollout_log_probs`` (the
+        sampler's log-probs) and the provenance ``meta["temperature"]``."""
         ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
         mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
-        # Per-call overrides in the prompts' meta: "rollout" (a RolloutConfig, e.g. greedy
-        # validation) and "step" (the training step: the rollout seed is fold_in(seed, step), so
-        # a resumed run samples what the uninterrupted run would have).
-        rollout = prompts.meta.get("rollout", self.rollout)
-        if prompts.meta.get("do_sample") is False:  # verl's greedy request (ReMax's baseline): one argmax response
-            rollout = dataclasses.replace(rollout, greedy=True, n=1)
-        params = rollout.sampling_params()
-        index = prompts.meta.get("step")
+        params = self.rollout.resolve(sampling)
+        index = step
         if index is None:
             index = self._num_rollouts
             self._num_rollouts += 1
-        rng = jax.random.fold_in(jax.random.key(rollout.seed), index)
+        rng = jax.random.fold_in(jax.random.key(params.seed), index)
         if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
         # At most max_num_seqs sequences per generation replica at once (bounds the KV cache).
         replicas = self.dp_size if self.engine is None else self.mesh.devices.size // self.engine.gen_mesh.shape["tp"]
-        chunk = len(ids) if rollout.max_num_seqs <= 0 else max(1, rollout.max_num_seqs * replicas // params.n)
+        max_num_seqs = self.rollout.max_num_seqs
+        chunk = len(ids) if max_num_seqs <= 0 else max(1, max_num_seqs * replicas // params.n)
         outs = []
         with contextlib.ExitStack() as stack:
             if self.engine is None:
                 gen_params, mesh, rules = self.params, self.mesh, self.rules
-            else:
-                gen_params = stack.enter_context(self.engine.generation(self.params))
+            else:  # the training weights are donated into the generation copy and sliced back after
+                gen_params = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
                 mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
             for k, start in enumerate(range(0, len(ids), chunk)):
                 out = generate_from_state(self.graphdef, gen_params, ids[start:start + chunk],
@@ -248,8 +292,11 @@ class ActorWorker(TrainableWorker):
         rows = prompts.repeat(params.n, interleave=True)
         return rows.update(
             tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
-            meta={"temperature": float(rollout.temperature)},
+            meta={"temperature": 1.0 if params.greedy else float(params.temperature)},
         )
+
+    def _set_trained_params(self, params: Any) -> None:
+        self.state = dataclasses.replace(self.state, params=params)
 
     # ------------------------------------------------------------------ log-probs
     @register(DP_COMPUTE)
@@ -257,37 +304,31 @@ class ActorWorker(TrainableWorker):
         """``old_log_probs`` [B, R] (0 on padding) of the responses under the current policy
         (and ``entropys`` with ``config.log_prob_entropy``)."""
         cfg = self.config
-        want_entropy = cfg.log_prob_entropy
-
-        def fn(model, t, scalars):
-            lp, ent = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=want_entropy)
-            m = t["response_mask"] > 0
-            out = {"old_log_probs": jnp.where(m, lp, 0.0)}
-            if want_entropy:
-                out["entropys"] = jnp.where(m, ent, 0.0)
-            return out
-
-        temperature = np.float32(batch.meta.get("temperature", self.rollout.temperature))
+        temperature = np.float32(batch.meta.get("temperature", self.rollout.train.temperature))
         if cfg.use_remove_padding:
             return packed_forward(
-                self, "log_probs", batch, fn, {"temperature": temperature},
+                self, "log_probs", batch, log_probs_fn(with_entropy=cfg.log_prob_entropy), {"temperature": temperature},
                 max_token_len=cfg.log_prob_max_token_len_per_device if cfg.log_prob_use_dynamic_bsz else None,
                 rows_per_micro=cfg.log_prob_micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), cfg.log_prob_micro_batch_size_per_device, self.dp_size, "log_probs")
-        program = self._compiled(("log_probs", k), lambda: row_program(self, fn, k))
+        program = self.log_probs_program(len(batch))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
 
+    def log_probs_program(self, rows: int):
+        """The jitted log-prob forward of ``rows`` responses (`log_probs_program`)."""
+        k = num_micro_batches(rows, self.config.log_prob_micro_batch_size_per_device, self.dp_size, "log_probs")
+        return self._compiled(("log_probs", k), lambda: log_probs_program(
+            self.layout, k, with_entropy=self.config.log_prob_entropy))
+
     # ------------------------------------------------------------------ update
-    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int], packed: bool = False):
+    def train_program(self, mini_batch_rows: int, on_policy: bool = False):
+        """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
+        (`actor_train_step`)."""
         cfg = self.config
-        k = 1 if packed else num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
-                                               "actor mini-batch")
-        key = ("update", k, packed, tuple(sorted(batch_ndims)), cfg.loss_key())
-        return self._compiled(key, lambda: make_train_step(
-            self.graphdef, self.tx, self.schedule, actor_loss(cfg), mesh=self.mesh, rules=self.rules,
-            state_shardings=self.state_shardings, batch_ndims=batch_ndims, scalar_names=("temperature",),
-            num_micro=k, loss_scale_factor=cfg.loss_scale_factor, presplit=packed))
+        k = 1 if cfg.use_remove_padding else num_micro_batches(
+            mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "actor mini-batch")
+        return self._compiled(("update", k, on_policy, cfg.loss_key()), lambda: actor_train_step(
+            self.layout, self.tx, self.schedule, cfg, self.state_shardings, k, on_policy=on_policy))
 
     def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
         """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
@@ -300,11 +341,13 @@ class ActorWorker(TrainableWorker):
             rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
     @register(DP_TRAIN)
-    def update(self, batch: Batch) -> dict[str, np.ndarray]:
+    def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
         """PPO epochs over shuffled mini-batches, one optimizer step each. Needs ``advantages``
         (and ``ref_log_prob`` with the KL loss) and ``old_log_probs``; without them an
         on-policy update (`ActorConfig.is_on_policy`) takes them from its own forward
-        (detached), any other computes them first. Returns each metric's values, one per step."""
+        (detached), any other computes them first. ``step``: the training step, which seeds
+        the shuffle (None: this worker's call count). Returns each metric's values, one per
+        step."""
         cfg = self.config
         on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
         if "old_log_probs" not in batch and not on_policy and "response_mask" in batch:
@@ -314,18 +357,16 @@ class ActorWorker(TrainableWorker):
         if missing:
             raise KeyError(f"ActorWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
         host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
-        scalars = {"temperature": np.float32(batch.meta.get("temperature", self.rollout.temperature))}
-        index = batch.meta.get("step")
+        train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
+        scalars = {"temperature": np.float32(batch.meta.get("temperature", self.rollout.train.temperature))}
+        index = step
         if index is None:
             index = self._num_updates
             self._num_updates += 1
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            minibatch = self._minibatch(host, idx)
-            step = self._train_program(cfg.ppo_mini_batch_size, {n: v.ndim for n, v in minibatch.items()},
-                                       packed=cfg.use_remove_padding)
-            self.state, metrics = step(self.state, minibatch, scalars)
+            self.state, metrics = train_step(self.state, self._minibatch(host, idx), scalars)
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
@@ -339,7 +380,8 @@ class ActorWorker(TrainableWorker):
         cfg = self.config
         keys = cfg.update_keys()
         rows = np.shape(minibatch["response_mask"])[0]
-        step = self._train_program(rows, {n: np.ndim(minibatch[n]) for n in keys})
-        t = self.rollout.temperature if temperature is None else temperature
-        self.state, metrics = step(self.state, self.put(minibatch, keys), {"temperature": np.float32(t)})
+        step = self.train_program(rows)
+        t = self.rollout.train.temperature if temperature is None else temperature
+        host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
+        self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {"temperature": np.float32(t)})
         return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}

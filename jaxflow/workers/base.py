@@ -19,8 +19,9 @@ visible to the process, which is what a per-host process of a multi-process back
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -66,6 +67,31 @@ def split_model(model: ModelLike, mesh: Mesh, rules: Rules, head: str) -> tuple[
     return graphdef, jax.device_put(params, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class RoleLayout:
+    """What a role's jitted programs are built from: the model's structure and its layout
+    (mesh, logical-axis rules, parameter shardings). A worker has one for its real
+    parameters (`RoleWorker.layout`); a planner builds one from an abstract model."""
+
+    graphdef: nnx.GraphDef
+    mesh: Mesh
+    rules: Rules
+    param_shardings: Any
+
+    @property
+    def batch_axes(self) -> Any:
+        """The mesh axes the ``batch`` rule splits rows over (a PartitionSpec entry)."""
+        return logical_to_spec(("batch",), self.rules, self.mesh)[0]
+
+    @property
+    def dp_size(self) -> int:
+        return int(np.prod([self.mesh.shape[a] for a in axes_tuple(self.batch_axes)], dtype=np.int64))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, PartitionSpec())
+
+
 class RoleWorker:
     """Base of the model-holding roles: ``mesh``, ``rules``, ``graphdef``, ``params``.
 
@@ -99,6 +125,11 @@ class RoleWorker:
     @property
     def param_shardings(self) -> Any:
         return state_shardings(self.params, self.rules, self.mesh)
+
+    @property
+    def layout(self) -> RoleLayout:
+        """This role's `RoleLayout` (what its program builders take)."""
+        return RoleLayout(self.graphdef, self.mesh, self.rules, self.param_shardings)
 
     @property
     def dp_size(self) -> int:
@@ -189,20 +220,20 @@ def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str
     return rows // size
 
 
-def packed_program(worker: RoleWorker, fn):
+def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict]):
     """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, micro, scalars)`` over
     the ``k`` micro-batches of a packed batch (every column ``[k, ...]``, dimension 1 over the
     data-parallel axes; `jaxflow.workers.packing`), one after the other. One compile per
     shape bucket."""
-    rows = NamedSharding(worker.mesh, PartitionSpec(None, worker.batch_axes))
-    graphdef, mesh, rules = worker.graphdef, worker.mesh, worker.rules
+    rows = NamedSharding(layout.mesh, PartitionSpec(None, layout.batch_axes))
+    graphdef, mesh, rules = layout.graphdef, layout.mesh, layout.rules
 
     def run(params, tensors, scalars):
         with sharding_rules(rules, mesh):
             model = nnx.merge(graphdef, params)
             return jax.lax.map(lambda t: fn(model, t, scalars), tensors)
 
-    return jax.jit(run, in_shardings=(worker.param_shardings, rows, worker.replicated), out_shardings=rows)
+    return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)
 
 
 def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Mapping[str, Any], *,
@@ -215,22 +246,23 @@ def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Map
                           max_token_len=max_token_len, rows_per_micro=rows_per_micro)
     tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
     tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
-    program = worker._compiled(("packed", name), lambda: packed_program(worker, fn))
+    program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
     return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})
 
 
-def row_program(worker: RoleWorker, fn, num_micro: int = 1):
+def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1):
     """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, tensors, scalars)``
     over the role's mesh: parameters in their layout, rows of every column and every output
     over the data-parallel axes, ``num_micro`` micro-batches one after the other (to bound
-    activation memory). Compiled once per column set and shapes."""
-    rows = NamedSharding(worker.mesh, PartitionSpec(worker.batch_axes))
-    graphdef, mesh, rules, batch_axes = worker.graphdef, worker.mesh, worker.rules, worker.batch_axes
+    activation memory). Compiled once per column set and shapes. The role builders
+    (`jaxflow.workers.actor.log_probs_program`, ...) are this with their ``fn``."""
+    rows = NamedSharding(layout.mesh, PartitionSpec(layout.batch_axes))
+    graphdef, mesh, rules, batch_axes = layout.graphdef, layout.mesh, layout.rules, layout.batch_axes
 
     def run(params, tensors, scalars):
         with sharding_rules(rules, mesh):
             model = nnx.merge(graphdef, params)
             return map_micro(lambda t: fn(model, t, scalars), tensors, num_micro, mesh, batch_axes)
 
-    return jax.jit(run, in_shardings=(worker.param_shardings, rows, worker.replicated), out_shardings=rows)
+    return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)

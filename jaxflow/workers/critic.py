@@ -26,11 +26,11 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, TrainableWorker, num_micro_batches, packed_forward, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
-from jaxflow.workers.packing import pack_minibatch
+from jaxflow.workers.packing import PACKED_KEYS, pack_minibatch
 from jaxflow.workers.protocols import DP_COMPUTE, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
 
@@ -94,6 +94,30 @@ def critic_loss(cfg: CriticConfig):
     return loss_fn
 
 
+def values_fn(model, t, _):
+    """``{"values": [B, R]}`` from padded rows or a packed micro-batch."""
+    return {"values": response_values(model, t)}
+
+
+def values_program(layout: RoleLayout, num_micro: int):
+    """``jit(params, tensors, {}) -> {"values": [B, R]}`` in ``num_micro`` micro-batches."""
+    return row_program(layout, values_fn, num_micro)
+
+
+def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any,
+                      num_micro: int):
+    """The critic's jitted optimizer step (`make_train_step` with `critic_loss`) on a
+    mini-batch of the columns ``CriticConfig.UPDATE_KEYS`` (all ``[rows, length]``), or with
+    remove padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`)."""
+    packed = config.use_remove_padding
+    rows = [c for c in CriticConfig.UPDATE_KEYS if c not in ("prompt_ids", "prompt_mask", "responses")]
+    ndims = {c: 3 for c in (*rows, *PACKED_KEYS)} if packed else {c: 2 for c in CriticConfig.UPDATE_KEYS}
+    return make_train_step(
+        layout.graphdef, tx, schedule, critic_loss(config), mesh=layout.mesh, rules=layout.rules,
+        state_shardings=state_shardings, batch_ndims=ndims, num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor, presplit=packed)
+
+
 class CriticWorker(TrainableWorker):
     """Value model: `values`, `update`.
 
@@ -118,31 +142,54 @@ class CriticWorker(TrainableWorker):
     def values(self, batch: Batch) -> Batch:
         """``values`` [B, R] of the responses (0 on padding)."""
         cfg = self.config
-
-        def fn(model, t, _):
-            return {"values": response_values(model, t)}
-
         if cfg.use_remove_padding:
             return packed_forward(
-                self, "values", batch, fn, {},
+                self, "values", batch, values_fn, {},
                 max_token_len=cfg.forward_max_token_len_per_device if cfg.use_dynamic_bsz else None,
                 rows_per_micro=cfg.forward_micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), cfg.forward_micro_batch_size_per_device, self.dp_size, "critic values")
-        program = self._compiled(("values", k), lambda: row_program(self, fn, k))
-        return Batch(program(self.params, tensors, {}))
+        return Batch(self.values_program(len(batch))(self.params, tensors, {}))
 
-    def _train_program(self, mini_batch_rows: int, batch_ndims: dict[str, int], packed: bool = False):
+    def values_program(self, rows: int):
+        """The jitted value forward of ``rows`` responses (`values_program`)."""
+        k = num_micro_batches(rows, self.config.forward_micro_batch_size_per_device, self.dp_size, "critic values")
+        return self._compiled(("values", k), lambda: values_program(self.layout, k))
+
+    def train_program(self, mini_batch_rows: int):
+        """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
+        (`critic_train_step`)."""
         cfg = self.config
-        k = 1 if packed else num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
-                                               "critic mini-batch")
+        k = 1 if cfg.use_remove_padding else num_micro_batches(
+            mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "critic mini-batch")
         loss_key = (cfg.cliprange_value, cfg.loss_agg_mode, cfg.loss_scale_factor)
-        return self._compiled(("update", k, packed, loss_key), lambda: make_train_step(
-            self.graphdef, self.tx, self.schedule, critic_loss(cfg), mesh=self.mesh, rules=self.rules,
-            state_shardings=self.state_shardings, batch_ndims=batch_ndims, num_micro=k,
-            loss_scale_factor=cfg.loss_scale_factor, presplit=packed))
+        return self._compiled(("update", k, loss_key), lambda: critic_train_step(
+            self.layout, self.tx, self.schedule, cfg, self.state_shardings, k))
+
+    @register(DP_TRAIN)
+    def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
+        """PPO epochs of value updates; needs ``values`` (rollout-time) and ``returns``.
+        ``step``: the training step, which seeds the shuffle (None: this worker's call count)."""
+        cfg = self.config
+        keys = CriticConfig.UPDATE_KEYS
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            raise KeyError(f"CriticWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
+        host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
+        train_step = self.train_program(cfg.ppo_mini_batch_size)
+        index = step  # the training step (resumed runs shuffle alike)
+        if index is None:
+            index = self._num_updates
+            self._num_updates += 1
+        rng = np.random.default_rng([cfg.seed, index])
+        per_step = []
+        for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
+            self.state, metrics = train_step(self.state, self._minibatch(host, idx), {})
+            per_step.append(metrics)
+        per_step = jax.device_get(per_step)
+        return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
 
     def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
+        """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
         cfg = self.config
         rows = {n: v[idx] for n, v in host.items()}
         if not cfg.use_remove_padding:
@@ -151,34 +198,11 @@ class CriticWorker(TrainableWorker):
             rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
             rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
-    @register(DP_TRAIN)
-    def update(self, batch: Batch) -> dict[str, np.ndarray]:
-        """PPO epochs of value updates; needs ``values`` (rollout-time) and ``returns``."""
-        cfg = self.config
-        keys = CriticConfig.UPDATE_KEYS
-        missing = [k for k in keys if k not in batch]
-        if missing:
-            raise KeyError(f"CriticWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
-        host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
-        index = batch.meta.get("step")  # the training step (resumed runs shuffle alike)
-        if index is None:
-            index = self._num_updates
-            self._num_updates += 1
-        rng = np.random.default_rng([cfg.seed, index])
-        per_step = []
-        for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            minibatch = self._minibatch(host, idx)
-            step = self._train_program(cfg.ppo_mini_batch_size, {n: v.ndim for n, v in minibatch.items()},
-                                       packed=cfg.use_remove_padding)
-            self.state, metrics = step(self.state, minibatch, {})
-            per_step.append(metrics)
-        per_step = jax.device_get(per_step)
-        return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
-
     def train_step(self, minibatch: Mapping[str, Any]) -> dict[str, float]:
         """One optimizer step on one mini-batch (all rows, in order)."""
         keys = CriticConfig.UPDATE_KEYS
         rows = np.shape(minibatch["response_mask"])[0]
-        step = self._train_program(rows, {n: np.ndim(minibatch[n]) for n in keys})
-        self.state, metrics = step(self.state, self.put(minibatch, keys), {})
+        step = self.train_program(rows)
+        host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
+        self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {})
         return {f"critic/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -7,8 +7,9 @@
         meshes={"actor": "fsdp=2,tp=2"}, gen_tp={"actor": 2}, models={"actor": cfg, "ref": cfg})
     w = build_local_workers(placement, actor=policy, ref=policy, critic=value_model,
                             rule_reward=RuleRewardWorker(tokenizer),
-                            actor_config=ActorConfig(...), rollout=RolloutConfig(n=4, ...))
-    metrics = jaxflow.algos.ppo_iteration(w, prompts, cfg)
+                            actor_config=ActorConfig(...),
+                            rollout=RolloutConfig(train=SamplingParams(max_new_tokens=8, n=4)))
+    metrics = jaxflow.programs.ppo_iteration(w, prompts, settings)
 
 Each role gets its placement mesh and rules (the actor its training mesh and rules, and the
 hybrid engine towards the placement's generation layout); roles sharing a pool take turns
@@ -17,9 +18,6 @@ directories.
 """
 
 from __future__ import annotations
-
-from collections.abc import Mapping
-from typing import Any
 
 from jaxflow.mesh import Placement
 from jaxflow.workers.actor import ActorConfig, RolloutConfig
@@ -44,14 +42,22 @@ def build_local_workers(
     cost_model: ModelLike | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
     strategy: str = "hybrid",
-    role_options: Mapping[str, Mapping[str, Any]] | None = None,
+    ref_micro_batch_size_per_device: int | None = None,
+    reward_micro_batch_size_per_device: int | None = None,
+    ref_use_remove_padding: bool = False,
+    ref_max_token_len_per_device: int | None = None,
+    reward_use_remove_padding: bool = False,
 ) -> Workers:
-    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says
-    (``role_options``: extra keyword arguments of the ref / reward / cost workers by role,
-    e.g. remove padding)."""
+    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says.
+    ``ref_micro_batch_size_per_device`` / ``reward_micro_batch_size_per_device``: the
+    micro-batches of the reference's and the reward (and cost) models' forwards."""
     settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                             critic_config=critic_config or CriticConfig(), strategy=strategy,
-                            role_options=RoleSettings.pack_options(role_options))
+                            ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
+                            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
+                            ref_use_remove_padding=ref_use_remove_padding,
+                            ref_max_token_len_per_device=ref_max_token_len_per_device,
+                            reward_use_remove_padding=reward_use_remove_padding)
     models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
     groups = {role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
               for role, model in models.items() if model is not None}

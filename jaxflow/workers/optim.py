@@ -100,6 +100,18 @@ def make_optimizer(cfg: OptimConfig) -> tuple[optax.GradientTransformation, opta
         chain.append(optax.clip_by_global_norm(cfg.grad_clip))
     if cfg.state_dtype is not None:
         dtype = jnp.dtype(cfg.state_dtype)
-        chain.append(optax.stateless(lambda updates, params=None: jax.tree.map(lambda g: g.astype(dtype), updates)))
+        chain.append(optax.stateless(lambda updates, params=None: _cast_floats(updates, dtype)))
+        adamw = _init_in_dtype(adamw, dtype)
     chain.append(adamw)
     return (chain[0] if len(chain) == 1 else optax.chain(*chain)), schedule
+
+
+def _cast_floats(tree, dtype):
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _init_in_dtype(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """``tx`` whose state is created from the parameters cast to ``dtype``: Adam's moments
+    are ``dtype`` from the first step (not only after it), so the jitted train step sees the
+    same state types at every call and compiles once."""
+    return optax.GradientTransformation(lambda params: tx.init(_cast_floats(params, dtype)), tx.update)

@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -394,7 +394,11 @@ class RayBackend:
         cost_model: Any = None,
         reward_weights: tuple[float, float] = (1.0, 1.0),
         strategy: str = "hybrid",
-        role_options: Mapping[str, Mapping[str, Any]] | None = None,
+        ref_micro_batch_size_per_device: int | None = None,
+        reward_micro_batch_size_per_device: int | None = None,
+        ref_use_remove_padding: bool = False,
+        ref_max_token_len_per_device: int | None = None,
+        reward_use_remove_padding: bool = False,
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
@@ -404,7 +408,11 @@ class RayBackend:
         ray = _ray()
         settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                                 critic_config=critic_config or CriticConfig(), strategy=strategy,
-                                role_options=RoleSettings.pack_options(role_options))
+                                ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
+                                reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
+                                ref_use_remove_padding=ref_use_remove_padding,
+                                ref_max_token_len_per_device=ref_max_token_len_per_device,
+                                reward_use_remove_padding=reward_use_remove_padding)
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
         refs: dict[int, Any] = {}
 

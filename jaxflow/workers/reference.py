@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, packed_forward, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
+from jaxflow.workers.actor import log_probs_fn, log_probs_program
+from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, packed_forward
+from jaxflow.workers.forward import PROMPT_KEYS
 from jaxflow.workers.protocols import DP_COMPUTE, register
 
 
@@ -41,16 +41,16 @@ class ReferenceWorker(RoleWorker):
     def log_probs(self, batch: Batch) -> Batch:
         """``ref_log_prob`` [B, R] (0 on padding): ``log_softmax(logits / T)`` of the responses
         under the reference policy, T = ``batch.meta["temperature"]`` (the rollout's)."""
-        def fn(model, t, scalars):
-            lp, _ = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=False)
-            return {"ref_log_prob": jnp.where(t["response_mask"] > 0, lp, 0.0)}
-
         temperature = np.float32(batch.meta.get("temperature", self.temperature))
         if self.use_remove_padding:
-            return packed_forward(self, "log_probs", batch, fn, {"temperature": temperature},
+            return packed_forward(self, "log_probs", batch, log_probs_fn("ref_log_prob"), {"temperature": temperature},
                                   max_token_len=self.max_token_len_per_device,
                                   rows_per_micro=self.micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "ref log_probs")
-        program = self._compiled(("log_probs", k), lambda: row_program(self, fn, k))
+        program = self.log_probs_program(len(batch))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
+
+    def log_probs_program(self, rows: int):
+        """The jitted reference log-prob forward of ``rows`` responses (`log_probs_program`)."""
+        k = num_micro_batches(rows, self.micro_batch_size_per_device, self.dp_size, "ref log_probs")
+        return self._compiled(("log_probs", k), lambda: log_probs_program(self.layout, k, output_key="ref_log_prob"))

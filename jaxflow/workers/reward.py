@@ -17,9 +17,25 @@ from jax.sharding import Mesh
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.rewards import RewardScorer, token_level_scores
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, packed_forward, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, register
+
+
+def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_level_scores"):
+    """``jit(params, tensors, {}) -> {output_key: [B, R]}``: each row's score on its last
+    response token, in ``num_micro`` micro-batches."""
+
+    return row_program(layout, scores_fn(output_key), num_micro)
+
+
+def scores_fn(output_key: str = "token_level_scores"):
+    """``fn(model, tensors, {}) -> {output_key: [B, R]}`` from padded rows or a packed micro-batch."""
+
+    def fn(model, t, _):
+        return {output_key: scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
+
+    return fn
 
 
 class RewardModelWorker(RoleWorker):
@@ -48,18 +64,16 @@ class RewardModelWorker(RoleWorker):
     @register(DP_COMPUTE)
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
-        key = self.output_key
-
-        def fn(model, t, _):
-            return {key: scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
-
         if self.use_remove_padding:
-            return packed_forward(self, "scores", batch, fn, {}, max_token_len=None,
+            return packed_forward(self, "scores", batch, scores_fn(self.output_key), {}, max_token_len=None,
                                   rows_per_micro=self.micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
-        k = num_micro_batches(len(batch), self.micro_batch_size_per_device, self.dp_size, "reward scores")
-        program = self._compiled(("scores", k), lambda: row_program(self, fn, k))
-        return Batch(program(self.params, tensors, {}))
+        return Batch(self.scores_program(len(batch))(self.params, tensors, {}))
+
+    def scores_program(self, rows: int):
+        """The jitted scoring forward of ``rows`` responses (`scores_program`)."""
+        k = num_micro_batches(rows, self.micro_batch_size_per_device, self.dp_size, "reward scores")
+        return self._compiled(("scores", k), lambda: scores_program(self.layout, k, self.output_key))
 
 
 class RuleRewardWorker:
@@ -67,7 +81,7 @@ class RuleRewardWorker:
     `jaxflow.rewards.RewardScorer` by ``data_source`` (or a user function).
 
     Reads the non-tensor columns ``data_source``, ``ground_truth`` and (optionally)
-    ``extra_info`` that prompt batches carry (`jaxflow.algos.batch_ops.batch_from_prompts`).
+    ``extra_info`` that prompt batches carry (`jaxflow.programs.batch_from_prompts`).
 
     Args:
       tokenizer: decodes responses (``batch_decode``; special tokens are skipped, as verl).

@@ -9,7 +9,6 @@ So a role is built the same way, from the same arguments, whatever runs it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from jaxflow.mesh import Placement, ResourcePool
@@ -30,16 +29,11 @@ class RoleSettings:
     rollout: RolloutConfig = RolloutConfig()
     critic_config: CriticConfig = CriticConfig()
     strategy: str = "hybrid"
-    # Extra keyword arguments of the ref / reward / cost workers (e.g. remove padding), as
-    # ``((role, ((name, value), ...)), ...)`` so the settings stay hashable.
-    role_options: tuple[tuple[str, tuple[tuple[str, Any], ...]], ...] = ()
-
-    def options(self, role: str) -> dict[str, Any]:
-        return dict(dict(self.role_options).get(role, ()))
-
-    @staticmethod
-    def pack_options(role_options: Mapping[str, Mapping[str, Any]] | None) -> tuple:
-        return tuple(sorted((r, tuple(sorted(o.items()))) for r, o in (role_options or {}).items()))
+    ref_micro_batch_size_per_device: int | None = None  # the reference's log-prob forward
+    reward_micro_batch_size_per_device: int | None = None  # the reward and cost models' forward
+    ref_use_remove_padding: bool = False  # the reference's forward over packed real tokens
+    ref_max_token_len_per_device: int | None = None  # ... in micro-batches of this many tokens per device
+    reward_use_remove_padding: bool = False  # the reward and cost models' forward over packed tokens
 
 
 def role_class(role: str) -> type:
@@ -64,13 +58,17 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
                            gen_rules=gen_rules, strategy=settings.strategy)
     if role == "ref":
         return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
-                               temperature=settings.rollout.temperature, **settings.options("ref"))
+                               temperature=settings.rollout.train.temperature,
+                               micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
+                               use_remove_padding=settings.ref_use_remove_padding,
+                               max_token_len_per_device=settings.ref_max_token_len_per_device)
     if role == "critic":
         return CriticWorker(model=model, mesh=placement.mesh("critic"), rules=placement.rules("critic", "train"),
                             config=settings.critic_config)
     extra = {"output_key": "token_level_cost"} if role == "cost" else {}
-    extra |= settings.options(role)
-    return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"), **extra)
+    return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"),
+                            micro_batch_size_per_device=settings.reward_micro_batch_size_per_device,
+                            use_remove_padding=settings.reward_use_remove_padding, **extra)
 
 
 def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:

@@ -23,7 +23,7 @@ What it reports, per device (the most loaded device of each mesh):
    when that is at most ``jaxflow.dry_run.device_memory_gib``.
 3. **Compiled memory** of every program of an RL step, lowered on ``jax.ShapeDtypeStruct``
    inputs through the workers' own program builders and compiled for the role's mesh
-   (:mod:`jaxflow.trainer.dry_run_programs`): the actor and critic optimizer steps (one
+   (:mod:`jaxflow.plan.lowering`): the actor and critic optimizer steps (one
    mini-batch, micro-batched as configured), the actor's generate program (prefill + decode
    loop, ``max_num_seqs`` per generation replica and call), its train -> generate reshard,
    the reference log-probs and the reward (and cost) model scores. From XLA's
@@ -42,7 +42,7 @@ divided by the devices that split it)::
     infer  = layer + 2 b R V 4
 
 On CPU, XLA computes bf16 in f32: compiled temp bytes are an upper bound of what a GPU or
-TPU needs. :mod:`jaxflow.trainer.dry_run_programs` says which compile options the dry run
+TPU needs. :mod:`jaxflow.plan.lowering` says which compile options the dry run
 uses on CPU and why (one keeps XLA:CPU from hoisting f32 copies of every layer's weights out
 of the loops; the others make the 70B programs compile in seconds).
 """
@@ -62,15 +62,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxflow.configs import active_roles, build_placement, model_config
+from jaxflow.configs.run_spec import HEADS, RunSpec, build_tokenizer, describe_run
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import KVCache, ModelConfig
 from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.sampling import bucket_size
-from jaxflow.trainer import dry_run_programs as progs
+from jaxflow.plan import lowering as progs
 
 GiB = 1024**3
-HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward", "cost": "reward"}
 TRAINING_ROLES = ("actor", "critic")
 # Programs compiled by default (those of roles the config runs), in the order of a step.
 DEFAULT_PROGRAMS = ("actor/generate", "actor/reshard", "ref/log_probs", "reward/scores", "cost/scores",
@@ -342,8 +341,8 @@ def format_summary(r: DryRunReport) -> str:
     for p in r.programs:
         if p.name == "actor/reshard" and p.extra:
             e = p.extra
-            lines.append(f"  actor/reshard: {e['programs']} programs / {e['calls']} calls, receives "
-                         f"{e['received_bytes'] / u:.2f} {name} per device "
+            lines.append(f"  actor/reshard: {e['programs']} programs / {e['calls']} calls, receives (ring model of the HLO's collectives) "
+                         f"{e['ring_received_bytes'] / u:.2f} {name} per device "
                          f"(Table 2: {e['table2_comm_bytes'] / u:.2f}), redundancy {e['redundancy_bytes'] / u:.2f} {name}")
     lines += [f"note: {n}" for n in r.notes]
     verdict = "everything fits" if r.fits else "DOES NOT FIT: " + ", ".join(
@@ -372,11 +371,12 @@ def _check_devices(cfg: Any) -> None:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before jax is imported)")
 
 
-def _role_plan(cfg: Any, placement: Any, role: str, mc: ModelConfig, state: Any, graphdef: Any,
+def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: Any, moment_dtype: Any,
                wanted: Sequence[str], specs: dict[str, progs.ProgramSpec], notes: list[str]) -> RolePlan:
     """A role's analytic plan; adds the role's wanted programs to ``specs``."""
-    P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
-    n = cfg.actor_rollout_ref.rollout.n
+    placement = run.placement
+    P, R = run.prompt_length, run.response_length
+    n = run.n
     head, spec = HEADS[role], placement.roles[role]
     main = "train" if "train" in spec.rules else "infer"
     mesh, rules = placement.mesh(role, main), placement.rules(role, main)
@@ -385,19 +385,18 @@ def _role_plan(cfg: Any, placement: Any, role: str, mc: ModelConfig, state: Any,
                   meshes={main: dict(mesh.shape)}, param_bytes=_params_bytes(state, rules, mesh))
     dp = progs.batch_axis_size(rules, mesh)
     if role in TRAINING_ROLES:
-        moment_dtype = jnp.dtype(cfg.jaxflow.optim.state_dtype)
         rp.optimizer_bytes = 2 * _params_bytes(state, rules, mesh, moment_dtype)
-        rows, k = progs.train_micro_batches(cfg, role, rules, mesh)
+        rows, k = progs.train_micro_batches(run, role, rules, mesh)
         if f"{role}/train_step" in wanted:
-            specs[f"{role}/train_step"], _ = progs.train_step_program(cfg, role, graphdef, state, mesh, rules,
+            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules,
                                                                       moment_dtype)
         rp.micro_batches[f"{role}/train_step"] = k
         rp.gradient_bytes = rp.param_bytes * (2 if k > 1 else 1)
         rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
     forward = f"{role}/values" if role == "critic" else f"{role}/scores" if head == "reward" else f"{role}/log_probs"
-    rows, k = progs.forward_micro_batches(cfg, forward, rules, mesh)
+    rows, k = progs.forward_micro_batches(run, forward, rules, mesh)
     if forward in wanted:
-        specs[forward], _ = progs.forward_program(cfg, forward, graphdef, state, mesh, rules)
+        specs[forward], _ = progs.forward_program(run, forward, graphdef, state, mesh, rules)
     rp.micro_batches[forward] = k
     rp.activation_bytes["infer"] = activation_bytes(mc, "infer", rows / k / dp, P, R, rules, mesh)
     if role != "actor":
@@ -410,14 +409,14 @@ def _role_plan(cfg: Any, placement: Any, role: str, mc: ModelConfig, state: Any,
                      f"{dict(placement.mesh(role, 'generate').shape)}")
     rp.meshes["generate"] = dict(gmesh.shape)
     gen_dp = progs.batch_axis_size(grules, gmesh)
-    prompts = max(1, progs.generation_rows(cfg, gen_dp) // n)
+    prompts = max(1, progs.generation_rows(run, gen_dp) // n)
     rows_bucket = bucket_size(prompts, multiple=gen_dp) * n  # the sampler's shape buckets
     S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
     rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
     rp.kv_cache_bytes = kv_cache_bytes(mc, rows_bucket, S, grules, gmesh)
     rp.activation_bytes["generate"] = activation_bytes(mc, "generate", prompts / gen_dp, P, R, grules, gmesh)
     if "actor/generate" in wanted:
-        specs["actor/generate"], _ = progs.generate_program(cfg, graphdef, state, engine)
+        specs["actor/generate"], _ = progs.generate_program(run, graphdef, state, engine)
     if "actor/reshard" in wanted:
         specs["actor/reshard"] = progs.reshard_program(engine, state)
     return rp
@@ -437,21 +436,21 @@ def _pool_plans(placement: Any, role_plans: dict[str, RolePlan], budget: int) ->
     return pools
 
 
-def _platform_notes(cfg: Any, platform: str, role_plans: dict[str, RolePlan], states: dict[str, Any]) -> list[str]:
+def _platform_notes(run: RunSpec, moment_dtype: Any, platform: str, role_plans: dict[str, RolePlan],
+                    states: dict[str, Any]) -> list[str]:
     notes = []
     low = sorted({r.model["dtype"] for r in role_plans.values() if r.model["dtype"] in ("bfloat16", "float16")})
     if platform == "cpu" and low:
         notes.append(f"XLA:CPU computes {'/'.join(low)} in float32, so compiled temp bytes are an upper bound "
                      "of a GPU's or TPU's; compiled with " +
                      ", ".join(f"{k}={v}" for k, v in progs.CPU_COMPILER_OPTIONS.items()) +
-                     " (see jaxflow.trainer.dry_run_programs)")
+                     " (see jaxflow.plan.lowering)")
         if "actor" in role_plans and role_plans["actor"].model["param_dtype"] in ("bfloat16", "float16"):
             notes.append("XLA:CPU all-gathers bf16 as f32 (convert, gather, convert back): the reshard's received "
                          "bytes are twice an accelerator's")
-    moment_dtype = jnp.dtype(cfg.jaxflow.optim.state_dtype)
     for role in TRAINING_ROLES:
         if role in role_plans:
-            tx, _ = progs.optimizer(cfg, role)
+            tx, _ = progs.optimizer(run, role)
             dtypes = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(jax.eval_shape(tx.init, states[role]))
                       if jnp.issubdtype(x.dtype, jnp.floating)}
             if dtypes != {moment_dtype.name}:
@@ -469,8 +468,10 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
     if unknown:
         raise ValueError(f"unknown programs {unknown}; choose from {DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS}")
     _check_devices(cfg)
-    placement = build_placement(cfg)
-    roles = active_roles(cfg)
+    tokenizer = build_tokenizer(cfg)
+    run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    roles = run.roles
+    moment_dtype = jnp.dtype(cfg.jaxflow.optim.state_dtype)
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
     budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
     role_plans: dict[str, RolePlan] = {}
@@ -478,17 +479,17 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
     specs: dict[str, progs.ProgramSpec] = {}
     notes: list[str] = []
     for role in roles:
-        mc = model_config(cfg, role)
+        mc = run.models[role].config
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
         graphdef, states[role] = progs.abstract_model(mc, HEADS[role])
-        role_plans[role] = _role_plan(cfg, placement, role, mc, states[role], graphdef, wanted, specs, notes)
+        role_plans[role] = _role_plan(run, role, mc, states[role], graphdef, moment_dtype, wanted, specs, notes)
     platform = jax.devices()[0].platform
     report = DryRunReport(
         config=cfg.trainer.experiment_name, num_devices=cfg.jaxflow.num_devices, platform=platform,
         device_memory_bytes=budget, placement=cfg.jaxflow.placement.type,
-        pools=_pool_plans(placement, role_plans, budget), roles=[role_plans[r] for r in roles],
-        notes=notes + _platform_notes(cfg, platform, role_plans, states))
+        pools=_pool_plans(run.placement, role_plans, budget), roles=[role_plans[r] for r in roles],
+        notes=notes + _platform_notes(run, moment_dtype, platform, role_plans, states))
     return report, [specs[p] for p in wanted if p in specs]
 
 

@@ -1,12 +1,12 @@
 """The steps every algorithm program is made of, each timed (verl's ``timing_s/*`` metrics).
 
-An iteration of any program in :mod:`jaxflow.algos.programs` reads::
+An iteration of any program in :mod:`jaxflow.programs` reads::
 
     timer = StepTimer()
-    batch = rollout(w, prompts, timer)                  # gen, old_log_prob, ref, values, reward
-    batch, metrics = kl_in_reward(batch, cfg.algorithm, kl_ctrl)
-    batch = advantages(batch, cfg.algorithm, timer)     # adv
-    metrics |= update(w, batch, timer)                  # update_critic, update_actor
+    batch = rollout(w, prompts, timer, step=step)       # gen, old_log_prob, ref, values, reward
+    batch, metrics = kl_in_reward(batch, settings.algorithm, kl_ctrl)
+    batch = advantages(batch, settings.algorithm, timer)  # adv
+    metrics |= update(w, batch, timer, step=step, update_actor=update_actor)
     return metrics | compute_data_metrics(batch) | timer.metrics()
 
 plus each algorithm's own steps (ReMax's greedy baseline, Safe-RLHF's costs and multiplier).
@@ -21,14 +21,15 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import jax
 
-from jaxflow.algos.balance import balance_batch
-from jaxflow.algos.batch_ops import apply_kl_penalty_to_batch, compute_advantage
 from jaxflow.algos.kl import AdaptiveKLController, FixedKLController
+from jaxflow.algos.settings import AlgorithmConfig
 from jaxflow.data.batch import Batch
+from jaxflow.programs.balance import balance_batch
+from jaxflow.programs.batch_ops import apply_kl_penalty_to_batch, compute_advantage
+from jaxflow.workers.group import Workers
 
 KLController = FixedKLController | AdaptiveKLController
 
@@ -62,17 +63,18 @@ def ready(batch: Batch) -> Batch:
     return batch
 
 
-def rollout(w: Any, prompts: Batch, timer: StepTimer, *, old_log_probs: bool = True,
+def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, old_log_probs: bool = True,
             balance: bool = False) -> Batch:
     """Generation and everything scored on it: ``responses`` (``gen``), ``old_log_probs``
     (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
     takes them from its own forward when on-policy, or computes them itself),
     ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when ``w.critic`` (``values``),
-    ``token_level_scores`` (``reward``). ``balance``: right after generation the rows are
-    reordered so the actor's data-parallel ranks get about the same number of tokens
-    (`jaxflow.algos.balance`; its metrics in ``meta["balance_metrics"]``)."""
+    ``token_level_scores`` (``reward``). ``step`` seeds the rollout (the actor's training
+    sampling parameters). ``balance``: right after generation the rows are reordered so the
+    actor's data-parallel ranks get about the same number of tokens
+    (`jaxflow.programs.balance`; its metrics in ``meta["balance_metrics"]``)."""
     with timer("gen"):
-        batch = ready(w.actor.generate(prompts))
+        batch = ready(w.actor.generate(prompts, step=step))
     if balance:
         batch, balance_metrics = balance_batch(batch, w.actor.info.dp_size)
         batch = batch.update(meta={"balance_metrics": balance_metrics})
@@ -92,7 +94,7 @@ def rollout(w: Any, prompts: Batch, timer: StepTimer, *, old_log_probs: bool = T
     return batch
 
 
-def kl_in_reward(batch: Batch, algo: Any, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:
+def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:
     """verl's in-reward KL penalty when ``algo.use_kl_in_reward``: ``token_level_rewards =
     token_level_scores - beta kl(old_log_probs, ref_log_prob)`` with ``beta = kl_ctrl.value``,
     then ``kl_ctrl.update(current_kl, batch size)``. Otherwise ``token_level_rewards =
@@ -108,21 +110,23 @@ def kl_in_reward(batch: Batch, algo: Any, kl_ctrl: KLController | None) -> tuple
     return batch, metrics
 
 
-def advantages(batch: Batch, algo: Any, timer: StepTimer) -> Batch:
+def advantages(batch: Batch, algo: AlgorithmConfig, timer: StepTimer) -> Batch:
     """``advantages`` and ``returns`` with ``algo.adv_estimator`` (``adv``)."""
     with timer("adv"):
         return compute_advantage(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
                                  norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
 
 
-def update(w: Any, batch: Batch, timer: StepTimer) -> dict[str, float]:
+def update(w: Workers, batch: Batch, timer: StepTimer, *, step: int | None = None,
+           update_actor: bool = True) -> dict[str, float]:
     """The critic's (when ``w.critic``) and the actor's updates; their metrics. The actor waits
-    while ``batch.meta["update_actor"]`` is False (verl's ``trainer.critic_warmup`` steps)."""
+    while ``update_actor`` is False (verl's ``trainer.critic_warmup`` steps). ``step`` seeds
+    the mini-batch shuffle."""
     metrics: dict[str, float] = {}
     if w.critic is not None:
         with timer("update_critic"):
-            metrics |= w.critic.update(batch)
-    if batch.meta.get("update_actor", True):
+            metrics |= w.critic.update(batch, step=step)
+    if update_actor:
         with timer("update_actor"):
-            metrics |= w.actor.update(batch)
+            metrics |= w.actor.update(batch, step=step)
     return metrics

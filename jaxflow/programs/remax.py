@@ -4,7 +4,7 @@ reward of the policy's own greedy response, no critic.
 ::
 
     batch = rollout(w, prompts)                         # n sampled responses per prompt, scored
-    greedy = w.actor.generate(prompts | do_sample=False)   # one argmax response per prompt
+    greedy = w.actor.generate(prompts, sampling="greedy")  # one argmax response per prompt
     b_i = sum_t score(greedy_i)_t                       # its sequence reward (w.reward)
     reward_baselines = repeat(b, n)                     # [B*n], the same b_i for prompt i's samples
     A_{j,t} = G_{j,t} - b_i m_{j,t},  G_{j,t} = sum_{t' >= t} r_{j,t'} m_{j,t'}
@@ -20,17 +20,16 @@ The greedy responses are scored only, never trained on.
 from __future__ import annotations
 
 import uuid
-from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from jaxflow.algos import steps
-from jaxflow.algos.batch_ops import compute_data_metrics
+from jaxflow.algos.settings import AlgorithmSettings
 from jaxflow.data.batch import Batch
-
-if TYPE_CHECKING:
-    from jaxflow.algos.programs import AlgoState
+from jaxflow.programs import steps
+from jaxflow.programs.state import AlgoState
+from jaxflow.programs.batch_ops import compute_data_metrics
+from jaxflow.workers.group import Workers
 
 
 def with_uid(prompts: Batch) -> Batch:
@@ -41,38 +40,40 @@ def with_uid(prompts: Batch) -> Batch:
     return prompts.update(non_tensors={"uid": [str(uuid.uuid4()) for _ in range(len(prompts))]})
 
 
-def greedy_baseline(w: Any, prompts: Batch) -> tuple[np.ndarray, Batch]:
-    """``(b [B], greedy batch)``: one greedy response per prompt (``meta["do_sample"] =
-    False``, verl's request) and its sequence reward ``b_i = sum_t token_level_scores``."""
-    greedy = steps.ready(w.actor.generate(prompts.update(meta={"do_sample": False})))
+def greedy_baseline(w: Workers, prompts: Batch, step: int | None = None) -> tuple[np.ndarray, Batch]:
+    """``(b [B], greedy batch)``: one greedy response per prompt (verl's ``do_sample=False``
+    request: the actor's training sampling parameters, greedy, ``n = 1``) and its sequence
+    reward ``b_i = sum_t token_level_scores``."""
+    greedy = steps.ready(w.actor.generate(prompts, sampling="greedy", step=step))
     if len(greedy) != len(prompts):
         raise ValueError(f"the greedy rollout returned {len(greedy)} rows for {len(prompts)} prompts; the actor must "
-                         "honour meta['do_sample'] = False with one response per prompt")
+                         "honour sampling='greedy' with one response per prompt")
     scores = np.asarray(jax.device_get(steps.ready(w.reward(greedy))["token_level_scores"]), np.float32)
     mask = np.asarray(jax.device_get(greedy["response_mask"])) > 0
     return (scores * mask).sum(-1), greedy
 
 
-def remax_iteration(w: Any, prompts: Batch, cfg: Any, state: AlgoState) -> dict[str, float]:
+def remax_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, *,
+                    step: int | None = None, update_actor: bool = True) -> dict[str, float]:
     """One ReMax iteration (see the module docstring). Metrics: the shared program's, plus
     ``critic/reward_baseline/{mean,max,min}`` (the greedy responses' scores),
     ``response_length/greedy_mean`` and ``timing_s/gen_max`` (greedy rollout and its reward)."""
-    algo = cfg.algorithm
+    algo = settings.algorithm
     if algo.adv_estimator != "remax":
         raise ValueError(f"the remax program needs algorithm.adv_estimator='remax', got {algo.adv_estimator!r}")
     kl_ctrl = state.kl_controller(algo)
     prompts = with_uid(prompts)
     timer = steps.StepTimer()
-    batch = steps.rollout(w, prompts, timer)
+    batch = steps.rollout(w, prompts, timer, step=step)
     with timer("gen_max"):
-        baseline_B, greedy = greedy_baseline(w, prompts)
+        baseline_B, greedy = greedy_baseline(w, prompts, step)
     n, rest = divmod(len(batch), len(prompts))
     if rest or not np.array_equal(np.asarray(batch["uid"])[::n], np.asarray(greedy["uid"])):
         raise ValueError("the sampled rollout is not n interleaved responses per prompt in prompt order")
     batch = batch.update(tensors={"reward_baselines": np.repeat(baseline_B, n).astype(np.float32)})
     batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
-    metrics |= steps.update(w, batch, timer)
+    metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
     state.store(kl_ctrl=kl_ctrl)
     greedy_len = (np.asarray(jax.device_get(greedy["response_mask"])) > 0).sum(-1)
     metrics |= {

@@ -41,24 +41,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflow.configs.overrides import get_value
+from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
-from jaxflow.sampling import SamplingParams, lower_generate
-from jaxflow.workers.actor import actor_loss
-from jaxflow.workers.base import num_micro_batches, row_program
-from jaxflow.workers.critic import CriticConfig, critic_loss
-from jaxflow.workers.forward import (
-    PROMPT_KEYS,
-    log_probs_and_entropy,
-    response_values,
-    scores_on_last_token,
-    sequence_scores,
-)
+from jaxflow.sampling import lower_generate
+from jaxflow.workers.actor import actor_train_step, log_probs_program
+from jaxflow.workers.base import RoleLayout, num_micro_batches
+from jaxflow.workers.critic import CriticConfig, critic_train_step, values_program
+from jaxflow.workers.forward import PROMPT_KEYS
 from jaxflow.workers.optim import make_optimizer
-from jaxflow.trainer.builders import actor_config, critic_config
-from jaxflow.workers.train_state import TrainState, batch_sharding, make_train_step, train_state_shardings
+from jaxflow.workers.reward import scores_program
+from jaxflow.workers.train_state import TrainState, batch_sharding, train_state_shardings
 
 # See the module docstring: cheap machine code (it never runs), and no hoisting of XLA:CPU's
 # whole-weight f32 converts out of loops.
@@ -205,160 +199,120 @@ class ProgramSpec:
             generated_code_bytes=int(m.generated_code_size_in_bytes), compile_seconds=seconds)
 
 
-def optimizer(cfg: Any, role: str) -> Any:
-    """``(tx, schedule)`` of a training role, as the real run builds it (the schedule's length
-    does not matter here)."""
-    conf = actor_config(cfg, 1) if role == "actor" else critic_config(cfg, 1)
+def optimizer(spec: RunSpec, role: str) -> Any:
+    """``(tx, schedule)`` of a training role, exactly as its worker builds it."""
+    conf = spec.actor if role == "actor" else spec.critic
     return make_optimizer(conf.optim)
 
 
-def train_micro_batches(cfg: Any, role: str, rules: Rules, mesh: Mesh) -> tuple[int, int]:
+def layout(graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules) -> RoleLayout:
+    """The `RoleLayout` of an abstract model on ``mesh`` under ``rules``."""
+    return RoleLayout(graphdef, mesh, rules, state_shardings(state, rules, mesh))
+
+
+def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> tuple[int, int]:
     """``(rows, micro-batches)`` of one PPO mini-batch of the actor or the critic."""
-    section = cfg.actor_rollout_ref.actor if role == "actor" else cfg.critic
-    rows = section.ppo_mini_batch_size * cfg.actor_rollout_ref.rollout.n
-    k = num_micro_batches(rows, section.ppo_micro_batch_size_per_device, batch_axis_size(rules, mesh),
+    conf = spec.actor if role == "actor" else spec.critic
+    rows = conf.ppo_mini_batch_size
+    k = num_micro_batches(rows, conf.ppo_micro_batch_size_per_device, batch_axis_size(rules, mesh),
                           f"{role} mini-batch")
     return rows, k
 
 
-def train_step_program(cfg: Any, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules,
+def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules,
                        moment_dtype: Any) -> tuple[ProgramSpec, int]:
     """The actor's or critic's optimizer step on one PPO mini-batch, micro-batched as
-    configured. Returns the spec and the number of micro-batches."""
-    P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
-    if role == "actor":
-        loss_cfg = actor_config(cfg, 1)
-        loss_fn, scalar_names = actor_loss(loss_cfg), ("temperature",)
-        extra_cols = ["old_log_probs", "advantages"] + (["ref_log_prob"] if loss_cfg.use_kl_loss else [])
-    else:
-        loss_fn = critic_loss(critic_config(cfg, 1))
-        scalar_names = ()
-        extra_cols = [c for c in CriticConfig.UPDATE_KEYS if c not in PROMPT_KEYS]
-    tx, schedule = optimizer(cfg, role)
-    rows, k = train_micro_batches(cfg, role, rules, mesh)
-    columns = prompt_columns(rows, P, R) | {c: ((rows, R), jnp.float32) for c in extra_cols}
+    configured, from the workers' own builder (`actor_train_step` / `critic_train_step`).
+    Returns the spec and the number of micro-batches."""
+    P, R = spec.prompt_length, spec.response_length
+    tx, schedule = optimizer(spec, role)
+    rows, k = train_micro_batches(spec, role, rules, mesh)
     abstract_state, shardings = abstract_train_state(state, rules, mesh, tx, moment_dtype)
+    role_layout = layout(graphdef, state, mesh, rules)
+    if role == "actor":
+        step = actor_train_step(role_layout, tx, schedule, spec.actor, shardings, k)
+        keys, scalar_names = spec.actor.update_keys(), ("temperature",)
+    else:
+        step = critic_train_step(role_layout, tx, schedule, spec.critic, shardings, k)
+        keys, scalar_names = CriticConfig.UPDATE_KEYS, ()
+    columns = prompt_columns(rows, P, R) | {c: ((rows, R), jnp.float32) for c in keys if c not in PROMPT_KEYS}
     batch = abstract_columns(columns, rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     scalars = {s: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated) for s in scalar_names}
-    step = make_train_step(graphdef, tx, schedule, loss_fn, mesh=mesh, rules=rules, state_shardings=shardings,
-                           batch_ndims={c: len(s) for c, (s, _) in columns.items()}, scalar_names=scalar_names,
-                           num_micro=k)
     micro = rows // k
-    spec = ProgramSpec(
+    program = ProgramSpec(
         name=f"{role}/train_step", role=role, phase="train", mesh=mesh,
         description=f"1 mini-batch of {rows} x {P}+{R} tokens, {k} micro-batch{'es' if k > 1 else ''} of {micro}",
         analytic_argument_bytes=tree_bytes_per_device((abstract_state, batch, scalars)),
         args_hold=("params", "optim"),
         lower=lambda: step.lower(abstract_state, batch, scalars))
-    return spec, k
+    return program, k
 
 
-@dataclasses.dataclass(frozen=True)
-class _AbstractRole:
-    """What `row_program` reads from a worker, for a role that has no weights."""
-
-    graphdef: nnx.GraphDef
-    mesh: Mesh
-    rules: Rules
-    batch_axes: Any
-    param_shardings: Any
-
-    @property
-    def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, PartitionSpec())
-
-
-def _log_probs_fn(key: str):
-    def fn(model, t, scalars):
-        lp, _ = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=False)
-        return {key: jnp.where(t["response_mask"] > 0, lp, 0.0)}
-
-    return fn
-
-
-def _scores_fn(model, t, _):
-    return {"token_level_scores": scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
-
-
-def _values_fn(model, t, _):
-    return {"values": response_values(model, t)}
-
-
-FORWARDS = {
-    # program name -> (role, output function, config key of its micro-batch per device)
-    "actor/log_probs": ("actor", _log_probs_fn("old_log_probs"),
-                        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device"),
-    "ref/log_probs": ("ref", _log_probs_fn("ref_log_prob"),
-                      "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device"),
-    "critic/values": ("critic", _values_fn, "critic.forward_micro_batch_size_per_device"),
-    "reward/scores": ("reward", _scores_fn, "reward_model.micro_batch_size_per_device"),
-    "cost/scores": ("cost", _scores_fn, "reward_model.micro_batch_size_per_device"),
+# program name -> (role, the workers' builder of it, its micro-batch per device in the RunSpec)
+FORWARDS: dict[str, tuple[str, Callable[[RoleLayout, int], Any], Callable[[RunSpec], int | None]]] = {
+    "actor/log_probs": ("actor", lambda lo, k: log_probs_program(lo, k),
+                        lambda s: s.actor.log_prob_micro_batch_size_per_device),
+    "ref/log_probs": ("ref", lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
+                      lambda s: s.ref_micro_batch_size_per_device),
+    "critic/values": ("critic", values_program, lambda s: s.critic.forward_micro_batch_size_per_device),
+    "reward/scores": ("reward", scores_program, lambda s: s.reward.micro_batch_size_per_device),
+    "cost/scores": ("cost", lambda lo, k: scores_program(lo, k, "token_level_cost"),
+                    lambda s: s.reward.micro_batch_size_per_device),
 }
 
 
-def forward_micro_batches(cfg: Any, name: str, rules: Rules, mesh: Mesh) -> tuple[int, int]:
+def forward_micro_batches(spec: RunSpec, name: str, rules: Rules, mesh: Mesh) -> tuple[int, int]:
     """``(rows, micro-batches)`` of a forward over the whole rollout."""
-    rows = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-    k = num_micro_batches(rows, get_value(cfg, FORWARDS[name][2]), batch_axis_size(rules, mesh), name)
+    rows = spec.rollout_rows
+    k = num_micro_batches(rows, FORWARDS[name][2](spec), batch_axis_size(rules, mesh), name)
     return rows, k
 
 
-def forward_program(cfg: Any, name: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
+def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
                     rules: Rules) -> tuple[ProgramSpec, int]:
-    """A forward over the whole rollout (``train_batch_size * n`` rows) in micro-batches, as
-    the worker's `row_program` runs it (`FORWARDS` names them)."""
-    role, fn, _ = FORWARDS[name]
-    P, R = cfg.data.max_prompt_length, cfg.data.max_response_length
-    rows, k = forward_micro_batches(cfg, name, rules, mesh)
+    """A forward over the whole rollout (``train_batch_size * n`` rows) in micro-batches, from
+    the workers' own builder (`FORWARDS`)."""
+    role, build, _ = FORWARDS[name]
+    P, R = spec.prompt_length, spec.response_length
+    rows, k = forward_micro_batches(spec, name, rules, mesh)
     params = abstract_params(state, rules, mesh)
     tensors = abstract_columns(prompt_columns(rows, P, R), rules, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     scalars = {"temperature": jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)} if "log_probs" in name else {}
-    worker = _AbstractRole(graphdef, mesh, rules, batch_axes(rules, mesh), state_shardings(state, rules, mesh))
-    program = row_program(worker, fn, k)
-    spec = ProgramSpec(
+    program = build(layout(graphdef, state, mesh, rules), k)
+    out = ProgramSpec(
         name=name, role=role, phase="infer", mesh=mesh,
         description=f"{rows} x {P}+{R} tokens, {k} micro-batch{'es' if k > 1 else ''} of {rows // k}",
         analytic_argument_bytes=tree_bytes_per_device((params, tensors, scalars)),
         args_hold=("params",),
         lower=lambda: program.lower(params, tensors, scalars))
-    return spec, k
+    return out, k
 
 
-def generation_rows(cfg: Any, gen_dp: int) -> int:
+def generation_rows(spec: RunSpec, gen_dp: int) -> int:
     """Sequences one generate call produces: the whole rollout, or ``max_num_seqs`` per
     generation data-parallel replica when set."""
-    r = cfg.actor_rollout_ref.rollout
-    total = cfg.data.train_batch_size * r.n
-    return min(total, r.max_num_seqs * gen_dp) if r.max_num_seqs > 0 else total
+    total = spec.rollout_rows
+    m = spec.rollout.max_num_seqs
+    return min(total, m * gen_dp) if m > 0 else total
 
 
-def sampling_params(cfg: Any) -> SamplingParams:
-    """The rollout's sampling settings (the stop tokens do not change the program's memory:
-    none are given, so the loop runs to the response length, as ``ignore_eos`` does)."""
-    r = cfg.actor_rollout_ref.rollout
-    greedy = not r.do_sample or r.temperature == 0
-    return SamplingParams(max_new_tokens=cfg.data.max_response_length, greedy=greedy,
-                          temperature=1.0 if greedy else r.temperature, top_k=max(0, r.top_k), top_p=r.top_p,
-                          n=r.n, eos_token_ids=())
-
-
-def generate_program(cfg: Any, graphdef: nnx.GraphDef, state: Any, engine: HybridEngine) -> tuple[ProgramSpec, int]:
+def generate_program(spec: RunSpec, graphdef: nnx.GraphDef, state: Any, engine: HybridEngine) -> tuple[ProgramSpec, int]:
     """The actor's rollout program (prefill + decode loop) in the generation layout, for one
-    call of :func:`generation_rows` sequences. Returns the spec and the prompts per call."""
+    call of :func:`generation_rows` sequences, with the training `SamplingParams`. Returns
+    the spec and the prompts per call."""
     mesh, rules = engine.gen_mesh, engine.gen_rules
-    n = cfg.actor_rollout_ref.rollout.n
-    P = cfg.data.max_prompt_length
+    sp = spec.rollout.train
+    n, P = sp.n, spec.prompt_length
     gen_dp = batch_axis_size(rules, mesh)
-    prompts = max(1, generation_rows(cfg, gen_dp) // n)
-    calls = -(-cfg.data.train_batch_size // prompts)
+    prompts = max(1, generation_rows(spec, gen_dp) // n)
+    calls = -(-spec.train_batch_size // prompts)
     params = abstract_params(state, rules, mesh)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
-    sp = sampling_params(cfg)
     prompt_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
     prompt_bytes = 2 * shard_bytes([jax.ShapeDtypeStruct(ids.shape, ids.dtype)], [prompt_sharding])
-    spec = ProgramSpec(
+    out = ProgramSpec(
         name="actor/generate", role="actor", phase="generate", mesh=mesh,
         description=(f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
                      f"({prompts * n // gen_dp} per generation replica; {calls} call{'s' if calls > 1 else ''} "
@@ -366,7 +320,7 @@ def generate_program(cfg: Any, graphdef: nnx.GraphDef, state: Any, engine: Hybri
         analytic_argument_bytes=tree_bytes_per_device(params) + prompt_bytes,
         args_hold=(),  # a generation copy of the weights: the training state stays resident
         lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules))
-    return spec, prompts
+    return out, prompts
 
 
 def _mesh_text(mesh: Mesh) -> str:
@@ -385,7 +339,7 @@ def reshard_program(engine: HybridEngine, state: Any) -> ProgramSpec:
             temp_bytes=rep.peak_extra_bytes - rep.output_bytes, generated_code_bytes=0,
             compile_seconds=time.perf_counter() - t0,
             extra=dict(strategy=rep.strategy, programs=rep.programs, calls=rep.calls,
-                       received_bytes=rep.received_bytes, table2_comm_bytes=rep.table2.comm_bytes,
+                       ring_received_bytes=rep.ring_received_bytes, table2_comm_bytes=rep.table2.comm_bytes,
                        comm_ratio=rep.comm_ratio, peak_extra_bytes=rep.peak_extra_bytes,
                        redundancy_bytes=rep.redundancy_bytes, full_remat=rep.full_remat))
 

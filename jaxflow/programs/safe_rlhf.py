@@ -33,57 +33,21 @@ Cost advantages use ``algorithm.adv_estimator`` on the costs (group estimators g
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from jaxflow.algos import steps
-from jaxflow.algos.batch_ops import compute_advantage, compute_data_metrics
-from jaxflow.algos.ppo import AlgorithmConfig
 from jaxflow.algos.safe_rlhf import compute_episode_cost, compute_lagrangian_advantages
+from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, SafeRLHFConfig
 from jaxflow.data.batch import Batch
+from jaxflow.programs import steps
+from jaxflow.programs.state import AlgoState
+from jaxflow.programs.batch_ops import compute_advantage, compute_data_metrics
 from jaxflow.rewards import token_level_scores
-
-if TYPE_CHECKING:
-    from jaxflow.algos.programs import AlgoState
+from jaxflow.workers.group import Workers
 
 COST_RULES = ("forbidden_chars", "length")
-
-
-@dataclasses.dataclass(frozen=True)
-class SafeRLHFConfig:
-    """``jaxflow.safe_rlhf.*`` of the experiment config (see `jaxflow.configs.base`)."""
-
-    enable: bool = True
-    cost_model_path: str = ""
-    cost_rule: str = "forbidden_chars"
-    forbidden_chars: str = "9"
-    cost_threshold: float = 0.1
-    lambda_init: float = 1.0
-    lambda_lr: float = 0.05
-    lambda_update_scale: str = "linear"
-    lambda_max: float | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class SafeRLHFProgramConfig:
-    """What the Safe-RLHF program reads, as dataclasses (an ml_collections experiment config
-    with ``algorithm`` and ``jaxflow.safe_rlhf`` works as well)."""
-
-    algorithm: AlgorithmConfig = AlgorithmConfig(adv_estimator="grpo")
-    safe_rlhf: SafeRLHFConfig = SafeRLHFConfig()
-
-
-def safe_rlhf_settings(cfg: Any) -> Any | None:
-    """``cfg.jaxflow.safe_rlhf`` (experiment config) or ``cfg.safe_rlhf`` (dataclass config);
-    None when the config has neither."""
-    jf = getattr(cfg, "jaxflow", None)
-    if jf is not None and "safe_rlhf" in jf:
-        return jf.safe_rlhf
-    return getattr(cfg, "safe_rlhf", None)
 
 
 def rule_costs(rule: str, response_mask: np.ndarray, texts: Sequence[str] | None = None,
@@ -112,7 +76,7 @@ def _response_texts(batch: Batch) -> list[str]:
     return [str(t) for t in batch["response_text"]]
 
 
-def compute_costs(w: Any, batch: Batch, settings: Any) -> Batch:
+def compute_costs(w: Workers, batch: Batch, settings: SafeRLHFConfig) -> Batch:
     """``token_level_cost`` [B, R]: from the cost model ``w.cost`` when there is one, else from
     ``settings.cost_rule`` on the host."""
     if w.cost is not None:
@@ -126,7 +90,7 @@ def compute_costs(w: Any, batch: Batch, settings: Any) -> Batch:
     return Batch.from_dict({"token_level_cost": token_level_scores(costs_B, mask)})
 
 
-def compute_cost_advantages(batch: Batch, algo: Any) -> tuple[np.ndarray, np.ndarray]:
+def compute_cost_advantages(batch: Batch, algo: AlgorithmConfig) -> tuple[np.ndarray, np.ndarray]:
     """``(cost_advantages, cost_returns)`` [B, R]: ``algo.adv_estimator`` on
     ``token_level_cost`` (group ids from ``uid``; zero values for ``gae``)."""
     mask = np.asarray(jax.device_get(batch["response_mask"]))
@@ -148,24 +112,22 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
     return float(x[m].mean()) if m.any() else 0.0
 
 
-def safe_rlhf_iteration(w: Any, prompts: Batch, cfg: Any, state: AlgoState) -> dict[str, float]:
+def safe_rlhf_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, *,
+                        step: int | None = None, update_actor: bool = True) -> dict[str, float]:
     """One Safe-RLHF iteration (see the module docstring); moves ``state``'s multiplier (and
     KL coefficient). Metrics: the shared program's, plus ``safe_rlhf/episode_cost`` (J_C),
     ``safe_rlhf/cost_violation`` (J_C - d), ``safe_rlhf/lambda`` (used for this batch),
     ``safe_rlhf/lambda_next`` (after the update), ``safe_rlhf/reward_advantages/mean``,
     ``safe_rlhf/cost_advantages/mean``, ``safe_rlhf/cost/{max,min}``, ``timing_s/cost``."""
-    algo = cfg.algorithm
-    settings = safe_rlhf_settings(cfg)
-    if settings is None:
-        raise ValueError("the safe_rlhf program needs jaxflow.safe_rlhf settings (or a SafeRLHFProgramConfig)")
+    algo, safe = settings.algorithm, settings.safe_rlhf
     if algo.adv_estimator == "remax":
         raise ValueError("safe_rlhf does not support adv_estimator='remax' (no greedy cost baseline)")
     kl_ctrl = state.kl_controller(algo)
-    multiplier = state.lagrange(settings)
+    multiplier = state.lagrange(safe)
     timer = steps.StepTimer()
-    batch = steps.rollout(w, prompts, timer)
+    batch = steps.rollout(w, prompts, timer, step=step)
     with timer("cost"):
-        batch |= compute_costs(w, batch, settings)
+        batch |= compute_costs(w, batch, safe)
     batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     lam = multiplier.value
@@ -175,7 +137,7 @@ def safe_rlhf_iteration(w: Any, prompts: Batch, cfg: Any, state: AlgoState) -> d
         adv = np.asarray(compute_lagrangian_advantages(reward_adv, cost_adv, np.float32(lam)), np.float32)
         batch = batch.update(tensors={"reward_advantages": reward_adv, "cost_advantages": cost_adv,
                                       "cost_returns": cost_ret, "advantages": adv})
-    metrics |= steps.update(w, batch, timer)
+    metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
     mask = np.asarray(jax.device_get(batch["response_mask"]))
     cost_BxR = np.asarray(jax.device_get(batch["token_level_cost"]), np.float32)
     costs_B = (cost_BxR * (mask > 0)).sum(-1)
@@ -184,7 +146,7 @@ def safe_rlhf_iteration(w: Any, prompts: Batch, cfg: Any, state: AlgoState) -> d
     state.store(kl_ctrl=kl_ctrl, multiplier=multiplier)
     metrics |= {
         "safe_rlhf/episode_cost": episode_cost,
-        "safe_rlhf/cost_violation": episode_cost - float(settings.cost_threshold),
+        "safe_rlhf/cost_violation": episode_cost - float(safe.cost_threshold),
         "safe_rlhf/lambda": float(lam),
         "safe_rlhf/lambda_next": float(multiplier.value),
         "safe_rlhf/reward_advantages/mean": _masked_mean(reward_adv, mask),

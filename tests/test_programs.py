@@ -1,4 +1,4 @@
-"""Algorithm programs (jaxflow.algos.programs): registry and selection, ReMax's greedy baseline
+"""Iteration programs (jaxflow.programs): registry and selection, ReMax's greedy baseline
 and Safe-RLHF's Lagrangian advantages and multiplier against NumPy on stub worker groups whose
 outputs are known, and one iteration of every program end to end on tiny random models over
 8 simulated devices."""
@@ -10,7 +10,10 @@ import pytest
 
 import jaxflow.algos as algos
 import jaxflow.models as models
+import jaxflow.programs as programs
 from jaxflow import configs
+from jaxflow.configs.run_spec import algorithm_settings
+from jaxflow.sampling import SamplingParams
 from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tasks import get_task
@@ -37,55 +40,56 @@ EXPECTED = {"ppo_tiny": "ppo", "grpo_tiny": "grpo", "rloo_tiny": "rloo", "reinfo
 
 
 def test_registry_and_selection():
-    assert set(EXPECTED.values()) <= set(algos.algorithm_names())
+    assert set(EXPECTED.values()) <= set(programs.algorithm_names())
     with pytest.raises(algos.UnknownNameError, match="ppo, reinforce_pp, remax, rloo, safe_rlhf"):
-        algos.get_algorithm("dpo")
+        programs.get_algorithm("dpo")
     for name, program in EXPECTED.items():
-        assert algos.select_algorithm(configs.get_config(name)) == program, name
+        assert programs.select_algorithm(algorithm_settings(configs.get_config(name))) == program, name
     cfg = configs.get_config("ppo_tiny")
     for estimator, program in (("grpo_passk", "grpo"), ("gpg", "grpo"), ("opo", "grpo"),
                                ("reinforce_plus_plus_baseline", "reinforce_pp"), ("remax", "remax")):
         cfg.algorithm.adv_estimator = estimator
-        assert algos.select_algorithm(cfg) == program
+        assert programs.select_algorithm(algorithm_settings(cfg)) == program
     cfg.jaxflow.safe_rlhf.enable = True  # wins over the estimator
-    assert algos.select_algorithm(cfg) == "safe_rlhf"
+    assert programs.select_algorithm(algorithm_settings(cfg)) == "safe_rlhf"
     cfg.jaxflow.safe_rlhf.enable = False
     cfg.algorithm.adv_estimator = "nope"
     with pytest.raises(algos.UnknownNameError, match="gae"):
-        algos.select_algorithm(cfg)
-    assert algos.select_algorithm(algos.PPOConfig()) == "ppo"
-    assert algos.select_algorithm(algos.SafeRLHFProgramConfig()) == "safe_rlhf"
+        programs.select_algorithm(algorithm_settings(cfg))
+    assert programs.select_algorithm(algos.AlgorithmSettings()) == "ppo"
+    assert programs.select_algorithm(algos.AlgorithmSettings(safe_rlhf=algos.SafeRLHFConfig(enable=True))) == "safe_rlhf"
 
-    @algos.register_algorithm("my_algo")
+    @programs.register_algorithm("my_algo")
     def my_algo(w, prompts, cfg, state):
         return {}
 
     try:
-        assert algos.get_algorithm("my_algo") is my_algo
+        assert programs.get_algorithm("my_algo") is my_algo
     finally:
-        algos.ALGORITHM_REGISTRY.unregister("my_algo")
+        programs.ALGORITHM_REGISTRY.unregister("my_algo")
 
 
 def test_programs_refuse_other_estimators():
-    state = algos.AlgoState()
+    state = programs.AlgoState()
     for name, estimator in (("grpo", "gae"), ("rloo", "grpo"), ("remax", "grpo"), ("ppo", "remax")):
-        cfg = algos.PPOConfig(algos.AlgorithmConfig(adv_estimator=estimator))
+        cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator=estimator))
         with pytest.raises(ValueError, match=estimator):
-            algos.get_algorithm(name)(None, None, cfg, state)
+            programs.get_algorithm(name)(None, None, cfg, state)
 
 
 def test_algo_state_round_trip():
     cfg = configs.get_config("safe_rlhf_tiny")
     cfg.algorithm.use_kl_in_reward = True
-    state = algos.AlgoState.from_config(cfg)
+    settings = algorithm_settings(cfg)
+    state = programs.AlgoState.initial(settings)
     assert state.state_dict() == {"kl_coef": 0.001, "lagrange_multiplier": 1.0}
     state.kl_coef, state.lagrange_multiplier = 0.0123, 0.75
-    restored = algos.AlgoState()
+    restored = programs.AlgoState()
     restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
     assert restored == state
-    assert restored.kl_controller(cfg.algorithm).value == 0.0123
-    assert restored.lagrange(cfg.jaxflow.safe_rlhf).value == 0.75
-    assert algos.AlgoState.from_config(configs.get_config("grpo_tiny")).state_dict() == {}
+    assert restored.kl_controller(settings.algorithm).value == 0.0123
+    assert restored.lagrange(settings.safe_rlhf).value == 0.75
+    assert programs.AlgoState.initial(algorithm_settings(configs.get_config("grpo_tiny"))).state_dict() == {}
     with pytest.raises(ValueError, match="kl_coef"):
         restored.load_state_dict({"kl_coeff": 1.0})
 
@@ -108,17 +112,17 @@ def encode(texts, R, after_eos=""):
 
 class StubActor:
     """An actor group whose sampled responses (``n`` per prompt) and greedy responses (one per
-    prompt, on ``meta["do_sample"] = False``) are given; `update` records its batch."""
+    prompt, on ``sampling="greedy"``) are given; `update` records its batch."""
 
     def __init__(self, sampled, greedy=None, seed=0):
         self.sampled, self.greedy = sampled, greedy
         self.rng = np.random.default_rng(seed)
         self.updates = []
 
-    def generate(self, prompts):
+    def generate(self, prompts, sampling="train", step=None):
         if "uid" not in prompts:
             prompts = prompts.update(non_tensors={"uid": [f"p{i}" for i in range(len(prompts))]})
-        responses, mask = self.greedy if prompts.meta.get("do_sample") is False else self.sampled
+        responses, mask = self.greedy if sampling == "greedy" else self.sampled
         n = len(responses) // len(prompts)
         return prompts.repeat(n).update(tensors={"responses": responses, "response_mask": mask})
 
@@ -126,7 +130,7 @@ class StubActor:
         mask = batch["response_mask"]
         return Batch.from_dict({"old_log_probs": (self.rng.normal(size=mask.shape) * mask).astype(np.float32)})
 
-    def update(self, batch):
+    def update(self, batch, step=None):
         self.updates.append(batch)
         return {"actor/pg_loss": 0.0}
 
@@ -168,11 +172,11 @@ def test_remax_baseline_and_advantages_match_numpy():
     sampled = (rng.integers(4, 20, (B * n, R)) * s_mask).astype(np.int32)
     greedy = encode(["12", "3", "999"], R)
     w = Workers(actor=StubActor((sampled, s_mask), greedy), ref=StubRef(), reward=token_sum_reward)
-    cfg = algos.PPOConfig(algos.AlgorithmConfig(
+    cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(
         adv_estimator="remax", use_kl_in_reward=True, kl_penalty="kl",
         kl_ctrl=algos.KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=100.0)))
-    state = algos.AlgoState.from_config(cfg)
-    metrics = algos.get_algorithm("remax")(w, stub_prompts(B), cfg, state)
+    state = programs.AlgoState.initial(cfg)
+    metrics = programs.get_algorithm("remax")(w, stub_prompts(B), cfg, state)
     batch = w.actor.updates[-1]
 
     b = (greedy[0] * greedy[1]).sum(-1) / 10.0  # the greedy responses' scores
@@ -211,16 +215,16 @@ def test_safe_rlhf_lagrangian_advantages_and_multiplier(scale):
     responses, mask = encode(texts, R, after_eos="9")  # a '9' after EOS (masked out) costs nothing
     w = Workers(actor=StubActor((responses, mask)),
                 reward=RewardFn(rule=LocalWorkerGroup(RuleRewardWorker(TOKENIZER))))
-    safe = algos.SafeRLHFConfig(cost_rule="forbidden_chars", forbidden_chars="9", cost_threshold=0.2,
+    safe = algos.SafeRLHFConfig(enable=True, cost_rule="forbidden_chars", forbidden_chars="9", cost_threshold=0.2,
                                 lambda_init=0.5, lambda_lr=0.3, lambda_update_scale=scale)
-    cfg = algos.SafeRLHFProgramConfig(algos.AlgorithmConfig(adv_estimator="grpo"), safe)
-    state = algos.AlgoState.from_config(cfg)
+    cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator="grpo"), safe)
+    state = programs.AlgoState.initial(cfg)
     lam = 0.5
     scores = np.asarray([float(t == answers[i // n]) for i, t in enumerate(texts)], np.float32)
     costs = np.asarray([float("9" in t) for t in texts], np.float32)
     assert 0 < costs.sum() < len(costs) and 0 < scores.sum() < len(scores)
     for _ in range(2):
-        metrics = algos.get_algorithm("safe_rlhf")(w, stub_prompts(B, answers), cfg, state)
+        metrics = programs.get_algorithm("safe_rlhf")(w, stub_prompts(B, answers), cfg, state)
         batch = w.actor.updates[-1]
         np.testing.assert_array_equal(np.asarray(batch["token_level_cost"]).sum(-1), costs)
         uid = list(batch["uid"])
@@ -244,17 +248,17 @@ def test_rule_costs_on_decoded_text():
     responses, mask = encode(["12", "19", "", "x", "9x"], 5, after_eos="9")  # '9's after each EOS
     texts = RuleRewardWorker(TOKENIZER).decode(responses, mask)
     assert texts == ["12", "19", "", "x", "9x"]  # valid tokens only, EOS skipped
-    np.testing.assert_array_equal(algos.rule_costs("forbidden_chars", mask, texts, "9"), [0, 1, 0, 0, 1])
-    np.testing.assert_array_equal(algos.rule_costs("forbidden_chars", mask, texts, "x2"), [1, 0, 0, 1, 1])
-    np.testing.assert_array_equal(algos.rule_costs("length", mask), mask.sum(-1))
+    np.testing.assert_array_equal(programs.rule_costs("forbidden_chars", mask, texts, "9"), [0, 1, 0, 0, 1])
+    np.testing.assert_array_equal(programs.rule_costs("forbidden_chars", mask, texts, "x2"), [1, 0, 0, 1, 1])
+    np.testing.assert_array_equal(programs.rule_costs("length", mask), mask.sum(-1))
     with pytest.raises(ValueError, match="forbidden_chars, length"):
-        algos.rule_costs("toxicity", mask, texts)
+        programs.rule_costs("toxicity", mask, texts)
 
 
 def test_multiplier_cap_and_projection():
     for scale, init, j_c, cap, want in (("linear", 0.1, 0.0, None, 0.0), ("linear", 1.0, 10.0, 2.0, 2.0),
                                         ("log", 1.0, 10.0, 3.0, 3.0)):
-        state = algos.AlgoState(lagrange_multiplier=init)
+        state = programs.AlgoState(lagrange_multiplier=init)
         settings = algos.SafeRLHFConfig(cost_threshold=1.0, lambda_lr=0.5, lambda_update_scale=scale, lambda_max=cap)
         m = state.lagrange(settings)
         m.update(j_c)
@@ -280,7 +284,7 @@ def prompts():
         text = TOKENIZER.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         tokens = TOKENIZER.encode(text, add_special_tokens=False)
         ids[i, PROMPT_LEN - len(tokens):], mask[i, PROMPT_LEN - len(tokens):] = tokens, 1
-    return algos.batch_from_prompts({
+    return programs.batch_from_prompts({
         "prompt_ids": ids, "prompt_mask": mask, "data_source": [r["data_source"] for r in rows],
         "ground_truth": [r["reward_model"]["ground_truth"] for r in rows]})
 
@@ -296,20 +300,21 @@ def workers():
         cost_model=models.init_model(CFG, "reward", seed=2), rule_reward=RuleRewardWorker(TOKENIZER),
         actor_config=ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
         critic_config=CriticConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
-        rollout=RolloutConfig(n=N, max_new_tokens=MAX_NEW, eos_token_ids=TOKENIZER.eos_token_id,
-                              pad_token_id=TOKENIZER.pad_token_id, seed=0))
+        rollout=RolloutConfig(train=SamplingParams(n=N, max_new_tokens=MAX_NEW, eos_token_ids=TOKENIZER.eos_token_id,
+                                                   pad_token_id=TOKENIZER.pad_token_id, seed=0)))
 
 
 def _run(w, prompts, cfg, extra=()):
-    name = algos.select_algorithm(cfg)
-    state = algos.AlgoState.from_config(cfg)
-    metrics = algos.get_algorithm(name)(w, prompts, cfg, state)
+    settings = algorithm_settings(cfg)
+    name = programs.select_algorithm(settings)
+    state = programs.AlgoState.initial(settings)
+    metrics = programs.get_algorithm(name)(w, prompts, settings, state)
     bad = {k: v for k, v in metrics.items() if not np.isfinite(v)}
     assert not bad, bad
     missing = (VERL_METRICS | set(extra)) - set(metrics)
     assert not missing, missing
     assert metrics["actor/update_skipped"] == 0
-    restored = algos.AlgoState()
+    restored = programs.AlgoState()
     restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
     assert restored == state
     return metrics, state

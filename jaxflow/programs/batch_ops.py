@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxflow.algos.advantages import get_advantage_estimator
+from jaxflow.algos.advantages import get_adv_estimator_fn
 from jaxflow.algos.kl import apply_kl_penalty
 from jaxflow.data.batch import Batch
 
@@ -85,7 +85,7 @@ def compute_advantage(
         columns["values"] = columns["values"].astype(np.float32)
     if "uid" in batch:
         columns["group_ids"] = group_ids_from_uid(batch["uid"])
-    fn = get_advantage_estimator(adv_estimator)
+    fn = get_adv_estimator_fn(adv_estimator)
     advantages, returns = fn(**columns, gamma=np.float32(gamma), lam=np.float32(lam),
                              norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, **estimator_kwargs)
     return batch.update(tensors={

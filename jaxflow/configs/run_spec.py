@@ -1,0 +1,287 @@
+"""The one typed description of a run: an experiment config (ml_collections, verl's keys) in,
+a frozen `RunSpec` out. Real runs (`jaxflow.trainer`), dry runs (`jaxflow.plan`) and, next,
+the auto-mapper and the Ray backend consume it; nothing below this module reads a raw config
+key. Each key is read here once (``rollout.n`` included)::
+
+    spec = describe_run(cfg)                      # after configs.validate(cfg)
+    spec.placement.mesh("actor", "train")         # meshes and rules per role and phase
+    spec.actor, spec.critic, spec.rollout         # worker settings, micro-batches included
+    spec.algorithm                                # what an iteration program reads
+
+Sizes. verl's batch keys count prompts; the worker configs count responses (``* n``).
+Optimizer steps (the learning-rate schedules' length) are counted per role:
+``training_steps * ppo_epochs * (train_batch_size / ppo_mini_batch_size)``, the actor's
+without the ``trainer.critic_warmup`` steps in which it does not update. ``training_steps`` is
+``trainer.total_training_steps`` or, when that is unset, ``total_epochs * (prompts //
+train_batch_size)`` (the loader drops the last partial batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ml_collections import ConfigDict
+
+from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
+from jaxflow.configs.resolve import PRESET_PREFIX, active_roles, build_placement, model_config, model_path
+from jaxflow.data.char_tokenizer import CharTokenizer
+from jaxflow.data.tokenizer import load_tokenizer
+from jaxflow.mesh import Placement
+from jaxflow.models import ModelConfig
+from jaxflow.sampling import SamplingParams
+from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
+
+HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward", "cost": "reward"}
+# Policy-loss options of the modes that take them (actor_rollout_ref.actor.policy_loss.*).
+POLICY_LOSS_OPTIONS = {
+    "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """Where a role's weights come from and their shape.
+
+    ``path``: an HF checkpoint directory, or ``""`` for a preset initialised from ``seed``.
+    ``config``: the `ModelConfig` (dtypes, scanning and remat from ``jaxflow.model``); None
+    only for a checkpoint without a ``config.json``.
+    """
+
+    role: str
+    head: str
+    path: str
+    config: ModelConfig | None
+    seed: int
+
+    @property
+    def is_preset(self) -> bool:
+        return not self.path
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardSpec:
+    """The reward: an optional reward model (its forward micro-batch), the rule scorer's
+    custom function and time limit."""
+
+    model: bool
+    micro_batch_size_per_device: int | None
+    custom_function_path: str | None
+    custom_function_name: str
+    timeout_s: float
+    use_remove_padding: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSpec:
+    """Everything a run (or a plan of it) needs to know, typed.
+
+    Attributes:
+      name: ``trainer.experiment_name``; ``job``: ``rl`` | ``sft``.
+      placement: pools, meshes and logical-axis rules per role and phase, the actor's
+        generation tp and the model shapes.
+      roles: the active roles in order; ``models``: their `ModelSpec`.
+      actor: the policy update (mini- and micro-batches in responses, the log-prob forward's
+        micro-batch, the optimizer sized by ``actor_optimizer_steps``).
+      rollout: training and validation `SamplingParams` side by side.
+      ref_micro_batch_size_per_device: the reference log-prob forward's micro-batch;
+        ``ref_use_remove_padding`` / ``ref_max_token_len_per_device``: its packed forward.
+      critic: the value update (None without a critic).
+      reward: the reward model / rule scorer settings (the cost model shares the reward
+        model's forward micro-batch).
+      algorithm: what the iteration program reads.
+      prompt_length, response_length: P and R; ``train_batch_size``: prompts per step.
+      training_steps: iterations of the run; ``critic_warmup``: the first steps without an
+        actor update.
+    """
+
+    name: str
+    job: str
+    num_devices: int
+    placement: Placement
+    roles: tuple[str, ...]
+    models: Mapping[str, ModelSpec]
+    actor: ActorConfig
+    rollout: RolloutConfig
+    ref_micro_batch_size_per_device: int | None
+    critic: CriticConfig | None
+    reward: RewardSpec
+    algorithm: AlgorithmSettings
+    prompt_length: int
+    response_length: int
+    train_batch_size: int
+    training_steps: int
+    critic_warmup: int
+    seed: int
+    ref_use_remove_padding: bool = False
+    ref_max_token_len_per_device: int | None = None
+
+    @property
+    def n(self) -> int:
+        """Responses per prompt of a training rollout."""
+        return self.rollout.train.n
+
+    @property
+    def rollout_rows(self) -> int:
+        """Responses per training step: ``train_batch_size * n``."""
+        return self.train_batch_size * self.n
+
+
+def build_tokenizer(cfg: ConfigDict) -> Any:
+    """``jaxflow.data.tokenizer``: ``char`` (the built-in character tokenizer), a tokenizer
+    directory / ``tokenizer.json``, or ``model`` (the actor checkpoint's own tokenizer)."""
+    name = cfg.jaxflow.data.tokenizer
+    if name == "char":
+        return CharTokenizer()
+    if name == "model":
+        name = cfg.actor_rollout_ref.model.path
+    return load_tokenizer(name)
+
+
+def training_steps(cfg: ConfigDict, num_train_prompts: int | None) -> int:
+    """``trainer.total_training_steps``, else ``total_epochs * (prompts // train_batch_size)``
+    (``num_train_prompts`` defaults to the built-in task's ``num_train_examples``)."""
+    t = cfg.trainer
+    if t.total_training_steps:
+        return int(t.total_training_steps)
+    prompts = cfg.jaxflow.data.num_train_examples if num_train_prompts is None else num_train_prompts
+    per_epoch = prompts // cfg.data.train_batch_size
+    if per_epoch < 1:
+        raise ValueError(f"{prompts} training prompts make no batch of data.train_batch_size="
+                         f"{cfg.data.train_batch_size}")
+    return int(t.total_epochs) * per_epoch
+
+
+def optimizer_steps(steps: int, train_batch_size: int, mini_batch_size: int, epochs: int) -> int:
+    """Optimizer steps of ``steps`` iterations: each makes ``epochs * (train_batch_size /
+    mini_batch_size)`` (both in prompts)."""
+    return steps * epochs * (train_batch_size // mini_batch_size)
+
+
+def _optim(section: ConfigDict, total_steps: int, state_dtype: str) -> OptimConfig:
+    o = section.optim
+    return OptimConfig(
+        lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), grad_clip=section.grad_clip,
+        lr_warmup_steps=o.lr_warmup_steps, lr_warmup_steps_ratio=o.lr_warmup_steps_ratio,
+        total_training_steps=max(1, total_steps), warmup_style=o.warmup_style, min_lr_ratio=o.min_lr_ratio,
+        state_dtype=state_dtype)
+
+
+def actor_config(cfg: ConfigDict, steps: int) -> ActorConfig:
+    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob micro-batch)."""
+    a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    mode = a.policy_loss.loss_mode
+    updates = max(0, steps - cfg.trainer.critic_warmup)
+    return ActorConfig(
+        ppo_mini_batch_size=a.ppo_mini_batch_size * n,
+        ppo_micro_batch_size_per_device=a.ppo_micro_batch_size_per_device,
+        ppo_epochs=a.ppo_epochs, shuffle=a.shuffle, seed=cfg.trainer.seed,
+        loss_mode=mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+        policy_loss_kwargs=tuple((k, a.policy_loss[k]) for k in POLICY_LOSS_OPTIONS.get(mode, ())),
+        entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type,
+        log_prob_micro_batch_size_per_device=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device,
+        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+        ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
+        log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
+        log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
+        optim=_optim(a, optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
+                     cfg.jaxflow.optim.state_dtype))
+
+
+def critic_config(cfg: ConfigDict, steps: int) -> CriticConfig:
+    """verl's ``critic``."""
+    c, n = cfg.critic, cfg.actor_rollout_ref.rollout.n
+    return CriticConfig(
+        ppo_mini_batch_size=c.ppo_mini_batch_size * n,
+        ppo_micro_batch_size_per_device=c.ppo_micro_batch_size_per_device,
+        ppo_epochs=c.ppo_epochs, shuffle=c.shuffle, seed=cfg.trainer.seed,
+        cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+        forward_micro_batch_size_per_device=c.forward_micro_batch_size_per_device,
+        use_remove_padding=c.model.use_remove_padding, use_dynamic_bsz=c.use_dynamic_bsz,
+        ppo_max_token_len_per_device=c.ppo_max_token_len_per_device,
+        forward_max_token_len_per_device=c.forward_max_token_len_per_device,
+        optim=_optim(c, optimizer_steps(steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs),
+                     cfg.jaxflow.optim.state_dtype))
+
+
+def sampling_params(cfg: ConfigDict, section: ConfigDict, eos_token_id: int | None,
+                    pad_token_id: int | None) -> SamplingParams:
+    """A rollout section (``rollout`` or ``rollout.val_kwargs``) as `SamplingParams`."""
+    r = cfg.actor_rollout_ref.rollout
+    greedy = not section.do_sample or section.temperature == 0
+    eos = () if r.ignore_eos or eos_token_id is None else (eos_token_id,)
+    return SamplingParams(
+        max_new_tokens=cfg.data.max_response_length, greedy=greedy, temperature=1.0 if greedy else section.temperature,
+        top_k=max(0, section.top_k), top_p=section.top_p, n=section.n, eos_token_ids=eos, seed=cfg.trainer.seed,
+        pad_token_id=pad_token_id)
+
+
+def rollout_config(cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None) -> RolloutConfig:
+    """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``)."""
+    r = cfg.actor_rollout_ref.rollout
+    return RolloutConfig(train=sampling_params(cfg, r, eos_token_id, pad_token_id),
+                         val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
+                         max_num_seqs=r.max_num_seqs)
+
+
+def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
+    """verl's ``algorithm`` and ``jaxflow.safe_rlhf``."""
+    a, s = cfg.algorithm, cfg.jaxflow.safe_rlhf
+    k = a.kl_ctrl
+    return AlgorithmSettings(
+        algorithm=AlgorithmConfig(
+            adv_estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+            use_kl_in_reward=a.use_kl_in_reward, kl_penalty=a.kl_penalty,
+            kl_ctrl=KLControlConfig(type=k.type, kl_coef=k.kl_coef, horizon=k.horizon, target_kl=k.target_kl)),
+        safe_rlhf=SafeRLHFConfig(
+            enable=s.enable, cost_model_path=s.cost_model_path, cost_rule=s.cost_rule,
+            forbidden_chars=s.forbidden_chars, cost_threshold=s.cost_threshold, lambda_init=s.lambda_init,
+            lambda_lr=s.lambda_lr, lambda_update_scale=s.lambda_update_scale, lambda_max=s.lambda_max),
+        balance_batch=cfg.trainer.balance_batch)
+
+
+def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
+               pad_token_id: int | None = None) -> ModelSpec:
+    """A role's weights: a checkpoint directory, or a preset (its eos / pad ids the tokenizer's)."""
+    path = model_path(cfg, role)
+    mc = model_config(cfg, role)
+    checkpoint = bool(path) and not path.startswith(PRESET_PREFIX)
+    if mc is not None and not checkpoint:
+        mc = mc.replace(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    return ModelSpec(role=role, head=HEADS[role], path=path if checkpoint else "", config=mc, seed=cfg.trainer.seed)
+
+
+def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_token_id: int | None = None,
+                 pad_token_id: int | None = None, num_train_prompts: int | None = None) -> RunSpec:
+    """The `RunSpec` of a validated config.
+
+    ``devices``: those of the placement (default: the first ``jaxflow.num_devices``).
+    ``eos_token_id`` / ``pad_token_id``: the tokenizer's (stop tokens of the rollouts, and the
+    ids of a preset model). ``num_train_prompts``: the training set's size, which sizes the
+    schedules when ``trainer.total_training_steps`` is unset (default: the built-in task's).
+    """
+    steps = training_steps(cfg, num_train_prompts)
+    roles = active_roles(cfg)
+    return RunSpec(
+        name=cfg.trainer.experiment_name, job=cfg.jaxflow.job, num_devices=cfg.jaxflow.num_devices,
+        placement=build_placement(cfg, devices), roles=roles,
+        models={r: model_spec(cfg, r, eos_token_id, pad_token_id) for r in roles},
+        actor=actor_config(cfg, steps),
+        rollout=rollout_config(cfg, eos_token_id, pad_token_id),
+        ref_micro_batch_size_per_device=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_device,
+        critic=critic_config(cfg, steps) if "critic" in roles else None,
+        reward=RewardSpec(model="reward" in roles, micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
+                          custom_function_path=cfg.custom_reward_function.path,
+                          custom_function_name=cfg.custom_reward_function.name,
+                          timeout_s=cfg.jaxflow.reward.timeout_s,
+                          use_remove_padding=cfg.reward_model.model.use_remove_padding),
+        algorithm=algorithm_settings(cfg),
+        prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
+        train_batch_size=cfg.data.train_batch_size, training_steps=steps, critic_warmup=cfg.trainer.critic_warmup,
+        seed=cfg.trainer.seed, ref_use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
+        ref_max_token_len_per_device=(cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_device
+                                      if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz else None))
