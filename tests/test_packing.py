@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxflow.models as models
 from jaxflow.algos import global_batch_info
-from jaxflow.algos.balance import balance_batch, balanced_partitions
+from jaxflow.programs.balance import balance_batch, balanced_partitions
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec
 from jaxflow.workers import (ActorConfig, ActorWorker, CriticConfig, CriticWorker, OptimConfig, ReferenceWorker,
