@@ -1,6 +1,6 @@
 """``python -m jaxflow.run [--config=NAME|path.py] [--config.key=value ...] [--dry_run]``
 
-Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``ppo_tiny``), the
+Runs an experiment: the RL loop (``jaxflow.job=rl``, the default ``grpo_tiny``), the
 supervised warm start (``sft_tiny``), or with ``--dry_run`` the plan and ahead-of-time
 compilation of any config on simulated devices. ``--help`` lists the named configs.
 On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device count).
@@ -15,7 +15,7 @@ import sys
 USAGE = """usage: python -m jaxflow.run [--config=NAME|path/to/config.py] [--config.KEY=VALUE ...] [--dry_run]
                              [--json=PATH]
 
-Runs an RLHF experiment with jaxflow. Without --config the default is ppo_tiny (PPO on a
+Runs an RLHF experiment with jaxflow. Without --config the default is grpo_tiny (GRPO on a
 built-in task, a few minutes on a laptop CPU). Config keys follow verl's names; see the
 README's table, or `python -m jaxflow.configs.docs`.
 
@@ -28,10 +28,23 @@ named configs:
 """
 
 
-def _simulate_devices(n: int) -> None:
+def simulate_devices(n: int) -> None:
     """Simulated host devices; read by XLA when the backend starts (after this, before use)."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def enable_compilation_cache() -> str:
+    """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run loads its
+    compiled programs instead of compiling them again. Returns the directory."""
+    import jax
+
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -69,15 +82,22 @@ def main(argv: list[str] | None = None) -> int:
         if dry_run:
             with cfg.unlocked():
                 cfg.jaxflow.dry_run.enable = True
-        _simulate_devices(cfg.jaxflow.num_devices)
+        simulate_devices(cfg.jaxflow.num_devices)
         configs.validate(cfg)
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    enable_compilation_cache()
 
     if cfg.jaxflow.dry_run.enable:
         from jaxflow.plan.dry_run import dry_run
+
+        if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
+            from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
+            from jaxflow.workers.ray_backend import describe_hosts
+
+            print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
 
         dry_run(cfg, json_path=json_path)
         return 0
@@ -97,16 +117,13 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg, actor_params = warm_start(cfg)
-        history = RLTrainer(cfg, actor_params=actor_params).fit()
+        RLTrainer(cfg, actor_params=actor_params).fit()  # prints the end-of-run summary
     except _user_errors() as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except NonFiniteError as e:
         print(f"stopped: {e}", file=sys.stderr)
         return 3
-    scores = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
-    if scores:
-        print(f"done: critic/score/mean {scores[0]:.3f} (first step) -> {scores[-1]:.3f} (last step)", flush=True)
     return 0
 
 

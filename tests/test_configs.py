@@ -32,7 +32,7 @@ def test_named_configs_are_the_requested_set():
         "ppo_tiny", "grpo_tiny", "remax_tiny", "rloo_tiny", "reinforce_pp_tiny", "safe_rlhf_tiny", "sft_tiny",
         "ppo_7b", "ppo_13b", "ppo_34b", "ppo_70b",
     }
-    assert configs.DEFAULT_CONFIG == "ppo_tiny"
+    assert configs.DEFAULT_CONFIG == "grpo_tiny"
     listing = configs.describe_named()
     assert all(name in listing for name in configs.NAMED)
 
@@ -41,7 +41,9 @@ def test_named_configs_are_the_requested_set():
 def test_tiny_configs_are_cpu_sized(name):
     cfg = get_config(name)
     assert cfg.jaxflow.num_devices == 8 and cfg.jaxflow.placement.type == "colocated"
-    assert cfg.jaxflow.data.builtin_task == "addition" and not cfg.data.train_files
+    # the default run (grpo_tiny) learns digit reversal, scored on held-out strings
+    assert cfg.jaxflow.data.builtin_task == ("reverse_digits" if name == "grpo_tiny" else "addition")
+    assert not cfg.data.train_files
     model = configs.model_config(cfg, "actor")
     assert 64 <= model.hidden_size <= 128 and 2 <= model.num_layers <= 4
     assert model.vocab_size >= 100  # the char tokenizer's ids (padded to a multiple of fsdp*tp)
@@ -284,7 +286,7 @@ def test_parse_cli_args():
     assert name == "grpo_tiny" and rest == ["--verbose"]
     assert overrides == ["actor_rollout_ref.rollout.n=4", "data.seed=3"]
     assert configs.parse_cli_args(["--config", "x.py"])[0] == "x.py"
-    assert configs.parse_cli_args([])[0] == "ppo_tiny"
+    assert configs.parse_cli_args([])[0] == configs.DEFAULT_CONFIG == "grpo_tiny"
 
 
 # ----------------------------------------------------------------------------- config files

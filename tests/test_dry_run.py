@@ -75,11 +75,15 @@ def test_kv_cache_and_generation_layout(tiny):
     cfg, report, _, _, _ = tiny
     actor = report.role("actor")
     m, n = actor.model, cfg.actor_rollout_ref.rollout.n
-    rows = cfg.data.train_batch_size * n  # max_num_seqs=0: the whole rollout in one call
     gen_tp, gen_dp = 2, 4
-    S = 16 + 16  # the sampler's length buckets (P=8 -> 16, R=4 -> 16)
-    # batch per generation replica x (P+R) x layers x 2 x kv_heads/tp x head_dim x dtype
-    want = rows // gen_dp * S * m["num_layers"] * 2 * m["num_kv_heads"] // gen_tp * m["head_dim"] * 4
+    prompts = cfg.data.train_batch_size // gen_dp  # per generation replica, one call
+    slots = prompts * n  # max_num_seqs=0: a slot per row (at most DEFAULT_SLOTS)
+    # the engine's page pool per replica (16-token pages; P=8 -> 16 and R=4 -> 16 slots: one
+    # page each): trash + the prompts alive at once (at most slots + a prefill group of 8)
+    # + per slot its response page and the private copy of its prompt's last page
+    pages = 1 + min(prompts, slots + 8) * 1 + slots * (1 + 1)
+    # pages x page size x layers x (k, v) x kv_heads / tp x head_dim x float32
+    want = pages * 16 * m["num_layers"] * 2 * m["num_kv_heads"] // gen_tp * m["head_dim"] * 4
     assert actor.kv_cache_bytes == want
     assert actor.generate_param_bytes == pytest.approx(actor.num_params * 4 / gen_tp, rel=0.03)
     gen = report.program("actor/generate")
@@ -136,8 +140,10 @@ def test_paper_config_in_a_subprocess(tmp_path):
     actor = next(r for r in data["roles"] if r["role"] == "actor")
     assert actor["num_params"] > 6.5e9 and actor["model"]["num_layers"] == 32
     assert actor["param_bytes"] == pytest.approx(actor["num_params"] * 2 / 8, rel=0.03)  # bf16 over fsdp*tp = 8
-    # 32 sequences per generation replica (max_num_seqs) x 2048 slots x 32 layers x k,v x 32/2 heads x 128 x bf16
-    assert actor["kv_cache_bytes"] == 32 * 2048 * 32 * 2 * 16 * 128 * 2
+    # per generation replica (1024 prompts / dp 4): 32 decode slots (max_num_seqs), 16-token pages;
+    # trash + 40 prompts alive (32 slots + a prefill group of 8) x 1024/16 pages + 32 slots x (1024/16 + 1)
+    # pages, x 16 tokens x 32 layers x k,v x 32/2 heads x 128 x bf16
+    assert actor["kv_cache_bytes"] == (1 + 40 * 64 + 32 * 65) * 16 * 32 * 2 * 16 * 128 * 2
     model_bytes = actor["num_params"] * jnp.dtype(jnp.bfloat16).itemsize
     assert data["max_rss_bytes"] < min(3 * 2**30, model_bytes / 4)
     assert math.isfinite(data["wall_seconds"])

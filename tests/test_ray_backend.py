@@ -17,6 +17,8 @@ import numpy as np
 import pytest
 import ray
 
+from jaxflow import configs
+from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.data.batch import Batch
 from jaxflow.workers import LocalWorkerGroup, WorkerGroupInfo
 from jaxflow.workers.ray_backend import (
@@ -26,6 +28,7 @@ from jaxflow.workers.ray_backend import (
     RayConfig,
     Unschedulable,
     WorkerDied,
+    describe_hosts,
 )
 from tests.ray_toy import Toy
 
@@ -112,8 +115,8 @@ def test_sigkill_becomes_error_naming_group_and_rank(backend):
     group = backend.group(processes, Toy, name="victim", mesh="dp=4")
     pids = list(processes.pids)
     group.busy(1)  # compiled; later calls with these shapes get the step deadline
-    killer = subprocess.Popen([sys.executable, "-c", f"import os,signal,time; time.sleep(2); "
-                               f"os.kill({pids[1]}, signal.SIGKILL)"])
+    kill = f"import os, signal, time; time.sleep(2); os.kill({pids[1]}, signal.SIGKILL)"
+    killer = subprocess.Popen([sys.executable, "-c", kill])
     start = time.monotonic()
     with pytest.raises(WorkerDied, match=r"worker group 'victim' rank 1 \(pid \d+\) died during victim.busy") as e:
         group.busy(10**9)  # all-reduces until a rank dies; the other waits in one
@@ -187,3 +190,29 @@ def test_local_path_never_imports_ray():
     code = ("import sys, jaxflow, jaxflow.workers, jaxflow.trainer, jaxflow.run; "
             "import jaxflow.workers.ray_backend; assert 'ray' not in sys.modules, 'ray was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
+
+
+def test_ppo_70b_per_host_plan_without_a_cluster():
+    cfg = configs.load_config("ppo_70b", ["jaxflow.backend=ray", "jaxflow.ray.accelerator=gpu"])
+    plan = describe_hosts(configs.build_placement(cfg, ray_devices(cfg)), ray_config(cfg)).splitlines()
+    assert plan[0].startswith("ray backend: 16 hosts x 8 gpu devices")
+    assert plan[1] == ("group 'actor': hosts 0..7 (8 processes, ranks 0..7), placement group of 8 x "
+                       "{'CPU': 1.0, 'GPU': 8} (STRICT_SPREAD)")
+    assert plan[2].startswith("  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a "
+                              "dp=1,fsdp=1,tp=8 block of it; generate: replica=1,tp=8,dp=8")
+    assert plan[3].startswith("  ref: mesh dp=1,fsdp=64,tp=1") and "dp=1,fsdp=8,tp=1 block" in plan[3]
+    assert plan[4].startswith("group 'critic': hosts 8..15 (8 processes")
+    assert [line.split(":")[0] for line in plan[5:]] == ["  critic", "  reward"]
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["jaxflow.ray.devices_per_host=3"], "jaxflow.ray.devices_per_host", "not a whole number of hosts of 3"),
+    (["jaxflow.ray.devices_per_host=4", "jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=2,6"],
+     "jaxflow.placement.pool_sizes", "every pool takes whole hosts of 4 devices"),
+    (["jaxflow.ray.accelerator=npu"], "jaxflow.ray.accelerator", "must be one of cpu, gpu, tpu"),
+    (["jaxflow.ray.step_deadline_s=0"], "jaxflow.ray.step_deadline_s", "must be > 0"),
+])
+def test_ray_settings_are_validated(overrides, key, message):
+    with pytest.raises(configs.ConfigError, match=message) as e:
+        configs.load_config("ppo_tiny", ["jaxflow.backend=ray", *overrides])
+    assert key in str(e.value)

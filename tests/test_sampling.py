@@ -18,6 +18,7 @@ from scipy import stats
 from jaxflow.mesh import GENERATE_RULES, state_shardings
 from jaxflow.models import from_pretrained
 from jaxflow.sampling import (
+    DEFAULT_SLOTS,
     SamplingParams,
     bucket_size,
     generate,
@@ -25,7 +26,8 @@ from jaxflow.sampling import (
     lower_generate,
     trace_count,
 )
-from jaxflow.sampling.engine import RESPONSE_BUCKET_MIN
+from jaxflow.sampling.batcher import Static, layout
+from jaxflow.sampling.engine import DEFAULT_PAGE_SIZE, RESPONSE_BUCKET_MIN
 from tests.hf_reference import random_hf_model
 
 VOCAB = 128
@@ -195,8 +197,8 @@ def test_first_token_distribution(llama):
     hf, model = llama
     ids, mask = _prompts(lengths=(7,), seed=2)
     params = SamplingParams(max_new_tokens=1, temperature=1.5, top_k=12, top_p=0.9, n=4096, eos_token_ids=())
-    out = generate(model, ids, mask, params)
-    assert int(out.num_steps) == 1 and out.responses.shape == (4096, 1)
+    out = generate(model, ids, mask, params)  # 4096 rows through DEFAULT_SLOTS slots, one shared prompt
+    assert int(out.num_steps) == 4096 // DEFAULT_SLOTS and out.responses.shape == (4096, 1)
     with torch.no_grad():
         logits = hf(torch.tensor(ids, dtype=torch.long)).logits[0, -1].double().numpy()
     z = logits / params.temperature
@@ -223,8 +225,9 @@ def test_n_samples_greedy_repeat(llama):
 
 
 def test_sharded_equals_unsharded(llama):
-    """(dp=4, tp=2) mesh: the same greedy tokens; the KV cache is split over batch (dp) and
-    kv-heads (tp) inside the program, and no device ever holds the whole cache."""
+    """(dp=4, tp=2) mesh: the same greedy tokens; each dp group runs its own replica (prompts,
+    slots and page pool split over dp) with the pools split over kv heads (tp) inside the
+    program, so no device ever holds another replica's pages or all kv heads."""
     _, model = llama
     ids, mask = _prompts()
     want = generate(model, ids, mask, GREEDY)
@@ -237,20 +240,22 @@ def test_sharded_equals_unsharded(llama):
     assert out.responses.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("dp", None)), 2)
 
     cfg = model.cfg
-    S = bucket_size(max(PROMPT_LENGTHS), minimum=16) + bucket_size(NEW, minimum=RESPONSE_BUCKET_MIN)
-    cache_spec = NamedSharding(mesh, PartitionSpec(None, "dp", "tp", None, None))
-    N, K = cfg.num_kv_heads, cfg.head_dim
-    assert out.cache.k.shape == (cfg.num_layers, 4, N, K, S)
-    assert out.cache.v.shape == (cfg.num_layers, 4, N, S, K)
-    assert out.cache.k.sharding.is_equivalent_to(cache_spec, 5)
-    assert out.cache.v.sharding.is_equivalent_to(cache_spec, 5)
-    assert {s.data.shape for s in out.cache.v.addressable_shards} == {(cfg.num_layers, 1, 1, S, K)}
-    # In the compiled program the cache (stacked [layers, B, N, ...] or one [B, N, ...] per
-    # layer) only ever exists as per-device shards: 4 / 4 rows and 2 / 2 kv heads.
+    P = bucket_size(max(PROMPT_LENGTHS), minimum=16)
+    R = bucket_size(NEW, minimum=RESPONSE_BUCKET_MIN)
+    static = Static(greedy=True, top_k=0, use_top_p=False, n=1, eos_token_ids=(), pad_token_id=PAD, response_len=R,
+                    slots=1, page_size=DEFAULT_PAGE_SIZE, prefill_rows=1, prefill_len=P, return_logits=False)
+    pages, T, N, K = layout(static, 1, P)["num_pages"], DEFAULT_PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim
+    assert out.stats["pages_per_replica"] == pages and out.stats["replicas"] == 4
+    pool_spec = NamedSharding(mesh, PartitionSpec("dp", None, "tp", None, None, None))
+    for pool in out.cache:
+        assert pool.shape == (4, cfg.num_layers, N, pages, T, K)
+        assert pool.sharding.is_equivalent_to(pool_spec, 6)
+        assert {s.data.shape for s in pool.addressable_shards} == {(1, cfg.num_layers, 1, pages, T, K)}
+    # In the compiled program every pool buffer is a per-device shard: 1 replica, 1 kv head.
     hlo = lower_generate(graphdef, state, ids, mask, GREEDY, mesh=mesh, return_cache=True).compile().as_text()
-    prefix = rf"f32\[(?:{cfg.num_layers},)?(\d+),(\d+),"
-    cache_shapes = set(re.findall(prefix + rf"{K},{S}\]", hlo)) | set(re.findall(prefix + rf"{S},{K}\]", hlo))
-    assert cache_shapes == {("1", "1")}
+    heads = re.findall(rf"f32\[((?:\d+,)*)(\d+),{pages},{T},{K}\]", hlo)
+    assert heads and {h for _, h in heads} == {"1"}
+    assert all(set(lead.strip(",").split(",")) <= {"1", str(cfg.num_layers), ""} for lead, _ in heads)
 
 
 def test_scan_layers_matches_unrolled(llama, tmp_path):

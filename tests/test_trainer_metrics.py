@@ -14,6 +14,7 @@ import pytest
 from jaxflow.trainer import MetricsLogger, NonFiniteError, NonFiniteGuard, plot_metrics, plot_run, read_jsonl
 from jaxflow.trainer.metrics import ConsoleBackend, fmt4
 from jaxflow.trainer.plot import COLORS, smooth
+from jaxflow.trainer.summary import format_duration, run_summary
 
 
 def _metrics(step):
@@ -125,21 +126,16 @@ def test_no_progress_bar_when_the_stream_is_not_a_terminal(tmp_path):
     assert "1/4" not in out.getvalue() and "\r" not in out.getvalue()
 
 
-@pytest.mark.parametrize("with_tqdm", [True, False])
-def test_progress_bar_and_console_share_the_stream(tmp_path, monkeypatch, with_tqdm):
-    if not with_tqdm:
-        monkeypatch.setitem(sys.modules, "tqdm", None)
-        monkeypatch.setitem(sys.modules, "tqdm.auto", None)
+def test_progress_bar_and_console_share_the_stream(tmp_path):
     out = _Terminal()
     with MetricsLogger(tmp_path, backends=("console",), total_steps=4, resume_step=1, stream=out) as logger:
-        assert (logger.progress._tqdm is not None) == with_tqdm
+        assert logger.progress._tqdm is not None
         logger.log(_metrics(2), 2)
         logger.log(_metrics(3), 3)
         assert logger.progress.n == 3
     text = out.getvalue()
     assert "step 2 | score 0.52" in text and "step 3 | score 0.53" in text
-    if with_tqdm:
-        assert "3/4" in text
+    assert "3/4" in text and ("step/s" in text or "s/step" in text)  # i/N and the rate
 
 
 def _read_png(path):
@@ -212,3 +208,24 @@ def test_guard_refuses_bad_steps_and_stops_after_k(caplog):
     assert guard.total_bad == 4
     with pytest.raises(ValueError):
         NonFiniteGuard(0)
+
+
+def test_end_of_run_summary():
+    history = [{"step": 0, "val/score/mean": 0.16}]
+    history += [{"step": s, "critic/score/mean": 0.1 + s / 400} for s in range(1, 301)]
+    history[250]["val/score/mean"] = 0.914
+    history[300]["val/score/mean"] = 0.902
+    history[120]["val/score/mean"] = 0.914  # a tie: the earlier step is the best
+    text = run_summary(history, wall_s=412.4, outputs={"metrics": "run/metrics.jsonl", "plot": "run/metrics.png",
+                                                       "checkpoints": None, "HF export": "run/hf_actor"})
+    assert text.splitlines() == [
+        "done in 6m52s: 300 steps (1 -> 300)",
+        "  training score (critic/score/mean): 0.103 (first) -> 0.850 (last)",
+        ("  held-out score (val/score/mean):   0.160 (first, step 0) -> 0.914 (best, step 120) -> "
+         "0.902 (last, step 300)"),
+        "  metrics    run/metrics.jsonl",
+        "  plot       run/metrics.png",
+        "  HF export  run/hf_actor",
+    ]
+    assert run_summary([], wall_s=3).splitlines() == ["done in 3s: no training steps"]
+    assert format_duration(3725) == "1h02m"

@@ -25,8 +25,8 @@ from jax.sharding import AbstractMesh
 
 from jaxflow.automap.workload import RoleModel, Workload
 from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
-from jaxflow.sampling import bucket_size
 from jaxflow.plan import dry_run as dr
+from jaxflow.sampling import engine_shape
 from jaxflow.workers.base import num_micro_batches
 
 
@@ -155,13 +155,12 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         check_model_fits(mc, gsizes, gen_rules)
         gen_mesh = abstract_mesh(gsizes)
         gen_dp = layout.devices // layout.gen_tp
-        prompts = max(1, generation_rows(w, gen_dp) // w.n)
-        rows_bucket = bucket_size(prompts, multiple=gen_dp) * w.n
-        S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
+        # the rollout engine: the whole rollout in one call, max_num_seqs decode slots per replica
+        shape = engine_shape(mc, max(1, w.rows // w.n), P, R, n=w.n, replicas=gen_dp,
+                             slots=w.max_num_seqs if w.max_num_seqs > 0 else None)
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
-        plan.kv_cache_bytes = dr.kv_cache_bytes(mc, rows_bucket, S, gen_rules, gen_mesh)
-        plan.activation_bytes["generate"] = dr.activation_bytes(mc, "generate", prompts / gen_dp, P, R, gen_rules,
-                                                                gen_mesh)
+        plan.kv_cache_bytes = dr.kv_pool_bytes(mc, shape, gen_rules, gen_mesh)
+        plan.activation_bytes["generate"] = dr.generate_activation_bytes(mc, shape, gen_rules, gen_mesh)
     return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree)
 
 

@@ -47,7 +47,7 @@ from jaxflow.configs.resolve import (
 )
 from jaxflow.configs.validate import validate
 
-DEFAULT_CONFIG = "ppo_tiny"
+DEFAULT_CONFIG = "grpo_tiny"
 
 NAMED: dict[str, str] = {
     name: f"jaxflow.configs.{name}"

@@ -134,7 +134,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("actor_rollout_ref.rollout.ignore_eos", False,
      "Keep generating past EOS to the full response length (throughput benchmarks)."),
     ("actor_rollout_ref.rollout.max_num_seqs", 0,
-     "Sequences generated at once per generation data-parallel group (bounds the KV cache); 0 = the whole batch."),
+     "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled "
+     "(bounds the paged KV cache); 0 = the engine's default (every row, at most 256)."),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device", 16,
      "Responses per data-parallel rank per old-log-prob forward pass of the actor."),
     ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", False,
@@ -203,6 +204,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
     ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
     ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
+    ("trainer.save_hf", False,
+     "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
+     "the end of a run always writes <run dir>/hf_actor."),
     ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
     ("trainer.val_before_train", True, "Validate once before the first step."),
     ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
@@ -219,6 +223,24 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.job", "rl", "What the run does: rl (the RL loop) | sft (supervised warm start, see jaxflow.sft)."),
     ("jaxflow.backend", "local",
      "Driver: local (one process drives all devices) | ray (one Ray actor per host per worker group)."),
+    ("jaxflow.ray.address", "",
+     "ray backend: cluster to join (e.g. 'auto' or 'ray://head:10001'); empty = a running cluster if there is one, "
+     "else a local Ray started by the run."),
+    ("jaxflow.ray.devices_per_host", 8,
+     "ray backend: accelerators per host, one process per host per worker group (CPU: simulated devices per "
+     "process); jaxflow.num_devices / devices_per_host hosts, and every pool takes whole hosts."),
+    ("jaxflow.ray.accelerator", "cpu", "ray backend: cpu | gpu | tpu (what a host bundle asks Ray for)."),
+    ("jaxflow.ray.cpus_per_host", 1.0, "ray backend: CPU cores in each host's bundle."),
+    ("jaxflow.ray.compile_deadline_s", 900.0,
+     "ray backend: deadline of a worker call that compiles (a method's first call with given shapes, role builds)."),
+    ("jaxflow.ray.step_deadline_s", 600.0, "ray backend: deadline of every other worker call."),
+    ("jaxflow.ray.sync_deadline_s", 180.0,
+     "ray backend: deadline of world set-up (jax.distributed.initialize) and of the other ranks after one failed."),
+    ("jaxflow.ray.schedule_timeout_s", 60.0,
+     "ray backend: a worker group whose host bundles the cluster cannot place within this is reported."),
+    ("jaxflow.ray.max_restarts", 0,
+     "ray backend: after a worker process dies or a call passes its deadline, stop every group, start fresh "
+     "processes and resume from the last complete checkpoint, at most this many times; 0 = stop with the error."),
     ("jaxflow.num_devices", 8,
      "Devices the run uses; on CPU this many devices are simulated (XLA host platform device count)."),
     ("jaxflow.placement.type", "colocated",
@@ -255,7 +277,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.model.remat_policy", "none", "Rematerialisation in training: none | full | dots | dots_no_batch."),
     ("jaxflow.optim.state_dtype", "float32", "dtype of the AdamW moments: float32 | bfloat16."),
     # --- jaxflow: data / reward / trainer ----------------------------------------------------
-    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse."),
+    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse | reverse_digits."),
     ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
     ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
     ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),

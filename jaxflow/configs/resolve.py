@@ -239,3 +239,26 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
     return Placement.from_groups(
         groups, devices, meshes=meshes, gen_tp={"actor": cfg.jaxflow.mesh.actor.generate.tp}, models=models
     )
+
+
+def ray_config(cfg: ConfigDict) -> Any:
+    """``jaxflow.ray.*`` as a :class:`jaxflow.workers.ray_backend.RayConfig`."""
+    from jaxflow.workers.ray_backend import RayConfig
+
+    r = cfg.jaxflow.ray
+    return RayConfig(address=r.address, devices_per_host=r.devices_per_host, cpus_per_host=float(r.cpus_per_host),
+                     accelerator=r.accelerator, compile_deadline_s=r.compile_deadline_s,
+                     step_deadline_s=r.step_deadline_s, sync_deadline_s=r.sync_deadline_s,
+                     schedule_timeout_s=r.schedule_timeout_s,
+                     local_num_cpus=math.ceil(cfg.jaxflow.num_devices // r.devices_per_host * r.cpus_per_host))
+
+
+def ray_devices(cfg: ConfigDict) -> tuple[Any, ...]:
+    """The stand-in devices (one `HostSlot` per device of each host) a Ray run's placement is
+    built over: ``jaxflow.num_devices`` in hosts of ``jaxflow.ray.devices_per_host``."""
+    from jaxflow.workers.ray_backend import host_slots
+
+    try:
+        return host_slots(cfg.jaxflow.num_devices, cfg.jaxflow.ray.devices_per_host)
+    except ValueError as e:
+        raise ConfigError("jaxflow.ray.devices_per_host", str(e)) from None

@@ -52,6 +52,7 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 RESUME_MODES = ("disable", "auto", "resume_path")
 JOBS = ("rl", "sft")
 BACKENDS = ("local", "ray")
+RAY_ACCELERATORS = ("cpu", "gpu", "tpu")
 WARMUP_STYLES = ("constant", "cosine")
 KL_CTRL_TYPES = ("fixed", "adaptive")
 COST_RULES = ("forbidden_chars", "length")
@@ -173,12 +174,11 @@ def _check_enums(c: _Checker) -> None:
         ("jaxflow.data.builtin_task", TASKS),
         ("jaxflow.safe_rlhf.cost_rule", COST_RULES),
         ("jaxflow.safe_rlhf.lambda_update_scale", LAGRANGE_SCALES),
+        ("jaxflow.ray.accelerator", RAY_ACCELERATORS),
     ]:
         c.one_of(key, valid)
     # Accepted keys whose other values jaxflow does not implement yet: refuse them rather than
     # run something else than asked.
-    c.check(c.cfg.jaxflow.backend == "local", "jaxflow.backend",
-            "the ray backend is not implemented yet; use local (one process drives all its devices)")
     c.check(c.cfg.data.reward_fn_key == "data_source", "data.reward_fn_key",
             "rule-based rewards are dispatched by the data_source column only")
     c.check(not c.cfg.jaxflow.reward.partial_credit, "jaxflow.reward.partial_credit",
@@ -201,6 +201,7 @@ def _check_ranges(c: _Checker) -> None:
     ):
         c.at_least(key)
     for key in (f"{ROLLOUT}.max_num_seqs", "trainer.log_val_generations", "trainer.critic_warmup",
+                "jaxflow.ray.max_restarts",
                 "jaxflow.trainer.max_nonfinite_steps", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"):
         c.at_least(key, 0)
     row = cfg.data.max_prompt_length + cfg.data.max_response_length
@@ -218,6 +219,16 @@ def _check_ranges(c: _Checker) -> None:
                     f"dynamic micro-batches need {padding}.use_remove_padding=True (token budgets pack rows)")
             c.check(get_value(cfg, budget) >= row, budget,
                     f"must hold one padded row: >= max_prompt_length + max_response_length = {row} tokens")
+    for key in ("jaxflow.ray.cpus_per_host", "jaxflow.ray.compile_deadline_s", "jaxflow.ray.step_deadline_s",
+                "jaxflow.ray.sync_deadline_s", "jaxflow.ray.schedule_timeout_s"):
+        c.positive(key)
+    if c.at_least("jaxflow.ray.devices_per_host") and cfg.jaxflow.backend == "ray":
+        per = cfg.jaxflow.ray.devices_per_host
+        c.check(cfg.jaxflow.num_devices % per == 0, "jaxflow.ray.devices_per_host",
+                f"jaxflow.num_devices={cfg.jaxflow.num_devices} is not a whole number of hosts of {per} devices")
+        c.check(all(size % per == 0 for size in cfg.jaxflow.placement.pool_sizes), "jaxflow.placement.pool_sizes",
+                f"{tuple(cfg.jaxflow.placement.pool_sizes)}: with the ray backend every pool takes whole hosts of "
+                f"{per} devices (jaxflow.ray.devices_per_host)")
     for key in ("trainer.save_freq", "trainer.test_freq", "jaxflow.sft.test_freq"):
         value = get_value(cfg, key)
         c.check(value == -1 or value >= 1, key, f"must be -1 (never) or >= 1 steps, got {value}")

@@ -10,6 +10,8 @@ data_source      prompt                 answer      parameters
 jaxflow/addition ``12+345=``            ``357``     ``digits`` (default 2: 0..99)
 jaxflow/sort     ``sort:3140=``         ``0134``    ``min_len``/``max_len`` (3..5)
 jaxflow/reverse  ``rev:abcd=``          ``dcba``    ``min_len``/``max_len`` (3..5)
+jaxflow/reverse_ ``rev:314=``           ``413``     ``min_len``/``max_len`` (3..3),
+digits                                              30% held out (the default task)
 ===============  =====================  ==========  ==============================
 
 ``make_examples(n, seed, split)`` returns verl-schema rows::
@@ -22,8 +24,10 @@ jaxflow/reverse  ``rev:abcd=``          ``dcba``    ``min_len``/``max_len`` (3..
 
 Splits are disjoint whatever the seeds: a problem belongs to ``test`` when a CRC32 of its prompt
 falls in the lowest ``test_fraction`` of the range, else to ``train``; sampling draws from the
-task's distribution and keeps the problems of the requested split (with repeats when ``n``
-exceeds what the split holds). The same ``(n, seed, split)`` always gives the same rows.
+task's distribution and keeps the problems of the requested split. The test split is drawn
+without repeats while it holds unseen problems (so a held-out score counts distinct problems),
+then with repeats; the train split with repeats. The same ``(n, seed, split)`` always gives
+the same rows.
 
 ``make_sft_examples`` gives the same problems as prompt/response pairs, the demonstrations for
 a supervised warm start before RL (the SFT data appends EOS to the response).
@@ -46,6 +50,7 @@ import numpy as np
 from jaxflow.rewards.registry import register_reward
 
 SPLITS = ("train", "test")
+DISTINCT_TRIES = 1000  # test split: draws of repeats refused before the split counts as exhausted
 _EOS_TEXT = "<eos>"
 
 
@@ -81,6 +86,8 @@ class Task(abc.ABC):
         out: list[tuple[str, str]] = []
         max_draws = 1000 * n + 10_000
         draws = 0
+        seen: set[str] = set()
+        stale = 0  # consecutive test-split draws that found no unseen problem
         while len(out) < n:
             draws += 1
             if draws > max_draws:
@@ -89,8 +96,15 @@ class Task(abc.ABC):
                     f"(test_fraction={self.test_fraction}); the split is (nearly) empty"
                 )
             prompt, answer = self.sample(rng)
-            if self.split_of(prompt) == split:
-                out.append((prompt, answer))
+            if self.split_of(prompt) != split:
+                continue
+            if split == "test" and prompt in seen and stale < DISTINCT_TRIES:
+                stale += 1
+                continue
+            if prompt not in seen:
+                stale = 0
+                seen.add(prompt)
+            out.append((prompt, answer))
         return out
 
     def make_examples(self, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
@@ -162,6 +176,26 @@ class SortDigitsTask(_SequenceTask):
 
 
 @dataclasses.dataclass(frozen=True)
+class ReverseDigitsTask(_SequenceTask):
+    """``rev:314=`` -> ``413``: a digit string reversed. The default task of the tiny configs:
+    with three digits, 30% of the 1000 strings (about 300) are held out, and a policy that
+    learns to reverse solves those it never trained on."""
+
+    name: ClassVar[str] = "reverse_digits"
+    data_source: ClassVar[str] = "jaxflow/reverse_digits"
+    ability: ClassVar[str] = "string"
+    alphabet: ClassVar[str] = "0123456789"
+
+    min_len: int = 3
+    max_len: int = 3
+    test_fraction: float = 0.3
+
+    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
+        digits = self._draw(rng)
+        return f"rev:{digits}=", digits[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
 class ReverseTask(_SequenceTask):
     """``rev:abcd=`` -> ``dcba``: lowercase letters reversed."""
 
@@ -175,7 +209,7 @@ class ReverseTask(_SequenceTask):
         return f"rev:{word}=", word[::-1]
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask)}
+TASKS: dict[str, type[Task]] = {t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask, ReverseDigitsTask)}
 
 
 def get_task(name: str, **params: Any) -> Task:

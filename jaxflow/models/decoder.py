@@ -77,6 +77,9 @@ class KVCache:
         """The number of cache slots S."""
         return (self.k[0] if self.per_layer else self.k).shape[-1]
 
+    def replace_kv(self, k, v) -> KVCache:
+        return KVCache(k, v)
+
     def split_layers(self) -> KVCache:
         return self if self.per_layer else KVCache(tuple(self.k), tuple(self.v))
 
@@ -139,6 +142,10 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, positions_BxL, inv_freq), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions_BxL, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+        if callable(mask_BxLxS):  # an external KV store (the rollout engine's paged cache) attends
+            out, new_kv = mask_BxLxS(q, k, v, kv)
+            out = constrain(out, ("batch", "length", "heads", "head_dim"))
+            return jnp.einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt)), new_kv
         k_BxNxKxL, v_BxNxLxK = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
         new_kv = None
         if kv is not None:
@@ -243,9 +250,20 @@ class Decoder(nnx.Module):
         attend to every slot j <= their own whose ``kv_mask_BxS`` is set (the caller marks
         the new slots real before calling). ``inputs_embeds_BxLxD``, when given, replaces the
         embedding lookup (``input_ids_BxL`` then only supplies the shape).
+
+        ``cache`` may also be an external KV store (anything with ``k``, ``v`` (stacked or
+        per layer, like `KVCache`), ``replace_kv(k, v)`` and ``attend(q_BxLxHxK, k_BxLxNxK,
+        v_BxLxNxK, (k_layer, v_layer)) -> (out_BxLxHxK, (k_layer, v_layer))``, e.g. the rollout
+        engine's paged cache): it writes and attends for every layer, with ``positions_BxL``
+        given by the caller.
         """
         cfg = self.cfg
         B, L = input_ids_BxL.shape
+        if cache is not None and not isinstance(cache, KVCache):
+            x = jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0).astype(cfg.dtype)
+            x = constrain(x, ("batch", "length", "embed"))
+            x, cache = self._run_layers(x, positions_BxL, cache.attend, cache, None)
+            return self.norm(x), cache
         if segment_ids_BxL is not None:
             if cache is not None or positions_BxL is None:
                 raise ValueError("packed segments need per-segment positions and no KV cache")
@@ -284,7 +302,7 @@ class Decoder(nnx.Module):
             apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[cfg.remat_policy], static_argnums=(0,))
 
         if cfg.scan_layers:
-            if cache is not None and cache.per_layer:
+            if cache is not None and isinstance(cache.k, tuple):
                 raise ValueError("scanned layers take a stacked KVCache (see KVCache.stack_layers)")
             graphdef, state = nnx.split(self.layers)
 
@@ -295,7 +313,7 @@ class Decoder(nnx.Module):
 
             kvs = None if cache is None else (cache.k, cache.v)
             x, new_kvs = jax.lax.scan(body, x, (state, kvs))
-            return x, None if cache is None else KVCache(*new_kvs)
+            return x, None if cache is None else cache.replace_kv(*new_kvs)
 
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -307,9 +325,9 @@ class Decoder(nnx.Module):
                 new_v.append(new_kv[1])
         if cache is None:
             return x, None
-        if cache.per_layer:
-            return x, KVCache(tuple(new_k), tuple(new_v))
-        return x, KVCache(jnp.stack(new_k), jnp.stack(new_v))
+        if isinstance(cache.k, tuple):
+            return x, cache.replace_kv(tuple(new_k), tuple(new_v))
+        return x, cache.replace_kv(jnp.stack(new_k), jnp.stack(new_v))
 
 
 class CausalLM(nnx.Module):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,12 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+from tqdm.auto import tqdm
 
 from jaxflow.mesh import TRAIN_RULES, Rules, state_shardings
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.decoder import HEADS, CausalLM, RewardModel, ValueModel
-from safetensors import SafetensorError, safe_open
-from safetensors.numpy import save_file
 
 log = logging.getLogger(__name__)
 
@@ -233,12 +235,17 @@ def from_pretrained(
             stacked = _set_layer(stacked, one, i)
         return stacked
 
-    values = jax.tree_util.tree_map_with_path(
-        lambda p, v, s: v.replace(load(p, v, s)),
-        state,
-        shardings,
-        is_leaf=lambda x: isinstance(x, nnx.Variable),
-    )
+    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    # A progress bar on a terminal only (a log file gets nothing).
+    with tqdm(total=len(jax.tree.leaves(state, is_leaf=is_var)), desc=f"loading {os.path.basename(path)}",
+              unit="tensor", leave=False, disable=not sys.stderr.isatty()) as progress:
+
+        def load_and_count(p, v, s):
+            out = v.replace(load(p, v, s))
+            progress.update()
+            return out
+
+        values = jax.tree_util.tree_map_with_path(load_and_count, state, shardings, is_leaf=is_var)
     return nnx.merge(graphdef, values)
 
 

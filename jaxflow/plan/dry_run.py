@@ -17,15 +17,17 @@ What it reports, per device (the most loaded device of each mesh):
    ``jaxflow.optim.state_dtype`` (Adam's moments, sharded like the parameters); gradients
    (parameter dtype; twice that with micro-batch accumulation: the running sum and the
    micro-batch's); an activation estimate (below); for the actor, the generation copy of
-   the weights and the KV cache, ``rows per generation replica x (P+R) x layers x 2 x
-   kv_heads x head_dim / (their shards) x dtype``. A pool's peak is what its roles keep
+   the weights and the paged KV pool of the rollout engine (`jaxflow.sampling.engine_shape`:
+   the prompts' pages plus ``slots x (R / page_size + 1)`` response pages per generation
+   replica, x page_size x layers x 2 x kv_heads x head_dim / (their shards) x dtype). A pool's peak is what its roles keep
    (parameters, optimizer state) plus the largest transient of any of its phases; it fits
    when that is at most ``jaxflow.dry_run.device_memory_gib``.
 3. **Compiled memory** of every program of an RL step, lowered on ``jax.ShapeDtypeStruct``
    inputs through the workers' own program builders and compiled for the role's mesh
    (:mod:`jaxflow.plan.lowering`): the actor and critic optimizer steps (one
-   mini-batch, micro-batched as configured), the actor's generate program (prefill + decode
-   loop, ``max_num_seqs`` per generation replica and call), its train -> generate reshard,
+   mini-batch, micro-batched as configured), the actor's generate program (chunked prefill +
+   continuous decode over ``max_num_seqs`` slots per generation replica, one call), its
+   train -> generate reshard,
    the reference log-probs and the reward (and cost) model scores. From XLA's
    ``memory_analysis()``: argument, output, alias (outputs written over donated inputs),
    temp and generated-code bytes; ``peak = argument + output - alias + temp``. A program
@@ -37,9 +39,11 @@ Activation estimate (``b`` rows per device, ``T = P + R``, ``D`` width, ``F`` ML
 ``H``/``N`` query/kv heads of ``K`` dims, ``V`` vocabulary, ``c`` compute bytes, each
 divided by the devices that split it)::
 
-    layer  = b T (4 D + 3 F + 2 H K + 2 N K) c + 2 b H T S 4        (S = T; prefill: S = P + R)
+    layer  = b T (4 D + 3 F + 2 H K + 2 N K) c + 2 b H T S 4        (S = T)
     train  = L b T D c + layer + 3 b R V 4      (remat; without remat: L * layer + ...)
     infer  = layer + 2 b R V 4
+    generate = max(layer(prefill_rows, T = S = prefill_len), layer(slots, T = 1, S = P + R)
+                   + 2 slots V 4) + 2 rows R 4
 
 On CPU, XLA computes bf16 in f32: compiled temp bytes are an upper bound of what a GPU or
 TPU needs. :mod:`jaxflow.plan.lowering` says which compile options the dry run
@@ -64,10 +68,10 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.configs.run_spec import HEADS, RunSpec, build_tokenizer, describe_run
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
-from jaxflow.models import KVCache, ModelConfig
+from jaxflow.models import ModelConfig
 from jaxflow.reshard import HybridEngine, shard_bytes
-from jaxflow.sampling import bucket_size
 from jaxflow.plan import lowering as progs
+from jaxflow.sampling import EngineShape, engine_shape
 
 GiB = 1024**3
 TRAINING_ROLES = ("actor", "critic")
@@ -245,23 +249,28 @@ def activation_bytes(mc: ModelConfig, phase: str, b: float, P: int, R: int, rule
         return int(kept + layer + logits)
     if phase == "infer":
         return int(_layer_bytes(mc, b, T, T, rules, mesh) + 2 * b * R * mc.vocab_size / sv * 4)
-    if phase == "generate":  # the prefill of b prompts against P + R cache slots dominates
-        return int(_layer_bytes(mc, b, P, T, rules, mesh) + 2 * b * mc.vocab_size / sv * 4)
     raise ValueError(phase)
 
 
-def kv_cache_bytes(mc: ModelConfig, rows: int, S: int, rules: Rules, mesh: Mesh) -> int:
-    """Per-device bytes of the generation KV cache (k and v), sharded as the sampler does
-    (axes that do not divide a dimension are left out)."""
-    sizes = dict(layers=mc.num_layers, batch=rows, cache_length=S, kv_heads=mc.num_kv_heads, head_dim=mc.head_dim)
-    total = 0
-    for axes in (KVCache.K_AXES, KVCache.V_AXES):
-        per_device = 1
-        for name, entry in zip(axes, logical_to_spec(axes, rules, mesh)):
-            n = math.prod(mesh.shape[a] for a in _axes(entry))
-            per_device *= sizes[name] // n if sizes[name] % n == 0 else sizes[name]
-        total += per_device
-    return total * jnp.dtype(mc.dtype).itemsize
+def kv_pool_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
+    """Per-device bytes of the rollout engine's page pool (keys and values): one replica's
+    pool, split over kv heads and head_dim as the engine constrains it (a dimension the rules'
+    axes do not divide is not split)."""
+    n_heads, n_dim = _shards(rules, mesh, "kv_heads"), _shards(rules, mesh, "head_dim")
+    split = (n_heads if mc.num_kv_heads % n_heads == 0 else 1) * (n_dim if mc.head_dim % n_dim == 0 else 1)
+    return shape.pool_bytes // split
+
+
+def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules, mesh: Mesh) -> int:
+    """The rollout's working set per device: the larger of one prefill chunk (prefill_rows x
+    prefill_len queries over a block of keys as long as the chunk) and one decode step (slots
+    queries, logits over the vocabulary), plus the response buffers (tokens, log-probs)."""
+    sv = _shards(rules, mesh, "vocab")
+    C = shape.prefill_len
+    prefill = _layer_bytes(mc, shape.prefill_rows, C, C, rules, mesh)
+    decode = _layer_bytes(mc, shape.slots, 1, shape.prompt_len + shape.response_len, rules, mesh) + (
+        2 * shape.slots * mc.vocab_size / sv * 4)
+    return int(max(prefill, decode) + 2 * shape.rows * shape.response_len * 4)
 
 
 def _params_bytes(state: Any, rules: Rules, mesh: Mesh, dtype: Any = None) -> int:
@@ -409,14 +418,12 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
                      f"{dict(placement.mesh(role, 'generate').shape)}")
     rp.meshes["generate"] = dict(gmesh.shape)
     gen_dp = progs.batch_axis_size(grules, gmesh)
-    prompts = max(1, progs.generation_rows(run, gen_dp) // n)
-    rows_bucket = bucket_size(prompts, multiple=gen_dp) * n  # the sampler's shape buckets
-    S = bucket_size(P, minimum=16) + bucket_size(R, minimum=16)
+    shape = engine_shape(mc, run.train_batch_size, P, R, n=n, replicas=gen_dp, slots=progs.generation_slots(run))
     rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
-    rp.kv_cache_bytes = kv_cache_bytes(mc, rows_bucket, S, grules, gmesh)
-    rp.activation_bytes["generate"] = activation_bytes(mc, "generate", prompts / gen_dp, P, R, grules, gmesh)
+    rp.kv_cache_bytes = kv_pool_bytes(mc, shape, grules, gmesh)
+    rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
-        specs["actor/generate"], _ = progs.generate_program(run, graphdef, state, engine)
+        specs["actor/generate"], _ = progs.generate_program(run, mc, graphdef, state, engine)
     if "actor/reshard" in wanted:
         specs["actor/reshard"] = progs.reshard_program(engine, state)
     return rp
@@ -558,6 +565,7 @@ __all__ = [
     "compile_program",
     "dry_run",
     "format_plan",
-    "kv_cache_bytes",
+    "generate_activation_bytes",
+    "kv_pool_bytes",
     "plan",
 ]

@@ -45,7 +45,7 @@ from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
-from jaxflow.sampling import lower_generate
+from jaxflow.sampling import engine_shape, lower_generate
 from jaxflow.workers.actor import actor_train_step, log_probs_program
 from jaxflow.workers.base import RoleLayout, num_micro_batches
 from jaxflow.workers.critic import CriticConfig, critic_train_step, values_program
@@ -290,36 +290,38 @@ def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any
     return out, k
 
 
-def generation_rows(spec: RunSpec, gen_dp: int) -> int:
-    """Sequences one generate call produces: the whole rollout, or ``max_num_seqs`` per
-    generation data-parallel replica when set."""
-    total = spec.rollout_rows
+def generation_slots(spec: RunSpec) -> int | None:
+    """Decode slots per generation replica: ``max_num_seqs`` when set (None: the engine's
+    default). One generate call covers the whole rollout."""
     m = spec.rollout.max_num_seqs
-    return min(total, m * gen_dp) if m > 0 else total
+    return m if m > 0 else None
 
 
-def generate_program(spec: RunSpec, graphdef: nnx.GraphDef, state: Any, engine: HybridEngine) -> tuple[ProgramSpec, int]:
-    """The actor's rollout program (prefill + decode loop) in the generation layout, for one
-    call of :func:`generation_rows` sequences, with the training `SamplingParams`. Returns
-    the spec and the prompts per call."""
+def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any,
+                     engine: HybridEngine) -> tuple[ProgramSpec, int]:
+    """The actor's rollout program (chunked prefill + continuous decode over
+    :func:`generation_slots` slots per replica) in the generation layout, for the whole
+    rollout in one call, with the training `SamplingParams`. Returns the spec and the
+    prompts per call."""
     mesh, rules = engine.gen_mesh, engine.gen_rules
     sp = spec.rollout.train
     n, P = sp.n, spec.prompt_length
     gen_dp = batch_axis_size(rules, mesh)
-    prompts = max(1, generation_rows(spec, gen_dp) // n)
-    calls = -(-spec.train_batch_size // prompts)
+    prompts = spec.train_batch_size
+    slots = generation_slots(spec)
     params = abstract_params(state, rules, mesh)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
-    prompt_sharding = NamedSharding(mesh, logical_to_spec(("batch", "length"), rules, mesh))
-    prompt_bytes = 2 * shard_bytes([jax.ShapeDtypeStruct(ids.shape, ids.dtype)], [prompt_sharding])
+    shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots)
     out = ProgramSpec(
         name="actor/generate", role="actor", phase="generate", mesh=mesh,
         description=(f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
-                     f"({prompts * n // gen_dp} per generation replica; {calls} call{'s' if calls > 1 else ''} "
-                     f"per step)"),
-        analytic_argument_bytes=tree_bytes_per_device(params) + prompt_bytes,
+                     f"({shape.rows} per generation replica through {shape.slots} decode slots, "
+                     f"prefill chunks of {shape.prefill_rows}x{shape.prefill_len})"),
+        # + each replica's prompts (ids [prompts, P], lengths) and row limits, int32
+        analytic_argument_bytes=tree_bytes_per_device(params) + 4 * (shape.prompts * (shape.prompt_len + 1)
+                                                                     + shape.rows + 2),
         args_hold=(),  # a generation copy of the weights: the training state stays resident
-        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules))
+        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots))
     return out, prompts
 
 

@@ -1,35 +1,37 @@
-"""The rollout engine: prefill, then a KV-cached decode loop inside one compiled program.
+"""The rollout engine: paged KV cache, continuous batching over a fixed number of decode slots,
+prompt prefixes shared by the n samples, per-row limits and stops; one compiled program.
 
-``generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=..., rules=...)``
-runs one jit-compiled program per shape bucket:
+``generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=..., rules=...,
+max_new_tokens=..., slots=..., page_size=...)`` runs, per generation replica (one per data-
+parallel group of the mesh, ``vmap``-ed over the mesh's batch axes), `batcher.rollout`:
 
-1. **Prefill.** The B left-padded prompts [B, P] go through the decoder once, filling slots
-   [0, P) of a KV cache of S = P + R slots; the LM head runs on the last column only (the
-   last prompt token of every row, since prompts are left-padded). With ``n > 1`` the cache
-   and the first logits are then repeated per prompt (interleaved: rows
-   ``[p0s0, p0s1, ..., p1s0, ...]``, verl's ``repeat(interleave=True)``), so a prompt is
-   prefilled once whatever ``n`` is.
-2. **Decode.** A ``lax.while_loop`` samples token j from the current logits, feeds it back at
-   cache slot P + j - 1 (position = real prompt length + j - 1), and stops as soon as every
-   row has finished or ``max_new_tokens`` tokens were produced. No host round trip happens
-   inside the loop.
+1. **Chunked prefill.** The prompts (their first p_i - 1 tokens) are written into pages of a
+   paged KV cache (`paged`), ``PREFILL_ROWS`` prompts x ``PREFILL_LEN`` tokens per chunk, once
+   per prompt whatever ``n`` is: the n samples of a prompt share its pages.
+2. **Continuous decode.** ``slots`` sequences decode at once, one token per slot per step;
+   a sequence that stops frees its slot and its pages and the next waiting row takes the
+   slot in the next step. Rows wait in row order (row ``i * n + s`` is sample s of prompt i,
+   verl's ``repeat(interleave=True)``). The loop ends when every row has finished.
 
 Stopping. A row finishes on any of ``eos_token_ids`` (the EOS token is part of the response
-and is masked in, as in verl) or at ``max_new_tokens``; later positions hold the pad id
+and is masked in, as in verl) or at its own ``max_new_tokens`` (an int, or an array of one
+limit per row or per prompt, as vLLM's per-request limit). ``SamplingParams.stop`` strings
+are matched on the host after the program, through the tokenizer's ``decode``: a row is cut
+after the token that completes the first stop string. Later positions hold the pad id
 (``cfg.pad_token_id`` or 0) with mask 0 and log-prob 0.
 
-Buckets. Shapes are rounded up so that the calls of a training run reuse a few compiled
-programs: the prompt batch to ``dp * 2^k`` rows (extra rows copy row 0, start finished and
-are dropped), the prompt length (after dropping columns that are padding in every row) to a
-power of two >= 16 (more left padding), and the response buffer R to a power of two >= 16.
-``max_new_tokens`` itself, the temperature, top-p, the true batch size and the PRNG key are
-runtime values of the program, so any ``max_new_tokens`` up to R reuses it. The arrays
-returned to the caller are cut back to [B * n, max_new_tokens].
+Buckets. The prompt batch is rounded to ``dp * 2^k`` prompts (extra prompts copy prompt 0
+and are never admitted), the prompt length to a power of two >= 16 and the response buffer R
+to a power of two >= 16 (>= ``SamplingParams.max_new_tokens``). Per-row limits, the number
+of rows, temperature,
+top-p and the PRNG key are runtime values, so calls with any mix of lengths reuse the
+program. The arrays returned are cut to [B * n, SamplingParams.max_new_tokens] (per-row
+limits are at most that).
 
-Sharding. With a ``mesh``, ``rules`` (default `GENERATE_RULES`) place the prompt batch on the
-``batch`` axes (dp) and constrain the KV cache by `KVCache.K_AXES` / `V_AXES` (batch over dp,
-kv-heads over tp) and activations through the model's own constraints. Parameters stay in
-whatever layout the caller gives them (e.g. resharded from training).
+Sharding. With a ``mesh``, every replica's prompts, slots and page pool live on its dp group
+(the replica axis is sharded over the ``batch`` mesh axes); inside a replica the pools are
+split over kv heads like the model's attention (tp). Parameters stay in whatever layout the
+caller gives them (e.g. resharded from training).
 """
 
 from __future__ import annotations
@@ -46,12 +48,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflow.mesh import GENERATE_RULES, Rules, constrain, logical_to_spec, sharding_rules
-from jaxflow.models import KVCache, ModelConfig, positions_from_mask
-from jaxflow.sampling.logits_processing import sample_tokens, token_log_probs
+from jaxflow.mesh import GENERATE_RULES, Rules, logical_to_spec, sharding_rules
+from jaxflow.models import ModelConfig
+from jaxflow.sampling.batcher import Static, layout, pool_pages, rollout
+from jaxflow.sampling.stops import cut_at_stop_strings
 
 PROMPT_BUCKET_MIN = 16
 RESPONSE_BUCKET_MIN = 16
+DEFAULT_SLOTS = 256  # decode slots per replica (capped at the replica's rows)
+DEFAULT_PAGE_SIZE = 16
+PREFILL_ROWS = 8  # prompts per prefill chunk
+PREFILL_LEN = 512  # tokens per prefill chunk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +80,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] | int | None = None
     seed: int = 0
     pad_token_id: int | None = None
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -89,6 +97,10 @@ class SamplingParams:
             object.__setattr__(self, "eos_token_ids", (int(self.eos_token_ids),))
         elif self.eos_token_ids is not None:
             object.__setattr__(self, "eos_token_ids", tuple(int(e) for e in self.eos_token_ids))
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,10 +110,13 @@ class GenerateOutput:
     ``responses`` int32 [B*n, max_new_tokens], right-padded with the pad id;
     ``response_mask`` int32 (1 on generated tokens, EOS included); ``log_probs`` float32,
     ``log_softmax(logits / T)`` of each sampled token (0 on padding); ``lengths`` int32
-    [B*n]; ``num_steps`` (int32 scalar): token positions the program produced (the prefill's
-    token plus one per decode iteration), i.e. ``max(lengths)`` whenever the loop stopped
-    early. ``logits`` (raw model logits [B*n, max_new_tokens, V] used at each step) and
-    ``cache`` (the final `KVCache`, bucket-sized) are debug outputs, None unless requested.
+    [B*n]; ``num_steps`` (int32 scalar): decode iterations of the longest-running replica.
+    ``stats``: the engine's shape (``replicas``, ``slots``, ``page_size``,
+    ``pages_per_replica``, ``kv_pool_bytes`` allocated for keys and values, ``page_bytes``)
+    and ``peak_pages`` [replicas] (measured: the most pages in use at once, prompts
+    included). ``logits`` (raw model logits [B*n, max_new_tokens, V] used at each step) and
+    ``cache`` (the final page pools (k, v), [replicas, layers, kv_heads, pages, page_size,
+    head_dim]) are debug outputs, None unless requested.
     """
 
     responses: jax.Array
@@ -109,29 +124,15 @@ class GenerateOutput:
     log_probs: jax.Array
     lengths: jax.Array
     num_steps: jax.Array
+    stats: dict = dataclasses.field(default_factory=dict)
     logits: jax.Array | None = None
-    cache: KVCache | None = None
+    cache: tuple[jax.Array, jax.Array] | None = None
 
 
 def bucket_size(size: int, multiple: int = 1, minimum: int = 1) -> int:
     """The smallest ``multiple * 2^k`` that is >= ``max(size, minimum)``."""
     target = max(size, minimum, 1)
     return multiple * (1 << max(0, math.ceil(math.log2(target / multiple)))) if target > multiple else multiple
-
-
-@dataclasses.dataclass(frozen=True)
-class _Static:
-    """Everything that shapes the compiled program besides array shapes."""
-
-    greedy: bool
-    top_k: int
-    use_top_p: bool
-    n: int
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
-    response_len: int
-    return_logits: bool
-    return_cache: bool
 
 
 # Counts traces of the generation program (a Python side effect at trace time); tests use it
@@ -148,135 +149,64 @@ def _batch_spec(rules: Rules, mesh: Mesh | None, *names: str | None) -> Partitio
     return logical_to_spec(("batch",) + names, rules, mesh)
 
 
-def _constrain_cache(cache: KVCache) -> KVCache:
-    """Pin the cache by its logical axes (stacked or per layer); a no-op without a mesh."""
-    return KVCache(jax.tree.map(lambda x: constrain(x, KVCache.K_AXES[-x.ndim:]), cache.k),
-                   jax.tree.map(lambda x: constrain(x, KVCache.V_AXES[-x.ndim:]), cache.v))
+def _replica_rules(rules: Rules) -> Rules:
+    """Inside one replica the batch is not split (the replica axis carries the dp axes)."""
+    return tuple((name, None if name == "batch" else axes) for name, axes in rules)
 
 
-def _generate_program(graphdef, state, prompt_ids_BxP, prompt_mask_BxP, rng, temperature, top_p,
-                      max_new_tokens, num_rows, *, static: _Static, mesh: Mesh | None, rules: Rules):
-    """The traced program: prefill + while-loop decode. Returns a dict of bucket-sized arrays."""
+def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng,
+                      temperature, top_p, *, static: Static, mesh: Mesh | None, rules: Rules):
+    """The traced program: every replica's `batcher.rollout`, each on its own dp group
+    (``shard_map`` manual over the mesh's batch axes, the rest of the mesh left to the
+    compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes selects over the
+    whole carry (the page pools copied every step, the prefill branch run every step).
+    Returns rows flattened to [replicas * rows, ...]."""
     global _TRACE_COUNT
     _TRACE_COUNT += 1
-    ctx = sharding_rules(rules, mesh) if mesh is not None else contextlib.nullcontext()
-    with ctx:  # the model's and our `constrain` calls pin activations to the mesh
-        return _prefill_and_decode(nnx.merge(graphdef, state), prompt_ids_BxP, prompt_mask_BxP, rng,
-                                   temperature, top_p, max_new_tokens, num_rows, static)
+
+    def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p):
+        """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
+        model = nnx.merge(graphdef, state)
+        # inside shard_map, constraints name the context's (partly manual) mesh
+        ctx = sharding_rules(_replica_rules(rules), jax.sharding.get_abstract_mesh() if manual else mesh) if (
+            mesh is not None) else contextlib.nullcontext()
+        with ctx:
+            out = rollout(model, ids[0], plen[0], limits[0], offset[0], num_rows[0], rng, temperature, top_p, static)
+        return jax.tree.map(lambda x: x[None], out)
+
+    args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p)
+    axes = () if mesh is None else _axes_of(_batch_spec(rules, mesh)[0])
+    manual = bool(axes) and ids_RxBxP.shape[0] > 1
+    if not manual:
+        out = local(*args)
+    else:
+        rep, rows = PartitionSpec(), PartitionSpec(axes)
+        out = jax.shard_map(local, mesh=mesh, in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep),
+                            out_specs=rows, axis_names=set(axes), check_vma=False)(*args)
+    flat = {k: v.reshape((-1,) + v.shape[2:]) for k, v in out.items()
+            if k in ("responses", "response_mask", "log_probs", "lengths", "logits")}
+    return dict(out, **flat, num_steps=jnp.max(out["num_steps"]))
 
 
-def _prefill_and_decode(model, prompt_ids_BxP, prompt_mask_BxP, rng, temperature, top_p, max_new_tokens,
-                        num_rows, static: _Static):
-    cfg: ModelConfig = model.cfg
-    B, P = prompt_ids_BxP.shape
-    n, R = static.n, static.response_len
-    S, N = P + R, B * static.n
-    pad = static.pad_token_id
-
-    def rows(x):  # batch-major arrays: rows over the data-parallel axes
-        return constrain(x, ("batch",) + (None,) * (x.ndim - 1))
-
-    temperature = jnp.float32(1.0) if static.greedy else temperature
-    eos = jnp.asarray(static.eos_token_ids or (-1,), jnp.int32)
-
-    def is_eos(tok_N):
-        return jnp.any(tok_N[:, None] == eos[None, :], axis=-1)
-
-    row_ids = rows(jnp.arange(N, dtype=jnp.int32))
-    row_keys = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(rng, row_ids)
-
-    def sample(step, logits_NxV):
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys, step)
-        tok = sample_tokens(keys, logits_NxV, greedy=static.greedy, temperature=temperature,
-                            top_k=static.top_k, top_p=top_p, use_top_p=static.use_top_p)
-        return tok, token_log_probs(logits_NxV, tok, temperature)
-
-    # --- prefill: B prompts once, then repeat per sample ---------------------------------
-    # Unrolled layers keep one cache buffer per layer, updated in place by the loop below.
-    cache = KVCache.zeros(cfg, B, S)
-    cache = _constrain_cache(cache if cfg.scan_layers else cache.split_layers())
-    prompt_mask_BxP = prompt_mask_BxP.astype(jnp.int32)
-    kv_mask_BxS = jnp.concatenate([prompt_mask_BxP, jnp.zeros((B, R), jnp.int32)], axis=1)
-    hidden_BxPxD, cache = model.model(prompt_ids_BxP, positions_BxL=positions_from_mask(prompt_mask_BxP),
-                                      cache=cache, cache_index=0, kv_mask_BxS=kv_mask_BxS)
-    logits_NxV = model.logits(hidden_BxPxD[:, -1:])[:, 0]  # the last column: every row's last token
-    prompt_len_N = jnp.sum(prompt_mask_BxP, axis=1)
-    if n > 1:
-        batch_axis = 1 if cfg.scan_layers else 0  # of the cache arrays
-        rep = functools.partial(jnp.repeat, repeats=n, total_repeat_length=N)
-        cache = jax.tree.map(lambda x: rep(x, axis=batch_axis), cache)
-        kv_mask_BxS, logits_NxV, prompt_len_N = (rep(x, axis=0) for x in (kv_mask_BxS, logits_NxV, prompt_len_N))
-    cache = _constrain_cache(cache)
-    kv_mask_NxS, logits_NxV, prompt_len_N = rows(kv_mask_BxS), rows(logits_NxV), rows(prompt_len_N)
-
-    # --- first token, from the prefill's logits ------------------------------------------
-    tok, logp = sample(0, logits_NxV)
-    finished = row_ids >= num_rows  # bucket padding rows start finished
-    tok = jnp.where(finished, pad, tok)
-    logp = jnp.where(finished, 0.0, logp)
-    lengths_N = (~finished).astype(jnp.int32)
-    finished = finished | is_eos(tok)
-    carry = dict(step=jnp.int32(1), finished=finished, lengths=lengths_N, cache=cache, kv_mask=kv_mask_NxS,
-                 tokens=rows(jnp.full((N, R), pad, jnp.int32).at[:, 0].set(tok)),
-                 logps=rows(jnp.zeros((N, R), jnp.float32).at[:, 0].set(logp)))
-    if static.return_logits:
-        carry["logits"] = rows(jnp.zeros((N, R) + logits_NxV.shape[-1:], jnp.float32).at[:, 0].set(logits_NxV))
-
-    # --- decode: token j-1 goes in at slot P + j - 1, token j comes out ---------------------
-    def cond(c):
-        return (c["step"] < max_new_tokens) & ~jnp.all(c["finished"])
-
-    def body(c):
-        j = c["step"]
-        slot = P + j - 1
-        prev_N = jax.lax.dynamic_index_in_dim(c["tokens"], j - 1, axis=1, keepdims=False)
-        kv_mask = jax.lax.dynamic_update_index_in_dim(c["kv_mask"], jnp.ones((N,), jnp.int32), slot, axis=1)
-        positions_Nx1 = (prompt_len_N + j - 1)[:, None]
-        logits_Nx1xV, cache = model.forward_with_cache(prev_N[:, None], positions_Nx1, kv_mask, c["cache"], slot)
-        logits = logits_Nx1xV[:, 0]
-        tok, logp = sample(j, logits)
-        active = ~c["finished"]
-        tok = jnp.where(active, tok, pad)
-        logp = jnp.where(active, logp, 0.0)
-        out = dict(
-            step=j + 1,
-            finished=c["finished"] | is_eos(tok),
-            lengths=c["lengths"] + active.astype(jnp.int32),
-            cache=_constrain_cache(cache),
-            kv_mask=rows(kv_mask),
-            tokens=rows(jax.lax.dynamic_update_index_in_dim(c["tokens"], tok, j, axis=1)),
-            logps=rows(jax.lax.dynamic_update_index_in_dim(c["logps"], logp, j, axis=1)),
-        )
-        if static.return_logits:
-            out["logits"] = rows(jax.lax.dynamic_update_index_in_dim(c["logits"], logits, j, axis=1))
-        return out
-
-    c = jax.lax.while_loop(cond, body, carry)
-    response_mask = (jnp.arange(R)[None, :] < c["lengths"][:, None]).astype(jnp.int32)
-    out = dict(responses=c["tokens"], response_mask=rows(response_mask), log_probs=c["logps"],
-               lengths=c["lengths"], num_steps=c["step"])
-    if static.return_logits:
-        out["logits"] = c["logits"]
-    if static.return_cache:
-        out["cache"] = _constrain_cache(c["cache"].stack_layers())
-    return out
+def _axes_of(entry) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @functools.lru_cache(maxsize=64)
-def _compiled_program(graphdef, static: _Static, mesh: Mesh | None, rules: Rules):
-    """One jitted program per (model structure, static sampling settings, mesh, rules); jax
-    caches its compilations per input shapes and shardings."""
+def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules):
+    """One jitted program per (model structure, static settings, mesh, rules); jax caches its
+    compilations per input shapes and shardings."""
     fn = functools.partial(_generate_program, graphdef, static=static, mesh=mesh, rules=rules)
     if mesh is None:
         return jax.jit(fn)
     rows2 = NamedSharding(mesh, _batch_spec(rules, mesh, None))
     rows1 = NamedSharding(mesh, _batch_spec(rules, mesh))
     out_shardings: dict[str, Any] = dict(responses=rows2, response_mask=rows2, log_probs=rows2, lengths=rows1,
-                                         num_steps=NamedSharding(mesh, PartitionSpec()))
+                                         num_steps=NamedSharding(mesh, PartitionSpec()), peak_pages=rows1)
     if static.return_logits:
         out_shardings["logits"] = NamedSharding(mesh, _batch_spec(rules, mesh, None, None))
     if static.return_cache:
-        out_shardings["cache"] = None  # whatever the program's own constraints produced
+        out_shardings["k_pages"] = out_shardings["v_pages"] = None
     return jax.jit(fn, out_shardings=out_shardings)
 
 
@@ -313,54 +243,137 @@ class _Call:
     program: Any
     args: tuple
     rows: int  # B * n, the rows the caller asked for
-    cols: int  # max_new_tokens
+    cols: int  # SamplingParams.max_new_tokens
+    stats: dict
+
+
+def _row_limits(params: SamplingParams, max_new_tokens, B: int) -> np.ndarray:
+    """Each row's max_new_tokens [B * n] (a [B] array applies to every sample of a prompt)."""
+    N = B * params.n
+    if max_new_tokens is None:
+        return np.full(N, params.max_new_tokens, np.int32)
+    limits = np.asarray(max_new_tokens)
+    if limits.ndim == 0:
+        limits = np.full(N, int(limits))
+    elif limits.shape == (B,) and params.n > 1:
+        limits = np.repeat(limits, params.n)
+    if limits.shape != (N,) or not np.issubdtype(limits.dtype, np.integer):
+        raise ValueError(f"max_new_tokens must be an int or an integer array of {N} rows (or {B} prompts), "
+                         f"got {limits.dtype} {limits.shape}")
+    if (limits < 1).any():
+        raise ValueError(f"max_new_tokens must be >= 1 for every row, got min {int(limits.min())}")
+    if (limits > params.max_new_tokens).any():
+        raise ValueError(f"per-row max_new_tokens must be <= SamplingParams.max_new_tokens "
+                         f"({params.max_new_tokens}), got max {int(limits.max())}")
+    return limits.astype(np.int32)
 
 
 def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, mesh, rules, rng,
-             return_logits: bool, return_cache: bool, place: bool = True) -> _Call:
+             max_new_tokens=None, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+             return_logits: bool = False, return_cache: bool = False, place: bool = True) -> _Call:
     cfg = _config_of(graphdef, state)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
     B, L = ids.shape
+    n = params.n
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
     eos = params.eos_token_ids
     if eos is None:
         eos = () if cfg.eos_token_id is None else (
             tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,))
+    limits = _row_limits(params, max_new_tokens, B)
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if slots is not None and slots < 1:
+        raise ValueError(f"slots must be >= 1, got {slots}")
 
-    Bb = bucket_size(B, multiple=_batch_axis_size(rules, mesh))
+    replicas = _batch_axis_size(rules, mesh)
+    Bb = bucket_size(B, multiple=replicas)
     P = bucket_size(L, minimum=PROMPT_BUCKET_MIN)
     R = bucket_size(params.max_new_tokens, minimum=RESPONSE_BUCKET_MIN)
-    ids = np.concatenate([np.full((B, P - L), pad, np.int32), ids], axis=1)
-    mask = np.concatenate([np.zeros((B, P - L), np.int32), mask], axis=1)
-    if Bb > B:  # extra rows copy row 0; they start finished and are dropped
-        ids = np.concatenate([ids, np.repeat(ids[:1], Bb - B, axis=0)])
-        mask = np.concatenate([mask, np.repeat(mask[:1], Bb - B, axis=0)])
+    plen = mask.sum(axis=1).astype(np.int32)
+    right = np.full((Bb, P), pad, np.int32)  # right-padded: row i's tokens in columns [0, plen_i)
+    for i in range(B):
+        right[i, :plen[i]] = ids[i, L - plen[i]:]
+    right[B:] = right[0]
+    plen = np.concatenate([plen, np.full(Bb - B, plen[0], np.int32)])
+    limits = np.concatenate([limits, np.ones((Bb - B) * n, np.int32)])
+    Br = Bb // replicas
+    Nr = Br * n
+    offsets = np.arange(replicas, dtype=np.int32) * Nr
+    num_rows = np.clip(B * n - offsets, 0, Nr).astype(np.int32)
+    arrays = [right.reshape(replicas, Br, P), plen.reshape(replicas, Br), limits.reshape(replicas, Nr), offsets,
+              num_rows]
     if mesh is not None:
-        prompt_sharding = NamedSharding(mesh, _batch_spec(rules, mesh, "length"))
+        shardings = [NamedSharding(mesh, _batch_spec(rules, mesh, *([None] * (x.ndim - 1)))) for x in arrays]
         if place:
-            ids, mask = jax.device_put(ids, prompt_sharding), jax.device_put(mask, prompt_sharding)
+            arrays = [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
         else:  # lowering only: shapes and shardings, no device buffers
-            ids, mask = (jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=prompt_sharding) for x in (ids, mask))
+            arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(arrays, shardings)]
 
     if rng is None:
         rng = jax.random.key(params.seed) if place else jax.eval_shape(jax.random.key, params.seed)
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng)
-    static = _Static(
+    static = Static(
         greedy=params.greedy,
         top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
         use_top_p=not params.greedy and params.top_p < 1.0,
-        n=params.n,
+        n=n,
         eos_token_ids=tuple(eos),
         pad_token_id=int(pad),
         response_len=R,
+        slots=min(slots or DEFAULT_SLOTS, Nr),
+        page_size=page_size,
+        prefill_rows=min(Br, PREFILL_ROWS),
+        prefill_len=min(P, PREFILL_LEN),
         return_logits=return_logits,
         return_cache=return_cache,
     )
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
-    args = (state, ids, mask, rng, np.float32(params.temperature), np.float32(params.top_p),
-            np.int32(params.max_new_tokens), np.int32(B * params.n))
-    return _Call(program, args, B * params.n, params.max_new_tokens)
+    args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p))
+    lay = layout(static, Br, P)
+    page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    stats = dict(replicas=replicas, slots=static.slots, page_size=page_size, pages_per_replica=lay["num_pages"],
+                 pad_token_id=int(pad),
+                 kv_pool_bytes=replicas * lay["num_pages"] * page_bytes, page_bytes=page_bytes)
+    return _Call(program, args, B * n, params.max_new_tokens, stats)
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """What one generate call allocates per replica (analytic, from the engine's buckets):
+    ``prompts`` and ``rows`` per replica, ``slots``, the prompt / response buckets, the
+    prefill chunk (``prefill_rows`` x ``prefill_len``), ``pages`` in the pool (trash page
+    included) and ``pool_bytes`` (keys and values, all kv heads, ``dtype`` of the cache)."""
+
+    prompts: int
+    rows: int
+    slots: int
+    prompt_len: int
+    response_len: int
+    prefill_rows: int
+    prefill_len: int
+    page_size: int
+    pages: int
+    pool_bytes: int
+
+
+def engine_shape(cfg: ModelConfig, prompts: int, prompt_len: int, max_new_tokens: int, *, n: int = 1,
+                 replicas: int = 1, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE) -> EngineShape:
+    """The `EngineShape` of a call with ``prompts`` prompts of at most ``prompt_len`` tokens
+    over ``replicas`` generation replicas (what `_prepare` does, without arrays)."""
+    Br = bucket_size(prompts, multiple=replicas) // replicas
+    P = bucket_size(prompt_len, minimum=PROMPT_BUCKET_MIN)
+    R = bucket_size(max_new_tokens, minimum=RESPONSE_BUCKET_MIN)
+    S = min(slots or DEFAULT_SLOTS, Br * n)
+    T = page_size
+    pages = pool_pages(Br, P, R, S, min(Br, PREFILL_ROWS), T)
+    page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * T * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+    return EngineShape(prompts=Br, rows=Br * n, slots=S, prompt_len=P, response_len=R,
+                       prefill_rows=min(Br, PREFILL_ROWS), prefill_len=min(P, PREFILL_LEN), page_size=T, pages=pages,
+                       pool_bytes=pages * page_bytes)
 
 
 def generate_from_state(
@@ -373,6 +386,10 @@ def generate_from_state(
     mesh: Mesh | None = None,
     rules: Rules = GENERATE_RULES,
     rng: jax.Array | None = None,
+    max_new_tokens=None,
+    slots: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    tokenizer: Any = None,
     return_logits: bool = False,
     return_cache: bool = False,
 ) -> GenerateOutput:
@@ -380,40 +397,51 @@ def generate_from_state(
 
     ``graphdef``/``state`` are ``nnx.split`` of a `CausalLM` (``state`` in any layout, e.g.
     the generation layout of the hybrid engine). ``prompt_ids``/``prompt_mask`` are [B, L]
-    (NumPy or jax; every row ends with a real token). With ``mesh``, the prompt batch and
-    the KV cache are sharded by ``rules``; the compiled program is cached per (graphdef,
-    static sampling settings, mesh, rules, bucket shapes), so repeated calls compile
-    nothing. ``rng`` (a PRNG key) overrides ``params.seed``. ``return_logits`` /
-    ``return_cache`` add debug outputs (separate programs; for tests).
+    (NumPy or jax; every row ends with a real token). ``max_new_tokens`` (an int or an
+    integer array [B * n] or [B], each <= ``params.max_new_tokens``) limits each row. ``slots``:
+    decode slots per replica (default: the replica's rows, at most `DEFAULT_SLOTS`);
+    ``page_size``: tokens per KV page. ``tokenizer`` (anything with ``decode(ids)``) is
+    needed for ``params.stop``. With ``mesh``, prompts, slots and pages are split over the
+    ``batch`` axes of ``rules``. The compiled program is cached per (graphdef, static
+    settings, mesh, rules, bucket shapes), so repeated calls compile nothing. ``rng`` (a
+    PRNG key) overrides ``params.seed``. ``return_logits`` / ``return_cache`` add debug
+    outputs (separate programs; for tests).
     """
-    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, rng, return_logits,
-                    return_cache)
+    if params.stop and tokenizer is None:
+        raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
+    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, rng, max_new_tokens, slots,
+                    page_size, return_logits, return_cache)
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols
 
     def cut(x):  # bucket -> the caller's shape (no op when the bucket fits exactly)
         return x if x.shape[:2] == (rows, cols) else x[:rows, :cols]
 
-    return GenerateOutput(
+    result = GenerateOutput(
         responses=cut(out["responses"]),
         response_mask=cut(out["response_mask"]),
         log_probs=cut(out["log_probs"]),
         lengths=out["lengths"] if out["lengths"].shape[0] == rows else out["lengths"][:rows],
         num_steps=out["num_steps"],
+        stats=dict(call.stats, peak_pages=out["peak_pages"]),
         logits=cut(out["logits"]) if return_logits else None,
-        cache=out.get("cache"),
+        cache=(out["k_pages"], out["v_pages"]) if return_cache else None,
     )
+    if params.stop:
+        result = cut_at_stop_strings(result, params.stop, tokenizer, call.stats["pad_token_id"])
+    return result
 
 
 def lower_generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_ids, prompt_mask, params: SamplingParams,
-                   *, mesh: Mesh | None = None, rules: Rules = GENERATE_RULES, return_logits: bool = False,
+                   *, mesh: Mesh | None = None, rules: Rules = GENERATE_RULES, max_new_tokens=None,
+                   slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, return_logits: bool = False,
                    return_cache: bool = False) -> jax.stages.Lowered:
     """The program `generate_from_state` runs for these arguments, lowered but not run:
     ``.compile()`` gives its HLO (``as_text()``), ``memory_analysis()`` and
     ``cost_analysis()``. ``state`` may be abstract (``jax.ShapeDtypeStruct`` leaves carrying
     shardings); the prompts only need the intended shapes (e.g. ones)."""
-    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, None, return_logits,
-                    return_cache, place=False)
+    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, None, max_new_tokens, slots,
+                    page_size, return_logits, return_cache, place=False)
     return call.program.lower(*call.args)
 
 
@@ -429,18 +457,22 @@ def _config_of(graphdef: nnx.GraphDef, state: nnx.State) -> ModelConfig:
 
 def generate(model: nnx.Module, prompt_ids, prompt_mask, params: SamplingParams, *,
              mesh: Mesh | None = None, rules: Rules = GENERATE_RULES, rng: jax.Array | None = None,
-             **debug: bool) -> GenerateOutput:
+             **kwargs) -> GenerateOutput:
     """`generate_from_state` for a `CausalLM` (e.g. what ``jaxflow.models.from_pretrained``
-    returns)."""
+    returns); ``kwargs`` as there."""
     graphdef, state = nnx.split(model)
     return generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=mesh, rules=rules,
-                               rng=rng, **debug)
+                               rng=rng, **kwargs)
 
 
 __all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "DEFAULT_SLOTS",
+    "EngineShape",
     "GenerateOutput",
     "SamplingParams",
     "bucket_size",
+    "engine_shape",
     "generate",
     "generate_from_state",
     "lower_generate",

@@ -122,7 +122,7 @@ def sample_tokens(
     per row (typed key array [B]).
     """
     if greedy:
-        return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        return argmax(logits_BxV)
     if use_top_p is None:
         if not isinstance(top_p, (int, float)):
             raise ValueError("pass use_top_p=True/False when top_p is an array")
@@ -141,6 +141,23 @@ def sample_tokens(
 
 
 _BLOCK = 128
+
+
+def argmax(logits_BxV: jax.Array) -> jax.Array:
+    """``jnp.argmax(logits, -1)`` (the first index of the maximum), int32 [B], in two levels:
+    the maxima of blocks of 128 entries, the first block holding the row's maximum, then the
+    first maximum inside that block. XLA:CPU runs a vocabulary-wide argmax as a scalar
+    (value, index) reduction, 20-40x slower than a plain max (22 ms vs 0.6 ms for
+    [64, 32000], measured); this was why greedy decoding ran slower than sampling."""
+    B, V = logits_BxV.shape
+    nblocks = -(-V // _BLOCK)
+    z = logits_BxV
+    if nblocks * _BLOCK != V:
+        z = jnp.pad(z, ((0, 0), (0, nblocks * _BLOCK - V)), constant_values=NEG_INF)
+    z_BxNxW = z.reshape(B, nblocks, _BLOCK)
+    block_B = jnp.argmax(jnp.max(z_BxNxW, axis=-1), axis=-1)
+    in_block_BxW = jnp.take_along_axis(z_BxNxW, block_B[:, None, None], axis=1)[:, 0]
+    return (block_B * _BLOCK + jnp.argmax(in_block_BxW, axis=-1)).astype(jnp.int32)
 
 
 def _categorical(keys_B: jax.Array, logits_BxC: jax.Array) -> jax.Array:
@@ -184,6 +201,7 @@ def token_log_probs(logits_BxV: jax.Array, tokens_B: jax.Array, temperature=1.0)
 
 __all__ = [
     "apply_temperature",
+    "argmax",
     "process_logits",
     "sample_tokens",
     "sampling_probs",

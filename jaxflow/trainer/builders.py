@@ -71,8 +71,10 @@ def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, r
 
 
 def abstract_like(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves with the arrays' shardings (checkpoint restore targets)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    """``jax.ShapeDtypeStruct`` leaves with the arrays' shardings (checkpoint restore targets);
+    host (NumPy) leaves stay as they are (they restore as host arrays)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+                        if isinstance(x, jax.Array) else x, tree)
 
 
 def check_vocab(spec: RunSpec, tokenizer: Any) -> None:

@@ -87,43 +87,24 @@ def fmt4(value: float) -> str:
 
 
 class ProgressBar:
-    """A step progress bar on stderr, only on a terminal: tqdm when importable, else a
-    carriage-return line. ``write`` prints a line above the bar. Console lines go to stdout."""
+    """A tqdm bar (i/N, rate, ETA) on ``stream`` (default stderr), drawn only when that is a
+    terminal: in a log file or a pipe it would be noise between the one-line-per-step logs.
+    ``write`` prints a line above the bar."""
 
-    def __init__(self, total: int, *, initial: int = 0, desc: str = "train", stream: TextIO | None = None):
-        self.total, self.n, self.desc = total, initial, desc
+    def __init__(self, total: int, *, initial: int = 0, desc: str = "train", unit: str = "step",
+                 leave: bool = True, stream: TextIO | None = None):
+        from tqdm.auto import tqdm
+
+        self.total, self.n = total, initial
         self._stream = stream or sys.stderr
-        self._start, self._start_n = time.time(), initial
-        self._tty = self._stream.isatty() if hasattr(self._stream, "isatty") else False
-        self._tqdm = None
-        if self._tty:  # a bar in a log file or pipe is only noise between the console lines
-            try:
-                from tqdm.auto import tqdm
-            except ImportError:
-                pass
-            else:
-                self._tqdm = tqdm(total=total, initial=initial, desc=desc, file=self._stream,
-                                  dynamic_ncols=True, mininterval=0.5)
+        tty = self._stream.isatty() if hasattr(self._stream, "isatty") else False
+        self._tqdm = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=self._stream, leave=leave,
+                          dynamic_ncols=True, mininterval=0.5) if tty else None
 
     def update_to(self, n: int) -> None:
         if self._tqdm is not None:
             self._tqdm.update(max(0, n - self._tqdm.n))
         self.n = n
-        self._draw()
-
-    def _line(self) -> str:
-        frac = min(1.0, self.n / self.total) if self.total else 1.0
-        width = 24
-        bar = "#" * int(frac * width) + "." * (width - int(frac * width))
-        done = self.n - self._start_n
-        rate = (time.time() - self._start) / done if done > 0 else float("nan")
-        eta = rate * (self.total - self.n) if done > 0 else float("nan")
-        return f"{self.desc} [{bar}] {self.n}/{self.total} {fmt4(rate)}s/it eta {fmt4(eta)}s"
-
-    def _draw(self) -> None:
-        if self._tqdm is None and self._tty:
-            self._stream.write("\r\033[K" + self._line())
-            self._stream.flush()
 
     def write(self, line: str, file: TextIO | None = None) -> None:
         """Print ``line`` to ``file`` (default: the bar's stream) without breaking the bar."""
@@ -131,19 +112,13 @@ class ProgressBar:
         if self._tqdm is not None:
             self._tqdm.write(line, file=file)
             return
-        if self._tty:
-            self._stream.write("\r\033[K")
-            self._stream.flush()
         file.write(line + "\n")
         file.flush()
-        self._draw()
 
     def close(self) -> None:
         if self._tqdm is not None:
             self._tqdm.close()
-        elif self._tty:
-            self._stream.write("\n")
-            self._stream.flush()
+            self._tqdm = None
 
 
 # ----------------------------------------------------------------------------- backends

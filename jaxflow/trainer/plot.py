@@ -75,12 +75,13 @@ def render(history: Sequence[Mapping[str, Any]], panels: Sequence[str | Sequence
         for i, key in enumerate(keys):
             color = tuple(c / 255 for c in COLORS[i % len(COLORS)])
             steps, values = _series(history, key)
+            z = 2 + len(keys) - i  # the first key on top (e.g. the score over an equal reward)
             if np.isfinite(values).sum() < MIN_POINTS_TO_SMOOTH:
-                ax.plot(steps, values, "o-", color=color, linewidth=2, markersize=4, label=key)
+                ax.plot(steps, values, "o-", color=color, linewidth=2, markersize=4, label=key, zorder=z)
                 continue
-            ax.plot(steps, values, color=color, alpha=0.3, linewidth=1)
+            ax.plot(steps, values, color=color, alpha=0.3, linewidth=1, zorder=z)
             ok = np.isfinite(values)
-            ax.plot(steps[ok], smooth(values, smoothing)[ok], color=color, linewidth=2, label=key)
+            ax.plot(steps[ok], smooth(values, smoothing)[ok], color=color, linewidth=2, label=key, zorder=z)
         ax.grid(True, color="0.9")
         ax.set_xlabel("step")
         ax.legend(loc="best", fontsize="small")

@@ -5,7 +5,8 @@ validation, checkpoints, metrics and the non-finite guard.
 ::
 
     trainer = RLTrainer(cfg)          # tokenizer, data, placement, workers, checkpoints, loggers
-    history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot
+    history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot,
+                                      # export the actor (<run_dir>/hf_actor), print a summary
 
 Determinism: the rollout seed of step ``s`` is ``fold_in(trainer.seed, s)`` and the data order
 a function of ``data.seed`` and the epoch, both restored from checkpoints, so a run resumed
@@ -14,8 +15,10 @@ from step ``k`` continues exactly as the uninterrupted run would have.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -24,10 +27,11 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxflow.configs import ConfigError, checkpoint_dir
+from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.data.dataset import PromptDataLoader
-from jaxflow.rewards import RewardScorer
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
+from jaxflow.rewards import RewardScorer
 from jaxflow.trainer.builders import (
     abstract_like,
     build_dataset,
@@ -37,9 +41,12 @@ from jaxflow.trainer.builders import (
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
-from jaxflow.trainer.metrics import MetricsLogger, scalar_metrics
+from jaxflow.trainer.hf_export import HF_DIR, write_hf
+from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.plot import plot_run
+from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
+from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -83,17 +90,31 @@ class RLTrainer:
         self.val_data = build_dataset(cfg, val_files, self.tokenizer)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
-        self.spec: RunSpec = describe_run(cfg, eos_token_id=self.tokenizer.eos_token_id,
+        self.backend = None
+        devices = None
+        if cfg.jaxflow.backend == "ray":  # Ray is imported only on this path
+            from jaxflow.workers.ray_backend import RayBackend
+
+            self.backend = RayBackend(ray_config(cfg))
+            devices = ray_devices(cfg)
+        self.spec: RunSpec = describe_run(cfg, devices=devices, eos_token_id=self.tokenizer.eos_token_id,
                                           pad_token_id=self.tokenizer.pad_token_id,
                                           num_train_prompts=len(self.train_data))
         check_vocab(self.spec, self.tokenizer)
         self.total_steps = self.spec.training_steps
         self.placement = self.spec.placement
-        self.workers = self._build_workers(actor_params)
+        # Kept for restarts only (the Ray backend rebuilds its groups from them).
+        self._restart_actor_params = actor_params if self.backend is not None else None
+        try:
+            self.workers = self._build_workers(actor_params)
+        except BaseException:
+            self.close()
+            raise
         self.algorithm_name = select_algorithm(self.spec.algorithm)
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
+        self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
         self.ckpt = CheckpointManager(
             self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
             save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
@@ -106,17 +127,23 @@ class RLTrainer:
         spec, p = self.spec, self.placement
 
         def model(role: str) -> Any:
+            """Local: the model on its mesh. Ray: a recipe ``(mesh, rules) -> model`` that each
+            worker process runs on its own mesh."""
+            if self.backend is not None:
+                return functools.partial(load_model, spec.models[role])
             phase = "train" if role in ("actor", "critic") else "infer"
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
+        self.actor_graphdef = actor[0]
         r = spec.reward
         try:
             scorer = RewardScorer(custom_reward_path=r.custom_function_path, custom_reward_name=r.custom_function_name,
                                   timeout_s=r.timeout_s)
         except (ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
-        return build_local_workers(
+        build = build_local_workers if self.backend is None else self.backend.build_workers
+        return build(
             p, actor=actor, ref=actor if "ref" in spec.roles else None,
             critic=model("critic") if "critic" in spec.roles else None,
             reward_model=model("reward") if "reward" in spec.roles else None,
@@ -128,6 +155,11 @@ class RLTrainer:
             ref_use_remove_padding=spec.ref_use_remove_padding,
             ref_max_token_len_per_device=spec.ref_max_token_len_per_device,
             reward_use_remove_padding=r.use_remove_padding)
+
+    def close(self) -> None:
+        """Stops the worker processes of the Ray backend (nothing to do locally)."""
+        if self.backend is not None:
+            self.backend.shutdown()
 
     # ------------------------------------------------------------------ state
 
@@ -142,6 +174,13 @@ class RLTrainer:
                          extra={"step": step, "algo_state": self.algo_state.state_dict(),
                                 "guard": self.guard.state_dict()})
         self.ckpt.save(step, self._train_states(), host, force=True)
+        if self.cfg.trainer.save_hf:
+            self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
+
+    def export_actor(self, out_dir: str | os.PathLike) -> str:
+        """The actor as an HF directory with the tokenizer (written from its sharded params)."""
+        params = self.workers.actor.get_train_state()[0].params
+        return str(write_hf(self.actor_graphdef, params, self.tokenizer, out_dir))
 
     def resume(self) -> int:
         """Restore the latest checkpoint per ``trainer.resume_mode``; the step to start from."""
@@ -184,6 +223,7 @@ class RLTrainer:
         cfg = self.cfg
         size = cfg.data.val_batch_size or len(self.val_data)
         scores, lengths, by_source = [], [], {}
+        progress = ProgressBar(len(self.val_data), desc="validate", unit="prompt", leave=False)
         for start in range(0, len(self.val_data), size):
             idx = np.arange(start, min(start + size, len(self.val_data)))
             prompts = batch_from_prompts(self.val_data.batch(idx))
@@ -197,8 +237,10 @@ class RLTrainer:
                 by_source.setdefault(src, []).append(s)
             shown = sum(len(x) for x in scores) - len(seq)
             for i in range(max(0, min(len(seq), cfg.trainer.log_val_generations - shown))):
-                print(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
-                      f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", flush=True)
+                progress.write(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
+                               f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", file=sys.stdout)
+            progress.update_to(start + len(seq))
+        progress.close()
         metrics = {"val/score/mean": float(np.concatenate(scores).mean()),
                    "val/response_length/mean": float(np.concatenate(lengths).mean())}
         for src, s in by_source.items():
@@ -208,15 +250,67 @@ class RLTrainer:
     # ------------------------------------------------------------------ the loop
 
     def fit(self) -> list[dict[str, float]]:
+        """Train (resuming per ``trainer.resume_mode``), validate, save, plot, export the actor
+        (``<run_dir>/hf_actor``) and print a summary. With the Ray
+        backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
+        call passed its deadline) stops every group, starts fresh processes and resumes from
+        the last complete checkpoint (from the start if there is none yet)."""
+        started = time.perf_counter()
+        history: list[dict[str, float]] = []
+        restarts = 0
+        try:
+            while True:
+                try:
+                    self._fit_attempt(history)
+                    break
+                except WorkerGroupError as e:
+                    if restarts >= self.cfg.jaxflow.ray.max_restarts:
+                        raise
+                    restarts += 1
+                    self._restart(e, restarts)
+            hf_dir = self.export_actor(os.path.join(self.run_dir, HF_DIR))  # while the workers live
+        finally:
+            self.ckpt.close()
+            self.close()
+        t = self.cfg.trainer
+        outputs = {"metrics": None, "plot": None, "tensorboard": None,
+                   "checkpoints": str(self.run_dir) if t.save_freq > 0 else None, "HF export": hf_dir}
+        if "jsonl" in t.logger:
+            outputs["metrics"] = os.path.join(self.run_dir, JSONL_NAME)
+            outputs["plot"] = str(plot_run(self.run_dir))
+        if "tensorboard" in t.logger:
+            outputs["tensorboard"] = os.path.join(self.run_dir, TENSORBOARD_DIR)
+        logged = read_jsonl(outputs["metrics"]) if outputs["metrics"] else history  # earlier steps of a resumed run
+        print(run_summary(logged, wall_s=time.perf_counter() - started, outputs=outputs), flush=True)
+        return history
+
+    def _restart(self, error: Exception, restarts: int) -> None:
+        step = self.ckpt.latest_step()
+        where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
+        print(f"worker failure: {error}\nrestart {restarts}/{self.cfg.jaxflow.ray.max_restarts}: fresh worker "
+              f"processes, resuming from {where}", flush=True)
+        self.close()
+        self.workers = self._build_workers(self._restart_actor_params)
+        self.ckpt.resume_mode = "auto"
+        if step is None:
+            loader, algo, guard = self._initial_host_state
+            self.loader.load_state_dict(loader)
+            self.algo_state.load_state_dict(algo)
+            self.guard.load_state_dict(guard)
+
+    def _fit_attempt(self, history: list[dict[str, float]]) -> None:
         cfg, t = self.cfg, self.cfg.trainer
         start_step = self.resume()
+        history[:] = [h for h in history if h["step"] <= start_step]
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
                                experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
                                resume_step=start_step if start_step else None, total_steps=self.total_steps)
+        if self.backend is None:
+            where = f"{jax.devices()[0].platform} devices; run dir {self.run_dir}\n{self.placement.describe()}"
+        else:
+            where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
         print(f"jaxflow: {self.algorithm_name} ({cfg.algorithm.adv_estimator}) for {self.total_steps} steps on "
-              f"{cfg.jaxflow.num_devices} {jax.devices()[0].platform} devices; run dir {self.run_dir}\n"
-              f"{self.placement.describe()}", flush=True)
-        history: list[dict[str, float]] = []
+              f"{cfg.jaxflow.num_devices} {where}", flush=True)
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
                 val = self.validate()
@@ -238,8 +332,3 @@ class RLTrainer:
                     self.save(step, history)
         finally:
             logger.close()
-            self.ckpt.close()
-        if "jsonl" in t.logger:
-            path = plot_run(self.run_dir)
-            print(f"plot: {path}", flush=True)
-        return history

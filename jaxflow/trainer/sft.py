@@ -27,6 +27,7 @@ from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
 from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.trainer.builders import builtin_task, check_vocab, load_model
+from jaxflow.trainer.hf_export import write_hf
 from jaxflow.trainer.metrics import MetricsLogger
 from jaxflow.workers import OptimConfig, create_train_state, make_optimizer, make_train_step
 from jaxflow.workers.base import num_micro_batches
@@ -95,9 +96,7 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
         logger.log(metrics, step)
     logger.close()
 
-    model = nnx.merge(graphdef, jax.device_get(state.params))
-    models.save_pretrained(model, s.output_dir)
-    tokenizer.save_pretrained(s.output_dir)
+    write_hf(graphdef, state.params, tokenizer, s.output_dir)
     print(f"sft: wrote {s.output_dir} (final loss {metrics.get('sft/loss', float('nan')):.4f})", flush=True)
     return metrics, graphdef, state.params
 

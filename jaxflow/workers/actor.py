@@ -49,7 +49,8 @@ class RolloutConfig:
     """How the actor samples (verl's ``rollout``): the training rollouts' `SamplingParams`
     (``n`` responses per prompt, ``seed`` seeding the whole run: each call folds in its step)
     and the validation rollouts' (``rollout.val_kwargs``) side by side; ``max_num_seqs`` > 0
-    generates at most that many sequences per generation replica at once."""
+    decodes at most that many sequences per generation replica at once (the engine's decode
+    slots: a finished sequence's slot is refilled); 0: the engine's default."""
 
     train: SamplingParams = SamplingParams(max_new_tokens=32)
     val: SamplingParams = SamplingParams(max_new_tokens=32, greedy=True)
@@ -271,24 +272,17 @@ class ActorWorker(TrainableWorker):
         rng = jax.random.fold_in(jax.random.key(params.seed), index)
         if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
-        # At most max_num_seqs sequences per generation replica at once (bounds the KV cache).
-        replicas = self.dp_size if self.engine is None else self.mesh.devices.size // self.engine.gen_mesh.shape["tp"]
-        max_num_seqs = self.rollout.max_num_seqs
-        chunk = len(ids) if max_num_seqs <= 0 else max(1, max_num_seqs * replicas // params.n)
-        outs = []
+        slots = self.rollout.max_num_seqs if self.rollout.max_num_seqs > 0 else None
         with contextlib.ExitStack() as stack:
             if self.engine is None:
                 gen_params, mesh, rules = self.params, self.mesh, self.rules
             else:  # the training weights are donated into the generation copy and sliced back after
                 gen_params = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
                 mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
-            for k, start in enumerate(range(0, len(ids), chunk)):
-                out = generate_from_state(self.graphdef, gen_params, ids[start:start + chunk],
-                                          mask[start:start + chunk], params, mesh=mesh, rules=rules,
-                                          rng=rng if k == 0 else jax.random.fold_in(rng, k))
-                outs.append(jax.block_until_ready((out.responses, out.response_mask, out.log_probs)))
-        responses, response_mask, log_probs = (
-            outs[0] if len(outs) == 1 else [jnp.concatenate(parts) for parts in zip(*outs)])
+            out = generate_from_state(self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng,
+                                      slots=slots)
+            responses, response_mask, log_probs = jax.block_until_ready(
+                (out.responses, out.response_mask, out.log_probs))
         rows = prompts.repeat(params.n, interleave=True)
         return rows.update(
             tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},

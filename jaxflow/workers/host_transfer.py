@@ -104,6 +104,10 @@ def to_host_local(tree: Any) -> Any:
     return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, Batch))
 
 
+def _is_piece_leaf(x: Any) -> bool:
+    return isinstance(x, (Pieces, FromFirst, _BatchParts))
+
+
 def _merge_leaf(parts: Sequence[Any]) -> Any:
     first = parts[0]
     if not isinstance(first, Pieces):
@@ -122,8 +126,7 @@ def _merge_leaf(parts: Sequence[Any]) -> Any:
 
 def assemble(per_process: Sequence[Any]) -> Any:
     """The driver's value from every process's `to_pieces` output (process order)."""
-    is_leaf = lambda x: isinstance(x, (Pieces, FromFirst, _BatchParts))  # noqa: E731
-    flats = [jax.tree.flatten(t, is_leaf=is_leaf) for t in per_process]
+    flats = [jax.tree.flatten(t, is_leaf=_is_piece_leaf) for t in per_process]
     treedef = flats[0][1]
     merged = []
     for i, first in enumerate(flats[0][0]):

@@ -40,6 +40,7 @@ Ray is imported only here and only when a backend is made: the local path never 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Sequence
@@ -75,7 +76,8 @@ class RayConfig:
       accelerator: ``cpu`` | ``gpu`` | ``tpu``.
       compile_deadline_s, step_deadline_s, sync_deadline_s: see the module docstring.
       schedule_timeout_s: how long a pool may wait for its bundles.
-      local_num_cpus: CPUs of a local Ray started here (None: the machine's).
+      local_num_cpus: logical CPUs of a local Ray started here, at least the machine's (a
+        run's simulated hosts need one bundle each, however few cores the machine has).
     """
 
     address: str = ""
@@ -101,6 +103,11 @@ class RayConfig:
         """One host's resources."""
         extra = {"gpu": {"GPU": self.devices_per_host}, "tpu": {"TPU": self.devices_per_host}}
         return {"CPU": self.cpus_per_host, **extra.get(self.accelerator, {})}
+
+    def placement_strategy(self) -> str:
+        """``PACK`` on CPU (simulated hosts may share a node), else ``STRICT_SPREAD`` (one
+        bundle per node)."""
+        return "PACK" if self.accelerator == "cpu" else "STRICT_SPREAD"
 
 
 class WorkerGroupError(RuntimeError):
@@ -132,6 +139,59 @@ class HostSlot:
     id: int
     host: int
     local: int
+
+
+def host_slots(num_devices: int, devices_per_host: int) -> tuple[HostSlot, ...]:
+    """``num_devices`` `HostSlot`s, ``devices_per_host`` per host: the devices a Ray run's
+    `Placement` is built over."""
+    if num_devices % devices_per_host:
+        raise ValueError(f"{num_devices} devices are not whole hosts of {devices_per_host} (jaxflow.ray.devices_per_host)")
+    return tuple(HostSlot(i, i // devices_per_host, i % devices_per_host) for i in range(num_devices))
+
+
+def pool_hosts(placement: Placement, pool: str, devices_per_host: int) -> tuple[int, ...]:
+    """The hosts ``pool`` takes; a pool of a Ray run must take whole hosts."""
+    slots = placement.pools[pool].devices
+    hosts = tuple(sorted({s.host for s in slots}))
+    if len(slots) != devices_per_host * len(hosts) or any(s.local != i % devices_per_host for i, s in enumerate(slots)):
+        raise ValueError(f"pool {pool!r} holds devices {[s.id for s in slots]}: a Ray pool takes whole hosts of "
+                         f"{devices_per_host} devices (jaxflow.ray.devices_per_host)")
+    return hosts
+
+
+def _process_block(sizes: dict[str, int], per: int) -> dict[str, int]:
+    """The part of a ``(dp, fsdp, tp)`` mesh (row-major over process-major devices) that one
+    process of ``per`` devices holds."""
+    block, left = {}, per
+    for axis in reversed(list(sizes)):
+        take = sizes[axis] if left % sizes[axis] == 0 else math.gcd(left, sizes[axis])
+        block[axis], left = take, left // take
+    return dict(reversed(block.items()))
+
+
+def describe_hosts(placement: Placement, config: RayConfig) -> str:
+    """The per-host plan of a Ray run, without a cluster: each pool's hosts and bundles (one
+    process per host), and the mesh that the processes of each role form."""
+    per = config.devices_per_host
+    num_hosts = sum(p.size for p in placement.pools.values()) // per
+    lines = [(f"ray backend: {num_hosts} hosts x {per} {config.accelerator} devices; one process per host per "
+              "worker group, each group its own jax.distributed world")]
+    for pool, roles in placement.groups().items():
+        hosts = pool_hosts(placement, pool, per)
+        lines.append(f"group {pool!r}: hosts {hosts[0]}..{hosts[-1]} ({len(hosts)} processes, ranks 0..{len(hosts) - 1}), "
+                     f"placement group of {len(hosts)} x {config.bundle()} ({config.placement_strategy()})")
+        for role in roles:
+            spec = placement.roles[role]
+            sizes = spec.mesh.resolve(placement.pools[pool].size)
+            mesh = ",".join(f"{a}={n}" for a, n in sizes.items())
+            gen = ""
+            if spec.gen_tp is not None:
+                n = sizes["fsdp"] * sizes["tp"]
+                gen = f"; generate: replica={sizes['dp']},tp={spec.gen_tp},dp={n // spec.gen_tp}"
+            local = ",".join(f"{a}={n}" for a, n in _process_block(sizes, per).items())
+            lines.append(f"  {role}: mesh {mesh} over {len(hosts)} x {per} devices; each process holds a {local} "
+                         f"block of it{gen}")
+    return "\n".join(lines)
 
 
 def _ray():
@@ -186,8 +246,7 @@ class ProcessGroup:
         self.dead: str | None = None
         self._seen: set[tuple] = set()
         bundle = config.bundle()
-        strategy = "PACK" if config.accelerator == "cpu" else "STRICT_SPREAD"
-        self._pg = placement_group([dict(bundle) for _ in range(num_hosts)], strategy=strategy)
+        self._pg = placement_group([dict(bundle) for _ in range(num_hosts)], strategy=config.placement_strategy())
         try:
             ray.get(self._pg.ready(), timeout=config.schedule_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -253,6 +312,11 @@ class ProcessGroup:
                 if failure is None:  # the others get the sync deadline to finish (or fail alike)
                     failure = (rank, e.cause if isinstance(e.cause, BaseException) else e)
                     end = min(end, time.monotonic() + self.config.sync_deadline_s)
+            except ray.exceptions.RayError as e:  # e.g. OutOfMemoryError: Ray's memory monitor killed the process
+                self.shutdown(f"rank {rank} lost")
+                raise WorkerDied(
+                    f"worker group {self.name!r} rank {rank} was lost during {what}: {type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}", self.name, rank) from None
         if failure is not None:
             rank, error = failure
             error.add_note(f"raised by worker group {self.name!r} rank {rank} during {what}")
@@ -348,24 +412,11 @@ class RayBackend:
                 try:
                     ray.init(address="auto", include_dashboard=False)
                 except (ConnectionError, RuntimeError, ValueError):
-                    ray.init(num_cpus=config.local_num_cpus, include_dashboard=False)
+                    ray.init(num_cpus=max(os.cpu_count() or 1, config.local_num_cpus or 0), include_dashboard=False)
 
     def devices(self, num_devices: int) -> tuple[HostSlot, ...]:
         """``num_devices`` `HostSlot`s, ``devices_per_host`` per host (a Placement's devices)."""
-        per = self.config.devices_per_host
-        if num_devices % per:
-            raise ValueError(f"{num_devices} devices are not whole hosts of {per} (jaxflow.ray.devices_per_host)")
-        return tuple(HostSlot(i, i // per, i % per) for i in range(num_devices))
-
-    def hosts_of(self, placement: Placement, pool: str) -> int:
-        """How many hosts ``pool`` takes (it must take whole hosts, in order)."""
-        slots = placement.pools[pool].devices
-        per = self.config.devices_per_host
-        hosts = sorted({s.host for s in slots})
-        if len(slots) != per * len(hosts) or any(s.local != i % per for i, s in enumerate(slots)):
-            raise ValueError(f"pool {pool!r} holds devices {[s.id for s in slots]}: a Ray pool takes whole hosts of "
-                             f"{per} devices (jaxflow.ray.devices_per_host)")
-        return len(hosts)
+        return host_slots(num_devices, self.config.devices_per_host)
 
     def process_group(self, name: str, num_hosts: int) -> ProcessGroup:
         if name in self.groups:
@@ -428,7 +479,7 @@ class RayBackend:
             wanted = [r for r in roles if models.get(r) is not None]
             if not wanted:
                 continue
-            processes = self.process_group(pool, self.hosts_of(placement, pool))
+            processes = self.process_group(pool, len(pool_hosts(placement, pool, self.config.devices_per_host)))
             for role in wanted:
                 kwargs = {"placement": placement, "pool": pool, "model": shipped(models[role]), "settings": settings}
                 groups[role] = RayWorkerGroup(processes, role, role_class(role))

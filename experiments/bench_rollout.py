@@ -1,0 +1,385 @@
+"""Rollout throughput on two workloads: jaxflow's engine vs HF transformers ``generate``, and vs
+jaxflow's old static-batch engine (another checkout, e.g. ``git worktree add /tmp/old 8a519cb``).
+
+Workloads (random weights, fp32 on CPU, the same checkpoint for every engine; Llama-style model:
+hidden 512, 8 layers, 8 heads, 2 kv heads, vocab 32000):
+
+- ``static``: 32 prompts x 64 tokens, exactly 128 new tokens per row (EOS ignored): the
+  workload of ``bench_sampling.py``.
+- ``rl``: 32 prompts x n=8 samples, prompt 64 tokens, responses up to 512 tokens. Each
+  response's length is drawn once from a seeded log-normal (median 96, sigma 1, capped at 512)
+  and enforced in every engine: jaxflow through the per-row ``max_new_tokens``, transformers
+  through a logits processor that bans EOS before the row's length and forces it there. The
+  old static engine cannot stop rows on their own; it decodes every row to the longest length
+  and only the drawn lengths are counted.
+
+Throughput is *useful* tokens (the drawn lengths, or 32 x 128) per second of wall time, the
+median and the best of ``--reps`` timed calls after one full-length warm-up call, each engine in
+its own child process; ``--rounds`` alternates the engines. Compile time (XLA backend compile
+events) is reported separately. The roofline: this machine's memory bandwidth (a large array
+reduction) and fp32 matmul FLOP/s (a [64, 512] x [512, 1536] matmul, the decode step's shape)
+are measured in the same run, and the decode step's analytic bytes (weights + KV read) and
+FLOPs give the roofline tokens/s the measured ones are compared with.
+
+    python experiments/bench_rollout.py --workload rl --static_tree /tmp/old --rounds 2
+    python experiments/bench_rollout.py --workload static --greedy --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+WORKLOADS = {
+    "static": dict(prompts=32, n=1, prompt_len=64, max_new_tokens=128, lengths="fixed", slots=0),
+    "rl": dict(prompts=32, n=8, prompt_len=64, max_new_tokens=512, lengths="lognormal", slots=64),
+}
+MODEL = dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=2)
+EOS = 2  # the checkpoint's EOS id (transformers forces it at a row's length)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="rl")
+    p.add_argument("--engines", default="jaxflow,static,transformers",
+                   help="comma-separated: jaxflow (this tree), static (--static_tree), transformers")
+    p.add_argument("--static_tree", default="", help="a checkout of the old static-batch engine")
+    p.add_argument("--greedy", action="store_true", help="greedy instead of sampling at temperature 1")
+    p.add_argument("--reps", type=int, default=3, help="timed calls per engine and round")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the engines this many times")
+    p.add_argument("--hf_threads", default="0", help="torch thread counts to time (0: torch's default)")
+    p.add_argument("--slots", type=int, default=0,
+                   help="jaxflow decode slots (0: the workload's: 64 for rl, the engine's default for static)")
+    p.add_argument("--page_size", type=int, default=0, help="jaxflow KV page size (0: the engine's default)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--_worker", help=argparse.SUPPRESS)
+    p.add_argument("--_checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--_threads", type=int, default=0, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def workload_rows(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Prompt ids and mask [prompts, P] and each response's length [prompts * n] (seeded)."""
+    w = WORKLOADS[name]
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, MODEL["vocab"], size=(w["prompts"], w["prompt_len"])).astype(np.int32)
+    rows = w["prompts"] * w["n"]
+    if w["lengths"] == "fixed":
+        lengths = np.full(rows, w["max_new_tokens"], np.int32)
+    else:
+        draw = np.random.default_rng(1).lognormal(mean=np.log(96.0), sigma=1.0, size=rows)
+        lengths = np.clip(np.round(draw), 1, w["max_new_tokens"]).astype(np.int32)
+    return ids, np.ones_like(ids), lengths
+
+
+class _CompileTimer:
+    """Sums XLA backend compile time while active."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def _listener(self, event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.seconds += duration
+
+    def __enter__(self):
+        import jax.monitoring
+
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def _timed(call, reps: int) -> tuple[float, list[float]]:
+    with _CompileTimer() as timer:
+        t0 = time.perf_counter()
+        call()
+        first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    return first, times, timer.seconds
+
+
+def bench_jaxflow(path: str, args, per_row: bool) -> dict:
+    """This tree's engine (``per_row``) or the old static engine (no per-row limits)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jaxflow.models import from_pretrained
+    from jaxflow.sampling import SamplingParams, generate
+
+    w = WORKLOADS[args.workload]
+    ids, mask, lengths = workload_rows(args.workload)
+    model = from_pretrained(path, dtype=jnp.float32)
+    params = SamplingParams(max_new_tokens=w["max_new_tokens"], greedy=args.greedy, temperature=1.0, n=w["n"],
+                            eos_token_ids=(), seed=0)
+    kw = {}
+    if per_row:
+        kw["max_new_tokens"] = lengths
+        slots = args.slots or WORKLOADS[args.workload]["slots"]
+        if slots:
+            kw["slots"] = slots
+        if args.page_size:
+            kw["page_size"] = args.page_size
+    result = {}
+
+    def call():
+        out = generate(model, ids, mask, params, **kw)
+        jax.block_until_ready(out.responses)
+        result["out"] = out
+
+    first, times, compile_s = _timed(call, args.reps)
+    out = result["out"]
+    got = np.asarray(out.lengths)
+    if per_row:
+        assert (got == lengths).all(), "the engine did not enforce the per-row lengths"
+    stats = {k: np.asarray(v).tolist() if hasattr(v, "shape") else v for k, v in (getattr(out, "stats", None)
+                                                                             or {}).items()}
+    if "peak_pages" in stats:  # measured: the most pages in use at once (summed over replicas)
+        stats["peak_kv_bytes_in_use"] = int(np.sum(stats["peak_pages"])) * stats["page_bytes"]
+    if not per_row:  # the static engine's cache: [layers, rows, kv_heads, P + R slots, head_dim] x (k, v)
+        S = out.responses.shape[1] + _bucket(w["prompt_len"])
+        stats["kv_pool_bytes"] = 2 * MODEL["layers"] * len(got) * MODEL["kv_heads"] * S * (
+            MODEL["hidden"] // MODEL["heads"]) * 4
+    useful = int(lengths.sum())
+    return dict(times=times, median_s=statistics.median(times), best_s=min(times), first_call_s=first,
+                compile_s=compile_s, useful_tokens=useful, tokens_per_s=useful / statistics.median(times),
+                best_tokens_per_s=useful / min(times), decoded_tokens=int(got.sum()), stats=stats)
+
+
+def _bucket(n: int) -> int:
+    return max(16, 1 << (n - 1).bit_length())
+
+
+def bench_hf(path: str, args) -> dict:
+    import torch
+    import transformers
+
+    if args._threads:
+        torch.set_num_threads(args._threads)
+    w = WORKLOADS[args.workload]
+    ids, mask, lengths = workload_rows(args.workload)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    input_ids, attention_mask = torch.tensor(ids, dtype=torch.long), torch.tensor(mask, dtype=torch.long)
+    P = ids.shape[1]
+    limit = torch.tensor(lengths, dtype=torch.long)
+
+    class ForceLength(transformers.LogitsProcessor):
+        """Row r emits EOS exactly as its token number lengths[r] (and never before)."""
+
+        def __call__(self, input_ids, scores):
+            produced = input_ids.shape[1] - P  # tokens already generated
+            at_end = (produced + 1 == limit)[:, None]
+            eos_col = torch.zeros_like(scores, dtype=torch.bool)
+            eos_col[:, EOS] = True
+            scores = scores.masked_fill(eos_col & ~at_end, -float("inf"))
+            return scores.masked_fill(at_end & ~eos_col, -float("inf"))
+
+    fixed = w["lengths"] == "fixed"
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if not args.greedy else dict(do_sample=False)
+    if fixed:
+        kw.update(min_new_tokens=w["max_new_tokens"], eos_token_id=None)
+    else:
+        kw.update(logits_processor=transformers.LogitsProcessorList([ForceLength()]), eos_token_id=EOS)
+
+    result = {}
+
+    def call():
+        with torch.inference_mode():
+            result["out"] = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=w["max_new_tokens"],
+                                           num_return_sequences=w["n"], pad_token_id=0, **kw)
+
+    first, times, _ = _timed(call, args.reps)
+    out = result["out"][:, P:]
+    got = (out != 0).sum(1).numpy() if not fixed else np.full(len(lengths), out.shape[1])
+    assert (got == lengths).all(), (got[:8], lengths[:8])
+    useful = int(lengths.sum())
+    return dict(times=times, median_s=statistics.median(times), best_s=min(times), first_call_s=first,
+                useful_tokens=useful, tokens_per_s=useful / statistics.median(times),
+                best_tokens_per_s=useful / min(times), torch_threads=torch.get_num_threads())
+
+
+def measure_machine() -> dict:
+    """Measured in this run: memory bandwidth (reading a 512 MiB array) and fp32 matmul FLOP/s
+    at the decode step's shape, best of 5 each, with XLA on this machine."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((128 * 1024 * 1024,), jnp.float32)
+    total = jax.jit(jnp.sum)
+    total(x).block_until_ready()
+    bw = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        total(x).block_until_ready()
+        bw.append(x.nbytes / (time.perf_counter() - t0))
+    a = jnp.ones((64, 512), jnp.float32)
+    b = jnp.ones((8, 512, 1536), jnp.float32)  # 8 weight matrices: 25 MiB, read from DRAM like the decode step
+    mm = jax.jit(lambda a, b: jnp.einsum("bd,ldf->lbf", a, b))
+    mm(a, b).block_until_ready()
+    fl = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        mm(a, b).block_until_ready()
+        fl.append(2 * 64 * 512 * 1536 * 8 / (time.perf_counter() - t0))
+    a2 = jnp.ones((1024, 1024), jnp.float32)
+    mm2 = jax.jit(lambda a: a @ a)
+    mm2(a2).block_until_ready()
+    fl2 = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        mm2(a2).block_until_ready()
+        fl2.append(2 * 1024 ** 3 / (time.perf_counter() - t0))
+    return dict(bandwidth_bytes_per_s=max(bw), matmul_flops_decode_shape=max(fl), matmul_flops_1024=max(fl2))
+
+
+def roofline_tokens_per_s(machine: dict, batch: int, mean_kv_tokens: float) -> dict:
+    """Analytic decode roofline: one step of ``batch`` rows reads every weight once plus each
+    row's KV cache (``mean_kv_tokens`` tokens) and does 2 FLOPs per weight per row (+ the
+    attention's 4 * kv_tokens * H * K); step time = max(bytes / bandwidth, FLOPs / FLOP/s)."""
+    D, F, L, H, N, V = (MODEL[k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"))
+    K = D // H
+    weights = L * (D * H * K * 2 + D * N * K * 2 + 3 * D * F) + V * D  # per layer + LM head (embedding: a gather)
+    kv_bytes_per_token = 2 * L * N * K * 4
+    step_bytes = 4 * weights + batch * mean_kv_tokens * kv_bytes_per_token
+    step_flops = batch * (2 * weights + 4 * L * mean_kv_tokens * H * K)
+    t = max(step_bytes / machine["bandwidth_bytes_per_s"], step_flops / machine["matmul_flops_decode_shape"])
+    return dict(step_bytes=step_bytes, step_flops=step_flops, step_s=t, tokens_per_s=batch / t)
+
+
+def _run_worker(engine: str, checkpoint: str, argv: list[str], tree: str, threads: int = 0) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_worker", engine, "--_checkpoint", checkpoint,
+           "--_threads", str(threads)]
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"{engine} benchmark failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _load_avg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def _steal() -> tuple[int, int]:
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    return cpu[7], sum(cpu)
+
+
+def main(argv=None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if args._worker:
+        if args._worker == "transformers":
+            res = bench_hf(args._checkpoint, args)
+        elif args._worker == "machine":
+            res = measure_machine()
+        else:
+            res = bench_jaxflow(args._checkpoint, args, per_row=args._worker == "jaxflow")
+        print(json.dumps(res))
+        return {}
+    sys.path.insert(0, REPO)
+    from jaxflow.models import ModelConfig, init_model, save_pretrained
+
+    engines = [e for e in args.engines.split(",") if e]
+    if "static" in engines and not args.static_tree:
+        raise SystemExit("--static_tree is required for the static engine (a checkout of the old engine)")
+    threads = [int(t) for t in args.hf_threads.split(",")]
+    passthrough = [a for a in argv if a != "--json"]
+    runs: dict[str, list[dict]] = {}
+    load, steal0 = [], _steal()
+    cfg = ModelConfig(vocab_size=MODEL["vocab"], hidden_size=MODEL["hidden"], intermediate_size=MODEL["intermediate"],
+                      num_layers=MODEL["layers"], num_heads=MODEL["heads"], num_kv_heads=MODEL["kv_heads"],
+                      head_dim=MODEL["hidden"] // MODEL["heads"], max_position_embeddings=4096, eos_token_id=EOS)
+    with tempfile.TemporaryDirectory() as path:
+        save_pretrained(init_model(cfg, seed=0), path)
+        machine = _run_worker("machine", path, passthrough, REPO)
+        for _ in range(args.rounds):
+            for engine in engines:
+                for t in threads if engine == "transformers" else [0]:
+                    name = f"transformers ({t or 'default'} threads)" if engine == "transformers" else engine
+                    tree = args.static_tree if engine == "static" else REPO
+                    runs.setdefault(name, []).append(_run_worker(engine, path, passthrough, tree, t))
+                    load.append(_load_avg())
+    steal1 = _steal()
+    ids, _, lengths = workload_rows(args.workload)
+    summary = {}
+    for name, rs in runs.items():
+        tps = [r["useful_tokens"] / t for r in rs for t in r["times"]]
+        summary[name] = dict(median_tokens_per_s=statistics.median(tps), best_tokens_per_s=max(tps),
+                             calls_tokens_per_s=tps, compile_s=[r.get("compile_s") for r in rs],
+                             first_call_s=[r["first_call_s"] for r in rs], stats=rs[-1].get("stats"))
+    w = WORKLOADS[args.workload]
+    result = dict(workload=dict(w, name=args.workload, useful_tokens=int(lengths.sum()),
+                                mean_length=float(lengths.mean()), max_length=int(lengths.max()),
+                                mode="greedy" if args.greedy else "sample T=1", model=MODEL, dtype="float32"),
+                  machine=dict(machine, load_avg_during=load, steal_fraction=(steal1[0] - steal0[0]) / max(
+                      1, steal1[1] - steal0[1]), cpu_count=os.cpu_count()),
+                  engines=summary)
+    hf = [s for n, s in summary.items() if n.startswith("transformers")]
+    if hf:
+        best_hf = max(hf, key=lambda s: s["median_tokens_per_s"])
+        result["transformers_fastest_median_tokens_per_s"] = best_hf["median_tokens_per_s"]
+    for other in ("static",):
+        if "jaxflow" in summary and other in summary:
+            result[f"ratio_jaxflow_over_{other}_median"] = (summary["jaxflow"]["median_tokens_per_s"]
+                                                           / summary[other]["median_tokens_per_s"])
+    if "jaxflow" in summary and hf:
+        result["ratio_jaxflow_over_transformers_median"] = (summary["jaxflow"]["median_tokens_per_s"]
+                                                            / result["transformers_fastest_median_tokens_per_s"])
+        result["ratio_jaxflow_over_transformers_best"] = (summary["jaxflow"]["best_tokens_per_s"]
+                                                          / max(s["best_tokens_per_s"] for s in hf))
+    # The decode step's roofline at the engine's batch and mean cache length (analytic, from
+    # the bandwidth and FLOP/s measured above).
+    if "jaxflow" in summary:
+        st = summary["jaxflow"]["stats"] or {}
+        batch = st.get("slots", ids.shape[0] * w["n"])
+        mean_kv = w["prompt_len"] + float(lengths.mean()) / 2 if w["lengths"] != "fixed" else (
+            w["prompt_len"] + w["max_new_tokens"] / 2)
+        roof = roofline_tokens_per_s(machine, batch, mean_kv)
+        result["roofline"] = dict(roof, batch=batch, mean_kv_tokens=mean_kv, label="analytic, from measured BW/FLOPs",
+                                  jaxflow_share_median=summary["jaxflow"]["median_tokens_per_s"] / roof["tokens_per_s"],
+                                  jaxflow_share_best=summary["jaxflow"]["best_tokens_per_s"] / roof["tokens_per_s"])
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"workload {args.workload}: {result['workload']}")
+        print(f"machine (measured): {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+              f"{machine['matmul_flops_decode_shape'] / 1e9:.1f} GFLOP/s at the decode shape; load {load}; "
+              f"steal {result['machine']['steal_fraction']:.1%}")
+        print(f"{'engine':<30}{'median tok/s':>14}{'best tok/s':>12}   compile s   every call")
+        for name, s in summary.items():
+            calls = ", ".join(f"{x:.0f}" for x in s["calls_tokens_per_s"])
+            comp = ",".join(f"{c:.1f}" for c in s["compile_s"] if c is not None)
+            print(f"{name:<30}{s['median_tokens_per_s']:>14.1f}{s['best_tokens_per_s']:>12.1f}   {comp:>9}   {calls}")
+            if s["stats"]:
+                print(f"{'':<30}{s['stats']}")
+        for k, v in result.items():
+            if k.startswith("ratio") or k == "roofline":
+                print(f"{k}: {v}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

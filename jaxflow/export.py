@@ -1,0 +1,44 @@
+"""``python -m jaxflow.export --checkpoint RUN_DIR [--step N] [--role actor|critic] --out DIR``
+
+Converts a saved step of a jaxflow run (default: the latest complete one) into an HF
+directory (``config.json``, ``*.safetensors``, the run's tokenizer) that
+``transformers.AutoModelForCausalLM.from_pretrained`` loads (a critic:
+``AutoModelForTokenClassification``): verl's model merger, for jaxflow. The saved state is
+read shard by shard into the role's training mesh (``jaxflow.num_devices`` simulated devices
+on CPU) and written one tensor at a time; no device holds the whole model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jaxflow.run import simulate_devices
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m jaxflow.export", description=__doc__.split("\n\n")[1])
+    p.add_argument("--checkpoint", required=True, help="the run directory (trainer.default_local_dir)")
+    p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
+    p.add_argument("--role", choices=("actor", "critic"), default="actor")
+    p.add_argument("--out", required=True, help="the HF directory to write (replaced if it exists)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from jaxflow.models import CheckpointError
+    from jaxflow.trainer.hf_export import export_checkpoint, run_config
+
+    try:
+        simulate_devices(run_config(args.checkpoint).jaxflow.num_devices)
+        out = export_checkpoint(args.checkpoint, args.out, step=args.step, role=args.role)
+    except (CheckpointError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

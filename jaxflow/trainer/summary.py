@@ -1,0 +1,68 @@
+"""The end-of-run summary: what a run did and where its outputs are.
+
+    print(run_summary(history, wall_s=412.0, outputs={"metrics": "run/metrics.jsonl", ...}))
+
+    done in 6m52s: 300 steps (1 -> 300)
+      training score (critic/score/mean): 0.103 (first) -> 0.850 (last)
+      held-out score (val/score/mean):   0.160 (first, step 0) -> 0.914 (best, step 250) -> 0.902 (last, step 300)
+      metrics    run/metrics.jsonl
+      HF export  run/hf_actor
+
+Scores are read from the history the loop logged (``step`` plus verl's metric names); a
+metric the run never logged is left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+TRAIN_KEY = "critic/score/mean"
+VAL_KEY = "val/score/mean"
+
+
+def format_duration(seconds: float) -> str:
+    """``"42s"``, ``"6m52s"``, ``"1h03m"``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+def _points(history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
+    return [(int(r["step"]), float(r[key])) for r in history
+            if key in r and "step" in r and math.isfinite(float(r[key]))]
+
+
+def score_trajectory(history: Sequence[Mapping[str, Any]], key: str) -> dict[str, tuple[int, float]] | None:
+    """``{"first": (step, value), "best": ..., "last": ...}`` of ``key`` (best = highest, the
+    earliest step on ties), or None when it was never logged."""
+    pts = _points(history, key)
+    if not pts:
+        return None
+    best = max(pts, key=lambda p: (p[1], -p[0]))
+    return {"first": pts[0], "best": best, "last": pts[-1]}
+
+
+def run_summary(history: Sequence[Mapping[str, Any]], *, wall_s: float,
+                outputs: Mapping[str, str | None] = ()) -> str:
+    """The summary text (see the module docstring); ``outputs`` maps a label to a path (None or
+    empty: not written, left out)."""
+    steps = sorted({int(r["step"]) for r in history if "step" in r and int(r["step"]) > 0})
+    span = f"{len(steps)} steps ({steps[0]} -> {steps[-1]})" if steps else "no training steps"
+    lines = [f"done in {format_duration(wall_s)}: {span}"]
+    train = score_trajectory(history, TRAIN_KEY)
+    if train:
+        lines.append(f"  training score ({TRAIN_KEY}): {train['first'][1]:.3f} (first) -> "
+                     f"{train['last'][1]:.3f} (last)")
+    val = score_trajectory(history, VAL_KEY)
+    if val:
+        lines.append(f"  held-out score ({VAL_KEY}):   {val['first'][1]:.3f} (first, step {val['first'][0]}) -> "
+                     f"{val['best'][1]:.3f} (best, step {val['best'][0]}) -> "
+                     f"{val['last'][1]:.3f} (last, step {val['last'][0]})")
+    width = max((len(k) for k, v in dict(outputs).items() if v), default=0)
+    lines += [f"  {label:<{width}}  {path}" for label, path in dict(outputs).items() if path]
+    return "\n".join(lines)
