@@ -8,9 +8,14 @@ On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import sys
+from typing import Any
+
+LOG_FILE = "jaxflow.log"
+INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
 
 USAGE = """usage: python -m jaxflow.run [--config=NAME|path/to/config.py] [--config.KEY=VALUE ...] [--dry_run]
                              [--json=PATH]
@@ -53,9 +58,136 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.configs import ConfigError
     from jaxflow.data.dataset import DatasetError
     from jaxflow.models import CheckpointError
-    from jaxflow.rewards.registry import UnknownDataSourceError
+    from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
 
-    return (ConfigError, DatasetError, CheckpointError, UnknownDataSourceError, FileNotFoundError, FileExistsError)
+    return (ConfigError, DatasetError, CheckpointError, UnknownDataSourceError, RewardFunctionError,
+            FileNotFoundError, FileExistsError)
+
+
+# errno values that mean "the user's storage refused the write", not a bug.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+_STORAGE_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def _storage_error(e: BaseException) -> str | None:
+    """One line for an exception caused by the storage (disk full, read-only, no permission)."""
+    for cause in _chain(e):
+        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
+            where = f" {cause.filename}" if cause.filename else ""
+            hint = " (is the disk full?)" if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+            return f"cannot write{where}: {cause.strerror}{hint}"
+        text = str(cause)
+        for known in _STORAGE_TEXTS:
+            if known in text:
+                return f"cannot write: {' '.join(text.split())[:300]}"
+    return None
+
+
+class _NoTraceback(logging.Formatter):
+    """Console records without exception tracebacks (those go to the log file)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        saved = record.exc_info, record.exc_text, record.stack_info
+        record.exc_info = record.exc_text = record.stack_info = None
+        try:
+            return super().format(record)
+        finally:
+            record.exc_info, record.exc_text, record.stack_info = saved
+
+
+def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | None]:
+    """Warnings to the console (one line each, no tracebacks); everything from INFO up, with
+    full tracebacks, appended to ``<run_dir>/jaxflow.log``. Returns the handlers added to the
+    root logger (console first) and the log file's path."""
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    console = logging.StreamHandler(sys.stderr)
+    console.setLevel(logging.WARNING)
+    console.setFormatter(_NoTraceback("%(levelname)s %(name)s: %(message)s"))
+    handlers: list[logging.Handler] = [console]
+    path = None
+    if run_dir is not None:
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(os.path.abspath(run_dir), LOG_FILE)
+        log_file = logging.FileHandler(path, mode="a", encoding="utf-8")
+        log_file.setLevel(logging.INFO)
+        log_file.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handlers.append(log_file)
+    for handler in handlers:
+        root.addHandler(handler)
+    return handlers, path
+
+
+def _run_dir(cfg: Any) -> str | None:
+    """Where the run writes (and so its log file goes); None for a dry run."""
+    if cfg.jaxflow.dry_run.enable:
+        return None
+    if cfg.jaxflow.job == "sft":
+        from jaxflow.trainer.sft import sft_run_dir
+
+        return sft_run_dir(cfg)
+    from jaxflow.configs import checkpoint_dir
+
+    return checkpoint_dir(cfg)
+
+
+def _train(cfg: Any, json_path: str | None) -> int:
+    if cfg.jaxflow.dry_run.enable:
+        from jaxflow.plan.dry_run import dry_run
+
+        if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
+            from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
+            from jaxflow.workers.ray_backend import describe_hosts
+
+            print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
+
+        dry_run(cfg, json_path=json_path)
+        return 0
+    if cfg.jaxflow.job == "sft":
+        from jaxflow.trainer.sft import run_sft
+
+        run_sft(cfg)
+        return 0
+
+    from jaxflow.trainer.rl import RLTrainer
+    from jaxflow.trainer.sft import warm_start
+
+    cfg, actor_params = warm_start(cfg)
+    history = RLTrainer(cfg, actor_params=actor_params).fit()
+    scores = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
+    if scores:
+        print(f"done: critic/score/mean {scores[0]:.3f} (first step) -> {scores[-1]:.3f} (last step)", flush=True)
+    return 0
+
+
+def _report(e: BaseException, log_path: str | None) -> int:
+    """One line on stderr for a failed run (the traceback goes to the log file); the exit code:
+    2 for the user's input or storage, 3 for a run stopped by the non-finite guard, 1 otherwise."""
+    from jaxflow.trainer.guard import NonFiniteError
+
+    log = logging.getLogger(__name__)
+    log.info("the run failed", exc_info=e)
+    details = f" (traceback in {log_path})" if log_path else ""
+    if isinstance(e, NonFiniteError):
+        print(f"stopped: {e}", file=sys.stderr)
+        return 3
+    if isinstance(e, _user_errors()):
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    storage = _storage_error(e)
+    if storage is not None:
+        print(f"error: {storage}", file=sys.stderr)
+        return 2
+    print(f"error: {type(e).__name__}: {' '.join(str(e).split())[:500]}{details}", file=sys.stderr)
+    return 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,50 +214,53 @@ def main(argv: list[str] | None = None) -> int:
         if dry_run:
             with cfg.unlocked():
                 cfg.jaxflow.dry_run.enable = True
-        simulate_devices(cfg.jaxflow.num_devices)
+        num_devices = cfg.get("jaxflow", {}).get("num_devices")  # validated next; absent in a broken config
+        if isinstance(num_devices, int) and num_devices > 0:
+            simulate_devices(num_devices)
         configs.validate(cfg)
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    enable_compilation_cache()
-
-    if cfg.jaxflow.dry_run.enable:
-        from jaxflow.plan.dry_run import dry_run
-
-        if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
-            from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
-            from jaxflow.workers.ray_backend import describe_hosts
-
-            print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
-
-        dry_run(cfg, json_path=json_path)
-        return 0
-    if cfg.jaxflow.job == "sft":
-        from jaxflow.trainer.sft import run_sft
-
-        try:
-            run_sft(cfg)
-        except _user_errors() as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        return 0
-
-    from jaxflow.trainer.guard import NonFiniteError
-    from jaxflow.trainer.rl import RLTrainer
-    from jaxflow.trainer.sft import warm_start
-
+    run_dir = _run_dir(cfg)
     try:
-        cfg, actor_params = warm_start(cfg)
-        RLTrainer(cfg, actor_params=actor_params).fit()  # prints the end-of-run summary
-    except _user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        handlers, log_path = _setup_logging(run_dir)
+    except OSError as e:
+        print(f"error: {_storage_error(e) or e} (the run directory {run_dir})", file=sys.stderr)
         return 2
-    except NonFiniteError as e:
-        print(f"stopped: {e}", file=sys.stderr)
-        return 3
-    return 0
+    logging.getLogger(__name__).info("python -m jaxflow.run %s", " ".join(argv))
+    enable_compilation_cache()
+    try:
+        return _train(cfg, json_path)
+    except KeyboardInterrupt:
+        logging.getLogger(__name__).info("interrupted", exc_info=True)
+        print(f"interrupted: {_checkpoints(run_dir)}", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as e:  # noqa: BLE001 - every failure becomes one line; the log has the rest
+        return _report(e, log_path)
+    finally:
+        for handler in handlers:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def _checkpoints(run_dir: str | None) -> str:
+    if run_dir is None or not os.path.isdir(run_dir):
+        return "nothing was saved"
+    from jaxflow.trainer.checkpoint import CheckpointManager
+
+    step = CheckpointManager(run_dir, read_only=True).latest_step()
+    if step is None:
+        return f"no complete checkpoint in {run_dir}"
+    return (f"the latest complete checkpoint is step {step} in {run_dir} (a save cut short is removed by the "
+            "next run, which resumes from it)")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code == INTERRUPTED:
+        # Threads of a checkpoint write cut short may wait forever, or complain while the
+        # interpreter shuts down: leave without joining them (our files are closed by now).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)

@@ -1,6 +1,10 @@
 """Rule rewards (GSM8K, MATH, registry), user reward functions and the host scorer."""
 
 import logging
+import os
+import signal
+import subprocess
+import sys
 import textwrap
 import time
 
@@ -8,6 +12,7 @@ import numpy as np
 import pytest
 
 from jaxflow.rewards import (
+    RewardFunctionError,
     RewardScorer,
     UnknownDataSourceError,
     default_compute_score,
@@ -21,6 +26,8 @@ from jaxflow.rewards import (
     unregister_reward,
 )
 from jaxflow.rewards.scorer import ERROR, OK, TIMEOUT
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # --------------------------------------------------------------------------- GSM8K
 
@@ -331,3 +338,147 @@ def test_token_level_scores_matches_reference_loop():
     np.testing.assert_allclose(out.sum(1), np.where(mask.any(1), scores, 0))
     with pytest.raises(ValueError, match="response_mask"):
         token_level_scores(scores[:3], mask)
+
+
+# --------------------------------------------------------------------------- broken reward functions
+
+
+def _write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def test_a_verl_per_dataset_signature_is_refused_when_loading(tmp_path):
+    path = _write(tmp_path, "two_args.py", """
+        def compute_score(solution_str, ground_truth):
+            return float(solution_str == ground_truth)
+    """)
+    for isolation in ("process", "inline"):
+        with pytest.raises(RewardFunctionError if isolation == "process" else TypeError,
+                           match=r"compute_score\(solution_str, ground_truth\) in .*two_args.py cannot be called as "
+                                 r"compute_score\(data_source=\.\.\..*unexpected keyword argument 'data_source'") as e:
+            RewardScorer(custom_reward_path=path, isolation=isolation)
+        assert "\n" not in str(e.value)
+
+
+def _raises_key_error(**kw):
+    raise KeyError("answer")
+
+
+def _exits(**kw):
+    import sys
+
+    sys.exit(0)
+
+
+@pytest.mark.parametrize("fn", [lambda **kw: None, lambda **kw: float("nan"), lambda **kw: "1.0", _raises_key_error,
+                                _exits], ids=["None", "nan", "str", "raises", "sys.exit"])
+def test_a_function_that_fails_on_every_sample_raises(fn):
+    scorer = RewardScorer(compute_score=fn, isolation="inline")
+    with pytest.raises(RewardFunctionError, match=r"failed on every sample of a batch \(3: 3 errors, 0 timeouts\); "
+                                                  r"the first: \w+"):
+        scorer.score("s", ["a", "b", "c"], ["a", "b", "c"])
+
+
+def test_a_function_that_fails_on_most_samples_over_several_batches_raises():
+    def fn(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str != "ok":
+            raise ValueError("cannot parse")
+        return 1.0
+
+    scorer = RewardScorer(compute_score=fn, isolation="inline", max_failure_fraction=0.5, failure_window=3)
+    batch = ["ok", "x", "y", "z"]  # 3 of 4 fail
+    scorer.score("s", batch, ["1"] * 4)
+    scorer.score("s", batch, ["1"] * 4)  # a full window is needed before judging
+    with pytest.raises(RewardFunctionError, match=r"failed on 9 of the 12 samples of the last 3 batches, more than "
+                                                  r"max_failure_fraction=0.5"):
+        scorer.score("s", batch, ["1"] * 4)
+    tolerant = RewardScorer(compute_score=fn, isolation="inline", max_failure_fraction=0.8, failure_window=3)
+    for _ in range(5):
+        tolerant.score("s", batch, ["1"] * 4)
+
+
+def test_a_file_that_hangs_at_import_is_cut_off(tmp_path):
+    path = _write(tmp_path, "hangs.py", """
+        import time
+        time.sleep(1000)
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            return 0.0
+    """)
+    start = time.monotonic()
+    with pytest.raises(RewardFunctionError, match=r"hangs.py\) did not finish within 2 s .*load_timeout_s"):
+        RewardScorer(custom_reward_path=path, load_timeout_s=2.0)
+    assert time.monotonic() - start < 2.0 + 30.0  # the limit plus starting a worker process
+
+
+def test_a_hanging_function_ends_at_the_batch_deadline_and_logs_the_first_timeout_at_once(tmp_path, caplog):
+    path = _write(tmp_path, "slow.py", """
+        import time
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            time.sleep(1000)
+    """)
+    caplog.set_level(logging.WARNING, logger="jaxflow.rewards.scorer")
+    with RewardScorer(custom_reward_path=path, timeout_s=0.5, batch_timeout_s=2.0) as scorer:
+        start = time.monotonic()
+        with pytest.raises(RewardFunctionError, match=r"every sample of a batch \(20: 0 errors, 20 timeouts\)"):
+            scorer.score("s", ["1"] * 20, ["1"] * 20)
+        elapsed = time.monotonic() - start
+    first = next(r for r in caplog.records if "timed out on sample 0" in r.getMessage())
+    deadline = next(r for r in caplog.records if "batch deadline of 2 s passed" in r.getMessage())
+    assert first.created < deadline.created
+    # 20 samples x (0.5 s + a worker restart) without the deadline; with it: 2 s plus one restart.
+    assert elapsed < 2.0 + 15.0
+
+
+_DRIVER = textwrap.dedent("""
+    import sys
+    from jaxflow.rewards import RewardScorer
+
+    scorer = RewardScorer(custom_reward_path=sys.argv[1], timeout_s=600, batch_timeout_s=None)
+    scorer.score("s", ["1"], ["1"])  # hangs in the user function
+""")
+
+
+def _children(pid):
+    out = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out |= {int(p) for p in f.read().split()}
+    return out
+
+
+def _dead(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie has exited
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_die_with_a_sigkilled_driver(tmp_path):
+    marker = tmp_path / "called"
+    path = _write(tmp_path, "hang.py", f"""
+        import pathlib, time
+        def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+            pathlib.Path({str(marker)!r}).touch()
+            time.sleep(1000)
+    """)
+    env = {**os.environ, "PYTHONPATH": REPO}
+    driver = subprocess.Popen([sys.executable, "-c", _DRIVER, path], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and driver.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), "the reward function was never called"
+        children = _children(driver.pid)  # the worker and multiprocessing's resource tracker
+        assert children
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 10
+        while not all(_dead(p) for p in children) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert all(_dead(p) for p in children), [p for p in children if not _dead(p)]
+    finally:
+        if driver.poll() is None:
+            driver.kill()

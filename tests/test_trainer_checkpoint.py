@@ -1,6 +1,7 @@
 """Training checkpoints: sharded round trips on the 8-device mesh, retention, resume modes,
 interrupted saves, clear errors, HF export."""
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxflow.models as models
 from jaxflow.mesh import TRAIN_RULES, state_shardings
-from jaxflow.trainer import CheckpointManager, CheckpointMismatchError, HostState, is_complete
+from jaxflow.trainer import CheckpointManager, CheckpointMismatchError, DamagedCheckpointError, HostState, is_complete
 from jaxflow.trainer.checkpoint import MARKER, decode_json, encode_json
 
 REPO = Path(__file__).resolve().parents[1]
@@ -177,8 +178,10 @@ def test_resume_modes(tmp_path):
         assert r.step == 5 and r.host.data_loader == {"i": 5}
         _assert_bit_exact(r.arrays["p"], _small(5)[0])
 
-    with pytest.raises(FileExistsError, match="already holds checkpoints"):
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    with pytest.raises(FileExistsError, match=r"already holds checkpoints \(steps \[3, 5\]\); nothing was deleted"):
         CheckpointManager(tmp_path / "run", resume_mode="disable")
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
 
     # resume_path: a given step dir; later saves go to the manager's own directory
     with CheckpointManager(tmp_path / "branch", resume_mode="resume_path",
@@ -191,15 +194,20 @@ def test_resume_modes(tmp_path):
         CheckpointManager(tmp_path / "x", resume_mode="resume_path",
                           resume_path=tmp_path / "run" / "step_9").resume(target)
 
-    # resuming from step 3 inside the same directory: saving step 4 drops the abandoned step 5
+    # resuming from step 3 inside the same directory: saving step 4 moves the abandoned step 5
+    # aside, intact (never deleted)
     with CheckpointManager(tmp_path / "run", resume_mode="resume_path",
                            resume_path=tmp_path / "run" / "step_3") as ckpt:
         assert ckpt.resume(target).step == 3
         ckpt.save(4, {"p": params})
         assert ckpt.all_steps() == [3, 4]
-
-    with CheckpointManager(tmp_path / "run", resume_mode="disable", overwrite=True) as ckpt:
-        assert ckpt.all_steps() == [] and ckpt.resume(target) is None
+    (abandoned,) = (tmp_path / "run").glob("step_5.abandoned-*")
+    assert not (tmp_path / "run" / "step_5").exists() and (abandoned / MARKER).is_file()
+    (tmp_path / "restored").mkdir()
+    os.rename(abandoned, tmp_path / "restored" / "step_5")  # what a user does to get it back
+    r = CheckpointManager(tmp_path / "restored", read_only=True).restore(targets=target)
+    assert r.step == 5
+    _assert_bit_exact(r.arrays["p"], _small(5)[0])
 
 
 _KILLED_SAVE = textwrap.dedent("""
@@ -327,3 +335,33 @@ def test_train_state_round_trips(tmp_path, tiny):
     _assert_bit_exact(restored.arrays["actor"], train_state)
     for r, e in zip(jax.tree.leaves(restored.arrays["actor"]), jax.tree.leaves(train_state)):
         assert r.sharding == e.sharding
+
+
+def test_damaged_newest_checkpoint_falls_back_in_one_line(tmp_path, caplog):
+    params, _ = _small()
+    target = {"p": _abstract(params, lambda x: x.sharding)}
+    with CheckpointManager(tmp_path) as ckpt:
+        for s in (1, 2, 3):
+            ckpt.save(s, {"p": _small(s)[0]}, HostState(data_loader={"i": s}))
+    # step 3: its host file truncated; step 2: its array data files truncated
+    host = tmp_path / "step_3" / "host" / "metadata"
+    host.write_bytes(host.read_bytes()[:10])
+    for data in (p for p in (tmp_path / "step_2" / "p").rglob("*") if p.is_file() and p.parent.name == "d"):
+        data.write_bytes(data.read_bytes()[:20])  # the array data files
+
+    with pytest.raises(DamagedCheckpointError, match=r"step_3 is damaged: item 'host' cannot be read .*; resume from "
+                                                     r"an earlier step") as e:
+        CheckpointManager(tmp_path, resume_mode="resume_path", resume_path=tmp_path / "step_3",
+                          read_only=True).resume(target)
+    assert "\n" not in str(e.value)
+
+    with caplog.at_level(logging.WARNING, logger="jaxflow.trainer.checkpoint"):
+        with CheckpointManager(tmp_path, resume_mode="auto") as ckpt:
+            r = ckpt.resume(target)
+    assert r.step == 1 and r.host.data_loader == {"i": 1}
+    _assert_bit_exact(r.arrays["p"], _small(1)[0])
+    warnings = [rec.getMessage() for rec in caplog.records if "damaged" in rec.getMessage()]
+    assert len(warnings) == 2 and all("\n" not in w for w in warnings)
+    assert "step 3 (item 'host'" in warnings[0] and "step 2 (item 'p'" in warnings[1]
+    names = sorted(p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith("step_"))
+    assert names == ["step_1", "step_2.damaged", "step_3.damaged"]  # moved aside, not deleted

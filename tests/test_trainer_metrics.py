@@ -195,17 +195,22 @@ def test_guard_refuses_bad_steps_and_stops_after_k(caplog):
         assert not guard.check({"actor/pg_loss": jnp.float32(jnp.nan), "critic/grad_norm": float("inf"),
                                 "critic/vf_loss": 0.2}, 2)
     msg = caplog.records[-1].getMessage()
-    assert "step 2: update refused, params unchanged" in msg
+    assert msg.startswith("step 2: non-finite ") and "not saving checkpoints" in msg
     assert "actor/pg_loss=nan" in msg and "critic/grad_norm=inf" in msg and "vf_loss" not in msg
+    assert "unchanged" not in msg  # no update_skipped metric: nothing is claimed about the params
     assert not guard.healthy and guard.consecutive == 1
     assert guard.check({"actor/pg_loss": 0.1, "actor/update_skipped": 0.0}, 3)  # recovers: count resets
     assert guard.healthy
+    # one of four mini-batch updates refused: the message must not claim the params are unchanged
+    assert not guard.check({"actor/update_skipped": np.array([0.0, 1.0, 0.0, 0.0])}, 4)
+    assert "actor refused 25% of its optimizer steps (the others applied)" in caplog.records[-1].getMessage()
+    assert guard.check({"actor/update_skipped": 0.0}, 4)
     assert not guard.check({"actor/update_skipped": 1.0, "critic/score/mean": 0.3}, 4)
-    assert "update skipped by actor" in caplog.records[-1].getMessage()
+    assert "actor refused every optimizer step, its params unchanged" in caplog.records[-1].getMessage()
     assert not guard.check({"critic/score/mean": float("-inf")}, 5)
     with pytest.raises(NonFiniteError, match=r"3 consecutive steps \(\[4, 5, 6\]\).*last good checkpoint"):
         guard.check({"critic/rewards/mean": float("nan")}, 6)
-    assert guard.total_bad == 4
+    assert guard.total_bad == 5
     with pytest.raises(ValueError):
         NonFiniteGuard(0)
 

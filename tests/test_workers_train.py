@@ -18,6 +18,7 @@ micro-batching (two partial sums instead of one: the same kind of error).
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh
@@ -173,3 +174,36 @@ def test_schedule_warmup_constant_and_cosine():
     assert OptimConfig().num_warmup_steps == 0
     with pytest.raises(ValueError, match="total_training_steps"):
         OptimConfig(warmup_style="cosine")
+
+
+@pytest.mark.parametrize("lr, refused", [(1e39, True), (1e-2, False)])
+def test_update_that_overflows_the_weights_is_refused(lr, refused):
+    """A finite loss and gradient whose step overflows (lr 1e39 is inf in float32) must leave
+    params and optimizer state as they were; an ordinary step is applied."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxflow.workers import create_train_state, make_optimizer, make_train_step
+
+    mesh = _mesh((1, 1, 1))
+    graphdef, params = nnx.split(nnx.Linear(3, 1, rngs=nnx.Rngs(0)))
+    replicated = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec()), params)
+    tx, schedule = make_optimizer(OptimConfig(lr=lr, weight_decay=0.0, grad_clip=None))
+    state, shardings = create_train_state(params, replicated, tx, mesh)
+
+    def loss_fn(model, micro, gbi, scalars):
+        err = model(micro["x"])[:, 0] - micro["response_mask"].sum(-1)
+        return jnp.mean(err**2), {}
+
+    step = make_train_step(graphdef, tx, schedule, loss_fn, mesh=mesh, rules=TRAIN_RULES, state_shardings=shardings,
+                           batch_ndims={"x": 2, "response_mask": 2})
+    before = jax.device_get(state)
+    batch = {"x": np.ones((2, 3), np.float32), "response_mask": np.ones((2, 4), np.int32)}
+    state, metrics = step(state, batch, {})
+    after = jax.device_get(state)
+    assert np.isfinite(metrics["grad_norm"])  # the gradient is finite: only the step overflows
+    assert float(metrics["update_skipped"]) == float(refused)
+    assert int(after.step) == (0 if refused else 1)
+    changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params))]
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(after))
+    assert not any(changed) if refused else all(changed)

@@ -70,12 +70,25 @@ def _from_file(path: str) -> ConfigDict:
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except BaseException as e:  # noqa: BLE001 - SystemExit in a config file is its failure too
         del sys.modules[module_name]
-        raise ConfigError("--config", f"importing {abspath} failed: {type(e).__name__}: {e}") from e
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ConfigError("--config", f"importing {abspath} failed: {_one_line(e)}") from e
     if not callable(getattr(module, "get_config", None)):
         raise ConfigError("--config", f"{abspath} defines no get_config() function")
-    return module.get_config()
+    try:
+        return module.get_config()
+    except BaseException as e:  # noqa: BLE001
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise ConfigError("--config", f"get_config() of {abspath} failed: {_one_line(e)}") from e
+
+
+def _one_line(e: BaseException) -> str:
+    if isinstance(e, SystemExit):
+        return f"it called sys.exit({e.code!r})"
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def get_config(name_or_path: str = DEFAULT_CONFIG) -> ConfigDict:

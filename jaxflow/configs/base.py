@@ -283,6 +283,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
     ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),
     ("jaxflow.reward.timeout_s", 5.0, "Per-response time limit of a custom reward function (then it scores 0)."),
+    ("jaxflow.reward.batch_timeout_s", 60.0,
+     "Time limit of one batch's custom reward calls; samples unscored by then score 0 (counted as timeouts)."),
+    ("jaxflow.reward.load_timeout_s", 60.0,
+     "Time limit for importing custom_reward_function.path (in a worker, before the run builds anything else)."),
+    ("jaxflow.reward.max_failure_fraction", 0.5,
+     "Stop the run when more than this fraction of the reward calls of the last 5 batches failed (errors and "
+     "timeouts); a batch whose every sample fails always stops it. 1.0 = only that."),
     ("jaxflow.reward.partial_credit", False,
      "Built-in tasks: reward the fraction of correct answer characters instead of 0/1."),
     ("jaxflow.trainer.max_nonfinite_steps", 3,
@@ -363,12 +370,11 @@ def get_base_config() -> ConfigDict:
 def tiny_config(name: str) -> ConfigDict:
     """The base config with the settings shared by the ``*_tiny`` configs: a self-contained CPU
     run of a few minutes that visibly learns one-digit addition (300 steps, validation every 50,
-    no checkpoints, no resuming)."""
+    no checkpoints; a rerun resumes from the run directory's checkpoints if it has any)."""
     cfg = get_base_config()
     cfg.trainer.experiment_name = name
     cfg.trainer.total_training_steps = 300
     cfg.trainer.test_freq = 50
-    cfg.trainer.resume_mode = "disable"
     cfg.trainer.logger = ["console", "jsonl"]
     # One-digit addition ("3+5=" -> "8"): prompts of 5 tokens, answers of at most 3 (with EOS).
     cfg.jaxflow.data.addition_digits = 1
@@ -425,7 +431,6 @@ def paper_ppo_config(
     cfg.trainer.val_before_train = False
     cfg.trainer.test_freq = -1
     cfg.trainer.save_freq = -1
-    cfg.trainer.resume_mode = "disable"
     cfg.trainer.logger = ["console", "jsonl"]
 
     cfg.data.max_prompt_length = 1024

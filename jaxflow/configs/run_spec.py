@@ -19,12 +19,14 @@ train_batch_size)`` (the loader drops the last partial batch).
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ml_collections import ConfigDict
 
 from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
+from jaxflow.configs.overrides import ConfigError
 from jaxflow.configs.resolve import PRESET_PREFIX, active_roles, build_placement, model_config, model_path
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
@@ -131,10 +133,20 @@ class RunSpec:
 
 def build_tokenizer(cfg: ConfigDict) -> Any:
     """``jaxflow.data.tokenizer``: ``char`` (the built-in character tokenizer), a tokenizer
-    directory / ``tokenizer.json``, or ``model`` (the actor checkpoint's own tokenizer)."""
+    directory / ``tokenizer.json``, or ``model`` (the actor checkpoint's own tokenizer).
+
+    ``char`` with an actor checkpoint that ships a different tokenizer is refused
+    (``ConfigError``): the model's ids mean other tokens."""
     name = cfg.jaxflow.data.tokenizer
     if name == "char":
-        return CharTokenizer()
+        tokenizer = CharTokenizer()
+        path = model_path(cfg, "actor")
+        own = os.path.join(os.path.expanduser(path), "tokenizer.json") if path else ""
+        if own and os.path.isfile(own) and load_tokenizer(own).backend.get_vocab() != tokenizer.backend.get_vocab():
+            raise ConfigError("jaxflow.data.tokenizer", f"is 'char' (the built-in character tokenizer) but the actor "
+                              f"checkpoint {path} ships its own tokenizer, whose ids mean other tokens; set "
+                              "jaxflow.data.tokenizer=model (or the path of the tokenizer the model was trained with)")
+        return tokenizer
     if name == "model":
         name = cfg.actor_rollout_ref.model.path
     return load_tokenizer(name)

@@ -20,6 +20,7 @@ on first use.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -118,6 +119,12 @@ def _type_ok(value: Any, typ: type) -> bool:
     return isinstance(value, typ)
 
 
+def _numbers(value: Any) -> list[float]:
+    """The float values in a key's value (itself, or a sequence's elements)."""
+    items = value if isinstance(value, (tuple, list)) else [value]
+    return [x for x in items if isinstance(x, float)]
+
+
 def _check_schema(c: _Checker) -> None:
     keys = leaf_keys(c.cfg)
     for key in keys:
@@ -134,9 +141,16 @@ def _check_schema(c: _Checker) -> None:
             c.add(key, f"expected a {typ.__name__} of {ELEMENT_TYPES[key].__name__}, got {value!r}")
         elif key.endswith(".betas") and len(value) != 2:
             c.add(key, f"expected (beta1, beta2), got {value!r}")
+        elif not all(math.isfinite(x) for x in _numbers(value)):
+            c.add(key, f"must be a finite number, got {value!r}")
     present = set(keys)
-    for key in KEY_TYPES:
-        if key not in present:
+    missing = [key for key in KEY_TYPES if key not in present]
+    if len(missing) > 3:  # not built on the base config: one line, not one per key
+        c.add("--config", f"the config lacks {len(missing)} of the {len(KEY_TYPES)} keys (e.g. "
+                          f"{', '.join(missing[:3])}); build it on jaxflow.configs.base.get_base_config() and change "
+                          "what you need")
+    else:
+        for key in missing:
             c.add(key, "missing; configs start from jaxflow.configs.base.get_base_config()")
 
 
@@ -266,6 +280,9 @@ def _check_ranges(c: _Checker) -> None:
         c.within(f"{prefix}.top_p", 0, 1, "(]")
         c.check(s.top_k >= -1, f"{prefix}.top_k", f"must be -1 or 0 (off) or a positive k, got {s.top_k}")
     c.positive("jaxflow.reward.timeout_s", " seconds")
+    c.positive("jaxflow.reward.batch_timeout_s", " seconds")
+    c.positive("jaxflow.reward.load_timeout_s", " seconds")
+    c.within("jaxflow.reward.max_failure_fraction", 0, 1, "(]")
     c.positive("jaxflow.dry_run.device_memory_gib")
 
 

@@ -55,20 +55,39 @@ def read_rows(path: str | os.PathLike) -> list[dict[str, Any]]:
     return [row for row, _ in _read_rows_with_location(os.fspath(path))]
 
 
-def write_rows(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike) -> str:
-    """Writes rows to ``path`` (``.parquet`` or ``.jsonl``, by extension); returns the path."""
+def write_rows(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, overwrite: bool = False) -> str:
+    """Writes rows to ``path`` (``.parquet`` or ``.jsonl``, by extension); returns the path.
+
+    An existing file is never replaced unless ``overwrite``: the name is claimed with an
+    exclusive create, so a file that appears meanwhile is not clobbered either.
+
+    Raises:
+      FileExistsError: ``path`` exists (and not ``overwrite``).
+    """
     path = os.fspath(path)
     ext = _extension(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    if ext == ".parquet":
-        import pyarrow as pa
-        import pyarrow.parquet as pq
+    # Claim the final name exclusively, or (overwrite) write beside it and rename over it.
+    target = f"{path}.tmp-{os.getpid()}" if overwrite else path
+    try:
+        f = open(target, "xb")
+    except FileExistsError:
+        raise FileExistsError(f"{path} already exists; not replacing it (choose another path or remove it)") from None
+    try:
+        with f:
+            if ext == ".parquet":
+                import pyarrow as pa
+                import pyarrow.parquet as pq
 
-        pq.write_table(pa.Table.from_pylist([dict(r) for r in rows]), path)
-    else:
-        with open(path, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                pq.write_table(pa.Table.from_pylist([dict(r) for r in rows]), f)
+            else:
+                for row in rows:
+                    f.write((json.dumps(row, ensure_ascii=False) + "\n").encode("utf-8"))
+    except BaseException:
+        os.unlink(target)  # the file this call created, half-written
+        raise
+    if overwrite:
+        os.replace(target, path)
     return path
 
 
@@ -93,16 +112,19 @@ def write_builtin_datasets(
     fmt: str = "parquet",
 ) -> dict[str, str]:
     """Writes ``train.<fmt>`` and ``test.<fmt>`` of the given tasks (mixed evenly) into
-    ``directory``, as verl's data preprocessing scripts do; returns ``{split: path}``."""
+    ``directory``, as verl's data preprocessing scripts do; returns ``{split: path}``.
+    Existing files are never replaced (``FileExistsError`` before anything is written)."""
     from jaxflow.data import tasks as tasks_lib
 
     if fmt not in ("parquet", "jsonl"):
         raise ValueError(f"fmt must be 'parquet' or 'jsonl', got {fmt!r}")
-    out = {}
+    paths = {split: os.path.join(os.fspath(directory), f"{split}.{fmt}") for split in ("train", "test")}
+    for path in paths.values():
+        if os.path.exists(path):
+            raise FileExistsError(f"{path} already exists; not replacing it (choose another directory or remove it)")
     for split, n in (("train", n_train), ("test", n_test)):
-        rows = tasks_lib.make_mixed_examples(list(tasks), n, seed=seed, split=split)
-        out[split] = write_rows(rows, os.path.join(os.fspath(directory), f"{split}.{fmt}"))
-    return out
+        write_rows(tasks_lib.make_mixed_examples(list(tasks), n, seed=seed, split=split), paths[split])
+    return paths
 
 
 def _extension(path: str) -> str:
@@ -191,6 +213,8 @@ class PromptDataset:
       truncation: ``"error"``, ``"left"``, ``"right"`` or ``"filter"``.
       use_chat_template: render prompts with the chat template (else string prompts are
         encoded as they are, with the tokenizer's own special tokens).
+      rows: instead of files, rows held in memory (e.g. a built-in task's); ``files`` is then
+        a name for them in messages.
     """
 
     def __init__(
@@ -202,6 +226,7 @@ class PromptDataset:
         max_prompt_length: int = 512,
         truncation: str = "error",
         use_chat_template: bool = True,
+        rows: Sequence[Mapping[str, Any]] | None = None,
     ):
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"truncation must be one of {TRUNCATION_MODES}, got {truncation!r}")
@@ -222,7 +247,9 @@ class PromptDataset:
         self.use_chat_template = use_chat_template
 
         located = []
-        for path in files:
+        if rows is not None:
+            located = [(dict(row), ", ".join(files), f"row {i}") for i, row in enumerate(rows)]
+        for path in files if rows is None else ():
             located.extend((row, path, where) for row, where in _read_rows_with_location(path))
         if not located:
             raise DatasetError(f"dataset is empty: no rows in {', '.join(files)}")
@@ -260,6 +287,7 @@ class PromptDataset:
             )
         self._columns = [columns[k] for k in keep]
         self._texts = [texts[k] for k in keep]
+        self._where = [f"{located[k][1]}: {located[k][2]}" for k in keep]
         self.stats = {
             "num_rows": len(located),
             "num_truncated": num_truncated,
@@ -292,6 +320,15 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self._ids)
+
+    def check_ground_truths(self, allowed: tuple[type, ...], why: str) -> None:
+        """Raises :class:`DatasetError` naming the first row whose ground truth is not one of
+        ``allowed`` (e.g. a null, or a list where a scorer compares one string)."""
+        for where, columns in zip(self._where, self._columns):
+            truth = columns["ground_truth"]
+            if not isinstance(truth, allowed) or isinstance(truth, bool):
+                raise DatasetError(f"{where}: reward_model.ground_truth is {truth!r:.100} "
+                                   f"({type(truth).__name__}); {why}")
 
     def prompt_ids(self, i: int) -> np.ndarray:
         """The (possibly truncated) token ids of row ``i``."""

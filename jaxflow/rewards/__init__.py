@@ -3,8 +3,9 @@
 - :func:`register_reward` / :func:`get_reward_fn` / :func:`default_compute_score`: functions
   by ``data_source`` (built in: ``openai/gsm8k``, the MATH sources, ``jaxflow/*`` tasks).
 - :func:`load_reward_fn`: a user function from a file (verl's ``custom_reward_function``).
-- :class:`RewardScorer`: scores a batch on the host; failures and timeouts score 0 and are
-  counted, never raised. :func:`token_level_scores` puts scores on the last response token.
+- :class:`RewardScorer`: scores a batch on the host; a failing or timed-out sample scores 0 and
+  is counted, but a function that fails on every sample of a batch (or on too many) raises
+  :class:`RewardFunctionError`. :func:`token_level_scores` puts scores on the last response token.
 """
 
 from jaxflow.rewards import gsm8k, math  # noqa: F401  (registers their data sources)
@@ -17,9 +18,16 @@ from jaxflow.rewards.registry import (
     register_reward,
     unregister_reward,
 )
-from jaxflow.rewards.scorer import RewardResult, RewardScorer, normalize_reward, token_level_scores
+from jaxflow.rewards.scorer import (
+    RewardFunctionError,
+    RewardResult,
+    RewardScorer,
+    normalize_reward,
+    token_level_scores,
+)
 
 __all__ = [
+    "RewardFunctionError",
     "RewardResult",
     "RewardScorer",
     "UnknownDataSourceError",

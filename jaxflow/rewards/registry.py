@@ -158,6 +158,32 @@ def load_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> Rewa
     return fn
 
 
+def check_reward_signature(fn: RewardFn, reward_kwargs: Mapping[str, Any] | None = None, *, where: str = "") -> None:
+    """Raises ``TypeError`` (one line) unless ``fn`` accepts the call the scorer makes:
+    ``fn(data_source=..., solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs)``.
+
+    verl's per-dataset scorers take ``(solution_str, ground_truth)``; given as the custom function
+    they would fail on every sample, so they are refused here, before training starts."""
+    import inspect
+
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: cannot check
+        return
+    call = {"data_source": "", "solution_str": "", "ground_truth": "", "extra_info": None, **(reward_kwargs or {})}
+    try:
+        signature.bind(**call)
+    except TypeError as e:
+        name = getattr(fn, "__name__", repr(fn))
+        raise TypeError(
+            f"custom reward function {name}{signature}{where} cannot be called as {name}(data_source=..., "
+            f"solution_str=..., ground_truth=..., extra_info=...{''.join(f', {k}=...' for k in reward_kwargs or {})}) "
+            f"({e}); give it that signature, e.g. wrap a (solution_str, ground_truth) scorer as "
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None): "
+            "return my_score(solution_str, ground_truth)"
+        ) from None
+
+
 def _ensure_builtins() -> None:
     global _builtins_loaded
     if _builtins_loaded:

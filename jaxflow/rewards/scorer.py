@@ -1,4 +1,5 @@
-"""The host-side rule scorer: responses in, one float per response out, training never stops.
+"""The host-side rule scorer: responses in, one float per response out; a broken reward
+function stops the run with one line instead of training on zeros.
 
 :class:`RewardScorer` scores a batch of ``(data_source, solution_str, ground_truth,
 extra_info)`` samples with either
@@ -7,21 +8,26 @@ extra_info)`` samples with either
   in this process; or
 - one user function (verl's ``custom_reward_function.path`` / ``.name``, or a picklable
   callable) run in persistent worker processes, so that a function that never returns can be
-  cut off.
+  cut off. The user's file is imported only in the workers, under ``load_timeout_s``, when the
+  scorer is built: a file that hangs or fails at import, or a function whose signature cannot
+  take the scorer's call, is a :class:`RewardFunctionError` before anything else runs.
 
 A sample whose function raises, returns something that is not a finite float (or a dict
 holding one under ``"score"``), runs past ``timeout_s``, or kills its worker scores 0. It is
-counted in the metrics (``reward/num_errors``, ``reward/num_timeouts``) and the first
-traceback of each kind is logged once per scorer. The scorer itself only raises for
-configuration errors: an unknown ``data_source``, an unloadable function file, mismatched
-input lengths.
+counted in the metrics (``reward/num_errors``, ``reward/num_timeouts``) and the first failure
+of each kind is logged when it happens. Failures are tolerated only while they are the
+exception: when *every* sample of a call fails, or more than ``max_failure_fraction`` of the
+samples of the last ``failure_window`` calls, ``score`` raises :class:`RewardFunctionError`
+naming the function, the counts and the first error.
 
 Worker protocol. The samples of one call are split into ``num_workers`` contiguous chunks and
 each chunk goes to its worker in one message; the worker answers sample by sample on its pipe.
 The time limit applies to each sample: from the previous answer (or the send) to the next.
 When a sample overruns, its worker is killed (a Python thread cannot be) and replaced, and
-the rest of its chunk is re-sent to the new worker. Results are indexed, so the outcome does
-not depend on timing or on ``num_workers``: only which samples overrun does.
+the rest of its chunk is re-sent to the new worker. A whole call ends by ``batch_timeout_s``:
+samples not answered by then score 0 as timeouts. Results are indexed, so the outcome does
+not depend on timing or on ``num_workers``: only which samples overrun does. A worker exits by
+itself when the process that started it dies (even by SIGKILL), so none is left orphaned.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import numbers
 import os
 import pickle
 import signal
+import threading
 import time
 import traceback
 from typing import Any, Callable, Mapping, Sequence
@@ -48,6 +55,12 @@ logger = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = 0, 1, 2
 _STARTUP_TIMEOUT_S = 300.0  # a worker may have to import the driver's __main__ (jax and all)
+_PARENT_POLL_S = 0.2
+
+
+class RewardFunctionError(RuntimeError):
+    """The reward function cannot be used: it does not load (fails, hangs, wrong signature), or
+    it fails on every sample of a batch, or on too many over several batches."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +94,11 @@ class RewardScorer:
         with ``isolation="process"`` it must pickle by reference (a module-level function).
       reward_kwargs: extra keyword arguments for the user function.
       timeout_s: per-sample time limit for the user function (``isolation="process"``).
+      batch_timeout_s: time limit of one ``score`` call (``isolation="process"``); None: none.
+      load_timeout_s: time limit for a worker to import the user's file and find the function.
+      max_failure_fraction: ``score`` raises when more than this fraction of the samples of the
+        last ``failure_window`` calls failed (1.0: only when every sample of one call fails).
+      failure_window: calls that ``max_failure_fraction`` looks at.
       num_workers: worker processes for the user function.
       isolation: ``"process"`` runs the user function in workers with the time limit;
         ``"inline"`` calls it here (errors still score 0, but nothing can be cut off).
@@ -97,6 +115,10 @@ class RewardScorer:
         compute_score: Callable[..., Any] | None = None,
         reward_kwargs: Mapping[str, Any] | None = None,
         timeout_s: float = 5.0,
+        batch_timeout_s: float | None = 60.0,
+        load_timeout_s: float = 60.0,
+        max_failure_fraction: float = 1.0,
+        failure_window: int = 5,
         num_workers: int = 1,
         isolation: str = "process",
         start_method: str = "spawn",
@@ -105,24 +127,45 @@ class RewardScorer:
             raise ValueError("pass either custom_reward_path or compute_score, not both")
         if isolation not in ("process", "inline"):
             raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        for name, value in (("timeout_s", timeout_s), ("load_timeout_s", load_timeout_s),
+                            ("batch_timeout_s", 1.0 if batch_timeout_s is None else batch_timeout_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if not 0 < max_failure_fraction <= 1:
+            raise ValueError(f"max_failure_fraction must be in (0, 1], got {max_failure_fraction}")
+        if num_workers < 1 or failure_window < 1:
+            raise ValueError(f"num_workers and failure_window must be >= 1, got {num_workers}, {failure_window}")
         self.timeout_s = float(timeout_s)
+        self.batch_timeout_s = None if batch_timeout_s is None else float(batch_timeout_s)
+        self.load_timeout_s = float(load_timeout_s)
+        self.max_failure_fraction = float(max_failure_fraction)
+        self._recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=int(failure_window))
         self.num_workers = int(num_workers)
         self.isolation = isolation
         self.reward_kwargs = dict(reward_kwargs or {})
-        self._fn: Callable[..., Any] | None = None
-        self._fn_spec: tuple | None = None
+        self._fn: Callable[..., Any] | None = None  # called here (inline)
+        self._fn_spec: tuple | None = None  # what a worker loads
+        self.description = "the built-in reward functions"
+        self._ctx = multiprocessing.get_context(start_method)
+        self._workers: list[_Worker | None] = []
+        self._logged: set[int] = set()
         if custom_reward_path:
-            self._fn = registry.load_reward_fn(custom_reward_path, custom_reward_name)
-            self._fn_spec = ("file", os.path.abspath(os.fspath(custom_reward_path)), custom_reward_name)
+            path = os.path.abspath(os.path.expanduser(os.fspath(custom_reward_path)))
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"custom reward function file not found: {custom_reward_path!r} "
+                                        f"(resolved to {path})")
+            self._fn_spec = ("file", path, custom_reward_name)
+            self.description = f"{custom_reward_name} in {path}"
+            if isolation == "inline":
+                self._fn = registry.load_reward_fn(path, custom_reward_name)
+                registry.check_reward_signature(self._fn, self.reward_kwargs, where=f" in {path}")
         elif compute_score is not None:
             if not callable(compute_score):
                 raise TypeError(f"compute_score must be callable, got {compute_score!r}")
+            registry.check_reward_signature(compute_score, self.reward_kwargs)
             self._fn = compute_score
             self._fn_spec = ("callable", compute_score)
+            self.description = getattr(compute_score, "__qualname__", repr(compute_score))
             if isolation == "process":
                 try:
                     pickle.dumps(compute_score)
@@ -132,13 +175,12 @@ class RewardScorer:
                         f"({type(e).__name__}: {e}); use a module-level function, "
                         "custom_reward_path, or isolation='inline'"
                     ) from e
-        self._ctx = multiprocessing.get_context(start_method)
-        self._workers: list[_Worker | None] = []
-        self._logged: set[int] = set()
+        if self.uses_workers:
+            self._ensure_workers(self.num_workers)  # loads the user's file now, under load_timeout_s
 
     @property
     def uses_workers(self) -> bool:
-        return self._fn is not None and self.isolation == "process"
+        return self._fn_spec is not None and self.isolation == "process"
 
     # ------------------------------------------------------------------ scoring
 
@@ -149,7 +191,11 @@ class RewardScorer:
         ground_truths: Sequence[Any],
         extra_infos: Sequence[Mapping | None] | None = None,
     ) -> RewardResult:
-        """Scores ``B`` samples given column-wise (a single ``data_sources`` string is broadcast)."""
+        """Scores ``B`` samples given column-wise (a single ``data_sources`` string is broadcast).
+
+        Raises:
+          RewardFunctionError: every sample failed, or too many over the recent calls.
+        """
         n = len(solution_strs)
         if isinstance(data_sources, str):
             data_sources = [data_sources] * n
@@ -166,7 +212,7 @@ class RewardScorer:
         items = [
             (i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i]) for i in range(n)
         ]
-        if self._fn is None:
+        if self._fn_spec is None:
             for source in sorted(set(data_sources)):
                 registry.get_reward_fn(source)  # unknown source: a config error, raised here
             outcomes = [_call_builtin(item) for item in items]
@@ -174,9 +220,41 @@ class RewardScorer:
             outcomes = [_call_user(self._fn, self.reward_kwargs, item) for item in items]
         else:
             outcomes = self._score_in_workers(items)
-        return self._collect(data_sources, outcomes)
+        result = self._collect(data_sources, outcomes)
+        self._check_failures(result.status, outcomes)
+        return result
 
     __call__ = score
+
+    def _check_failures(self, status: np.ndarray, outcomes: list[tuple]) -> None:
+        n, failed = len(status), int(np.sum(status != OK))
+        self._recent.append((failed, n))
+        if not failed:
+            return
+        first = next(_summary(payload) for kind, payload in outcomes if kind != OK)
+        counts = f"{int(np.sum(status == ERROR))} errors, {int(np.sum(status == TIMEOUT))} timeouts"
+        if failed == n:
+            raise RewardFunctionError(
+                f"the reward function ({self.description}) failed on every sample of a batch ({n}: {counts}); "
+                f"the first: {first}")
+        total_failed, total = map(sum, zip(*self._recent))
+        if len(self._recent) == self._recent.maxlen and total_failed > self.max_failure_fraction * total:
+            raise RewardFunctionError(
+                f"the reward function ({self.description}) failed on {total_failed} of the {total} samples of the "
+                f"last {len(self._recent)} batches, more than max_failure_fraction={self.max_failure_fraction:g}; "
+                f"in the last batch {counts}, the first: {first}")
+
+    def _log_failure(self, kind: int, index: int, data_source: Any, payload: str) -> None:
+        """Logs the first failure of each kind (when it happens); later ones are only counted."""
+        if kind == OK or kind in self._logged:
+            return
+        self._logged.add(kind)
+        what = "timed out" if kind == TIMEOUT else "failed"
+        logger.warning(
+            "reward function %s on sample %d (data_source=%r); it scores 0. Later "
+            "failures are only counted in reward/num_errors and reward/num_timeouts.\n%s",
+            what, index, data_source, payload,
+        )
 
     def _collect(self, data_sources: Sequence[str], outcomes: list[tuple]) -> RewardResult:
         n = len(outcomes)
@@ -192,14 +270,8 @@ class RewardScorer:
                     if key not in extra:
                         extra[key] = np.full(n, np.nan, np.float32)
                     extra[key][i] = value
-            elif kind not in self._logged:
-                self._logged.add(kind)
-                what = "timed out" if kind == TIMEOUT else "failed"
-                logger.warning(
-                    "reward function %s on sample %d (data_source=%r); it scores 0. Later "
-                    "failures are only counted in reward/num_errors and reward/num_timeouts.\n%s",
-                    what, i, data_sources[i], payload,
-                )
+            else:
+                self._log_failure(kind, i, data_sources[i], payload)
         metrics = {
             "reward/mean": float(scores.mean()) if n else 0.0,
             "reward/max": float(scores.max()) if n else 0.0,
@@ -220,6 +292,7 @@ class RewardScorer:
         outcomes: list[tuple | None] = [None] * len(items)
         if not items:
             return []
+        batch_deadline = math.inf if self.batch_timeout_s is None else time.monotonic() + self.batch_timeout_s
         n_workers = min(self.num_workers, len(items))
         self._ensure_workers(n_workers)
         bounds = np.linspace(0, len(items), n_workers + 1).astype(int)
@@ -231,8 +304,11 @@ class RewardScorer:
                 self._send(w, list(chunk))
         deadlines = {w: time.monotonic() + self.timeout_s for w in queues}
         while queues:
+            if time.monotonic() >= batch_deadline:
+                self._abandon(queues, outcomes)
+                break
             conns = {self._workers[w].conn: w for w in queues}
-            timeout = max(0.0, min(deadlines[w] for w in queues) - time.monotonic())
+            timeout = max(0.0, min(min(deadlines[w] for w in queues), batch_deadline) - time.monotonic())
             ready = multiprocessing.connection.wait(list(conns), timeout=timeout)
             for conn in ready:
                 w = conns[conn]
@@ -246,7 +322,8 @@ class RewardScorer:
                         f"the reward worker process died (exit code {code}) while scoring "
                         f"sample {idx}",
                     )
-                    self._replace(w, queues, deadlines)
+                    self._log_failure(ERROR, idx, items[idx][1], outcomes[idx][1])
+                    self._replace(w, queues, deadlines, outcomes, batch_deadline)
                 elif not queues[w]:
                     del queues[w], deadlines[w]
             now = time.monotonic()
@@ -259,8 +336,23 @@ class RewardScorer:
                     f"sample {idx} ran past the reward time limit of {self.timeout_s:g} s; "
                     "its worker process was killed and replaced",
                 )
-                self._replace(w, queues, deadlines)
+                self._log_failure(TIMEOUT, idx, items[idx][1], outcomes[idx][1])
+                self._replace(w, queues, deadlines, outcomes, batch_deadline)
         return outcomes  # type: ignore[return-value]
+
+    def _abandon(self, queues: dict, outcomes: list) -> None:
+        """The call's deadline passed: unanswered samples time out; their workers are killed."""
+        left = sum(len(q) for q in queues.values())
+        for w, queue in list(queues.items()):
+            for item in queue:
+                outcomes[item[0]] = (TIMEOUT, f"sample {item[0]} was not scored within the batch deadline of "
+                                              f"{self.batch_timeout_s:g} s")
+            if self._workers[w] is not None:
+                self._workers[w].kill()
+                self._workers[w] = None
+            del queues[w]
+        logger.warning("reward: the batch deadline of %g s passed with %d sample(s) unscored; they score 0 "
+                       "(counted in reward/num_timeouts)", self.batch_timeout_s, left)
 
     def _drain(self, w: int, queue: collections.deque, outcomes: list) -> bool:
         """Reads every answer waiting from worker ``w``; True if the worker is gone."""
@@ -268,24 +360,30 @@ class RewardScorer:
         try:
             while queue and conn.poll():
                 idx, kind, payload = conn.recv()
-                expected = queue.popleft()[0]
-                if idx != expected:  # cannot happen unless the protocol is broken
-                    raise RuntimeError(f"reward worker answered sample {idx}, expected {expected}")
+                item = queue.popleft()
+                if idx != item[0]:  # cannot happen unless the protocol is broken
+                    raise RuntimeError(f"reward worker answered sample {idx}, expected {item[0]}")
                 outcomes[idx] = (kind, payload)
+                self._log_failure(kind, idx, item[1], payload)
         except (EOFError, OSError):
             return True
         return False
 
-    def _replace(self, w: int, queues: dict, deadlines: dict) -> None:
+    def _replace(self, w: int, queues: dict, deadlines: dict, outcomes: list, batch_deadline: float) -> None:
         self._workers[w].kill()
         self._workers[w] = None
-        if queues[w]:
-            self._workers[w] = _Worker(self._ctx, self._fn_spec, self.reward_kwargs)
-            self._workers[w].wait_ready()
-            self._send(w, list(queues[w]))
-            deadlines[w] = time.monotonic() + self.timeout_s
-        else:
+        if not queues[w]:
             del queues[w], deadlines[w]
+            return
+        worker = _Worker(self._ctx, self._fn_spec, self.reward_kwargs)
+        if not worker.wait_ready(self.description, self.load_timeout_s, batch_deadline):
+            worker.kill()  # the batch deadline passed while it started
+            self._abandon({w: queues.pop(w)}, outcomes)
+            del deadlines[w]
+            return
+        self._workers[w] = worker
+        self._send(w, list(queues[w]))
+        deadlines[w] = time.monotonic() + self.timeout_s
 
     def _send(self, w: int, chunk: list[tuple]) -> None:
         try:
@@ -305,8 +403,12 @@ class RewardScorer:
             if worker is None:
                 self._workers[w] = _Worker(self._ctx, self._fn_spec, self.reward_kwargs)
                 started.append(w)
-        for w in started:
-            self._workers[w].wait_ready()
+        try:
+            for w in started:
+                self._workers[w].wait_ready(self.description, self.load_timeout_s)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         """Stops the worker processes (a later call starts new ones)."""
@@ -411,31 +513,61 @@ def _call_user(fn: Callable[..., Any], kwargs: Mapping[str, Any], item: tuple) -
         return ERROR, traceback.format_exc()
 
 
+def _summary(payload: Any) -> str:
+    """The last line of a failure's text (the exception, for a traceback)."""
+    lines = [line.strip() for line in str(payload).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "?"
+
+
 class _Worker:
     """One worker process and its pipe (see the module docstring for the protocol)."""
 
     def __init__(self, ctx: Any, fn_spec: tuple, reward_kwargs: Mapping[str, Any]):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
-            target=_worker_main, args=(child_conn, fn_spec, dict(reward_kwargs)), daemon=True,
+            target=_worker_main, args=(child_conn, fn_spec, dict(reward_kwargs), os.getpid()), daemon=True,
             name="jaxflow-reward-worker",
         )
         self.proc.start()
         child_conn.close()
 
-    def wait_ready(self) -> None:
+    def _receive(self, limit_s: float) -> tuple | None:
+        """The next message within ``limit_s`` seconds, or None."""
         try:
-            if not self.conn.poll(_STARTUP_TIMEOUT_S):
-                raise RuntimeError(f"reward worker did not start within {_STARTUP_TIMEOUT_S:g} s")
-            message = self.conn.recv()
+            if not self.conn.poll(max(0.0, limit_s)):
+                return None
+            return self.conn.recv()
         except (EOFError, OSError):
-            self.kill()
-            raise RuntimeError(
-                f"reward worker process exited while starting (exit code {self.proc.exitcode})"
-            ) from None
-        if message[0] != "ready":
-            self.kill()
-            raise RuntimeError(f"reward worker could not load the reward function:\n{message[1]}")
+            return ("exited", None)
+
+    def wait_ready(self, description: str, load_timeout_s: float, deadline: float = math.inf) -> bool:
+        """Waits for the worker to start (``_STARTUP_TIMEOUT_S``) and load the user function
+        (``load_timeout_s``). False if ``deadline`` (monotonic) came first.
+
+        Raises:
+          RewardFunctionError: the function did not load (error, hang, exit, bad signature).
+        """
+        for phase, limit in (("started", _STARTUP_TIMEOUT_S), ("ready", load_timeout_s)):
+            until = time.monotonic() + limit
+            message = self._receive(min(until, deadline) - time.monotonic())
+            if message is None and time.monotonic() >= deadline and deadline < until:
+                return False
+            if message is None:
+                self.kill()
+                if phase == "started":
+                    raise RewardFunctionError(f"the reward worker process did not start within {limit:g} s")
+                raise RewardFunctionError(
+                    f"loading the reward function ({description}) did not finish within {limit:g} s "
+                    "(jaxflow.reward.load_timeout_s): does importing its file hang?")
+            if message[0] == "exited":
+                self.kill()
+                raise RewardFunctionError(f"the reward worker process exited while loading the reward function "
+                                          f"({description}) (exit code {self.proc.exitcode})")
+            if message[0] == "load_error":
+                self.kill()
+                logger.debug("reward function load error:\n%s", message[2])
+                raise RewardFunctionError(message[1])
+        return True
 
     def alive(self) -> bool:
         return self.proc.is_alive()
@@ -459,16 +591,28 @@ class _Worker:
         self.kill()
 
 
-def _worker_main(conn: Any, fn_spec: tuple, reward_kwargs: dict[str, Any]) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this process when ``parent_pid`` is no longer its parent (the driver died, even by
+    SIGKILL, and the worker was re-parented), also while the user function hangs."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+
+def _worker_main(conn: Any, fn_spec: tuple, reward_kwargs: dict[str, Any], parent_pid: int) -> None:
     """Worker process: load the function, then answer ``("score", items)`` one item at a time."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the driver decides when workers stop
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    conn.send(("started", None))
     try:
         if fn_spec[0] == "file":
             fn = registry.load_reward_fn(fn_spec[1], fn_spec[2])
+            registry.check_reward_signature(fn, reward_kwargs, where=f" in {fn_spec[1]}")
         else:
             fn = fn_spec[1]
-    except BaseException:  # noqa: BLE001
-        conn.send(("load_error", traceback.format_exc()))
+    except BaseException as e:  # noqa: BLE001
+        conn.send(("load_error", str(e) or type(e).__name__, traceback.format_exc()))
         return
     conn.send(("ready", None))
     while True:

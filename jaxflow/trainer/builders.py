@@ -3,6 +3,7 @@ tokenizer, prompt datasets, and each role's model in its layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -14,8 +15,8 @@ from ml_collections import ConfigDict
 import jaxflow.models as models
 from jaxflow.configs.overrides import ConfigError
 from jaxflow.configs.run_spec import ModelSpec, RunSpec
-from jaxflow.data.dataset import PromptDataset, write_builtin_datasets
-from jaxflow.data.tasks import Task, get_task
+from jaxflow.data.dataset import PromptDataset
+from jaxflow.data.tasks import Task, get_task, make_mixed_examples
 from jaxflow.mesh import Rules, state_shardings
 
 
@@ -26,24 +27,50 @@ def builtin_task(cfg: ConfigDict) -> Task:
     return get_task(name, **params)
 
 
-def dataset_files(cfg: ConfigDict, run_dir: str) -> tuple[list[str], list[str]]:
-    """``(train files, val files)``: the configured ones, or the built-in task written (once,
-    deterministically) under ``run_dir/data`` in verl's parquet schema."""
+@dataclasses.dataclass(frozen=True)
+class BuiltinSplit:
+    """A split of the built-in task, generated in memory (no file is written or read)."""
+
+    task: Task
+    split: str  # "train" or "test"
+    num_examples: int
+    seed: int
+
+    def rows(self) -> list[dict[str, Any]]:
+        return make_mixed_examples([self.task], self.num_examples, seed=self.seed, split=self.split)
+
+
+DataSource = list[str] | BuiltinSplit
+
+
+def dataset_sources(cfg: ConfigDict) -> tuple[DataSource, DataSource]:
+    """``(train, val)``: the configured files, or for an empty key the built-in task's split
+    (``jaxflow.data.builtin_task``), generated deterministically in memory."""
     train = [f for f in cfg.data.train_files.split(",") if f]
     val = [f for f in cfg.data.val_files.split(",") if f]
-    if not train or not val:
-        d = cfg.jaxflow.data
-        written = write_builtin_datasets(os.path.join(run_dir, "data"), tasks=(builtin_task(cfg),),
-                                         n_train=d.num_train_examples, n_test=d.num_val_examples,
-                                         seed=cfg.data.seed)
-        train = train or [written["train"]]
-        val = val or [written["test"]]
+    d = cfg.jaxflow.data
+    if not train:
+        train = BuiltinSplit(builtin_task(cfg), "train", d.num_train_examples, cfg.data.seed)
+    if not val:
+        val = BuiltinSplit(builtin_task(cfg), "test", d.num_val_examples, cfg.data.seed)
     return train, val
 
 
-def build_dataset(cfg: ConfigDict, files: list[str], tokenizer: Any) -> PromptDataset:
-    return PromptDataset(files, tokenizer, prompt_key=cfg.data.prompt_key,
-                         max_prompt_length=cfg.data.max_prompt_length, truncation=cfg.data.truncation)
+def build_dataset(cfg: ConfigDict, source: DataSource, tokenizer: Any) -> PromptDataset:
+    kwargs = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+                  truncation=cfg.data.truncation)
+    if isinstance(source, BuiltinSplit):
+        return PromptDataset(f"built-in {source.task.name} {source.split} split", tokenizer, rows=source.rows(),
+                             **kwargs)
+    return PromptDataset(source, tokenizer, **kwargs)
+
+
+def describe_source(source: DataSource, dataset: PromptDataset) -> str:
+    """For the console: where a split's prompts come from, and how many were kept."""
+    if isinstance(source, BuiltinSplit):
+        key = "data.train_files" if source.split == "train" else "data.val_files"
+        return f"BUILT-IN task {source.task.name!r} ({source.split} split, {len(dataset)} prompts; {key} is empty)"
+    return f"{', '.join(source)} ({len(dataset)} prompts)"
 
 
 def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
@@ -78,8 +105,14 @@ def abstract_like(tree: Any) -> Any:
 
 
 def check_vocab(spec: RunSpec, tokenizer: Any) -> None:
-    """A preset's vocabulary must hold every tokenizer id."""
-    for m in spec.models.values():
-        if m.is_preset and m.config.vocab_size < tokenizer.vocab_size:
+    """Every model's vocabulary (a preset's, or a checkpoint's ``config.json``) must hold every
+    tokenizer id: an id past the embedding table is garbage (NaN at best)."""
+    for role, m in spec.models.items():
+        if m.config is None or m.config.vocab_size >= tokenizer.vocab_size:
+            continue
+        if m.is_preset:
             raise ConfigError("jaxflow.model.vocab_size", f"{m.config.vocab_size} is smaller than the tokenizer's "
                                                           f"{tokenizer.vocab_size} ids")
+        raise ConfigError("jaxflow.data.tokenizer", f"the tokenizer has {tokenizer.vocab_size} ids but the {role} "
+                          f"model {m.path} has {m.config.vocab_size} vocabulary rows: ids past them have no "
+                          "embedding; use the model's own tokenizer (jaxflow.data.tokenizer=model)")

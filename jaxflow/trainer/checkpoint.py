@@ -14,7 +14,13 @@ Crash safety. Orbax writes a step to ``step_N.orbax-checkpoint-tmp-<t>/`` and re
 orbax never lists. On top of that we write ``jaxflow_checkpoint.json`` (tmp file + ``os.replace``)
 after orbax reports the step finished: a checkpoint is *complete* only with that marker, so a
 step directory that a non-atomic rename or copy left half-written is never resumed from. A
-writer removes incomplete steps when it opens the directory; a reader ignores them.
+writer removes orbax's tmp directories when it opens the directory and moves marker-less
+``step_N`` directories aside (``step_N.incomplete-<time>``); a reader ignores both.
+
+Nothing a user has is deleted except by the retention rule (``max_to_keep``, applied only after
+a newer step is complete): a fresh run (``resume_mode="disable"``) in a directory that holds
+checkpoints is refused, and steps that a run resumed from an earlier step would overwrite are
+moved aside (``step_N.abandoned-<time>``), never removed.
 
 Restoring reads each array straight into the sharding of its target
 (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``): every device reads only its shard, so a
@@ -40,6 +46,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
 from jaxflow.models.hf_io import CheckpointError
+from jaxflow.workers.train_state import tree_all_finite
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,22 @@ _FORMAT_VERSION = 1
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tree structure or shapes differ from the restore targets."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A complete checkpoint's files cannot be read (truncated, corrupted); names step and item."""
+
+    def __init__(self, message: str, *, step: int | None, item: str, reason: str):
+        super().__init__(message)
+        self.step, self.item, self.reason = step, item, reason
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause of an exception chain, as one line (orbax wraps the real error)."""
+    while e.__cause__ is not None or (e.__context__ is not None and not e.__suppress_context__):
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(e).split()) or type(e).__name__
+    return f"{type(e).__name__}: {text[:300]}"
 
 
 @dataclasses.dataclass
@@ -168,6 +191,14 @@ def check_tree_matches(stored: PyTree, target: PyTree, *, item: str, where: str)
                 f"checkpoint but the target expects {want}")
 
 
+_tree_all_finite = jax.jit(tree_all_finite)
+
+
+def all_finite(tree: PyTree) -> bool:
+    """True when no floating-point leaf of ``tree`` holds NaN or Inf (reduced on the devices)."""
+    return bool(_tree_all_finite(tree))
+
+
 def flatten_tree(tree: PyTree) -> tuple[dict[str, Any], Any]:
     """``({"params__layers__0__kernel": leaf, ...}, treedef)``: any pytree as one level of string
     keys, so items can hold trees orbax cannot name (e.g. ``nnx.State`` with the integer keys of
@@ -189,6 +220,20 @@ def _as_restore_target(tree: PyTree) -> PyTree:
         return x
 
     return jax.tree.map(leaf, tree)
+
+
+def _restore_items(path: Path, args: dict[str, Any]) -> dict[str, Any]:
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        return ckptr.restore(path, args=ocp.args.Composite(**args))
+
+
+def _readable(path: Path, name: str, arg: Any) -> bool:
+    """Whether item ``name`` of the step directory ``path`` restores on its own."""
+    try:
+        _restore_items(path, {name: arg})
+        return True
+    except Exception:  # noqa: BLE001
+        return False
 
 
 # ----------------------------------------------------------------------------- step directories
@@ -220,14 +265,15 @@ class CheckpointManager:
     """Saves and restores training state under ``directory`` (``step_N`` subdirectories).
 
     ``resume_mode`` follows verl: ``"disable"`` starts fresh (a directory that already holds
-    checkpoints is an error unless ``overwrite=True``, which deletes them), ``"auto"`` continues
+    checkpoints is an error: ``FileExistsError``; nothing is deleted), ``"auto"`` continues
     from the latest complete checkpoint if there is one, ``"resume_path"`` from the step
     directory ``resume_path`` (any directory; later saves still go to ``directory``).
 
     ``save`` writes a step when ``step % save_interval_steps == 0`` or ``force=True`` and keeps
-    the latest ``max_to_keep`` complete steps (None: all). A save at step N first deletes any
-    complete steps >= N in ``directory``: they belong to a run that was abandoned by resuming
-    from an earlier step. One process (group) writes a directory at a time; open it with
+    the latest ``max_to_keep`` complete steps (None: all). A save at step N first moves any
+    complete steps >= N in ``directory`` aside to ``step_M.abandoned-<time>``: they belong to a
+    run that was abandoned by resuming from an earlier step. One process (group) writes a
+    directory at a time; open it with
     ``read_only=True`` to read while another run writes.
     """
 
@@ -241,7 +287,6 @@ class CheckpointManager:
         resume_path: str | os.PathLike | None = None,
         async_save: bool = False,
         read_only: bool = False,
-        overwrite: bool = False,
     ):
         if resume_mode not in RESUME_MODES:
             raise ValueError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
@@ -259,6 +304,7 @@ class CheckpointManager:
         self.save_interval_steps = save_interval_steps
         self._async = async_save
         self._pending: list[tuple[int, list[str]]] = []  # saved by orbax, marker not yet written
+        self._broken = False  # a save was cut short
         self._primary = jax.process_index() == 0
 
         if not read_only:
@@ -266,14 +312,10 @@ class CheckpointManager:
             if self._primary:
                 self._remove_incomplete()
             if resume_mode == "disable" and self.all_steps():
-                if not overwrite:
-                    raise FileExistsError(
-                        f'resume_mode="disable" but {self.directory} already holds checkpoints '
-                        f"(steps {self.all_steps()}); use a new directory, resume_mode=\"auto\", "
-                        "or overwrite=True to delete them")
-                for step in self.all_steps():
-                    log.warning("resume_mode=disable with overwrite: deleting %s", self.step_dir(step))
-                    self._delete(step)
+                raise FileExistsError(
+                    f'resume_mode="disable" (a fresh run) but {self.directory} already holds checkpoints '
+                    f"(steps {self.all_steps()}); nothing was deleted. Continue them with resume_mode=\"auto\" "
+                    "or start the fresh run in another directory")
 
         self._mgr = None
         if not read_only:
@@ -352,9 +394,10 @@ class CheckpointManager:
         self.wait()
         superseded = [s for s in self.all_steps() if s >= step]
         if superseded:
-            log.warning("saving step %d: deleting checkpoints %s of an abandoned run", step, superseded)
             for s in superseded:
-                self._delete(s)
+                moved = self._move_aside(self.step_dir(s), "abandoned")
+                log.warning("saving step %d: moved checkpoint step %d of an abandoned run to %s (delete it "
+                            "when no longer needed)", step, s, moved)
             self._mgr.reload()
         host = host if host is not None else HostState()
         host_json = {
@@ -368,7 +411,12 @@ class CheckpointManager:
         }
         items = {name: ocp.args.StandardSave(flatten_tree(tree)[0]) for name, tree in arrays.items()}
         items[HOST_ITEM] = ocp.args.JsonSave(host_json)
-        if not self._mgr.save(step, args=ocp.args.Composite(**items), force=True):
+        try:
+            saved = self._mgr.save(step, args=ocp.args.Composite(**items), force=True)
+        except BaseException:  # Ctrl-C, disk full, ...: the step stays incomplete (no marker)
+            self._broken = True
+            raise
+        if not saved:
             raise RuntimeError(f"orbax declined to save step {step} in {self.directory}")
         self._pending.append((step, sorted(arrays)))
         if not self._async:
@@ -382,7 +430,11 @@ class CheckpointManager:
         """Block until background saves are on disk, then mark them complete."""
         if self._mgr is None:
             return
-        self._mgr.wait_until_finished()
+        try:
+            self._mgr.wait_until_finished()
+        except BaseException:
+            self._broken = True
+            raise
         pending, self._pending = self._pending, []
         for step, names in pending:
             path = self.step_dir(step)
@@ -410,14 +462,27 @@ class CheckpointManager:
             (path / MARKER).unlink(missing_ok=True)
             shutil.rmtree(path, ignore_errors=True)
 
+    def _move_aside(self, path: Path, why: str) -> Path:
+        """Renames ``path`` to ``<path>.<why>-<unix time>`` (never listed as a step); the new path."""
+        target = path.with_name(f"{path.name}.{why}-{int(time.time())}")
+        n = 1
+        while target.exists():
+            target = path.with_name(f"{path.name}.{why}-{int(time.time())}-{n}")
+            n += 1
+        if self._primary:
+            os.replace(path, target)
+        return target
+
     def _remove_incomplete(self) -> None:
+        """Removes orbax's tmp directories (debris of our own interrupted saves) and moves
+        marker-less step directories aside (they may hold data someone wants)."""
         for p in sorted(self.directory.iterdir()) if self.directory.is_dir() else []:
             if _TMP_RE.match(p.name) and p.is_dir():
                 log.warning("removing %s left by an interrupted save", p)
                 shutil.rmtree(p)
             elif step_of(p) is not None and p.is_dir() and not is_complete(p):
-                log.warning("removing incomplete checkpoint %s (no %s; an interrupted save)", p, MARKER)
-                shutil.rmtree(p)
+                moved = self._move_aside(p, "incomplete")
+                log.warning("moved incomplete checkpoint %s (no %s; an interrupted save) to %s", p, MARKER, moved)
             elif is_complete(p):  # an HF export cut short
                 for tmp in p.glob(f".{HF_ACTOR_DIR}.tmp-*"):
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -478,14 +543,22 @@ class CheckpointManager:
                 have = sorted(p.name for p in path.iterdir() if p.is_dir() and _ITEM_RE.match(p.name)
                               and p.name not in (HOST_ITEM, HF_ACTOR_DIR))
                 raise CheckpointMismatchError(f"{path}: no item {name!r} (has {have})")
-            meta = ocp.StandardCheckpointHandler().metadata(path / name)
+            try:
+                meta = ocp.StandardCheckpointHandler().metadata(path / name)
+            except Exception as e:  # noqa: BLE001 - any unreadable metadata is damage
+                raise self._damaged(path, name, e) from e
             check_tree_matches(meta.tree, target, item=name, where=str(path))
 
         args = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
         args[HOST_ITEM] = ocp.args.JsonRestore()
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-            out = ckptr.restore(path, args=ocp.args.Composite(**args))
-        raw = out[HOST_ITEM]
+        try:
+            out = _restore_items(path, args)
+            raw = out[HOST_ITEM]
+            if not isinstance(raw, Mapping) or "step" not in raw:
+                raise ValueError(f"the host state is not a JSON object with a step: {raw!r:.100}")
+        except Exception as e:  # noqa: BLE001 - find which item is damaged and say so in one line
+            item = next((name for name in args if not _readable(path, name, args[name])), "?")
+            raise self._damaged(path, item, e) from e
         host = HostState(
             data_loader=decode_json(raw.get("data_loader", {})),
             rng=decode_json(raw.get("rng")),
@@ -497,22 +570,55 @@ class CheckpointManager:
                   for name, (leaves, treedef) in flat.items()}
         return Restored(step=int(raw["step"]), arrays=arrays, host=host, path=path)
 
+    def _damaged(self, path: Path, item: str, error: BaseException) -> DamagedCheckpointError:
+        step = step_of(path)
+        others = [s for s in self.all_steps() if s != step]
+        fix = (f"resume from an earlier step ({', '.join(str(self.step_dir(s)) for s in others[-1:])}) or delete "
+               f"{path}" if others else f"delete {path} to start afresh")
+        reason = _root_cause(error)
+        return DamagedCheckpointError(f"checkpoint {path} is damaged: item {item!r} cannot be read ({reason}); {fix}",
+                                      step=step, item=item, reason=reason)
+
     def resume(self, targets: Mapping[str, PyTree]) -> Restored | None:
-        """Restore as ``resume_mode`` says, or None when the run starts fresh."""
+        """Restore as ``resume_mode`` says, or None when the run starts fresh.
+
+        ``"auto"`` skips a damaged checkpoint (files truncated or unreadable): it warns in one
+        line naming the step and the item, moves the step aside (``step_N.damaged-<time>``, so
+        later resumes do not trip on it again; nothing is deleted) and continues from the
+        previous complete step. ``"resume_path"`` raises :class:`DamagedCheckpointError`."""
         path = self.resume_dir()
-        if path is None:
-            return None
-        restored = self.restore(targets=targets, path=path)
-        log.info("resumed from %s (step %d)", path, restored.step)
-        return restored
+        while path is not None:
+            try:
+                restored = self.restore(targets=targets, path=path)
+            except DamagedCheckpointError as e:
+                if self.resume_mode != "auto" or self.read_only:
+                    raise
+                moved = self._move_aside(path, "damaged")
+                earlier = self.latest_step()
+                log.warning("skipping damaged checkpoint step %s (item %r cannot be read: %s); moved it to %s; "
+                            "%s", e.step, e.item, e.reason, moved,
+                            f"resuming from step {earlier}" if earlier is not None else "no earlier checkpoint: "
+                            "starting afresh")
+                path = None if earlier is None else self.step_dir(earlier)
+                continue
+            log.info("resumed from %s (step %d)", path, restored.step)
+            return restored
+        return None
 
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
-        if self._mgr is not None:
-            self.wait()
-            self._mgr.close()
-            self._mgr = None
+        """Finishes pending saves and stops orbax. After a save that was cut short (Ctrl-C, a
+        write error) nothing more is waited for or marked: that step stays incomplete and the
+        next writer removes it."""
+        if self._mgr is None:
+            return
+        if self._broken:  # orbax's threads may wait for the write that was cut short: leave them
+            self._pending, self._mgr = [], None
+            return
+        self.wait()
+        self._mgr.close()
+        self._mgr = None
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -1,10 +1,13 @@
-"""The non-finite rule: NaN or Inf in a loss, gradient or reward refuses that update (params
-unchanged); after K such steps in a row the run stops, leaving the last good checkpoint intact.
+"""The non-finite rule: NaN or Inf in a loss, gradient, reward or in the updated weights
+refuses that optimizer step (its params unchanged); after K bad steps in a row the run stops,
+leaving the last good checkpoint intact.
 
-The jitted update steps refuse the update themselves and report ``<role>/update_skipped``; the
-guard reads a step's metrics, says clearly what went wrong, counts bad steps in a row and raises
-``NonFiniteError`` at the K-th. While ``guard.healthy`` is False the trainer should not save a
-checkpoint, so the last good one stays the latest::
+The jitted update steps refuse an optimizer step themselves and report
+``<role>/update_skipped`` (1 per refused step; the trainer's metric is the mean over the PPO
+mini-batches, so 0.25 means one of four refused and three applied). The guard reads a step's
+metrics, says what went wrong and how much of the update was refused, counts bad steps in a
+row and raises ``NonFiniteError`` at the K-th. While ``guard.healthy`` is False the trainer does
+not save a checkpoint (and so prunes none), so the last good one stays the latest::
 
     guard = NonFiniteGuard(max_consecutive=3)
     for step in ...:
@@ -57,6 +60,13 @@ def skipped_keys(metrics: Mapping[str, Any]) -> list[str]:
     return sorted(out)
 
 
+def refused_fraction(value: Any) -> float:
+    """The share of refused optimizer steps in an ``update_skipped`` metric (per-step flags or
+    their mean); NaN counts as refused."""
+    flags = np.asarray(value, dtype=np.float64)
+    return float(np.mean(np.where(np.isnan(flags), 1.0, flags))) if flags.size else 0.0
+
+
 class NonFiniteGuard:
     """Counts consecutive bad steps; ``check`` returns True for a good step."""
 
@@ -88,9 +98,12 @@ class NonFiniteGuard:
         what = []
         if nonfinite:
             what.append("non-finite " + ", ".join(f"{k}={to_float(metrics[k])}" for k in nonfinite))
-        if skipped:
-            what.append("update skipped by " + ", ".join(s.rsplit("/", 1)[0] for s in skipped))
-        msg = (f"step {step}: update refused, params unchanged ({'; '.join(what)}); "
+        refused = [refused_fraction(metrics[k]) for k in skipped]
+        for key, frac in zip(skipped, refused):
+            role = key.rsplit("/", 1)[0]
+            what.append(f"{role} refused every optimizer step, its params unchanged" if frac >= 1 else
+                        f"{role} refused {frac:.0%} of its optimizer steps (the others applied)")
+        msg = (f"step {step}: {'; '.join(what)}; not saving checkpoints until a good step; "
                f"{self.consecutive} bad step(s) in a row, the run stops at {self.max_consecutive}")
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(

@@ -31,15 +31,16 @@ from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
-from jaxflow.rewards import RewardScorer
+from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer.builders import (
     abstract_like,
     build_dataset,
     check_vocab,
-    dataset_files,
+    dataset_sources,
+    describe_source,
     load_model,
 )
-from jaxflow.trainer.checkpoint import CheckpointManager, HostState
+from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, write_hf
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 
 CONSOLE_KEYS = {
     "critic/score/mean": "score",
+    "reward/num_errors": "reward_errors",
+    "reward/num_timeouts": "reward_timeouts",
     "val/score/mean": "val_score",
     "actor/reward_kl_penalty": "kl",
     "actor/ppo_kl": "ppo_kl",
@@ -84,10 +87,32 @@ class RLTrainer:
         t = cfg.trainer
         self.run_dir = checkpoint_dir(cfg)
         os.makedirs(self.run_dir, exist_ok=True)
+        # First, before anything is built or written: a fresh run refuses a directory that holds
+        # checkpoints (it never deletes them).
+        try:
+            self.ckpt = CheckpointManager(
+                self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
+                save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
+                resume_mode=t.resume_mode, resume_path=t.resume_from_path)
+        except FileExistsError as e:
+            raise ConfigError("trainer.resume_mode", f"is 'disable' (a fresh run) but {self.run_dir} already holds "
+                              f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
+                              "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
+                              "trainer.default_local_dir to another directory") from e
+        # Then the user's reward function, imported in a worker under a time limit: a file that
+        # hangs or fails at import, or a wrong signature, stops the run before anything is built.
+        self.scorer = self._build_scorer()
         self.tokenizer = build_tokenizer(cfg)
-        train_files, val_files = dataset_files(cfg, self.run_dir)
-        self.train_data = build_dataset(cfg, train_files, self.tokenizer)
-        self.val_data = build_dataset(cfg, val_files, self.tokenizer)
+        train, val = dataset_sources(cfg)
+        self.train_data = build_dataset(cfg, train, self.tokenizer)
+        self.val_data = build_dataset(cfg, val, self.tokenizer)
+        if not cfg.custom_reward_function.path:  # the built-in scorers compare one string or number
+            for data in (self.train_data, self.val_data):
+                data.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
+                                         "with one string or number; fix the data or use a custom reward function "
+                                         "(custom_reward_function.path)")
+        print(f"data: train = {describe_source(train, self.train_data)}; "
+              f"validation = {describe_source(val, self.val_data)}", flush=True)
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
         self.backend = None
@@ -115,13 +140,17 @@ class RLTrainer:
         self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
-        self.ckpt = CheckpointManager(
-            self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
-            save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
-            resume_mode=t.resume_mode, resume_path=t.resume_from_path,
-            overwrite=t.resume_mode == "disable")
 
     # ------------------------------------------------------------------ construction
+
+    def _build_scorer(self) -> RewardScorer:
+        fn, r = self.cfg.custom_reward_function, self.cfg.jaxflow.reward
+        try:
+            return RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name, timeout_s=r.timeout_s,
+                                batch_timeout_s=r.batch_timeout_s, load_timeout_s=r.load_timeout_s,
+                                max_failure_fraction=r.max_failure_fraction)
+        except (RewardFunctionError, ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
+            raise ConfigError("custom_reward_function", str(e)) from e
 
     def _build_workers(self, actor_params: Any = None):
         spec, p = self.spec, self.placement
@@ -136,25 +165,19 @@ class RLTrainer:
 
         actor = model("actor") if actor_params is None else actor_params
         self.actor_graphdef = actor[0]
-        r = spec.reward
-        try:
-            scorer = RewardScorer(custom_reward_path=r.custom_function_path, custom_reward_name=r.custom_function_name,
-                                  timeout_s=r.timeout_s)
-        except (ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
-            raise ConfigError("custom_reward_function", str(e)) from e
         build = build_local_workers if self.backend is None else self.backend.build_workers
         return build(
             p, actor=actor, ref=actor if "ref" in spec.roles else None,
             critic=model("critic") if "critic" in spec.roles else None,
             reward_model=model("reward") if "reward" in spec.roles else None,
             cost_model=model("cost") if "cost" in spec.roles else None,
-            rule_reward=RuleRewardWorker(self.tokenizer, scorer),
+            rule_reward=RuleRewardWorker(self.tokenizer, self.scorer),
             actor_config=spec.actor, critic_config=spec.critic, rollout=spec.rollout,
             ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
-            reward_micro_batch_size_per_device=r.micro_batch_size_per_device,
+            reward_micro_batch_size_per_device=spec.reward.micro_batch_size_per_device,
             ref_use_remove_padding=spec.ref_use_remove_padding,
             ref_max_token_len_per_device=spec.ref_max_token_len_per_device,
-            reward_use_remove_padding=r.use_remove_padding)
+            reward_use_remove_padding=spec.reward.use_remove_padding)
 
     def close(self) -> None:
         """Stops the worker processes of the Ray backend (nothing to do locally)."""
@@ -170,10 +193,17 @@ class RLTrainer:
         return states
 
     def save(self, step: int, history: list[dict[str, float]]) -> None:
+        """Checkpoint ``step``; refuses (``NonFiniteError``) train states holding NaN or Inf, so a
+        non-finite state never replaces, or prunes, a good checkpoint."""
+        states = self._train_states()
+        bad = [name for name, state in states.items() if not all_finite(state.params)]
+        if bad:
+            raise NonFiniteError(f"step {step}: the {' and '.join(bad)} parameters hold NaN or Inf; not saving them "
+                                 f"(latest good checkpoint: step {self.ckpt.latest_step()})")
         host = HostState(data_loader=self.loader.state_dict(), metrics_tail=history[-5:],
                          extra={"step": step, "algo_state": self.algo_state.state_dict(),
                                 "guard": self.guard.state_dict()})
-        self.ckpt.save(step, self._train_states(), host, force=True)
+        self.ckpt.save(step, states, host, force=True)
         if self.cfg.trainer.save_hf:
             self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
 
@@ -322,13 +352,17 @@ class RLTrainer:
                 if t.test_freq > 0 and (step % t.test_freq == 0 or last):
                     metrics.update(self.validate())
                 try:
-                    self.guard.check(metrics, step)
+                    healthy = self.guard.check(metrics, step)
                 except NonFiniteError:
                     logger.log(metrics, step)
                     raise
                 logger.log(metrics, step)
                 history.append({"step": step, **metrics})
                 if t.save_freq > 0 and (step % t.save_freq == 0 or last):
-                    self.save(step, history)
+                    if healthy:
+                        self.save(step, history)
+                    else:  # nothing saved, so nothing pruned: the last good checkpoint stays the latest
+                        print(f"step {step}: not saving a checkpoint after a refused update (latest good "
+                              f"checkpoint: step {self.ckpt.latest_step()})", flush=True)
         finally:
             logger.close()

@@ -54,6 +54,12 @@ def greedy_accuracy(graphdef, params, task, tokenizer, cfg: ConfigDict, n: int =
     return float(np.mean([t.strip() == row["response"] for t, row in zip(texts, rows)]))
 
 
+def sft_run_dir(cfg: ConfigDict) -> str:
+    """Where an sft job logs: ``<output_dir>_run`` beside its checkpoint."""
+    out = cfg.jaxflow.sft.output_dir
+    return os.path.join(os.path.dirname(os.path.abspath(out)), f"{os.path.basename(out)}_run")
+
+
 def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
     """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint (+ tokenizer).
     Returns the final metrics and the trained ``(graphdef, params)``, still on the actor's
@@ -77,7 +83,7 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
                               batch_ndims={key: 2 for key in PROMPT_KEYS}, num_micro=k)
 
     t = cfg.trainer
-    run_dir = os.path.join(os.path.dirname(os.path.abspath(s.output_dir)), f"{os.path.basename(s.output_dir)}_run")
+    run_dir = sft_run_dir(cfg)
     logger = MetricsLogger(run_dir, backends=tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
                            config=cfg.to_dict(), console_keys={"sft/loss": "loss", "sft/val_accuracy": "val_acc",
                                                                "timing_s/step": "step_s"},

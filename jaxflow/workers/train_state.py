@@ -5,9 +5,14 @@ step out::
 
     grads  = sum_j  d loss(micro_j) / d params          (lax.scan over k micro-batches)
     norm   = ||grads||_2                                 (global norm, before clipping)
-    ok     = isfinite(loss) and isfinite(norm)
-    params, opt_state, step = update(...)   if ok
+    new    = update(params, opt_state, grads)
+    ok     = isfinite(loss) and isfinite(norm) and isfinite(every float of new params, opt_state)
+    params, opt_state, step = new           if ok
                               unchanged     otherwise    (update_skipped = 1)
+
+The last condition catches a finite gradient whose step overflows (a huge learning rate, an
+Adam denominator underflowing): non-finite weights are never written, so they can never be
+saved in a checkpoint either.
 
 Every micro-batch loss is aggregated with the *mini-batch's* normalisers
 (`jaxflow.algos.global_batch_info`: total valid tokens / sequences, ``dp_size=1`` because the
@@ -143,9 +148,9 @@ def make_train_step(
                 (loss, aux, grads), _ = jax.lax.scan(body, zeros, micros)
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
             grad_norm = optax.tree.norm(grads)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
             updates, opt_state = tx.update(grads, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & tree_all_finite((params, opt_state))
 
             def keep(new, old):
                 return jnp.where(finite, new, old)
@@ -169,6 +174,16 @@ def make_train_step(
         out_shardings=(state_shardings, replicated),
         donate_argnames=("state",),
     )
+
+
+def tree_all_finite(tree: Any) -> Array:
+    """Scalar bool: no floating-point leaf of ``tree`` holds NaN or Inf (integer leaves, such
+    as optimizer counts, are always finite)."""
+    ok = jnp.bool_(True)
+    for x in jax.tree.leaves(tree):
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            ok &= jnp.all(jnp.isfinite(x))
+    return ok
 
 
 def _batch_axes(rules: Rules, mesh: Mesh) -> Any:
