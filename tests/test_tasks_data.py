@@ -368,17 +368,16 @@ def test_tokenize_sft_examples(char_tok):
         ds.tokenize_sft_examples(rows, char_tok, max_prompt_length=3, max_response_length=5)
 
 
-def test_the_default_run_validates_on_200_distinct_held_out_problems(tmp_path):
+def test_the_default_run_validates_on_200_distinct_held_out_problems():
     """The default config's validation set: at least 200 distinct problems, none of them in
-    its training set (the files the run itself writes and reads)."""
+    its training set (the splits the run itself builds)."""
     from jaxflow import configs
-    from jaxflow.data.dataset import read_rows
-    from jaxflow.trainer.builders import dataset_files
+    from jaxflow.trainer.builders import dataset_sources
 
     cfg = configs.get_config(configs.DEFAULT_CONFIG)
-    train_files, val_files = dataset_files(cfg, str(tmp_path))
-    train = {row["extra_info"]["question"] for f in train_files for row in read_rows(f)}
-    val = [row["extra_info"]["question"] for f in val_files for row in read_rows(f)]
+    train_source, val_source = dataset_sources(cfg)
+    train = {row["extra_info"]["question"] for row in train_source.rows()}
+    val = [row["extra_info"]["question"] for row in val_source.rows()]
     assert len(set(val)) >= 200 and len(set(val)) == len(val)
     assert not set(val) & train
     assert len(train) >= 600  # the rest of the 1000 strings, all seen in training

@@ -73,6 +73,7 @@ class RewardSpec:
     custom_function_path: str | None
     custom_function_name: str
     timeout_s: float
+    use_remove_padding: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +88,8 @@ class RunSpec:
       actor: the policy update (mini- and micro-batches in responses, the log-prob forward's
         micro-batch, the optimizer sized by ``actor_optimizer_steps``).
       rollout: training and validation `SamplingParams` side by side.
-      ref_micro_batch_size_per_device: the reference log-prob forward's micro-batch.
+      ref_micro_batch_size_per_device: the reference log-prob forward's micro-batch;
+        ``ref_use_remove_padding`` / ``ref_max_token_len_per_device``: its packed forward.
       critic: the value update (None without a critic).
       reward: the reward model / rule scorer settings (the cost model shares the reward
         model's forward micro-batch).
@@ -115,6 +117,8 @@ class RunSpec:
     training_steps: int
     critic_warmup: int
     seed: int
+    ref_use_remove_padding: bool = False
+    ref_max_token_len_per_device: int | None = None
 
     @property
     def n(self) -> int:
@@ -192,6 +196,10 @@ def actor_config(cfg: ConfigDict, steps: int) -> ActorConfig:
         entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
         log_prob_micro_batch_size_per_device=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device,
+        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+        ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
+        log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
+        log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
         optim=_optim(a, optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
                      cfg.jaxflow.optim.state_dtype))
 
@@ -205,6 +213,9 @@ def critic_config(cfg: ConfigDict, steps: int) -> CriticConfig:
         ppo_epochs=c.ppo_epochs, shuffle=c.shuffle, seed=cfg.trainer.seed,
         cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
         forward_micro_batch_size_per_device=c.forward_micro_batch_size_per_device,
+        use_remove_padding=c.model.use_remove_padding, use_dynamic_bsz=c.use_dynamic_bsz,
+        ppo_max_token_len_per_device=c.ppo_max_token_len_per_device,
+        forward_max_token_len_per_device=c.forward_max_token_len_per_device,
         optim=_optim(c, optimizer_steps(steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs),
                      cfg.jaxflow.optim.state_dtype))
 
@@ -241,7 +252,8 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
         safe_rlhf=SafeRLHFConfig(
             enable=s.enable, cost_model_path=s.cost_model_path, cost_rule=s.cost_rule,
             forbidden_chars=s.forbidden_chars, cost_threshold=s.cost_threshold, lambda_init=s.lambda_init,
-            lambda_lr=s.lambda_lr, lambda_update_scale=s.lambda_update_scale, lambda_max=s.lambda_max))
+            lambda_lr=s.lambda_lr, lambda_update_scale=s.lambda_update_scale, lambda_max=s.lambda_max),
+        balance_batch=cfg.trainer.balance_batch)
 
 
 def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
@@ -277,8 +289,11 @@ def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_t
         reward=RewardSpec(model="reward" in roles, micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
                           custom_function_path=cfg.custom_reward_function.path,
                           custom_function_name=cfg.custom_reward_function.name,
-                          timeout_s=cfg.jaxflow.reward.timeout_s),
+                          timeout_s=cfg.jaxflow.reward.timeout_s,
+                          use_remove_padding=cfg.reward_model.model.use_remove_padding),
         algorithm=algorithm_settings(cfg),
         prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
         train_batch_size=cfg.data.train_batch_size, training_steps=steps, critic_warmup=cfg.trainer.critic_warmup,
-        seed=cfg.trainer.seed)
+        seed=cfg.trainer.seed, ref_use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
+        ref_max_token_len_per_device=(cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_device
+                                      if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz else None))

@@ -218,6 +218,21 @@ def _check_ranges(c: _Checker) -> None:
                 "jaxflow.ray.max_restarts",
                 "jaxflow.trainer.max_nonfinite_steps", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"):
         c.at_least(key, 0)
+    row = cfg.data.max_prompt_length + cfg.data.max_response_length
+    for flag, budget, padding in (
+        (f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_device", "actor_rollout_ref.model"),
+        (f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_device",
+         "actor_rollout_ref.model"),
+        ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_device",
+         "actor_rollout_ref.model"),
+        ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_device", "critic.model"),
+        ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_device", "critic.model"),
+    ):
+        if get_value(cfg, flag):
+            c.check(get_value(cfg, f"{padding}.use_remove_padding"), flag,
+                    f"dynamic micro-batches need {padding}.use_remove_padding=True (token budgets pack rows)")
+            c.check(get_value(cfg, budget) >= row, budget,
+                    f"must hold one padded row: >= max_prompt_length + max_response_length = {row} tokens")
     for key in ("jaxflow.ray.cpus_per_host", "jaxflow.ray.compile_deadline_s", "jaxflow.ray.step_deadline_s",
                 "jaxflow.ray.sync_deadline_s", "jaxflow.ray.schedule_timeout_s"):
         c.positive(key)

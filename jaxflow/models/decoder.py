@@ -238,10 +238,14 @@ class Decoder(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
 
     def __call__(self, input_ids_BxL, attention_mask_BxL=None, positions_BxL=None,
-                 cache: KVCache | None = None, cache_index=None, kv_mask_BxS=None, inputs_embeds_BxLxD=None):
+                 cache: KVCache | None = None, cache_index=None, kv_mask_BxS=None, inputs_embeds_BxLxD=None,
+                 segment_ids_BxL=None):
         """Hidden states [B, L, D] after the final norm, and the updated cache (or None).
 
-        Without a cache, tokens attend causally to the real tokens of their row. With a cache
+        Without a cache, tokens attend causally to the real tokens of their row. With
+        ``segment_ids_BxL`` (packed rows, `jaxflow.workers.packing`: 0 = empty slot) a token
+        attends only to earlier tokens of its own segment; ``attention_mask_BxL`` is then
+        ``segment_ids > 0`` and ``positions_BxL`` must be given (per segment). With a cache
         of S slots, the L new tokens are written at slots [cache_index, cache_index + L) and
         attend to every slot j <= their own whose ``kv_mask_BxS`` is set (the caller marks
         the new slots real before calling). ``inputs_embeds_BxLxD``, when given, replaces the
@@ -260,6 +264,10 @@ class Decoder(nnx.Module):
             x = constrain(x, ("batch", "length", "embed"))
             x, cache = self._run_layers(x, positions_BxL, cache.attend, cache, None)
             return self.norm(x), cache
+        if segment_ids_BxL is not None:
+            if cache is not None or positions_BxL is None:
+                raise ValueError("packed segments need per-segment positions and no KV cache")
+            attention_mask_BxL = segment_ids_BxL > 0
         if attention_mask_BxL is None:
             attention_mask_BxL = jnp.ones((B, L), jnp.int32)
         if positions_BxL is None:
@@ -274,6 +282,8 @@ class Decoder(nnx.Module):
         if cfg.sliding_window is not None:
             allowed_LxS &= q_slots[:, None] - k_slots[None, :] < cfg.sliding_window
         mask_BxLxS = allowed_LxS[None, :, :] & key_valid.astype(bool)[:, None, :]
+        if segment_ids_BxL is not None:
+            mask_BxLxS &= segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
 
         if inputs_embeds_BxLxD is None:
             inputs_embeds_BxLxD = jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0)
@@ -340,8 +350,8 @@ class CausalLM(nnx.Module):
             logits = jnp.einsum("BLD,DV->BLV", hidden_BxLxD.astype(dt), self.lm_head[...].astype(dt))
         return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
 
-    def __call__(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:
-        hidden, _ = self.model(input_ids_BxL, attention_mask, positions)
+    def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+        hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         return self.logits(hidden)
 
     def forward_with_cache(self, input_ids_BxL, positions_BxL, kv_mask_BxS, cache: KVCache, cache_index):
@@ -363,8 +373,8 @@ class ValueModel(nnx.Module):
         self.score = _param(rngs, _zeros, (cfg.hidden_size, 1), ("embed", None), cfg.param_dtype)
         self.score_bias = _param(rngs, _zeros, (1,), (None,), cfg.param_dtype)
 
-    def __call__(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:
-        hidden, _ = self.model(input_ids_BxL, attention_mask, positions)
+    def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+        hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         values = jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.score[...].astype(jnp.float32))
         return values[..., 0] + self.score_bias[...].astype(jnp.float32)[0]
 
@@ -378,8 +388,8 @@ class RewardModel(nnx.Module):
         self.model = Decoder(cfg, rngs)
         self.score = _param(rngs, _normal, (cfg.hidden_size, 1), ("embed", None), cfg.param_dtype)
 
-    def token_scores(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:
-        hidden, _ = self.model(input_ids_BxL, attention_mask, positions)
+    def token_scores(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
+        hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         return jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.score[...].astype(jnp.float32))[..., 0]
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:

@@ -17,8 +17,11 @@ reference (needed for the in-reward KL penalty or the actor's KL loss). Everythi
 
 from __future__ import annotations
 
+import inspect
+
+from jaxflow.algos.advantages import get_adv_estimator_fn
 from jaxflow.algos.kl import get_kl_controller
-from jaxflow.algos.settings import AlgorithmSettings
+from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings
 from jaxflow.data.batch import Batch
 from jaxflow.programs import steps
 from jaxflow.programs.batch_ops import compute_data_metrics
@@ -44,8 +47,19 @@ def ppo_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, kl_ct
     if algo.use_kl_in_reward and kl_ctrl is None:
         kl_ctrl = get_kl_controller(algo.kl_ctrl)
     timer = steps.StepTimer()
-    batch = steps.rollout(w, prompts, timer, step=step)  # gen, old_log_prob, ref, values, reward
+    # gen, old_log_prob (only when the advantages need it: the update gets it itself), ref, values, reward
+    batch = steps.rollout(w, prompts, timer, step=step, old_log_probs=needs_old_log_probs(algo),
+                          balance=settings.balance_batch)
     batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
+    metrics |= batch.meta.get("balance_metrics", {})
     return metrics | compute_data_metrics(batch) | timer.metrics()
+
+
+def needs_old_log_probs(algo: AlgorithmConfig) -> bool:
+    """Whether the rollout must score ``old_log_probs`` before the advantages: for the
+    in-reward KL penalty, or an estimator that reads them. Otherwise the actor's update
+    takes them from its own forward (on-policy) or computes them itself."""
+    estimator = get_adv_estimator_fn(algo.adv_estimator)
+    return bool(algo.use_kl_in_reward) or "old_log_probs" in inspect.signature(estimator).parameters

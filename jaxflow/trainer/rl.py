@@ -176,7 +176,10 @@ class RLTrainer:
             rule_reward=RuleRewardWorker(self.tokenizer, self.scorer),
             actor_config=spec.actor, critic_config=spec.critic, rollout=spec.rollout,
             ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
-            reward_micro_batch_size_per_device=spec.reward.micro_batch_size_per_device)
+            reward_micro_batch_size_per_device=spec.reward.micro_batch_size_per_device,
+            ref_use_remove_padding=spec.ref_use_remove_padding,
+            ref_max_token_len_per_device=spec.ref_max_token_len_per_device,
+            reward_use_remove_padding=spec.reward.use_remove_padding)
 
     def close(self) -> None:
         """Stops the worker processes of the Ray backend (nothing to do locally)."""

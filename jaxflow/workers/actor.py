@@ -29,13 +29,15 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 
-from jaxflow.algos import agg_loss, compute_entropy_from_logits, compute_policy_loss, kl_penalty, masked_sum
+from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_micro_batches, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy, response_logits, token_log_probs
+from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward,
+                                  row_program)
+from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
+from jaxflow.workers.packing import PACKED_KEYS, pack_minibatch
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
 from jaxflow.workers.protocols import DP_COMPUTE, register
@@ -85,6 +87,12 @@ class ActorConfig:
         ``ref_log_prob`` column.
       log_prob_micro_batch_size_per_device: micro-batch of the log-prob forward (memory).
       log_prob_entropy: `ActorWorker.log_probs` also returns ``entropys``.
+      use_remove_padding: log-prob and update forwards run over packed real tokens
+        (`jaxflow.workers.packing`), same values as the padded rows.
+      use_dynamic_bsz: (with remove padding) update micro-batches hold at most
+        ``ppo_max_token_len_per_device`` tokens per device instead of a fixed row count;
+        ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_device``: the same for
+        the log-prob forward.
       optim: optimizer and schedule (read when the worker is built).
     """
 
@@ -106,6 +114,11 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     log_prob_micro_batch_size_per_device: int | None = None
     log_prob_entropy: bool = False
+    use_remove_padding: bool = False
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_device: int = 16384
+    log_prob_use_dynamic_bsz: bool = False
+    log_prob_max_token_len_per_device: int = 16384
     optim: OptimConfig = OptimConfig()
 
     def loss_key(self) -> tuple:
@@ -114,9 +127,25 @@ class ActorConfig:
                 self.loss_scale_factor, self.policy_loss_kwargs, self.entropy_coeff, self.use_kl_loss,
                 self.kl_loss_coef, self.kl_loss_type)
 
-    def update_keys(self) -> tuple[str, ...]:
-        keys = PROMPT_KEYS + ("old_log_probs", "advantages")
+    def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
+        """The columns an update reads; ``on_policy``: without ``old_log_probs`` (they come
+        from the update's own forward)."""
+        keys = PROMPT_KEYS + (() if on_policy else ("old_log_probs",)) + ("advantages",)
         return keys + ("ref_log_prob",) if self.use_kl_loss else keys
+
+    def is_on_policy(self, rows: int) -> bool:
+        """One optimizer step per rollout of ``rows`` responses: the policy that sampled is
+        the one the step differentiates, so ``old_log_probs = stop_gradient(log_probs)``."""
+        return self.ppo_epochs == 1 and self.ppo_mini_batch_size == rows
+
+    def train_columns(self, on_policy: bool = False) -> dict[str, int]:
+        """The train step's columns and their ranks: padded ``[rows, length]``, or with remove
+        padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`, all rank 3)."""
+        keys = self.update_keys(on_policy)
+        if not self.use_remove_padding:
+            return {c: 2 for c in keys}
+        rows = [c for c in keys if c not in ("prompt_ids", "prompt_mask", "responses")]
+        return {c: 3 for c in (*rows, *PACKED_KEYS)}
 
 
 def actor_loss(cfg: ActorConfig):
@@ -125,16 +154,16 @@ def actor_loss(cfg: ActorConfig):
 
     def loss_fn(model, micro, gbi, scalars):
         mask = micro["response_mask"]
-        logits_BxRxV = response_logits(model, micro, scalars["temperature"])
-        log_prob = token_log_probs(logits_BxRxV, micro["responses"])
+        log_prob, entropy = log_probs_and_entropy(model, micro, scalars["temperature"])
+        # On-policy (no old_log_probs column): the sampling policy is this one, detached.
+        old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro else lax.stop_gradient(log_prob)
         pg_loss, pg = compute_policy_loss(
-            micro["old_log_probs"], log_prob, micro["advantages"], mask,
+            old_log_prob, log_prob, micro["advantages"], mask,
             loss_mode=cfg.loss_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
             clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, global_batch_info=gbi,
             **dict(cfg.policy_loss_kwargs),
         )
         agg_kw = {k: gbi[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")}
-        entropy = compute_entropy_from_logits(logits_BxRxV)
         if cfg.entropy_coeff == 0:
             entropy = lax.stop_gradient(entropy)
         entropy_agg = agg_loss(entropy, mask, cfg.loss_agg_mode, **agg_kw)
@@ -158,11 +187,10 @@ def actor_loss(cfg: ActorConfig):
     return loss_fn
 
 
-def log_probs_program(layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs",
-                      with_entropy: bool = False):
-    """``jit(params, tensors, {"temperature": T}) -> {output_key: [B, R]}`` (and ``entropys``):
-    ``log_softmax(logits / T)`` of the responses, 0 on padding, in ``num_micro`` micro-batches
-    (`row_program`). The actor's old log-probs and the reference's ``ref_log_prob``."""
+def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
+    """``fn(model, tensors, {"temperature": T}) -> {output_key: [B, R]}`` (and ``entropys``):
+    ``log_softmax(logits / T)`` of the responses, 0 on padding, from padded rows or a packed
+    micro-batch."""
 
     def fn(model, t, scalars):
         lp, ent = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=with_entropy)
@@ -172,18 +200,27 @@ def log_probs_program(layout: RoleLayout, num_micro: int, *, output_key: str = "
             out["entropys"] = jnp.where(m, ent, 0.0)
         return out
 
-    return row_program(layout, fn, num_micro)
+    return fn
+
+
+def log_probs_program(layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs",
+                      with_entropy: bool = False):
+    """`log_probs_fn` over padded rows in ``num_micro`` micro-batches (`row_program`): the
+    actor's old log-probs and the reference's ``ref_log_prob``."""
+    return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro)
 
 
 def actor_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: ActorConfig, state_shardings: Any,
-                     num_micro: int):
+                     num_micro: int, *, on_policy: bool = False):
     """The actor's jitted optimizer step (`make_train_step` with `actor_loss`) on a mini-batch
-    of the columns ``config.update_keys()`` (all ``[rows, length]``) and the scalar
-    ``temperature``, in ``num_micro`` micro-batches."""
+    of the columns ``config.train_columns(on_policy)`` and the scalar ``temperature``: padded
+    rows in ``num_micro`` micro-batches, or (remove padding) packed micro-batches."""
+    packed = config.use_remove_padding
     return make_train_step(
         layout.graphdef, tx, schedule, actor_loss(config), mesh=layout.mesh, rules=layout.rules,
-        state_shardings=state_shardings, batch_ndims={c: 2 for c in config.update_keys()},
-        scalar_names=("temperature",), num_micro=num_micro, loss_scale_factor=config.loss_scale_factor)
+        state_shardings=state_shardings, batch_ndims=config.train_columns(on_policy),
+        scalar_names=("temperature",), num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor, presplit=packed)
 
 
 class ActorWorker(TrainableWorker):
@@ -260,9 +297,15 @@ class ActorWorker(TrainableWorker):
     def log_probs(self, batch: Batch) -> Batch:
         """``old_log_probs`` [B, R] (0 on padding) of the responses under the current policy
         (and ``entropys`` with ``config.log_prob_entropy``)."""
+        cfg = self.config
+        temperature = np.float32(batch.meta.get("temperature", self.rollout.train.temperature))
+        if cfg.use_remove_padding:
+            return packed_forward(
+                self, "log_probs", batch, log_probs_fn(with_entropy=cfg.log_prob_entropy), {"temperature": temperature},
+                max_token_len=cfg.log_prob_max_token_len_per_device if cfg.log_prob_use_dynamic_bsz else None,
+                rows_per_micro=cfg.log_prob_micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
         program = self.log_probs_program(len(batch))
-        temperature = np.float32(batch.meta.get("temperature", self.rollout.train.temperature))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
 
     def log_probs_program(self, rows: int):
@@ -272,27 +315,43 @@ class ActorWorker(TrainableWorker):
             self.layout, k, with_entropy=self.config.log_prob_entropy))
 
     # ------------------------------------------------------------------ update
-    def train_program(self, mini_batch_rows: int):
+    def train_program(self, mini_batch_rows: int, on_policy: bool = False):
         """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
         (`actor_train_step`)."""
-        k = num_micro_batches(mini_batch_rows, self.config.ppo_micro_batch_size_per_device, self.dp_size,
-                              "actor mini-batch")
-        return self._compiled(("update", k, self.config.loss_key()), lambda: actor_train_step(
-            self.layout, self.tx, self.schedule, self.config, self.state_shardings, k))
+        cfg = self.config
+        k = 1 if cfg.use_remove_padding else num_micro_batches(
+            mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "actor mini-batch")
+        return self._compiled(("update", k, on_policy, cfg.loss_key()), lambda: actor_train_step(
+            self.layout, self.tx, self.schedule, cfg, self.state_shardings, k, on_policy=on_policy))
+
+    def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
+        """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
+        cfg = self.config
+        rows = {n: v[idx] for n, v in host.items()}
+        if not cfg.use_remove_padding:
+            return self.put(rows)
+        return self.put_presplit(pack_minibatch(
+            rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
     @register(DP_TRAIN)
     def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
-        """PPO epochs over shuffled mini-batches, one optimizer step each. Needs
-        ``old_log_probs`` and ``advantages`` (and ``ref_log_prob`` with the KL loss).
-        ``step``: the training step, which seeds the shuffle (None: this worker's call
-        count). Returns each metric's values, one per step."""
+        """PPO epochs over shuffled mini-batches, one optimizer step each. Needs ``advantages``
+        (and ``ref_log_prob`` with the KL loss) and ``old_log_probs``; without them an
+        on-policy update (`ActorConfig.is_on_policy`) takes them from its own forward
+        (detached), any other computes them first. ``step``: the training step, which seeds
+        the shuffle (None: this worker's call count). Returns each metric's values, one per
+        step."""
         cfg = self.config
-        keys = cfg.update_keys()
+        on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
+        if "old_log_probs" not in batch and not on_policy and "response_mask" in batch:
+            batch = batch | self.log_probs(batch).select(["old_log_probs"])
+        keys = cfg.update_keys(on_policy)
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"ActorWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
         host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
-        train_step = self.train_program(cfg.ppo_mini_batch_size)
+        train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
         scalars = {"temperature": np.float32(batch.meta.get("temperature", self.rollout.train.temperature))}
         index = step
         if index is None:
@@ -301,7 +360,7 @@ class ActorWorker(TrainableWorker):
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = train_step(self.state, self.put({n: v[idx] for n, v in host.items()}), scalars)
+            self.state, metrics = train_step(self.state, self._minibatch(host, idx), scalars)
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
@@ -317,5 +376,6 @@ class ActorWorker(TrainableWorker):
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
         t = self.rollout.train.temperature if temperature is None else temperature
-        self.state, metrics = step(self.state, self.put(minibatch, keys), {"temperature": np.float32(t)})
+        host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
+        self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {"temperature": np.float32(t)})
         return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -32,7 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules, get_rules, logical_to_spec, sharding_rules, state_shardings
 from jaxflow.models import HEADS, from_pretrained
-from jaxflow.workers.forward import map_micro
+from jaxflow.workers.forward import PROMPT_KEYS, map_micro
+from jaxflow.workers.packing import gather_rows, pack_inputs, plan_packing, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
 from jaxflow.workers.train_state import TrainState, create_train_state
 
@@ -162,6 +163,12 @@ class RoleWorker:
             out[k] = jax.device_put(x, self.row_sharding(x.ndim))
         return out
 
+    def put_presplit(self, tensors: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Columns already cut into micro-batches (``[k, rows, ...]``) on this role's mesh,
+        dimension 1 over the data-parallel axes."""
+        return {k: jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(None, self.batch_axes)))
+                for k, x in tensors.items()}
+
     def _compiled(self, key: Any, build) -> Any:
         """A jitted program built once per key (e.g. the set of input columns)."""
         if key not in self._programs:
@@ -211,6 +218,37 @@ def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str
             f"{dp_size} data-parallel devices = {size}"
         )
     return rows // size
+
+
+def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict]):
+    """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, micro, scalars)`` over
+    the ``k`` micro-batches of a packed batch (every column ``[k, ...]``, dimension 1 over the
+    data-parallel axes; `jaxflow.workers.packing`), one after the other. One compile per
+    shape bucket."""
+    rows = NamedSharding(layout.mesh, PartitionSpec(None, layout.batch_axes))
+    graphdef, mesh, rules = layout.graphdef, layout.mesh, layout.rules
+
+    def run(params, tensors, scalars):
+        with sharding_rules(rules, mesh):
+            model = nnx.merge(graphdef, params)
+            return jax.lax.map(lambda t: fn(model, t, scalars), tensors)
+
+    return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)
+
+
+def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Mapping[str, Any], *,
+                   max_token_len: int | None, rows_per_micro: int | None) -> Batch:
+    """``fn(model, micro, scalars) -> {column: [b, R]}`` over ``batch`` packed without padding
+    (micro-batches of at most ``max_token_len`` tokens per device, or ``rows_per_micro`` rows
+    per device), the outputs scattered back to the batch's row order (host arrays)."""
+    host = {k: np.asarray(jax.device_get(batch[k])) for k in PROMPT_KEYS}
+    layout = plan_packing(host["prompt_mask"], host["response_mask"], ranks=worker.dp_size,
+                          max_token_len=max_token_len, rows_per_micro=rows_per_micro)
+    tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
+    tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
+    program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn))
+    out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
+    return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})
 
 
 def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1):

@@ -26,10 +26,11 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
+from jaxflow.workers.packing import PACKED_KEYS, pack_minibatch
 from jaxflow.workers.protocols import DP_COMPUTE, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
 
@@ -44,6 +45,10 @@ class CriticConfig:
       cliprange_value: ``eps_v``.
       loss_agg_mode, loss_scale_factor: aggregation of the value loss.
       forward_micro_batch_size_per_device: micro-batch of the `CriticWorker.values` forward.
+      use_remove_padding: value and update forwards over packed real tokens
+        (`jaxflow.workers.packing`); ``use_dynamic_bsz``: then micro-batches of at most
+        ``ppo_max_token_len_per_device`` (update) / ``forward_max_token_len_per_device``
+        (values) tokens per device instead of fixed row counts.
       optim: optimizer and schedule (read when the worker is built).
     """
 
@@ -56,6 +61,10 @@ class CriticConfig:
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     forward_micro_batch_size_per_device: int | None = None
+    use_remove_padding: bool = False
+    use_dynamic_bsz: bool = False
+    ppo_max_token_len_per_device: int = 32768
+    forward_max_token_len_per_device: int = 32768
     optim: OptimConfig = OptimConfig(lr=1e-5)
 
     UPDATE_KEYS = PROMPT_KEYS + ("values", "returns")
@@ -85,19 +94,28 @@ def critic_loss(cfg: CriticConfig):
     return loss_fn
 
 
+def values_fn(model, t, _):
+    """``{"values": [B, R]}`` from padded rows or a packed micro-batch."""
+    return {"values": response_values(model, t)}
+
+
 def values_program(layout: RoleLayout, num_micro: int):
     """``jit(params, tensors, {}) -> {"values": [B, R]}`` in ``num_micro`` micro-batches."""
-    return row_program(layout, lambda model, t, _: {"values": response_values(model, t)}, num_micro)
+    return row_program(layout, values_fn, num_micro)
 
 
 def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any,
                       num_micro: int):
     """The critic's jitted optimizer step (`make_train_step` with `critic_loss`) on a
-    mini-batch of the columns ``CriticConfig.UPDATE_KEYS`` (all ``[rows, length]``)."""
+    mini-batch of the columns ``CriticConfig.UPDATE_KEYS`` (all ``[rows, length]``), or with
+    remove padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`)."""
+    packed = config.use_remove_padding
+    rows = [c for c in CriticConfig.UPDATE_KEYS if c not in ("prompt_ids", "prompt_mask", "responses")]
+    ndims = {c: 3 for c in (*rows, *PACKED_KEYS)} if packed else {c: 2 for c in CriticConfig.UPDATE_KEYS}
     return make_train_step(
         layout.graphdef, tx, schedule, critic_loss(config), mesh=layout.mesh, rules=layout.rules,
-        state_shardings=state_shardings, batch_ndims={c: 2 for c in CriticConfig.UPDATE_KEYS},
-        num_micro=num_micro, loss_scale_factor=config.loss_scale_factor)
+        state_shardings=state_shardings, batch_ndims=ndims, num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor, presplit=packed)
 
 
 class CriticWorker(TrainableWorker):
@@ -123,6 +141,12 @@ class CriticWorker(TrainableWorker):
     @register(DP_COMPUTE)
     def values(self, batch: Batch) -> Batch:
         """``values`` [B, R] of the responses (0 on padding)."""
+        cfg = self.config
+        if cfg.use_remove_padding:
+            return packed_forward(
+                self, "values", batch, values_fn, {},
+                max_token_len=cfg.forward_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+                rows_per_micro=cfg.forward_micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
         return Batch(self.values_program(len(batch))(self.params, tensors, {}))
 
@@ -135,8 +159,8 @@ class CriticWorker(TrainableWorker):
         """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
         (`critic_train_step`)."""
         cfg = self.config
-        k = num_micro_batches(mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size,
-                              "critic mini-batch")
+        k = 1 if cfg.use_remove_padding else num_micro_batches(
+            mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "critic mini-batch")
         loss_key = (cfg.cliprange_value, cfg.loss_agg_mode, cfg.loss_scale_factor)
         return self._compiled(("update", k, loss_key), lambda: critic_train_step(
             self.layout, self.tx, self.schedule, cfg, self.state_shardings, k))
@@ -159,15 +183,26 @@ class CriticWorker(TrainableWorker):
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = train_step(self.state, self.put({n: v[idx] for n, v in host.items()}), {})
+            self.state, metrics = train_step(self.state, self._minibatch(host, idx), {})
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
+
+    def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
+        """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
+        cfg = self.config
+        rows = {n: v[idx] for n, v in host.items()}
+        if not cfg.use_remove_padding:
+            return self.put(rows)
+        return self.put_presplit(pack_minibatch(
+            rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
     def train_step(self, minibatch: Mapping[str, Any]) -> dict[str, float]:
         """One optimizer step on one mini-batch (all rows, in order)."""
         keys = CriticConfig.UPDATE_KEYS
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
-        self.state, metrics = step(self.state, self.put(minibatch, keys), {})
+        host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
+        self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {})
         return {f"critic/{n}": float(v) for n, v in jax.device_get(metrics).items()}

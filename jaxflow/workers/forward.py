@@ -65,9 +65,38 @@ def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array) -> Array:
     return picked_BxR - lse_BxR
 
 
+def is_packed(tensors: Mapping[str, Array]) -> bool:
+    """Whether ``tensors`` is a packed micro-batch (`jaxflow.workers.packing`)."""
+    return "packed_ids" in tensors
+
+
+def read_responses(x_NxC: Array, index_BxR: Array) -> Array:
+    """``x[index]`` over the flattened packed slots: the per-token values of ``[B, R]``
+    response positions (`jaxflow.workers.packing.pack_inputs`'s ``response_index``)."""
+    return jnp.take(x_NxC.reshape(-1), index_BxR, axis=0)
+
+
+def packed_outputs(model: Any, tensors: Mapping[str, Array]) -> Array:
+    """The model's per-slot output over packed bins: hidden ``[N, C, D]`` for a CausalLM
+    (its LM head is applied by the caller), values ``[N, C]`` for a ValueModel."""
+    kw = dict(positions=tensors["packed_positions"], segment_ids=tensors["packed_segments"])
+    if hasattr(model, "logits"):
+        hidden_NxCxD, _ = model.model(tensors["packed_ids"], positions_BxL=kw["positions"],
+                                      segment_ids_BxL=kw["segment_ids"])
+        return hidden_NxCxD
+    return model(tensors["packed_ids"], **kw)
+
+
 def log_probs_and_entropy(model: Any, tensors: Mapping[str, Array], temperature: Any,
                           with_entropy: bool = True) -> tuple[Array, Array | None]:
-    """Response log-probs ``[B, R]`` and token entropies ``[B, R]`` (or None) at temperature T."""
+    """Response log-probs ``[B, R]`` and token entropies ``[B, R]`` (or None) at temperature T,
+    from padded rows or from a packed micro-batch (same values on the real tokens)."""
+    if is_packed(tensors):
+        logits_NxCxV = model.logits(packed_outputs(model, tensors)) / jnp.asarray(temperature, jnp.float32)
+        index = tensors["response_index"]
+        log_probs = read_responses(token_log_probs(logits_NxCxV, tensors["packed_targets"]), index)
+        entropy = read_responses(compute_entropy_from_logits(logits_NxCxV), index) if with_entropy else None
+        return log_probs, entropy
     logits_BxRxV = response_logits(model, tensors, temperature)
     log_probs = token_log_probs(logits_BxRxV, tensors["responses"])
     entropy = compute_entropy_from_logits(logits_BxRxV) if with_entropy else None
@@ -75,16 +104,29 @@ def log_probs_and_entropy(model: Any, tensors: Mapping[str, Array], temperature:
 
 
 def response_values(model: Any, tensors: Mapping[str, Array]) -> Array:
-    """Critic values of the response tokens ``[B, R]`` (read at ``P - 1 + t``), 0 on padding."""
-    ids, mask, P = full_sequence(tensors)
-    R = tensors["responses"].shape[1]
-    values_BxL = model(ids, attention_mask=mask)
-    values_BxR = jax.lax.slice_in_dim(values_BxL, P - 1, P - 1 + R, axis=1)
+    """Critic values of the response tokens ``[B, R]`` (read at ``P - 1 + t``), 0 on padding;
+    from padded rows or a packed micro-batch."""
+    if is_packed(tensors):
+        values_BxR = read_responses(packed_outputs(model, tensors), tensors["response_index"])
+    else:
+        ids, mask, P = full_sequence(tensors)
+        R = tensors["responses"].shape[1]
+        values_BxL = model(ids, attention_mask=mask)
+        values_BxR = jax.lax.slice_in_dim(values_BxL, P - 1, P - 1 + R, axis=1)
     return values_BxR * tensors["response_mask"].astype(values_BxR.dtype)
 
 
 def sequence_scores(model: Any, tensors: Mapping[str, Array]) -> Array:
-    """A reward (or cost) model's score of each ``[prompt | response]`` row: ``[B]``."""
+    """A reward (or cost) model's score of each ``[prompt | response]`` row: ``[B]``, read at
+    its last real token (from a packed micro-batch: the slot of its last response token, so
+    rows without a response get an arbitrary value that `scores_on_last_token` drops)."""
+    if is_packed(tensors):
+        scores_NxC = model.token_scores(tensors["packed_ids"], positions=tensors["packed_positions"],
+                                        segment_ids=tensors["packed_segments"])
+        own_BxR = read_responses(scores_NxC, tensors["response_index"] + 1)  # each token's own slot
+        m = tensors["response_mask"] > 0
+        last_B = jnp.max(jnp.where(m, jnp.arange(m.shape[1], dtype=jnp.int32)[None, :], 0), axis=1)
+        return jnp.take_along_axis(own_BxR, last_B[:, None], axis=1)[:, 0]
     ids, mask, _ = full_sequence(tensors)
     return model(ids, attention_mask=mask)
 

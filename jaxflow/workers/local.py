@@ -44,6 +44,9 @@ def build_local_workers(
     strategy: str = "hybrid",
     ref_micro_batch_size_per_device: int | None = None,
     reward_micro_batch_size_per_device: int | None = None,
+    ref_use_remove_padding: bool = False,
+    ref_max_token_len_per_device: int | None = None,
+    reward_use_remove_padding: bool = False,
 ) -> Workers:
     """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says.
     ``ref_micro_batch_size_per_device`` / ``reward_micro_batch_size_per_device``: the
@@ -51,7 +54,10 @@ def build_local_workers(
     settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                             critic_config=critic_config or CriticConfig(), strategy=strategy,
                             ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
-                            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device)
+                            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
+                            ref_use_remove_padding=ref_use_remove_padding,
+                            ref_max_token_len_per_device=ref_max_token_len_per_device,
+                            reward_use_remove_padding=reward_use_remove_padding)
     models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
     groups = {role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
               for role, model in models.items() if model is not None}

@@ -447,6 +447,9 @@ class RayBackend:
         strategy: str = "hybrid",
         ref_micro_batch_size_per_device: int | None = None,
         reward_micro_batch_size_per_device: int | None = None,
+        ref_use_remove_padding: bool = False,
+        ref_max_token_len_per_device: int | None = None,
+        reward_use_remove_padding: bool = False,
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
@@ -457,7 +460,10 @@ class RayBackend:
         settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                                 critic_config=critic_config or CriticConfig(), strategy=strategy,
                                 ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
-                                reward_micro_batch_size_per_device=reward_micro_batch_size_per_device)
+                                reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
+                                ref_use_remove_padding=ref_use_remove_padding,
+                                ref_max_token_len_per_device=ref_max_token_len_per_device,
+                                reward_use_remove_padding=reward_use_remove_padding)
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
         refs: dict[int, Any] = {}
 

@@ -7,8 +7,8 @@ from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.actor import log_probs_program
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches
+from jaxflow.workers.actor import log_probs_fn, log_probs_program
+from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches, packed_forward
 from jaxflow.workers.forward import PROMPT_KEYS
 from jaxflow.workers.protocols import DP_COMPUTE, register
 
@@ -21,23 +21,33 @@ class ReferenceWorker(RoleWorker):
       mesh, rules: its mesh and (inference) rules.
       temperature: used when the batch carries no ``meta["temperature"]``.
       micro_batch_size_per_device: micro-batch of the forward (memory).
+      use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
+      max_token_len_per_device: with remove padding, micro-batches of at most this many
+        tokens per device (verl's ``log_prob_use_dynamic_bsz``); None = by rows.
     """
 
     head = "lm"
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
-                 temperature: float = 1.0, micro_batch_size_per_device: int | None = None):
+                 temperature: float = 1.0, micro_batch_size_per_device: int | None = None,
+                 use_remove_padding: bool = False, max_token_len_per_device: int | None = None):
         super().__init__(model, mesh, rules)
         self.temperature = temperature
         self.micro_batch_size_per_device = micro_batch_size_per_device
+        self.use_remove_padding = use_remove_padding
+        self.max_token_len_per_device = max_token_len_per_device
 
     @register(DP_COMPUTE)
     def log_probs(self, batch: Batch) -> Batch:
         """``ref_log_prob`` [B, R] (0 on padding): ``log_softmax(logits / T)`` of the responses
         under the reference policy, T = ``batch.meta["temperature"]`` (the rollout's)."""
+        temperature = np.float32(batch.meta.get("temperature", self.temperature))
+        if self.use_remove_padding:
+            return packed_forward(self, "log_probs", batch, log_probs_fn("ref_log_prob"), {"temperature": temperature},
+                                  max_token_len=self.max_token_len_per_device,
+                                  rows_per_micro=self.micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
         program = self.log_probs_program(len(batch))
-        temperature = np.float32(batch.meta.get("temperature", self.temperature))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
 
     def log_probs_program(self, rows: int):

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.rewards import RewardScorer, token_level_scores
-from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, register
 
@@ -26,10 +26,16 @@ def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_
     """``jit(params, tensors, {}) -> {output_key: [B, R]}``: each row's score on its last
     response token, in ``num_micro`` micro-batches."""
 
+    return row_program(layout, scores_fn(output_key), num_micro)
+
+
+def scores_fn(output_key: str = "token_level_scores"):
+    """``fn(model, tensors, {}) -> {output_key: [B, R]}`` from padded rows or a packed micro-batch."""
+
     def fn(model, t, _):
         return {output_key: scores_on_last_token(sequence_scores(model, t), t["response_mask"])}
 
-    return row_program(layout, fn, num_micro)
+    return fn
 
 
 class RewardModelWorker(RoleWorker):
@@ -42,19 +48,25 @@ class RewardModelWorker(RoleWorker):
       mesh, rules: its mesh and (inference) rules.
       output_key: the ``[B, R]`` column written.
       micro_batch_size_per_device: micro-batch of the forward (memory).
+      use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
     """
 
     head = "reward"
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
-                 output_key: str = "token_level_scores", micro_batch_size_per_device: int | None = None):
+                 output_key: str = "token_level_scores", micro_batch_size_per_device: int | None = None,
+                 use_remove_padding: bool = False):
         super().__init__(model, mesh, rules)
         self.output_key = output_key
         self.micro_batch_size_per_device = micro_batch_size_per_device
+        self.use_remove_padding = use_remove_padding
 
     @register(DP_COMPUTE)
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
+        if self.use_remove_padding:
+            return packed_forward(self, "scores", batch, scores_fn(self.output_key), {}, max_token_len=None,
+                                  rows_per_micro=self.micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
         return Batch(self.scores_program(len(batch))(self.params, tensors, {}))
 

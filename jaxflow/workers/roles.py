@@ -31,6 +31,9 @@ class RoleSettings:
     strategy: str = "hybrid"
     ref_micro_batch_size_per_device: int | None = None  # the reference's log-prob forward
     reward_micro_batch_size_per_device: int | None = None  # the reward and cost models' forward
+    ref_use_remove_padding: bool = False  # the reference's forward over packed real tokens
+    ref_max_token_len_per_device: int | None = None  # ... in micro-batches of this many tokens per device
+    reward_use_remove_padding: bool = False  # the reward and cost models' forward over packed tokens
 
 
 def role_class(role: str) -> type:
@@ -56,13 +59,16 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
     if role == "ref":
         return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
                                temperature=settings.rollout.train.temperature,
-                               micro_batch_size_per_device=settings.ref_micro_batch_size_per_device)
+                               micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
+                               use_remove_padding=settings.ref_use_remove_padding,
+                               max_token_len_per_device=settings.ref_max_token_len_per_device)
     if role == "critic":
         return CriticWorker(model=model, mesh=placement.mesh("critic"), rules=placement.rules("critic", "train"),
                             config=settings.critic_config)
     extra = {"output_key": "token_level_cost"} if role == "cost" else {}
     return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"),
-                            micro_batch_size_per_device=settings.reward_micro_batch_size_per_device, **extra)
+                            micro_batch_size_per_device=settings.reward_micro_batch_size_per_device,
+                            use_remove_padding=settings.reward_use_remove_padding, **extra)
 
 
 def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:

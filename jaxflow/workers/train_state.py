@@ -90,9 +90,9 @@ def create_train_state(params: Any, param_shardings: Any, tx: optax.GradientTran
     return jax.jit(init, out_shardings=shardings)(params), shardings
 
 
-def batch_sharding(mesh: Mesh, batch_axes: Any, ndim: int) -> NamedSharding:
-    """Rows over ``batch_axes``, other dimensions replicated."""
-    return NamedSharding(mesh, PartitionSpec(batch_axes, *([None] * (ndim - 1))))
+def batch_sharding(mesh: Mesh, batch_axes: Any, ndim: int, leading: int = 0) -> NamedSharding:
+    """Rows (dimension ``leading``) over ``batch_axes``, other dimensions replicated."""
+    return NamedSharding(mesh, PartitionSpec(*([None] * leading), batch_axes, *([None] * (ndim - 1 - leading))))
 
 
 def make_train_step(
@@ -108,15 +108,19 @@ def make_train_step(
     scalar_names: tuple[str, ...] = (),
     num_micro: int = 1,
     loss_scale_factor: Any = None,
+    presplit: bool = False,
 ) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict]]:
     """The jitted ``step(state, batch, scalars) -> (state, metrics)`` (see the module doc).
 
     ``batch_ndims`` names the batch columns (and their ranks) the step takes; ``scalars``
     are runtime float scalars (e.g. the temperature). Metrics: the loss function's ``aux``
     plus ``grad_norm``, ``lr`` (the learning rate this step used) and ``update_skipped``.
+    ``presplit``: every column arrives as ``[k, ...]``, already cut into its ``k``
+    micro-batches (packed batches, `jaxflow.workers.packing`; ``num_micro`` is then unused),
+    dimension 1 split over the data-parallel axes.
     """
     batch_axes = _batch_axes(rules, mesh)
-    batch_shardings = {k: batch_sharding(mesh, batch_axes, n) for k, n in batch_ndims.items()}
+    batch_shardings = {k: batch_sharding(mesh, batch_axes, n, leading=int(presplit)) for k, n in batch_ndims.items()}
     replicated = NamedSharding(mesh, PartitionSpec())
     param_shardings = state_shardings.params
 
@@ -128,10 +132,10 @@ def make_train_step(
                 return loss_fn(nnx.merge(graphdef, params), micro, gbi, scalars)
 
             grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-            if num_micro == 1:
+            if num_micro == 1 and not presplit:
                 (loss, aux), grads = grad_fn(state.params, batch)
             else:
-                micros = split_micro(batch, num_micro, mesh, batch_axes)
+                micros = batch if presplit else split_micro(batch, num_micro, mesh, batch_axes)
 
                 def body(acc, micro):
                     (l, a), g = grad_fn(state.params, micro)

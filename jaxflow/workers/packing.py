@@ -1,0 +1,248 @@
+"""Remove padding: ``[prompt | response]`` rows packed into bins of real tokens (verl's
+``use_remove_padding``), micro-batches formed by a token budget (``use_dynamic_bsz``), and
+the data-parallel split balanced by tokens.
+
+A padded row ``b`` holds ``p_b`` real prompt tokens (left padding) and ``r_b`` real response
+tokens (right padding; ``response_mask`` must be a prefix run, as rollouts produce). Its
+``L_b = p_b + r_b`` real tokens become one *segment* of a bin of ``C`` slots (``C`` = the
+padded row length ``P + R``). Inside a bin, slot ``j`` of segment ``s`` starting at ``o_s``
+carries position ``j - o_s`` (the position the padded path gives it, ``cumsum(mask) - 1``)
+and attends to the slots ``i <= j`` of its own segment only, so every real token sees
+exactly what it sees in the padded row and the logits agree.
+
+The log-prob of response token ``t`` of row ``b`` is read at the slot before it::
+
+    index[b, t] = bin_b * C + o_b + p_b - 1 + t
+    log_probs[b, t] = log_softmax(logits_flat[index[b, t]] / T)[responses[b, t]]
+
+so everything downstream (losses, advantages) keeps the ``[B, R]`` layout of the padded path.
+
+Layout of a packed batch (`PackedLayout`): ``k`` micro-batches, each ``D * n`` bins of ``C``
+slots and ``D * b`` rows (``D`` data-parallel ranks, rank ``d`` owning bins and rows of block
+``d``). Rows are dealt to ranks by tokens (greedy longest-first to the least-loaded rank),
+bins filled first-fit by decreasing length, bins grouped into micro-batches of at most
+``budget // C`` bins per rank (token budget per device) or, without a budget, of the given
+rows per rank. ``n`` and ``b`` are rounded up to `bucket` sizes and ``k`` follows from them,
+so a run with varying lengths compiles a handful of programs, not one per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+PACKED_KEYS = ("packed_ids", "packed_positions", "packed_segments", "packed_targets", "response_index")
+
+
+def bucket(n: int) -> int:
+    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) that is
+    >= ``n``: at most 1/3 of a padded dimension is waste, and sizes 1..4096 map onto 24 values."""
+    if n <= 4:
+        return max(int(n), 1)
+    p = 1 << (int(n) - 1).bit_length()  # power of two >= n
+    return p * 3 // 4 if p * 3 // 4 >= n else p
+
+
+def real_lengths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(p [B], r [B])``: real prompt and response tokens per row. Raises when a row's
+    response mask is not a prefix run (holes cannot be packed as the padded path sees them)."""
+    pm = np.asarray(prompt_mask) > 0
+    rm = np.asarray(response_mask) > 0
+    r = rm.sum(1)
+    if not np.array_equal(rm, np.arange(rm.shape[1])[None, :] < r[:, None]):
+        raise ValueError("remove padding needs right-padded responses (response_mask a prefix run per row)")
+    p = pm.sum(1)
+    if np.any((p == 0) & (r > 0)):
+        raise ValueError("remove padding needs at least one prompt token per row with a response")
+    return p.astype(np.int64), r.astype(np.int64)
+
+
+def deal_to_ranks(lengths: np.ndarray, ranks: int) -> list[np.ndarray]:
+    """Row indices per data-parallel rank, longest first to the rank with the fewest tokens
+    (ties: fewer rows). Each rank's rows come back in ascending order."""
+    load = np.zeros(ranks, np.int64)
+    count = np.zeros(ranks, np.int64)
+    out: list[list[int]] = [[] for _ in range(ranks)]
+    for i in np.argsort(-lengths, kind="stable"):
+        d = int(np.lexsort((count, load))[0])
+        out[d].append(int(i))
+        load[d] += lengths[i]
+        count[d] += 1
+    return [np.asarray(sorted(rows), np.int64) for rows in out]
+
+
+def first_fit(rows: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Bins (lists of row indices) of total length <= ``capacity``, first fit by decreasing
+    length."""
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(rows.tolist(), key=lambda i: (-lengths[i], i)):
+        for j, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[j].append(i)
+                room[j] -= int(lengths[i])
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - int(lengths[i]))
+    return bins
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedLayout:
+    """Where every padded row went (host arrays; see the module docstring).
+
+    Attributes:
+      rows: ``[k, D*b]`` the padded row held by each micro-batch row slot (-1: empty).
+      bins: ``[k, D*n, C]`` the padded row of each slot's token (-1: empty slot).
+      starts: ``[B]`` flat slot (within its micro-batch) of each row's first real token.
+      micro: ``[B]`` the micro-batch of each row.
+      prompt_len, response_len: ``[B]`` real tokens ``p`` and ``r``.
+      capacity: ``C``; ``ranks``: ``D``.
+    """
+
+    rows: np.ndarray
+    bins: np.ndarray
+    starts: np.ndarray
+    micro: np.ndarray
+    prompt_len: np.ndarray
+    response_len: np.ndarray
+    capacity: int
+    ranks: int
+
+    @property
+    def num_micro(self) -> int:
+        return self.rows.shape[0]
+
+    def real_tokens(self) -> int:
+        return int((self.prompt_len + self.response_len).sum())
+
+    def slots(self) -> int:
+        return int(self.bins.size)
+
+
+def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: int = 1,
+                 max_token_len: int | None = None, rows_per_micro: int | None = None) -> PackedLayout:
+    """A `PackedLayout` for the rows: dealt to ``ranks`` by tokens, packed into bins of ``C =
+    P + R`` slots, grouped into micro-batches of at most ``max_token_len // C`` bins per rank
+    (a token budget per device), or of at most ``rows_per_micro`` rows per rank, or one."""
+    P, R = prompt_mask.shape[1], response_mask.shape[1]
+    C = P + R
+    p, r = real_lengths(prompt_mask, response_mask)
+    lengths = p + r
+    if max_token_len is not None and max_token_len < C:
+        raise ValueError(f"max_token_len {max_token_len} is shorter than one padded row (P + R = {C} tokens)")
+    per_rank = []
+    for rank_rows in deal_to_ranks(lengths, ranks):
+        if rows_per_micro is not None and max_token_len is None:
+            groups = [rank_rows[i:i + rows_per_micro] for i in range(0, len(rank_rows), rows_per_micro)] or [rank_rows]
+            per_rank.append([first_fit(g, lengths, C) for g in groups])
+        else:
+            per_rank.append(first_fit(rank_rows, lengths, C))
+    if rows_per_micro is not None and max_token_len is None:
+        k = max(len(g) for g in per_rank)
+        n = bucket(max(len(bins) for groups in per_rank for bins in groups))
+        micro_bins = [[groups[j] if j < len(groups) else [] for j in range(k)] for groups in per_rank]
+    else:
+        total = max(len(bins) for bins in per_rank)
+        n_max = total if max_token_len is None else max(1, max_token_len // C)
+        k = max(1, math.ceil(total / n_max))
+        n = min(bucket(math.ceil(total / k)), n_max)
+        k = max(1, math.ceil(total / n))
+        micro_bins = [[bins[j * n:(j + 1) * n] for j in range(k)] for bins in per_rank]
+    b = bucket(max(sum(len(x) for x in micro_bins[d][j]) for d in range(ranks) for j in range(k)))
+    rows_out = np.full((k, ranks * b), -1, np.int64)
+    slots = np.full((k, ranks * n, C), -1, np.int64)
+    starts = np.zeros(len(lengths), np.int64)
+    micro = np.zeros(len(lengths), np.int64)
+    for d in range(ranks):
+        for j in range(k):
+            bins = micro_bins[d][j]
+            members = []
+            for q, members_q in enumerate(bins):
+                offset = 0
+                for i in members_q:
+                    slot0 = (d * n + q) * C + offset
+                    slots[j, d * n + q, offset:offset + lengths[i]] = i
+                    starts[i], micro[i] = slot0, j
+                    offset += int(lengths[i])
+                    members.append(i)
+            rows_out[j, d * b:d * b + len(members)] = sorted(members)
+    return PackedLayout(rows_out, slots, starts, micro, p, r, C, ranks)
+
+
+def pack_inputs(layout: PackedLayout, prompt_ids: np.ndarray, prompt_mask: np.ndarray,
+                responses: np.ndarray) -> dict[str, np.ndarray]:
+    """The packed model inputs and the response read-out (all int32, host):
+
+    ``packed_ids``, ``packed_positions``, ``packed_segments`` (1-based row within its bin,
+    0 = empty) and ``packed_targets`` (the next token of the same segment, 0 where none):
+    ``[k, D*n, C]``; ``response_index``: ``[k, D*b, R]``, the flat slot (within the
+    micro-batch) predicting each response token (0 on padding and empty rows)."""
+    k, N, C = layout.bins.shape
+    R = responses.shape[1]
+    P = prompt_ids.shape[1]
+    ids = np.zeros((k, N * C), np.int32)
+    pos = np.zeros((k, N * C), np.int32)
+    seg = np.zeros((k, N * C), np.int32)
+    tgt = np.zeros((k, N * C), np.int32)
+    pm = np.asarray(prompt_mask) > 0
+    for i in range(len(layout.starts)):
+        p, r, s, j = layout.prompt_len[i], layout.response_len[i], layout.starts[i], layout.micro[i]
+        tokens = np.concatenate([np.asarray(prompt_ids[i])[pm[i]], np.asarray(responses[i, :r])]).astype(np.int32)
+        L = p + r
+        ids[j, s:s + L] = tokens
+        pos[j, s:s + L] = np.arange(L)
+        seg[j, s:s + L] = 1 + (s % C)  # unique per segment within its bin (its start slot)
+        tgt[j, s:s + L - 1] = tokens[1:]
+    index = np.zeros((k, layout.rows.shape[1], R), np.int32)
+    for j in range(k):
+        for q, i in enumerate(layout.rows[j]):
+            if i >= 0:
+                r = layout.response_len[i]
+                index[j, q, :r] = layout.starts[i] + layout.prompt_len[i] - 1 + np.arange(r)
+    del P
+    shape = (k, N, C)
+    return {"packed_ids": ids.reshape(shape), "packed_positions": pos.reshape(shape),
+            "packed_segments": seg.reshape(shape), "packed_targets": tgt.reshape(shape), "response_index": index}
+
+
+def gather_rows(layout: PackedLayout, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Row-space columns ``[B, ...]`` laid out as ``[k, D*b, ...]`` (zeros on empty rows)."""
+    out = {}
+    rows = layout.rows
+    for name, x in columns.items():
+        x = np.asarray(x)
+        y = x[np.maximum(rows, 0)]
+        y[rows < 0] = 0
+        out[name] = y
+    return out
+
+
+def scatter_rows(layout: PackedLayout, y: np.ndarray, num_rows: int) -> np.ndarray:
+    """Inverse of `gather_rows` for one output ``[k, D*b, ...]`` -> ``[B, ...]``."""
+    y = np.asarray(y)
+    out = np.zeros((num_rows,) + y.shape[2:], y.dtype)
+    valid = layout.rows >= 0
+    out[layout.rows[valid]] = y[valid]
+    return out
+
+
+def pack_minibatch(columns: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None,
+                   rows_per_micro: int | None) -> dict[str, np.ndarray]:
+    """A training mini-batch (padded row columns, host) as packed micro-batches: the model
+    inputs of `pack_inputs` plus every other column laid out by `gather_rows`."""
+    layout = plan_packing(columns["prompt_mask"], columns["response_mask"], ranks=ranks,
+                          max_token_len=max_token_len, rows_per_micro=rows_per_micro)
+    out = pack_inputs(layout, columns["prompt_ids"], columns["prompt_mask"], columns["responses"])
+    out |= gather_rows(layout, {k: v for k, v in columns.items() if k not in ("prompt_ids", "prompt_mask", "responses")})
+    return out
+
+
+def packing_metrics(layout: PackedLayout, padded_tokens: int) -> dict[str, float]:
+    """Slots computed vs the padded path: real tokens / packed slots / padded slots."""
+    return {"real_tokens": float(layout.real_tokens()), "packed_slots": float(layout.slots()),
+            "padded_slots": float(padded_tokens)}
