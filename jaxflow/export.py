@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxflow.run import simulate_devices
+from jaxflow.mesh.devices import simulate_devices
 
 
 def _parser() -> argparse.ArgumentParser:

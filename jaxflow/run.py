@@ -14,6 +14,8 @@ import os
 import sys
 from typing import Any
 
+from jaxflow.mesh.devices import simulate_devices
+
 LOG_FILE = "jaxflow.log"
 INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
 
@@ -31,12 +33,6 @@ README's table, or `python -m jaxflow.configs.docs`.
 
 named configs:
 """
-
-
-def simulate_devices(n: int) -> None:
-    """Simulated host devices; read by XLA when the backend starts (after this, before use)."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
 def enable_compilation_cache() -> str:
@@ -126,6 +122,11 @@ def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | No
     return handlers, path
 
 
+def _log_unraisable(info: Any) -> None:
+    logging.getLogger(__name__).info("unraisable error (%s) in %r", info.err_msg or "ignored", info.object,
+                                     exc_info=(info.exc_type, info.exc_value, info.exc_traceback))
+
+
 def _run_dir(cfg: Any) -> str | None:
     """Where the run writes (and so its log file goes); None for a dry run."""
     if cfg.jaxflow.dry_run.enable:
@@ -141,8 +142,10 @@ def _run_dir(cfg: Any) -> str | None:
 
 def _train(cfg: Any, json_path: str | None) -> int:
     if cfg.jaxflow.dry_run.enable:
+        from jaxflow.automap import resolve_placement
         from jaxflow.plan.dry_run import dry_run
 
+        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's plan
         if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
             from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
             from jaxflow.workers.ray_backend import describe_hosts
@@ -158,13 +161,8 @@ def _train(cfg: Any, json_path: str | None) -> int:
         return 0
 
     from jaxflow.trainer.rl import RLTrainer
-    from jaxflow.trainer.sft import warm_start
 
-    cfg, actor_params = warm_start(cfg)
-    history = RLTrainer(cfg, actor_params=actor_params).fit()
-    scores = [h["critic/score/mean"] for h in history if "critic/score/mean" in h]
-    if scores:
-        print(f"done: critic/score/mean {scores[0]:.3f} (first step) -> {scores[-1]:.3f} (last step)", flush=True)
+    RLTrainer(cfg).fit()  # checks the input, resolves placement auto, warm start, train; ends with a summary
     return 0
 
 
@@ -218,9 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(num_devices, int) and num_devices > 0:
             simulate_devices(num_devices)
         configs.validate(cfg)
-        from jaxflow.automap.auto import resolve_placement
-
-        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's pools and meshes
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -231,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {_storage_error(e) or e} (the run directory {run_dir})", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("python -m jaxflow.run %s", " ".join(argv))
+    # Errors that native threads report as "unraisable" (e.g. tensorstore's callbacks into
+    # orbax's closed event loop after the read of a damaged checkpoint was abandoned) go to the
+    # log file: the run has already said what matters in one line.
+    sys.unraisablehook = _log_unraisable
     enable_compilation_cache()
     try:
         return _train(cfg, json_path)

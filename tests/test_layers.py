@@ -16,12 +16,16 @@ FLOORS = {
     "sampling": 2, "reshard": 2, "algos": 2,
     "workers": 3,
     "programs": 4, "configs": 4,
-    "trainer": 5, "plan": 5, "automap": 5,
-    "run": 6,
+    "plan": 5,
+    "automap": 6,
+    "trainer": 7,
+    "run": 8, "export": 8,
 }
-# Same-floor imports that are part of the design: the built-in tasks score with the rewards;
-# the auto-mapper checks its plans by compiling them through the dry run.
-SAME_FLOOR = {("data", "rewards"), ("automap", "plan")}
+# The planners: the dry run (plan) compiles a resolved placement; the auto-mapper (automap)
+# chooses one and checks it through the dry run; the trainer resolves `placement.type=auto`
+# through the auto-mapper. Same-floor imports that are part of the design: the built-in tasks
+# score with the rewards.
+SAME_FLOOR = {("data", "rewards")}
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -21,7 +21,10 @@ def test_colab_notebook_runs_on_cpu(tmp_path, monkeypatch):
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
     params.source += f"\n# CI\nTINY = True\nINSTALL = False\nOUT = {str(tmp_path / 'out')!r}\n"
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    NotebookClient(nb, timeout=900, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    # A loaded machine can be slow to deliver a cell's output after the cell ends: wait for it
+    # (nbclient's default 4 s drops late output silently), and fail if it never comes.
+    NotebookClient(nb, timeout=900, iopub_timeout=120, raise_on_iopub_timeout=True, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
 
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert all(not any(o.output_type == "error" for o in c.outputs) for c in code)

@@ -76,7 +76,7 @@ def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_
     keep_two = ["--config.trainer.save_freq=1", "--config.trainer.max_actor_ckpt_to_keep=2"]
     code, out = run_cli([*TINY, *keep_two, "--config.trainer.total_training_steps=2"], run_dir)
     assert code == 0, out
-    assert "train = BUILT-IN task 'addition'" in out and "validation = BUILT-IN task 'addition'" in out
+    assert "train = BUILT-IN task 'reverse_digits'" in out and "validation = BUILT-IN task 'reverse_digits'" in out
     assert re.search(r"step 2 \|.*reward_errors 0 \| reward_timeouts 0", out), out  # counts on the console line
     assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_1", "step_2"]
     step_1 = tree_digest(run_dir / "step_1")

@@ -4,6 +4,7 @@ layouts) over analytic simulators, checked by ahead-of-time compilation.
 ``python -m jaxflow.automap --config=ppo_70b --devices=128 --device_kind=a100-80g``.
 """
 
+from jaxflow.automap.auto import resolve_placement
 from jaxflow.automap.profiles import DeviceProfile, get_profile
 from jaxflow.automap.search import Mapper, Plan, evaluate
 from jaxflow.automap.verify import choose_verified, compile_check
@@ -18,5 +19,6 @@ __all__ = [
     "compile_check",
     "evaluate",
     "get_profile",
+    "resolve_placement",
     "workload_from_config",
 ]

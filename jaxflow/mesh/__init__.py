@@ -1,5 +1,6 @@
 """Meshes, resource pools, and the logical-axis rules that map model names to mesh axes."""
 
+from jaxflow.mesh.devices import simulate_devices
 from jaxflow.mesh.placement import (
     DEFAULT_ROLE_RULES,
     PHASES,
@@ -60,6 +61,7 @@ __all__ = [
     "logical_to_spec",
     "make_placement",
     "sharding_rules",
+    "simulate_devices",
     "split_pools",
     "state_shardings",
     "weight_axes",

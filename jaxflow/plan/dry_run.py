@@ -66,6 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from jaxflow.configs import ConfigError
 from jaxflow.configs.run_spec import HEADS, RunSpec, build_tokenizer, describe_run
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
@@ -475,9 +476,9 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
     if unknown:
         raise ValueError(f"unknown programs {unknown}; choose from {DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS}")
     _check_devices(cfg)
-    from jaxflow.automap.auto import resolve_placement
-
-    cfg = resolve_placement(cfg, log=None)  # jaxflow.placement.type=auto: the auto-mapper's plan
+    if cfg.jaxflow.placement.type == "auto":
+        raise ConfigError("jaxflow.placement.type", "is 'auto': the dry run plans a resolved placement; resolve it "
+                          "first with jaxflow.automap.resolve_placement(cfg) (python -m jaxflow.run --dry_run does)")
     tokenizer = build_tokenizer(cfg)
     run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     roles = run.roles

@@ -46,6 +46,7 @@ from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, write_hf
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.plot import plot_run
+from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
 from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
@@ -82,11 +83,15 @@ class RLTrainer:
     """Everything one RL run needs, built from a validated experiment config."""
 
     def __init__(self, cfg: ConfigDict, *, actor_params: Any = None):
-        """``actor_params``: initial actor (and reference) weights as ``(graphdef, params)``
-        (e.g. the SFT warm start's, handed over in memory); default: the configured model."""
-        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto: the auto-mapper's pools and meshes
-        self.cfg = cfg
-        t = cfg.trainer
+        """``actor_params``: initial actor (and reference) weights as ``(graphdef, params)``;
+        default: the configured model, after the supervised warm start when one is configured
+        (``jaxflow.sft.warm_start_steps``; its weights are handed over in memory).
+
+        What the user gave is checked before anything is trained or built: the run directory
+        (a fresh run refuses one that holds checkpoints), the reward function, the tokenizer and
+        the data. Then the auto-mapper resolves ``placement.type=auto``, the warm start runs
+        (skipped when the run resumes and its output is on disk) and the workers are built."""
+        self.cfg, t = cfg, cfg.trainer
         self.run_dir = checkpoint_dir(cfg)
         os.makedirs(self.run_dir, exist_ok=True)
         # First, before anything is built or written: a fresh run refuses a directory that holds
@@ -115,6 +120,10 @@ class RLTrainer:
                                          "(custom_reward_function.path)")
         print(f"data: train = {describe_source(train, self.train_data)}; "
               f"validation = {describe_source(val, self.val_data)}", flush=True)
+        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto: the auto-mapper's pools and meshes
+        if actor_params is None:
+            cfg, actor_params = warm_start(cfg, resuming=self.ckpt.resume_dir() is not None)
+        self.cfg = cfg
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
         self.backend = None

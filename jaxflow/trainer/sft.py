@@ -107,24 +107,29 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
     return metrics, graphdef, state.params
 
 
-def warm_start(cfg: ConfigDict) -> tuple[ConfigDict, tuple[nnx.GraphDef, Any] | None]:
+def warm_start(cfg: ConfigDict, *, resuming: bool = False) -> tuple[ConfigDict, tuple[nnx.GraphDef, Any] | None]:
     """``(RL config, actor weights)`` after ``jaxflow.sft.warm_start_steps`` supervised steps
     when the actor has no checkpoint: SFT runs first and RL starts from its weights, handed
     over in memory (``RLTrainer(cfg, actor_params=...)``); its HF checkpoint is still written
-    under the run's checkpoint directory, and the RL config points at it. Without a warm
-    start: ``(cfg, None)``."""
+    to ``<run dir>/sft_warm_start``, and the RL config points at it (the reference policy).
+    A run that ``resuming`` from its checkpoints reads that directory back instead of training
+    again (weights ``None``: the role builders load it); SFT runs again only if it is gone.
+    Without a warm start: ``(cfg, None)``."""
     steps = cfg.jaxflow.sft.warm_start_steps
     if steps <= 0 or cfg.actor_rollout_ref.model.path:
         return cfg, None
     from jaxflow.configs import checkpoint_dir
 
-    out = os.path.join(checkpoint_dir(cfg), "sft_warm_start")
+    out = os.path.abspath(os.path.join(checkpoint_dir(cfg), "sft_warm_start"))
+    rl_cfg = ConfigDict(cfg.to_dict())
+    rl_cfg.actor_rollout_ref.model.path = out
+    if resuming and os.path.isfile(os.path.join(out, "config.json")):
+        print(f"jaxflow: resuming; the reference policy is the supervised warm start in {out}", flush=True)
+        return rl_cfg, None
     sft_cfg = ConfigDict(cfg.to_dict())
     sft_cfg.jaxflow.job = "sft"
     sft_cfg.jaxflow.sft.steps = steps
     sft_cfg.jaxflow.sft.output_dir = out
     print(f"jaxflow: supervised warm start ({steps} steps on {cfg.jaxflow.data.builtin_task}) -> {out}", flush=True)
     _, graphdef, params = run_sft(sft_cfg)
-    rl_cfg = ConfigDict(cfg.to_dict())
-    rl_cfg.actor_rollout_ref.model.path = out
     return rl_cfg, (graphdef, params)
