@@ -125,6 +125,12 @@ def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | No
 def _log_unraisable(info: Any) -> None:
     logging.getLogger(__name__).info("unraisable error (%s) in %r", info.err_msg or "ignored", info.object,
                                      exc_info=(info.exc_type, info.exc_value, info.exc_traceback))
+    if issubclass(info.exc_type, KeyboardInterrupt):
+        # Ctrl-C landed where Python cannot raise it (e.g. JAX's garbage-collector callback) and
+        # would be lost: deliver it again, to be raised in the main thread's own code.
+        import _thread
+
+        _thread.interrupt_main()
 
 
 def _run_dir(cfg: Any) -> str | None:
