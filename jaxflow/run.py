@@ -237,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     # log file: the run has already said what matters in one line.
     sys.unraisablehook = _log_unraisable
     enable_compilation_cache()
+    from jaxflow.trainer import interrupt
+
+    interrupt.install()  # a Ctrl-C swallowed by library code still stops the run within a step
     try:
         return _train(cfg, json_path)
     except KeyboardInterrupt:

@@ -49,7 +49,7 @@ def test_dry_run_lowers_the_programs_the_run_calls(config, tmp_path):
     cfg = load_config(config, TINY + CASES[config] + [f"trainer.default_local_dir={tmp_path}"])
     trainer = RLTrainer(cfg)
     spec = trainer.spec
-    report, programs = plan(cfg, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS)
+    report, programs = plan(trainer.cfg, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS)  # the placement it resolved
     w = trainer.workers
     groups = {"actor": w.actor, "ref": w.ref, "critic": w.critic, "reward": w.reward.model if w.reward else None}
     P, R, rows = spec.prompt_length, spec.response_length, spec.rollout_rows

@@ -41,6 +41,7 @@ from jaxflow.trainer.builders import (
     describe_source,
     load_model,
 )
+from jaxflow.trainer import interrupt
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, write_hf
@@ -358,6 +359,7 @@ class RLTrainer:
                 logger.log(val, 0)
                 history.append({"step": 0, **val})
             for step in range(start_step + 1, self.total_steps + 1):
+                interrupt.check()
                 metrics = self.train_step(step)
                 last = step == self.total_steps
                 if t.test_freq > 0 and (step % t.test_freq == 0 or last):
@@ -372,6 +374,7 @@ class RLTrainer:
                 if t.save_freq > 0 and (step % t.save_freq == 0 or last):
                     if healthy:
                         self.save(step, history)
+                        interrupt.check()
                     else:  # nothing saved, so nothing pruned: the last good checkpoint stays the latest
                         print(f"step {step}: not saving a checkpoint after a refused update (latest good "
                               f"checkpoint: step {self.ckpt.latest_step()})", flush=True)
