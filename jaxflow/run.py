@@ -55,9 +55,10 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.data.dataset import DatasetError
     from jaxflow.models import CheckpointError
     from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
+    from jaxflow.trainer.outputs import RunDirInUseError
 
     return (ConfigError, DatasetError, CheckpointError, UnknownDataSourceError, RewardFunctionError,
-            FileNotFoundError, FileExistsError)
+            FileNotFoundError, FileExistsError, RunDirInUseError)
 
 
 # errno values that mean "the user's storage refused the write", not a bug.
@@ -149,9 +150,11 @@ def _run_dir(cfg: Any) -> str | None:
 def _train(cfg: Any, json_path: str | None) -> int:
     if cfg.jaxflow.dry_run.enable:
         from jaxflow.automap import resolve_placement
+        from jaxflow.configs.validate import warn_ignored_under_auto
         from jaxflow.plan.dry_run import dry_run
 
-        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's plan
+        given, cfg = cfg, resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's plan
+        warn_ignored_under_auto(given, cfg)
         if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
             from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
             from jaxflow.workers.ray_backend import describe_hosts

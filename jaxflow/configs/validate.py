@@ -20,6 +20,7 @@ on first use.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -492,6 +493,37 @@ def _check_structure(c: _Checker) -> None:
     _check_batches(c)
     if not c.items:
         _check_model_fit(c)
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def ignored_under_auto(given: ConfigDict, resolved: ConfigDict) -> list[str]:
+    """The keys that ``given`` sets (a value other than the base config's) and that
+    ``jaxflow.placement.type=auto`` replaced in ``resolved`` (meshes, ``rollout.max_num_seqs``),
+    each as ``"key=given (auto: chosen)"``."""
+    from jaxflow.configs.base import get_base_config
+
+    base = get_base_config()
+    out = []
+    for key in leaf_keys(given):
+        if key == "jaxflow.placement.type" or key not in KEY_TYPES:
+            continue
+        mine, chosen = _plain(get_value(given, key)), _plain(get_value(resolved, key))
+        if mine != chosen and mine != _plain(get_value(base, key)):
+            out.append(f"{key}={mine} (auto: {chosen})")
+    return out
+
+
+def warn_ignored_under_auto(given: ConfigDict, resolved: ConfigDict) -> list[str]:
+    """One warning line naming what `ignored_under_auto` finds and how to keep it; the list."""
+    ignored = ignored_under_auto(given, resolved)
+    if ignored:
+        logging.getLogger(__name__).warning(
+            "jaxflow.placement.type is auto, so the auto-mapper's plan replaced %s; to run with your own settings, "
+            "set jaxflow.placement.type=colocated (or split, or custom)", ", ".join(ignored))
+    return ignored
 
 
 def validate(cfg: ConfigDict) -> None:
