@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -63,7 +64,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 # errno values that mean "the user's storage refused the write", not a bug.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_STORAGE_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
+_FULL = " (is the disk full?)"
+# The same, as libraries that are not Python's OSError say it (tensorstore, safetensors), with a hint.
+_STORAGE_TEXTS = {"No space left on device": _FULL, "Disk quota exceeded": _FULL, "File too large": _FULL,
+                  "Read-only file system": "", "Permission denied": ""}
+_QUOTED_PATH = re.compile(r"""["'](/[^"']+)["']""")
 
 
 def _chain(e: BaseException) -> list[BaseException]:
@@ -79,13 +84,20 @@ def _storage_error(e: BaseException) -> str | None:
     for cause in _chain(e):
         if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
             where = f" {cause.filename}" if cause.filename else ""
-            hint = " (is the disk full?)" if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+            hint = _FULL if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
             return f"cannot write{where}: {cause.strerror}{hint}"
         text = str(cause)
-        for known in _STORAGE_TEXTS:
-            if known in text:
-                return f"cannot write: {' '.join(text.split())[:300]}"
+        for known, hint in _STORAGE_TEXTS.items():
+            if known in text:  # the file: the last absolute path the message quotes
+                paths = _QUOTED_PATH.findall(text)
+                return f"cannot write{f' {paths[-1]}' if paths else ''}: {known}{hint}"
     return None
+
+
+def _not_rethrown(record: logging.LogRecord) -> bool:
+    """False for orbax's reports of an exception in one of its threads: the same exception is
+    raised in the main thread, where the run reports it in one line (the log file keeps both)."""
+    return not (record.name == "absl" and "raised an exception" in record.getMessage())
 
 
 class _NoTraceback(logging.Formatter):
@@ -109,6 +121,7 @@ def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | No
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     console.setFormatter(_NoTraceback("%(levelname)s %(name)s: %(message)s"))
+    console.addFilter(_not_rethrown)
     handlers: list[logging.Handler] = [console]
     path = None
     if run_dir is not None:
@@ -239,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     # orbax's closed event loop after the read of a damaged checkpoint was abandoned) go to the
     # log file: the run has already said what matters in one line.
     sys.unraisablehook = _log_unraisable
+    # A log file on a full disk must not print a traceback per record ("--- Logging error ---").
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
     enable_compilation_cache()
     try:
         return _train(cfg, json_path)
@@ -249,6 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - every failure becomes one line; the log has the rest
         return _report(e, log_path)
     finally:
+        logging.raiseExceptions = raise_exceptions
         for handler in handlers:
             logging.getLogger().removeHandler(handler)
             handler.close()

@@ -316,14 +316,23 @@ def _check_algorithm(c: _Checker) -> None:
 
 
 def _check_sft(c: _Checker) -> None:
+    """An sft job, and the supervised warm start of an RL run (same keys, ``warm_start_steps``
+    steps)."""
     cfg = c.cfg
-    if cfg.jaxflow.job != "sft":
+    s = cfg.jaxflow.sft
+    warm_start = cfg.jaxflow.job == "rl" and s.warm_start_steps > 0 and not cfg.actor_rollout_ref.model.path
+    if cfg.jaxflow.job != "sft" and not warm_start:
         return
-    for key in ("steps", "batch_size", "micro_batch_size_per_device"):
+    for key in ("batch_size", "micro_batch_size_per_device") + (() if warm_start else ("steps",)):
         c.at_least(f"jaxflow.sft.{key}")
     c.at_least("jaxflow.sft.warmup_steps", 0)
     c.at_least("jaxflow.sft.weight_decay", 0)
     c.positive("jaxflow.sft.lr")
+    c.check(s.batch_size <= cfg.jaxflow.data.num_train_examples, "jaxflow.sft.batch_size",
+            f"{s.batch_size} demonstrations per step, but jaxflow.data.num_train_examples draws only "
+            f"{cfg.jaxflow.data.num_train_examples}")
+    if warm_start:
+        return
     c.check(bool(cfg.jaxflow.sft.output_dir), "jaxflow.sft.output_dir",
             "must name the directory to write the checkpoint to")
     c.check(not cfg.data.train_files, "data.train_files",

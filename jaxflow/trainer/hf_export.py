@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +48,10 @@ from jaxflow.workers.train_state import train_state_shardings
 ROLES = {"actor": "lm", "critic": "value"}
 HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run
 EXPORT_MARKER = "jaxflow_export.json"  # in every export: the files it wrote (so a later export may replace them)
+
+
+class ExportError(RuntimeError):
+    """Writing an HF export failed (names the export's directory)."""
 
 
 def _exported_files(out: Path) -> set[str] | None:
@@ -144,15 +147,24 @@ def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str |
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.is_dir())
-        (tmp / EXPORT_MARKER).write_text(json.dumps({"format": 1, "files": files, "time": time.time()}))
-    except BaseException:
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"format": 1, "files": files}))
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, OSError):  # e.g. safetensors' errors name no file
+            raise ExportError(f'writing the HF export "{out}" failed: {" ".join(str(e).split())}') from e
         raise
-    with _ctrl_c_deferred():  # the two renames: never out missing with Ctrl-C between them
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    swapped = False
+    try:
+        with _ctrl_c_deferred():  # the two renames: never out missing with Ctrl-C between them
+            if out.exists():
+                os.replace(out, old)
+            os.replace(tmp, out)
+            swapped = True
+    finally:
+        if swapped:
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists() and not out.exists():  # the new one could not be renamed in: the old one goes back
+            os.replace(old, out)
     return out
 
 

@@ -77,6 +77,9 @@ class RunDirLock:
             os.close(self._fd)  # closing the descriptor drops the flock
             self._fd = None
 
+    def __del__(self) -> None:  # an owner dropped without release (e.g. a trainer never fitted)
+        self.release()
+
     def __enter__(self) -> RunDirLock:
         return self
 
