@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, OSError, ValueError) as e:  # OSError: missing files, not ours, disk full, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyError as e:  # a config.json from another jaxflow version lacks a key
-        print(f"error: {args.checkpoint}/config.json lacks the key {e}; was it written by this jaxflow version?",
-              file=sys.stderr)
+    except (KeyError, AttributeError) as e:  # a config.json from another jaxflow version lacks a key
+        print(f"error: {args.checkpoint}/config.json lacks a key this jaxflow reads ({type(e).__name__}: {e}); was "
+              "it written by another jaxflow version?", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"interrupted: the export to {args.out} was cut short; an earlier export there is kept", file=sys.stderr)

@@ -7,6 +7,7 @@ An export never replaces anything but an earlier export, and never loses that on
 import contextlib
 import hashlib
 import io
+import json
 import os
 import signal
 import subprocess
@@ -194,6 +195,16 @@ def test_export_cli_errors_are_one_line(run_dir, tmp_path, capsys):
     assert err.startswith("error:") and "step 7" in err
     assert export_main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "config.json" in capsys.readouterr().err
+    # A run config from another jaxflow version (a key it lacks).
+    old = tmp_path / "old_run"
+    old.mkdir()
+    config = json.loads((run_dir / "config.json").read_text())
+    del config["jaxflow"]["num_devices"]
+    (old / "config.json").write_text(json.dumps(config))
+    assert export_main(["--checkpoint", str(old), "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {old}/config.json lacks a key this jaxflow reads") and err.count("\n") == 1, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_an_export_replaces_only_an_earlier_export_and_never_loses_it(run_dir, tmp_path, monkeypatch, capsys):

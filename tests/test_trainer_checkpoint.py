@@ -307,7 +307,8 @@ def test_one_writer_per_directory_and_skipped_leaves_are_not_read(tmp_path):
         # could take it for debris; readers are welcome.
         in_progress = tmp_path / "step_2.orbax-checkpoint-tmp-1234"
         in_progress.mkdir()
-        with pytest.raises(RunDirInUseError, match=rf"{tmp_path} is in use by another jaxflow run \(pid {os.getpid()}\)"):
+        busy = rf"{tmp_path} is in use by another jaxflow run \(pid {os.getpid()}\)"
+        with pytest.raises(RunDirInUseError, match=busy):
             CheckpointManager(tmp_path)
         assert in_progress.is_dir()
         assert CheckpointManager(tmp_path, read_only=True).all_steps() == [1]

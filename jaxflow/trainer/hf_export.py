@@ -78,16 +78,15 @@ def check_export_target(out_dir: str | os.PathLike, *, protect: tuple[str | os.P
             raise NotOursError(f"{out} holds the run directory {path}; an export there would replace it: write "
                                "the export to a new directory")
     if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise NotOursError(f"{out} exists and is not a directory; write the export to a new directory")
-    if not out.is_dir():
-        return out
-    present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()}
-    if not present:
+        raise NotOursError(f"{out} exists and is not a directory; move it away, or write the export to a new directory")
+    if not out.is_dir() or not any(out.iterdir()):
         return out
     ours = _exported_files(out)
-    if ours is None:
-        raise NotOursError(f"{out} is not empty and is not a jaxflow HF export (no {EXPORT_MARKER}); jaxflow never "
-                           "replaces a directory it did not write: write the export to a new directory")
+    if ours is None:  # (decided before walking it: "~" may hold a great many files)
+        raise NotOursError(f"{out} is not empty and is not a jaxflow HF export (no {EXPORT_MARKER}); jaxflow "
+                           "never replaces a directory it did not write: move it away, or write the export to a new "
+                           "directory")
+    present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()}
     foreign = sorted(present - ours)
     if foreign:
         raise NotOursError(f"{out} is a jaxflow HF export but also holds files it did not write "
@@ -170,19 +169,24 @@ def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str |
 
 @contextlib.contextmanager
 def _ctrl_c_deferred():
-    """Ctrl-C (SIGINT) inside the block is raised when the block ends (main thread only; a
-    SIGKILL in between is what `_recover` is for)."""
+    """A Ctrl-C (SIGINT) inside the block is handed to the handler it would have met (Python's:
+    ``KeyboardInterrupt``) when the block ends (main thread only; a SIGKILL in between is what
+    `_recover` is for)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
     previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    previous = signal.default_int_handler if previous is None else previous
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
+        signal.signal(signal.SIGINT, previous)
     if caught:
-        raise KeyboardInterrupt
+        if callable(previous):
+            previous(*caught[0])
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 def run_config(run_dir: str | os.PathLike) -> ConfigDict:

@@ -124,7 +124,7 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
                 raise NonFiniteError(
                     f"sft step {step}: the update was refused (loss {metrics['sft/loss']:.4g}, gradient norm "
                     f"{metrics['sft/grad_norm']:.4g}, learning rate {s.lr:g}: not finite, or weights that would "
-                    f"overflow); nothing was written, {os.path.abspath(s.output_dir)} is unchanged. Lower "
+                    f"overflow); no weights were written, {os.path.abspath(s.output_dir)} is unchanged. Lower "
                     "jaxflow.sft.lr or check the data")
             if s.test_freq > 0 and (step % s.test_freq == 0 or step == s.steps):
                 metrics["sft/val_accuracy"] = greedy_accuracy(graphdef, state.params, task, tokenizer, cfg)
