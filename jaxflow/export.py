@@ -6,6 +6,10 @@ directory (``config.json``, ``*.safetensors``, the run's tokenizer) that
 ``AutoModelForTokenClassification``): verl's model merger, for jaxflow. The saved state is
 read shard by shard into the role's training mesh (``jaxflow.num_devices`` simulated devices
 on CPU) and written one tensor at a time; no device holds the whole model.
+
+``--out`` must be a new or empty directory, or an earlier jaxflow export (which is then
+replaced; an interruption leaves the old one or the new one in place, never neither). Any
+other directory (``.``, ``~``, the run directory) is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="the run directory (trainer.default_local_dir)")
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
     p.add_argument("--role", choices=("actor", "critic"), default="actor")
-    p.add_argument("--out", required=True, help="the HF directory to write (replaced if it exists)")
+    p.add_argument("--out", required=True,
+                   help="the HF directory to write: new, empty, or an earlier jaxflow export (replaced)")
     return p
 
 
@@ -33,9 +38,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         simulate_devices(run_config(args.checkpoint).jaxflow.num_devices)
         out = export_checkpoint(args.checkpoint, args.out, step=args.step, role=args.role)
-    except (CheckpointError, FileNotFoundError, ValueError) as e:
+    except (CheckpointError, OSError, ValueError) as e:  # OSError: missing files, not ours, disk full, ...
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (KeyError, AttributeError) as e:  # a config.json from another jaxflow version lacks a key
+        print(f"error: {args.checkpoint}/config.json lacks a key this jaxflow reads ({type(e).__name__}: {e}); was "
+              "it written by another jaxflow version?", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: the export to {args.out} was cut short; an earlier export there is kept", file=sys.stderr)
+        return 130
     print(f"wrote {out}", flush=True)
     return 0
 

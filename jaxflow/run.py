@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 import sys
 from typing import Any
 
@@ -55,14 +56,19 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.data.dataset import DatasetError
     from jaxflow.models import CheckpointError
     from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
+    from jaxflow.trainer.outputs import RunDirInUseError
 
     return (ConfigError, DatasetError, CheckpointError, UnknownDataSourceError, RewardFunctionError,
-            FileNotFoundError, FileExistsError)
+            FileNotFoundError, FileExistsError, RunDirInUseError)
 
 
 # errno values that mean "the user's storage refused the write", not a bug.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_STORAGE_TEXTS = ("No space left on device", "Read-only file system", "Permission denied", "Disk quota exceeded")
+_FULL = " (is the disk full?)"
+# The same, as libraries that are not Python's OSError say it (tensorstore, safetensors), with a hint.
+_STORAGE_TEXTS = {"No space left on device": _FULL, "Disk quota exceeded": _FULL, "File too large": _FULL,
+                  "Read-only file system": "", "Permission denied": ""}
+_QUOTED_PATH = re.compile(r"""["'](/[^"']+)["']""")
 
 
 def _chain(e: BaseException) -> list[BaseException]:
@@ -78,13 +84,20 @@ def _storage_error(e: BaseException) -> str | None:
     for cause in _chain(e):
         if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
             where = f" {cause.filename}" if cause.filename else ""
-            hint = " (is the disk full?)" if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+            hint = _FULL if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
             return f"cannot write{where}: {cause.strerror}{hint}"
         text = str(cause)
-        for known in _STORAGE_TEXTS:
-            if known in text:
-                return f"cannot write: {' '.join(text.split())[:300]}"
+        for known, hint in _STORAGE_TEXTS.items():
+            if known in text:  # the file: the last absolute path the message quotes
+                paths = _QUOTED_PATH.findall(text)
+                return f"cannot write{f' {paths[-1]}' if paths else ''}: {known}{hint}"
     return None
+
+
+def _not_rethrown(record: logging.LogRecord) -> bool:
+    """False for orbax's reports of an exception in one of its threads: the same exception is
+    raised in the main thread, where the run reports it in one line (the log file keeps both)."""
+    return not (record.name == "absl" and "raised an exception" in record.getMessage())
 
 
 class _NoTraceback(logging.Formatter):
@@ -108,6 +121,7 @@ def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | No
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     console.setFormatter(_NoTraceback("%(levelname)s %(name)s: %(message)s"))
+    console.addFilter(_not_rethrown)
     handlers: list[logging.Handler] = [console]
     path = None
     if run_dir is not None:
@@ -149,9 +163,11 @@ def _run_dir(cfg: Any) -> str | None:
 def _train(cfg: Any, json_path: str | None) -> int:
     if cfg.jaxflow.dry_run.enable:
         from jaxflow.automap import resolve_placement
+        from jaxflow.configs.validate import warn_ignored_under_auto
         from jaxflow.plan.dry_run import dry_run
 
-        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's plan
+        given, cfg = cfg, resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's plan
+        warn_ignored_under_auto(given, cfg)
         if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
             from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
             from jaxflow.workers.ray_backend import describe_hosts
@@ -236,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     # orbax's closed event loop after the read of a damaged checkpoint was abandoned) go to the
     # log file: the run has already said what matters in one line.
     sys.unraisablehook = _log_unraisable
+    # A log file on a full disk must not print a traceback per record ("--- Logging error ---").
+    raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
     enable_compilation_cache()
     from jaxflow.trainer import interrupt
 
@@ -249,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - every failure becomes one line; the log has the rest
         return _report(e, log_path)
     finally:
+        logging.raiseExceptions = raise_exceptions
         for handler in handlers:
             logging.getLogger().removeHandler(handler)
             handler.close()

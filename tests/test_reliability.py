@@ -7,6 +7,7 @@ responses, 1-4 steps); several assertions share one run where they check the sam
 
 import hashlib
 import json
+import logging
 import os
 import queue
 import re
@@ -317,15 +318,208 @@ def test_ctrl_c_during_a_save_exits_in_one_line_and_the_next_run_resumes(tmp_pat
     assert "KeyboardInterrupt" in (run_dir / "jaxflow.log").read_text()
 
 
-def test_a_full_disk_is_one_line(tmp_path):
-    """The run directory's config.json is a link to /dev/full: every write to it fails with
-    ENOSPC, as on a full disk."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.json").symlink_to("/dev/full")
-    code, out = run_cli([*TINY, "--config.trainer.total_training_steps=1"], run_dir)
+def _unshare_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def run_on_tmpfs(args, mount: Path, options: str, timeout=600):
+    """``python -m jaxflow.run`` with a tmpfs (``mount -o options``: ``size=512k`` is a disk that
+    fills up, ``ro`` a read-only one) mounted at ``mount``, in a private mount namespace
+    (``unshare``: the mount is the run's alone and goes away with it). ``(exit code, output,
+    what is left in the run directory)``."""
+    if not _unshare_works():
+        pytest.skip("needs `unshare -rm` (user and mount namespaces) to mount a small or read-only tmpfs")
+    mount.mkdir(parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(REPO)
+    run_dir = mount / "run"
+    script = ('mount -t tmpfs -o "$1" tmpfs "$0" || exit 99; shift; "$@"; rc=$?; echo "LEFT:"; '
+              f'ls -a {run_dir} 2>/dev/null; exit $rc')
+    cmd = ["unshare", "-rm", "sh", "-c", script, str(mount), options, sys.executable, "-m", "jaxflow.run", *args,
+           f"--config.trainer.default_local_dir={run_dir}"]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+    out, _, left = proc.stdout.rpartition("LEFT:\n")
+    return proc.returncode, out, sorted(set(left.split()) - {".", ".."})
+
+
+def test_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
+    # A read-only file system: refused before anything is built.
+    code, out, _ = run_on_tmpfs([*TINY, "--config.trainer.total_training_steps=1"], tmp_path / "ro", "ro")
     assert code == 2, out
     (line,) = error_lines(out)
-    assert line.startswith("error: cannot write") and "No space left on device (is the disk full?)" in line, line
-    assert "Traceback" not in out
-    assert "OSError" in (run_dir / "jaxflow.log").read_text() or "No space" in (run_dir / "jaxflow.log").read_text()
+    assert line == f"error: cannot write {tmp_path / 'ro' / 'run'}: Read-only file system (the run directory " \
+                   f"{tmp_path / 'ro' / 'run'})", line
+    assert len(out.strip().splitlines()) == 1, out
+
+    # A disk that fills up while the first checkpoint is written (512 KiB: the logs and the
+    # config fit, the actor's arrays do not): one line naming the file and the cause, no
+    # traceback, no error records of orbax's threads; the cut-short save is never a complete step.
+    code, out, left = run_on_tmpfs([*TINY, "--config.trainer.total_training_steps=1",
+                                    "--config.trainer.save_freq=1"], tmp_path / "full", "size=512k")
+    assert code == 2, out
+    (line,) = error_lines(out)
+    assert re.fullmatch(rf"error: cannot write {tmp_path / 'full' / 'run'}/step_1\.orbax-checkpoint-tmp/\S+: "
+                        r"No space left on device \(is the disk full\?\)", line), line
+    assert "Traceback" not in out and "ERROR" not in out, out
+    assert "step 1 |" in out and "step_1" not in left and "jaxflow.log" in left, left
+
+
+def test_an_internal_error_is_one_line_with_the_traceback_in_the_log(tmp_path, capsys, monkeypatch):
+    """Anything that is neither the user's input nor storage (a bug): exit 1, one line naming the
+    exception and the log file, which has the traceback."""
+    import jaxflow.trainer.rl as rl
+
+    class Broken:
+        def __init__(self, cfg):
+            raise ZeroDivisionError("a bug deep inside")
+
+    monkeypatch.setattr(rl, "RLTrainer", Broken)
+    run_dir = tmp_path / "run"
+    assert main([*TINY, f"--config.trainer.default_local_dir={run_dir}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: ZeroDivisionError: a bug deep inside (traceback in {run_dir / 'jaxflow.log'})"), err
+    log = (run_dir / "jaxflow.log").read_text()
+    assert "Traceback (most recent call last)" in log and "raise ZeroDivisionError" in log
+
+
+def test_every_float_key_refuses_nan_and_inf():
+    """Walks the FIELDS table: each key holding floats (alone, in a tuple, or optional) refuses
+    NaN and +-Inf in one line naming it."""
+    from jaxflow import configs
+    from jaxflow.configs.base import FIELDS, KEY_TYPES
+
+    float_keys = [key for key, _, _ in FIELDS if KEY_TYPES[key][0] is float
+                  or (KEY_TYPES[key][0] in (tuple, list) and key.endswith(".betas"))]
+    assert len(float_keys) > 30 and "actor_rollout_ref.actor.optim.lr" in float_keys
+    for key in float_keys:
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            cfg = configs.get_config("grpo_tiny")
+            *parents, leaf = key.split(".")
+            node = cfg
+            for name in parents:
+                node = node[name]
+            node[leaf] = (0.9, bad) if key.endswith(".betas") else bad
+            with pytest.raises(configs.ConfigError) as e:
+                configs.validate(cfg)
+            assert f"{key}: must be a finite number, got" in str(e.value), (key, bad, str(e.value))
+
+
+def test_a_warm_start_that_cannot_draw_its_batch_is_refused_by_validation(tmp_path, capsys):
+    """Found by trying: this passed validation and then failed inside the warm start (exit 1)."""
+    assert main([*TINY, "--config.jaxflow.sft.warm_start_steps=2",
+                 f"--config.trainer.default_local_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: jaxflow.sft.batch_size: 64 demonstrations per step, but "
+                                               "jaxflow.data.num_train_examples draws only 8")
+
+
+def test_save_refuses_non_finite_params(tmp_path):
+    """``RLTrainer.save`` is the last line of defence: a train state holding NaN is never written
+    (and so never prunes a good checkpoint)."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from jaxflow.trainer.checkpoint import CheckpointManager
+    from jaxflow.trainer.guard import NonFiniteError
+    from jaxflow.trainer.rl import RLTrainer
+    from jaxflow.workers import TrainState
+
+    state = TrainState(params={"w": jnp.array([1.0, jnp.nan])}, opt_state=(), step=jnp.zeros((), jnp.int32))
+    trainer = object.__new__(RLTrainer)  # the method under test needs only its workers and checkpoints
+    trainer.workers = SimpleNamespace(actor=SimpleNamespace(get_train_state=lambda: (state, None)), critic=None)
+    with CheckpointManager(tmp_path) as trainer.ckpt:
+        with pytest.raises(NonFiniteError, match=r"step 3: the actor parameters hold NaN or Inf; not saving them "
+                                                 r"\(latest good checkpoint: step None\)"):
+            trainer.save(3, [])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".jaxflow.lock"]
+
+
+def test_user_meshes_that_the_auto_mapper_replaces_are_said_in_one_line(caplog):
+    from jaxflow import configs
+    from jaxflow.automap import resolve_placement
+    from jaxflow.configs.validate import warn_ignored_under_auto
+
+    cfg = configs.get_config("grpo_tiny")
+    configs.apply_overrides(cfg, ["jaxflow.mesh.actor.train.tp=8", "jaxflow.mesh.actor.generate.tp=8"])
+    configs.validate(cfg)
+    resolved = resolve_placement(cfg, log=None)
+    assert resolved.jaxflow.mesh.actor.train.tp != 8  # the plan's choice for the tiny model
+    with caplog.at_level(logging.WARNING):
+        ignored = warn_ignored_under_auto(cfg, resolved)
+    assert sorted(i.split("=")[0] for i in ignored) == ["jaxflow.mesh.actor.generate.tp",
+                                                        "jaxflow.mesh.actor.train.tp"]
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "\n" not in message and "jaxflow.mesh.actor.train.tp=8 (auto: " in message
+    assert "set jaxflow.placement.type=colocated" in message
+    # The base config's own meshes are the plan's to choose: nothing is reported.
+    plain = configs.get_config("grpo_tiny")
+    assert warn_ignored_under_auto(plain, resolve_placement(plain, log=None)) == []
+
+
+def _summary_seconds(line: str) -> int:
+    """Whole seconds of ``done in 1m05s: ...``."""
+    m = re.search(r"done in (?:(\d+)m)?(\d+)s", line)
+    return int(m.group(1) or 0) * 60 + int(m.group(2))
+
+
+def test_a_rerun_without_checkpoints_keeps_the_previous_outputs(tmp_path):
+    """The default save_freq=-1 writes no checkpoints, so a rerun starts afresh: the outputs of
+    the run before (metrics, TensorBoard events, plot, HF export, warm start, config) are moved
+    into previous-<time>/, byte for byte. Each run ends with a summary whose wall time covers
+    the whole run (its supervised warm start included)."""
+    run_dir = tmp_path / "run"
+    args = [*TINY, "--config.trainer.total_training_steps=1", "--config.jaxflow.sft.warm_start_steps=2",
+            "--config.jaxflow.sft.batch_size=4", "--config.jaxflow.sft.micro_batch_size_per_device=4",
+            "--config.jaxflow.sft.test_freq=-1", "--config.trainer.logger=console,jsonl,tensorboard"]
+    code, out = run_cli(args, run_dir)
+    assert code == 0, out
+    outputs = ["config.json", "hf_actor", "metrics.jsonl", "metrics.png", "sft_warm_start", "sft_warm_start_run",
+               "tensorboard"]
+    assert all((run_dir / name).exists() for name in outputs)
+    first = {name: tree_digest(run_dir / name) if (run_dir / name).is_dir() else
+             hashlib.sha256((run_dir / name).read_bytes()).hexdigest() for name in outputs}
+    # The summary's clock started with the run: it covers the warm start (its own summary) and the steps.
+    rl_done = next(line for line in out.splitlines() if line.startswith("done in"))
+    sft_done = next(line for line in out.splitlines() if line.startswith("sft done in"))
+    step_s = sum(json.loads(line)["timing_s/step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert _summary_seconds(rl_done) >= _summary_seconds(sft_done) + step_s - 1, (rl_done, sft_done, step_s)
+    assert "auto-mapper's plan replaced" not in out  # TINY's meshes are the plan's: no false alarm
+
+    code, out = run_cli(args, run_dir)
+    assert code == 0, out
+    (moved,) = [line for line in out.splitlines() if "moved the previous run's" in line]
+    (previous,) = run_dir.glob("previous-*")
+    assert moved.endswith(f"to {previous} (nothing was deleted)")
+    for name, digest in first.items():
+        kept = previous / name
+        assert (tree_digest(kept) if kept.is_dir() else hashlib.sha256(kept.read_bytes()).hexdigest()) == digest, name
+        assert (run_dir / name).exists(), name  # and the new run wrote its own
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_a_run_never_writes_over_what_is_not_its_own_and_one_run_per_directory(tmp_path, capsys):
+    """In-process ``main``: both are refused before any model is built."""
+    from jaxflow.trainer.outputs import RunDirLock
+
+    # A config.json of the user's where the run would write its own (e.g. default_local_dir=.).
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"architectures": ["MyModel"]}')
+    assert main([*TINY, f"--config.trainer.default_local_dir={mine}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {mine / 'config.json'} exists and is not a jaxflow run config") and "\n" not in err
+    assert (mine / "config.json").read_text() == '{"architectures": ["MyModel"]}'
+    assert sorted(p.name for p in mine.iterdir()) == [".jaxflow.lock", "config.json", "jaxflow.log"]
+
+    # Another run holds the directory.
+    busy = tmp_path / "busy"
+    with RunDirLock(busy):
+        assert main([*TINY, f"--config.trainer.default_local_dir={busy}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {busy} is in use by another jaxflow run (pid {os.getpid()}); wait for it to end, or give "
+                   "this run another directory (trainer.default_local_dir)"), err

@@ -1,5 +1,5 @@
 """Training checkpoints: sharded round trips on the 8-device mesh, retention, resume modes,
-interrupted saves, clear errors, HF export."""
+interrupted saves, clear errors, one writer per directory."""
 
 import logging
 import os
@@ -15,13 +15,13 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from safetensors.numpy import load_file
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jaxflow.models as models
 from jaxflow.mesh import TRAIN_RULES, state_shardings
 from jaxflow.trainer import CheckpointManager, CheckpointMismatchError, DamagedCheckpointError, HostState, is_complete
-from jaxflow.trainer.checkpoint import MARKER, decode_json, encode_json
+from jaxflow.trainer.checkpoint import MARKER, SKIP, decode_json, encode_json
+from jaxflow.trainer.outputs import RunDirInUseError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -299,24 +299,29 @@ def test_mismatched_targets_name_the_key_and_shapes(tmp_path):
             ckpt.restore(7, targets={"p": params})
 
 
-def test_export_hf_actor(tmp_path, tiny):
-    cfg, graphdef, _, state = tiny
-    model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, state))
-    params, _ = _small()
+def test_one_writer_per_directory_and_skipped_leaves_are_not_read(tmp_path):
+    params, opt = _small()
     with CheckpointManager(tmp_path, max_to_keep=1) as ckpt:
-        ckpt.save(1, {"p": params}, hf_actor=model)
-        out = tmp_path / "step_1" / "hf_actor"
-        assert (out / "config.json").is_file()
-        (st_file,) = out.glob("*.safetensors")
-        np.testing.assert_array_equal(load_file(st_file)["model.embed_tokens.weight"],
-                                      state["model"]["embed_tokens"].get_value())
-        # the export does not disturb restoring, and goes away with its step
-        r = ckpt.restore(targets={"p": params})
+        ckpt.save(1, {"p": params, "o": opt, "s": {"params": params, "opt": opt}})
+        # Another run's save in progress: a second writer is refused before its start-up clean-up
+        # could take it for debris; readers are welcome.
+        in_progress = tmp_path / "step_2.orbax-checkpoint-tmp-1234"
+        in_progress.mkdir()
+        busy = rf"{tmp_path} is in use by another jaxflow run \(pid {os.getpid()}\)"
+        with pytest.raises(RunDirInUseError, match=busy):
+            CheckpointManager(tmp_path)
+        assert in_progress.is_dir()
+        assert CheckpointManager(tmp_path, read_only=True).all_steps() == [1]
+        # Only the parameters: the optimizer state's leaves are SKIP, left unread (a whole item, or
+        # part of one).
+        skip_opt = jax.tree.map(lambda _: SKIP, opt)
+        r = ckpt.restore(targets={"p": params, "o": skip_opt, "s": {"params": params, "opt": skip_opt}})
         _assert_bit_exact(r.arrays["p"], params)
-        ckpt.save(2, {"p": params})
-        assert not (tmp_path / "step_1").exists()
-        with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
-            ckpt.export_hf(1, model)
+        _assert_bit_exact(r.arrays["s"]["params"], params)
+        for skipped in (r.arrays["o"], r.arrays["s"]["opt"]):
+            assert jax.tree.leaves(skipped) and all(x is SKIP for x in jax.tree.leaves(skipped))
+    with CheckpointManager(tmp_path) as ckpt:  # closed: the directory is free again
+        assert ckpt.all_steps() == [1] and not in_progress.exists()
 
 
 def test_train_state_round_trips(tmp_path, tiny):

@@ -226,11 +226,21 @@ def test_end_of_run_summary():
     assert text.splitlines() == [
         "done in 6m52s: 300 steps (1 -> 300)",
         "  training score (critic/score/mean): 0.103 (first) -> 0.850 (last)",
-        ("  held-out score (val/score/mean):   0.160 (first, step 0) -> 0.914 (best, step 120) -> "
+        ("  held-out score (val/score/mean):    0.160 (first, step 0) -> 0.914 (best, step 120) -> "
          "0.902 (last, step 300)"),
         "  metrics    run/metrics.jsonl",
         "  plot       run/metrics.png",
         "  HF export  run/hf_actor",
     ]
     assert run_summary([], wall_s=3).splitlines() == ["done in 3s: no training steps"]
+    # An SFT run: its loss and held-out greedy accuracy.
+    sft = [{"step": s, "sft/loss": 2.0 / s} for s in range(1, 5)]
+    sft[1]["sft/val_accuracy"], sft[3]["sft/val_accuracy"] = 0.25, 0.5
+    assert run_summary(sft, wall_s=75, outputs={"HF export": "out"}, train=("training loss", "sft/loss"),
+                       val=("held-out accuracy", "sft/val_accuracy")).splitlines() == [
+        "done in 1m15s: 4 steps (1 -> 4)",
+        "  training loss (sft/loss):             2.000 (first) -> 0.500 (last)",
+        "  held-out accuracy (sft/val_accuracy): 0.250 (first, step 2) -> 0.500 (best, step 4) -> 0.500 (last, step 4)",
+        "  HF export  out",
+    ]
     assert format_duration(3725) == "1h02m"

@@ -20,6 +20,7 @@ on first use.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from collections.abc import Iterable
@@ -315,14 +316,23 @@ def _check_algorithm(c: _Checker) -> None:
 
 
 def _check_sft(c: _Checker) -> None:
+    """An sft job, and the supervised warm start of an RL run (same keys, ``warm_start_steps``
+    steps)."""
     cfg = c.cfg
-    if cfg.jaxflow.job != "sft":
+    s = cfg.jaxflow.sft
+    warm_start = cfg.jaxflow.job == "rl" and s.warm_start_steps > 0 and not cfg.actor_rollout_ref.model.path
+    if cfg.jaxflow.job != "sft" and not warm_start:
         return
-    for key in ("steps", "batch_size", "micro_batch_size_per_device"):
+    for key in ("batch_size", "micro_batch_size_per_device") + (() if warm_start else ("steps",)):
         c.at_least(f"jaxflow.sft.{key}")
     c.at_least("jaxflow.sft.warmup_steps", 0)
     c.at_least("jaxflow.sft.weight_decay", 0)
     c.positive("jaxflow.sft.lr")
+    c.check(s.batch_size <= cfg.jaxflow.data.num_train_examples, "jaxflow.sft.batch_size",
+            f"{s.batch_size} demonstrations per step, but jaxflow.data.num_train_examples draws only "
+            f"{cfg.jaxflow.data.num_train_examples}")
+    if warm_start:
+        return
     c.check(bool(cfg.jaxflow.sft.output_dir), "jaxflow.sft.output_dir",
             "must name the directory to write the checkpoint to")
     c.check(not cfg.data.train_files, "data.train_files",
@@ -492,6 +502,37 @@ def _check_structure(c: _Checker) -> None:
     _check_batches(c)
     if not c.items:
         _check_model_fit(c)
+
+
+def _plain(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
+
+
+def ignored_under_auto(given: ConfigDict, resolved: ConfigDict) -> list[str]:
+    """The keys that ``given`` sets (a value other than the base config's) and that
+    ``jaxflow.placement.type=auto`` replaced in ``resolved`` (meshes, ``rollout.max_num_seqs``),
+    each as ``"key=given (auto: chosen)"``."""
+    from jaxflow.configs.base import get_base_config
+
+    base = get_base_config()
+    out = []
+    for key in leaf_keys(given):
+        if key == "jaxflow.placement.type" or key not in KEY_TYPES:
+            continue
+        mine, chosen = _plain(get_value(given, key)), _plain(get_value(resolved, key))
+        if mine != chosen and mine != _plain(get_value(base, key)):
+            out.append(f"{key}={mine} (auto: {chosen})")
+    return out
+
+
+def warn_ignored_under_auto(given: ConfigDict, resolved: ConfigDict) -> list[str]:
+    """One warning line naming what `ignored_under_auto` finds and how to keep it; the list."""
+    ignored = ignored_under_auto(given, resolved)
+    if ignored:
+        logging.getLogger(__name__).warning(
+            "jaxflow.placement.type is auto, so the auto-mapper's plan replaced %s; to run with your own settings, "
+            "set jaxflow.placement.type=colocated (or split, or custom)", ", ".join(ignored))
+    return ignored
 
 
 def validate(cfg: ConfigDict) -> None:

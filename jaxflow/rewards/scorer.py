@@ -245,16 +245,18 @@ class RewardScorer:
                 f"in the last batch {counts}, the first: {first}")
 
     def _log_failure(self, kind: int, index: int, data_source: Any, payload: str) -> None:
-        """Logs the first failure of each kind (when it happens); later ones are only counted."""
+        """Logs the first failure of each kind (when it happens) in one line, its full text (the
+        user's traceback) at INFO (the run's log file); later ones are only counted."""
         if kind == OK or kind in self._logged:
             return
         self._logged.add(kind)
         what = "timed out" if kind == TIMEOUT else "failed"
+        # One console line (the warning); the user's traceback goes to the log file only (INFO).
         logger.warning(
-            "reward function %s on sample %d (data_source=%r); it scores 0. Later "
-            "failures are only counted in reward/num_errors and reward/num_timeouts.\n%s",
-            what, index, data_source, payload,
+            "reward function %s on sample %d (data_source=%r): %s; it scores 0. Later failures are only counted "
+            "in reward/num_errors and reward/num_timeouts", what, index, data_source, _summary(payload),
         )
+        logger.info("reward function %s on sample %d (data_source=%r):\n%s", what, index, data_source, payload)
 
     def _collect(self, data_sources: Sequence[str], outcomes: list[tuple]) -> RewardResult:
         n = len(outcomes)

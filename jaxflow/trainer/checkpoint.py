@@ -6,7 +6,8 @@ Layout of ``directory``::
       actor_params/ actor_opt_state/ critic_params/ ...   one orbax item per array tree
       host/                                               JSON: step, data-loader position, RNG, ...
       jaxflow_checkpoint.json                             our commit marker (written last)
-      hf_actor/                                           optional HF safetensors export
+      hf_actor/                                           optional HF export (trainer.save_hf, written by
+                                                          jaxflow.trainer.hf_export after the step is complete)
 
 Crash safety. Orbax writes a step to ``step_N.orbax-checkpoint-tmp-<t>/`` and renames it to
 ``step_N`` once every item is on disk (on object stores without atomic rename it writes
@@ -22,9 +23,14 @@ a newer step is complete): a fresh run (``resume_mode="disable"``) in a director
 checkpoints is refused, and steps that a run resumed from an earlier step would overwrite are
 moved aside (``step_N.abandoned-<time>``), never removed.
 
+One writer at a time: a writing manager holds the directory's lock (`RunDirLock`) from its
+start-up cleanup until ``close()``; a second writer is refused (``RunDirInUseError``), since its
+cleanup would move the first one's save in progress aside.
+
 Restoring reads each array straight into the sharding of its target
 (``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``): every device reads only its shard, so a
-sharded run restores sharded without a full copy anywhere.
+sharded run restores sharded without a full copy anywhere. A target leaf ``SKIP`` is not read
+(e.g. the optimizer moments when only the parameters are wanted).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import orbax.checkpoint as ocp
 from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
 from jaxflow.models.hf_io import CheckpointError
+from jaxflow.trainer.outputs import RunDirLock
 from jaxflow.workers.train_state import tree_all_finite
 
 log = logging.getLogger(__name__)
@@ -60,6 +67,7 @@ _STEP_RE = re.compile(rf"^{STEP_PREFIX}_(0|[1-9]\d*)$")
 _TMP_RE = re.compile(rf"^{STEP_PREFIX}_\d+\.orbax-checkpoint-tmp")
 _ITEM_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _FORMAT_VERSION = 1
+SKIP = ocp.PLACEHOLDER  # a restore target leaf that is not read (comes back as SKIP)
 
 
 class CheckpointMismatchError(CheckpointError):
@@ -222,6 +230,16 @@ def _as_restore_target(tree: PyTree) -> PyTree:
     return jax.tree.map(leaf, tree)
 
 
+def _restore_args(flat_target: dict[str, Any]) -> Any:
+    """Orbax's restore arguments for one item (a flat dict of abstract leaves); ``SKIP`` leaves
+    are left out of a partial restore, so their bytes are never read."""
+    if not any(leaf is SKIP for leaf in flat_target.values()):
+        return ocp.args.StandardRestore(flat_target)
+    kept = {key: leaf for key, leaf in flat_target.items() if leaf is not SKIP}
+    return ocp.args.PyTreeRestore(item=kept, restore_args=ocp.checkpoint_utils.construct_restore_args(kept),
+                                  partial_restore=True)
+
+
 def _restore_items(path: Path, args: dict[str, Any]) -> dict[str, Any]:
     with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
         return ckptr.restore(path, args=ocp.args.Composite(**args))
@@ -306,19 +324,25 @@ class CheckpointManager:
         self._pending: list[tuple[int, list[str]]] = []  # saved by orbax, marker not yet written
         self._broken = False  # a save was cut short
         self._primary = jax.process_index() == 0
+        self._lock: RunDirLock | None = None
+        self._mgr = None
 
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             if self._primary:
-                self._remove_incomplete()
-            if resume_mode == "disable" and self.all_steps():
-                raise FileExistsError(
-                    f'resume_mode="disable" (a fresh run) but {self.directory} already holds checkpoints '
-                    f"(steps {self.all_steps()}); nothing was deleted. Continue them with resume_mode=\"auto\" "
-                    "or start the fresh run in another directory")
+                self._lock = RunDirLock(self.directory)  # before the clean-up: another writer's save is not debris
+            try:
+                if self._primary:
+                    self._remove_incomplete()
+                if resume_mode == "disable" and self.all_steps():
+                    raise FileExistsError(
+                        f'resume_mode="disable" (a fresh run) but {self.directory} already holds checkpoints '
+                        f"(steps {self.all_steps()}); nothing was deleted. Continue them with resume_mode=\"auto\" "
+                        "or start the fresh run in another directory")
+            except BaseException:
+                self._release()
+                raise
 
-        self._mgr = None
-        if not read_only:
             self._mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
                 step_prefix=STEP_PREFIX,
                 # We delete old steps ourselves, after the new step's marker is down: orbax
@@ -376,12 +400,10 @@ class CheckpointManager:
         host: HostState | None = None,
         *,
         force: bool = False,
-        hf_actor: Any = None,
     ) -> bool:
         """Save ``arrays`` (item name -> pytree of jax arrays, e.g. ``actor_params``,
         ``actor_opt_state``) and ``host`` at ``step``. Returns whether a checkpoint was written
-        (False between save intervals unless ``force``). ``hf_actor``: a model to export to
-        ``step_N/hf_actor/`` as HF safetensors as well. With ``async_save`` the arrays are
+        (False between save intervals unless ``force``). With ``async_save`` the arrays are
         copied off the devices before this returns and written in the background; the step is
         complete after ``wait()`` (or the next ``save``/``close``)."""
         if self.read_only or self._mgr is None:
@@ -421,9 +443,6 @@ class CheckpointManager:
         self._pending.append((step, sorted(arrays)))
         if not self._async:
             self.wait()
-        if hf_actor is not None:
-            self.wait()
-            self.export_hf(step, hf_actor)
         return True
 
     def wait(self) -> None:
@@ -487,24 +506,6 @@ class CheckpointManager:
                 for tmp in p.glob(f".{HF_ACTOR_DIR}.tmp-*"):
                     shutil.rmtree(tmp, ignore_errors=True)
 
-    def export_hf(self, step: int, model: Any) -> Path:
-        """Write ``model`` (an actor ``nnx.Module``) as HF safetensors to ``step_N/hf_actor/``
-        of the complete checkpoint ``step`` (written beside, then renamed into place)."""
-        from jaxflow.models import save_pretrained
-
-        self.wait()
-        path = self.step_dir(step)
-        if not is_complete(path):
-            raise FileNotFoundError(f"no complete checkpoint at {path} to export the actor into")
-        final = path / HF_ACTOR_DIR
-        tmp = path / f".{HF_ACTOR_DIR}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        save_pretrained(model, tmp)
-        if self._primary:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-        return final
-
     # ------------------------------------------------------------------ restore
 
     def restore(
@@ -549,7 +550,7 @@ class CheckpointManager:
                 raise self._damaged(path, name, e) from e
             check_tree_matches(meta.tree, target, item=name, where=str(path))
 
-        args = {name: ocp.args.StandardRestore(t) for name, t in targets.items()}
+        args = {name: _restore_args(t) for name, t in targets.items() if any(x is not SKIP for x in t.values())}
         args[HOST_ITEM] = ocp.args.JsonRestore()
         try:
             out = _restore_items(path, args)
@@ -566,7 +567,8 @@ class CheckpointManager:
             metrics_tail=decode_json(raw.get("metrics_tail", [])),
             extra=decode_json(raw.get("extra", {})),
         )
-        arrays = {name: jax.tree_util.tree_unflatten(treedef, [out[name][key] for key in leaves])
+        arrays = {name: jax.tree_util.tree_unflatten(treedef, [SKIP if leaf is SKIP else out[name][key]
+                                                               for key, leaf in leaves.items()])
                   for name, (leaves, treedef) in flat.items()}
         return Restored(step=int(raw["step"]), arrays=arrays, host=host, path=path)
 
@@ -612,13 +614,23 @@ class CheckpointManager:
         write error) nothing more is waited for or marked: that step stays incomplete and the
         next writer removes it."""
         if self._mgr is None:
+            self._release()
             return
         if self._broken:  # orbax's threads may wait for the write that was cut short: leave them
             self._pending, self._mgr = [], None
+            self._release()
             return
-        self.wait()
-        self._mgr.close()
-        self._mgr = None
+        try:
+            self.wait()
+            self._mgr.close()
+        finally:
+            self._mgr = None
+            self._release()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     def __enter__(self) -> CheckpointManager:
         return self

@@ -9,16 +9,26 @@ Two ways in:
 
 Both write from the sharded arrays: ``save_pretrained`` fetches one tensor at a time to the
 host and keeps at most one safetensors file's tensors there (``max_shard_bytes``), so no device
-and no host ever holds the whole model. ``export_checkpoint`` restores the role's saved
-`TrainState` straight into the role's training shardings (each device reads its own shard),
-built from the run's ``config.json`` without allocating a model first.
+and no host ever holds the whole model. ``export_checkpoint`` restores the parameters of the
+role's saved `TrainState` (not its optimizer moments) straight into the role's training
+shardings (each device reads its own shard), built from the run's ``config.json`` without
+allocating a model first.
+
+An export never destroys what a user has: it writes only a new or empty directory or an earlier
+jaxflow export (each carries ``jaxflow_export.json``, the list of its files), and replaces an
+earlier export so that an interruption at any point leaves it, or the new one, in place
+(`write_hf`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import shutil
+import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,33 +40,162 @@ from ml_collections import ConfigDict
 import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
-from jaxflow.trainer.checkpoint import CheckpointManager
+from jaxflow.trainer.checkpoint import SKIP, CheckpointManager
+from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
 from jaxflow.workers import TrainState, make_optimizer
 from jaxflow.workers.train_state import train_state_shardings
 
 ROLES = {"actor": "lm", "critic": "value"}
 HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run
+EXPORT_MARKER = "jaxflow_export.json"  # in every export: the files it wrote (so a later export may replace them)
 
 
-def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
-    """Write the model ``(graphdef, params)`` and ``tokenizer`` as an HF directory, atomically
-    (into a sibling temporary directory, then renamed over ``out_dir``)."""
-    out = Path(out_dir).absolute()
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    models.save_pretrained(nnx.merge(graphdef, params), tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+class ExportError(RuntimeError):
+    """Writing an HF export failed (names the export's directory)."""
+
+
+def _exported_files(out: Path) -> set[str] | None:
+    """The files a jaxflow export at ``out`` wrote (from its marker), or None when ``out`` is
+    not one."""
+    try:
+        marker = json.loads((out / EXPORT_MARKER).read_text())
+        return set(marker["files"]) | {EXPORT_MARKER}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_export_target(out_dir: str | os.PathLike, *, protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """The absolute ``out_dir`` if an HF export may be written there: it does not exist, is an
+    empty directory, or is an earlier jaxflow export holding nothing else. Anything else
+    (``.``, ``~``, a run directory, a directory with files of yours) raises ``NotOursError``
+    before any work is done; so does a target equal to or containing a path of ``protect``
+    (e.g. the run directory being exported)."""
+    out = Path(out_dir).expanduser().absolute()
+    real = Path(os.path.realpath(out))
+    for path in protect:
+        inside = Path(os.path.realpath(path))
+        if real == inside or real in inside.parents:
+            raise NotOursError(f"{out} holds the run directory {path}; an export there would replace it: write "
+                               "the export to a new directory")
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise NotOursError(f"{out} exists and is not a directory; move it away, or write the export to a new directory")
+    if not out.is_dir() or not any(out.iterdir()):
+        return out
+    ours = _exported_files(out)
+    if ours is None:  # (decided before walking it: "~" may hold a great many files)
+        raise NotOursError(f"{out} is not empty and is not a jaxflow HF export (no {EXPORT_MARKER}); jaxflow "
+                           "never replaces a directory it did not write: move it away, or write the export to a new "
+                           "directory")
+    present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()}
+    foreign = sorted(present - ours)
+    if foreign:
+        raise NotOursError(f"{out} is a jaxflow HF export but also holds files it did not write "
+                           f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); move them, or write the "
+                           "export to a new directory")
     return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _recover(out: Path) -> None:
+    """Clean up after an export that was cut short: when ``out`` is gone but the export it was
+    replacing was moved aside (``.<name>.old-<pid>``), put that back; remove the temporary
+    directories of dead writers."""
+    for aside in sorted(out.parent.glob(f".{out.name}.old-*")):
+        pid = aside.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
+            continue
+        if not out.exists() and _exported_files(aside) is not None:
+            os.replace(aside, out)
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
+        pid = tmp.name.rsplit("-", 1)[-1]
+        if not (pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid()):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str | os.PathLike, *,
+             protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Write the model ``(graphdef, params)`` and ``tokenizer`` as an HF directory ``out_dir``
+    with a marker listing its files (``jaxflow_export.json``).
+
+    Only a new or empty directory, or an earlier jaxflow export, is written (see
+    `check_export_target`). The replacement never loses the previous export, wherever it is
+    interrupted: the new one is written beside it (``.<name>.tmp-<pid>``), the old one is moved
+    aside (``.<name>.old-<pid>``), the new one renamed in, and only then is the old one removed;
+    the next export puts a moved-aside export back if the new one never arrived, and removes the
+    leftovers."""
+    out = check_export_target(out_dir, protect=protect)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _recover(out)
+    out = check_export_target(out, protect=protect)  # what _recover put back
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        models.save_pretrained(nnx.merge(graphdef, params), tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.is_dir())
+        (tmp / EXPORT_MARKER).write_text(json.dumps({"format": 1, "files": files}))
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and not isinstance(e, OSError):  # e.g. safetensors' errors name no file
+            raise ExportError(f'writing the HF export "{out}" failed: {" ".join(str(e).split())}') from e
+        raise
+    swapped = False
+    try:
+        with _ctrl_c_deferred():  # the two renames: never out missing with Ctrl-C between them
+            if out.exists():
+                os.replace(out, old)
+            os.replace(tmp, out)
+            swapped = True
+    finally:
+        if swapped:
+            shutil.rmtree(old, ignore_errors=True)
+        elif old.exists() and not out.exists():  # the new one could not be renamed in: the old one goes back
+            os.replace(old, out)
+    return out
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+    """A Ctrl-C (SIGINT) inside the block is handed to the handler it would have met (Python's:
+    ``KeyboardInterrupt``) when the block ends (main thread only; a SIGKILL in between is what
+    `_recover` is for)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
+    previous = signal.default_int_handler if previous is None else previous
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        if callable(previous):
+            previous(*caught[0])
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
 
 
 def run_config(run_dir: str | os.PathLike) -> ConfigDict:
     """The experiment config a run wrote to ``<run_dir>/config.json``."""
-    path = Path(run_dir) / "config.json"
+    path = Path(run_dir) / CONFIG_NAME
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: is {run_dir} a jaxflow run directory?")
+    if not is_run_config(path):
+        raise ValueError(f"{path} is not a jaxflow run config: is {run_dir} a jaxflow run directory?")
     return ConfigDict(json.loads(path.read_text()))
 
 
@@ -84,10 +223,13 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
 def export_checkpoint(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,
                       role: str = "actor") -> Path:
     """Write ``role`` of the saved ``step`` (default: the latest complete one) of the run in
-    ``run_dir`` as an HF directory ``out_dir``, with the run's tokenizer."""
+    ``run_dir`` as an HF directory ``out_dir``, with the run's tokenizer. Only the parameters
+    are read (the optimizer state's leaves are skipped)."""
+    check_export_target(out_dir, protect=(run_dir,))
     cfg = run_config(run_dir)
     tokenizer = build_tokenizer(cfg)
     graphdef, abstract = abstract_train_state(cfg, role, tokenizer)
+    abstract = dataclasses.replace(abstract, opt_state=jax.tree.map(lambda _: SKIP, abstract.opt_state), step=SKIP)
     ckpt = CheckpointManager(run_dir, read_only=True)
     restored = ckpt.restore(step, targets={role: abstract})
-    return write_hf(graphdef, restored.arrays[role].params, tokenizer, out_dir)
+    return write_hf(graphdef, restored.arrays[role].params, tokenizer, out_dir, protect=(run_dir,))

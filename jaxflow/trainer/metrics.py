@@ -10,7 +10,10 @@ and are produced elsewhere; a ``MetricsLogger`` only fans a step's dict out to i
 
 ``resume_step`` keeps the outputs consistent with restored state: ``metrics.jsonl`` loses its
 lines with step > ``resume_step`` and TensorBoard is told to hide those steps. ``None`` means
-a fresh run: an old ``metrics.jsonl`` and old event files in the run directory are replaced.
+a fresh run: an old ``metrics.jsonl`` and old event files in the run directory are replaced
+(the trainers first move an earlier run's outputs aside,
+`jaxflow.trainer.outputs.set_aside_previous_outputs`). ``config`` is written to
+``config.json`` (`jaxflow.trainer.outputs.write_run_config`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from jaxflow.trainer.outputs import write_run_config
 
 log = logging.getLogger(__name__)
 
@@ -294,9 +298,8 @@ class MetricsLogger:
             else:
                 cfg = config.to_dict() if hasattr(config, "to_dict") else config
                 self.backends["wandb"] = WandbBackend(self.run_dir, project, experiment, cfg, resume_step)
-        if config is not None:
-            cfg = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # ml_collections
-            (self.run_dir / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+        if config is not None:  # absolute paths; never over a config.json that is not ours
+            write_run_config(self.run_dir, config)
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         scalars = scalar_metrics(metrics)

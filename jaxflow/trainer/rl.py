@@ -30,6 +30,7 @@ from jaxflow.automap.auto import resolve_placement
 from jaxflow.configs import ConfigError, checkpoint_dir
 from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
+from jaxflow.configs.validate import warn_ignored_under_auto
 from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
@@ -44,8 +45,9 @@ from jaxflow.trainer.builders import (
 from jaxflow.trainer import interrupt
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
-from jaxflow.trainer.hf_export import HF_DIR, write_hf
+from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
+from jaxflow.trainer.outputs import check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
@@ -91,12 +93,26 @@ class RLTrainer:
         What the user gave is checked before anything is trained or built: the run directory
         (a fresh run refuses one that holds checkpoints), the reward function, the tokenizer and
         the data. Then the auto-mapper resolves ``placement.type=auto``, the warm start runs
-        (skipped when the run resumes and its output is on disk) and the workers are built."""
+        (skipped when the run resumes and its output is on disk) and the workers are built.
+        The run directory is locked from here to the end of ``fit`` (one run per directory), and
+        a fresh run moves an earlier run's outputs there aside (``previous-<time>/``)."""
+        self._started = time.perf_counter()  # the summary's wall time: the whole run, build included
+        self.ckpt: CheckpointManager | None = None
+        self.backend = None
+        try:
+            self._setup(cfg, actor_params)
+        except BaseException:  # a refused or failed start leaves the directory unlocked
+            if self.ckpt is not None:
+                self.ckpt.close()
+            self.close()
+            raise
+
+    def _setup(self, cfg: ConfigDict, actor_params: Any) -> None:
         self.cfg, t = cfg, cfg.trainer
         self.run_dir = checkpoint_dir(cfg)
         os.makedirs(self.run_dir, exist_ok=True)
-        # First, before anything is built or written: a fresh run refuses a directory that holds
-        # checkpoints (it never deletes them).
+        # First, before anything is built or written: the directory's lock (another run there is
+        # refused), and a fresh run refuses a directory that holds checkpoints (it never deletes them).
         try:
             self.ckpt = CheckpointManager(
                 self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
@@ -121,9 +137,16 @@ class RLTrainer:
                                          "(custom_reward_function.path)")
         print(f"data: train = {describe_source(train, self.train_data)}; "
               f"validation = {describe_source(val, self.val_data)}", flush=True)
-        cfg = resolve_placement(cfg)  # jaxflow.placement.type=auto: the auto-mapper's pools and meshes
+        resuming = self.ckpt.resume_dir() is not None
+        if resuming:  # it goes on with the outputs in the directory: they must be ours
+            check_run_config_target(self.run_dir)
+            check_export_target(os.path.join(self.run_dir, HF_DIR))
+        else:  # an earlier run's outputs are kept, moved aside
+            set_aside_previous_outputs(self.run_dir)
+        given, cfg = cfg, resolve_placement(cfg)  # placement auto: the auto-mapper's pools and meshes
+        warn_ignored_under_auto(given, cfg)  # and the user's own meshes it replaced, said loudly
         if actor_params is None:
-            cfg, actor_params = warm_start(cfg, resuming=self.ckpt.resume_dir() is not None)
+            cfg, actor_params = warm_start(cfg, resuming=resuming)
         self.cfg = cfg
         self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
                                        seed=cfg.data.seed, drop_last=True)
@@ -142,11 +165,7 @@ class RLTrainer:
         self.placement = self.spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
         self._restart_actor_params = actor_params if self.backend is not None else None
-        try:
-            self.workers = self._build_workers(actor_params)
-        except BaseException:
-            self.close()
-            raise
+        self.workers = self._build_workers(actor_params)
         self.algorithm_name = select_algorithm(self.spec.algorithm)
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.initial(self.spec.algorithm)
@@ -297,7 +316,6 @@ class RLTrainer:
         backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
         call passed its deadline) stops every group, starts fresh processes and resumes from
         the last complete checkpoint (from the start if there is none yet)."""
-        started = time.perf_counter()
         history: list[dict[str, float]] = []
         restarts = 0
         try:
@@ -323,7 +341,7 @@ class RLTrainer:
         if "tensorboard" in t.logger:
             outputs["tensorboard"] = os.path.join(self.run_dir, TENSORBOARD_DIR)
         logged = read_jsonl(outputs["metrics"]) if outputs["metrics"] else history  # earlier steps of a resumed run
-        print(run_summary(logged, wall_s=time.perf_counter() - started, outputs=outputs), flush=True)
+        print(run_summary(logged, wall_s=time.perf_counter() - self._started, outputs=outputs), flush=True)
         return history
 
     def _restart(self, error: Exception, restarts: int) -> None:

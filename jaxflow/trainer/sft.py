@@ -21,14 +21,17 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
 from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.trainer.builders import builtin_task, check_vocab, load_model
-from jaxflow.trainer.hf_export import write_hf
-from jaxflow.trainer.metrics import MetricsLogger
+from jaxflow.trainer.checkpoint import all_finite
+from jaxflow.trainer.guard import NonFiniteError
+from jaxflow.trainer.hf_export import check_export_target, write_hf
+from jaxflow.trainer.metrics import JSONL_NAME, MetricsLogger
+from jaxflow.trainer.outputs import RunDirLock, set_aside_previous_outputs
+from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import OptimConfig, create_train_state, make_optimizer, make_train_step
 from jaxflow.workers.base import num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
@@ -61,9 +64,26 @@ def sft_run_dir(cfg: ConfigDict) -> str:
 
 
 def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
-    """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint (+ tokenizer).
-    Returns the final metrics and the trained ``(graphdef, params)``, still on the actor's
-    training mesh (the RL warm start takes them over in memory)."""
+    """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint (+ tokenizer),
+    print a summary. Returns the final metrics and the trained ``(graphdef, params)``, still on
+    the actor's training mesh (the RL warm start takes them over in memory).
+
+    Nothing of the user's is lost: ``output_dir`` is checked before training (a new or empty
+    directory, or an earlier jaxflow export, see `check_export_target`) and replaced only by
+    finite weights; a step whose update was refused (NaN/Inf loss or gradient, or weights that
+    would overflow, e.g. ``lr=1e39``) stops the job (``NonFiniteError``) with ``output_dir``
+    untouched. The log directory (``<output_dir>_run``) is locked for the job's lifetime, and an
+    earlier job's logs there are moved aside (``previous-<time>/``)."""
+    started = time.perf_counter()
+    s = cfg.jaxflow.sft
+    check_export_target(s.output_dir)
+    run_dir = sft_run_dir(cfg)
+    with RunDirLock(run_dir):
+        set_aside_previous_outputs(run_dir)
+        return _train_sft(cfg, run_dir, started)
+
+
+def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str, float], nnx.GraphDef, Any]:
     s = cfg.jaxflow.sft
     tokenizer = build_tokenizer(cfg)
     task = builtin_task(cfg)
@@ -83,27 +103,42 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
                               batch_ndims={key: 2 for key in PROMPT_KEYS}, num_micro=k)
 
     t = cfg.trainer
-    run_dir = sft_run_dir(cfg)
     logger = MetricsLogger(run_dir, backends=tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
                            config=cfg.to_dict(), console_keys={"sft/loss": "loss", "sft/val_accuracy": "val_acc",
                                                                "timing_s/step": "step_s"},
                            total_steps=s.steps)
     rng = np.random.default_rng(cfg.trainer.seed)
+    history: list[dict[str, float]] = []
     metrics: dict[str, float] = {}
-    for step in range(1, s.steps + 1):
-        start = time.perf_counter()
-        idx = rng.choice(len(rows), size=s.batch_size, replace=False)
-        state, out = step_fn(state, {key: data[key][idx] for key in PROMPT_KEYS}, {})
-        out = jax.device_get(out)
-        metrics = {"sft/loss": float(out["loss"]), "sft/grad_norm": float(out["grad_norm"]),
-                   "sft/lr": float(out["lr"]), "timing_s/step": time.perf_counter() - start}
-        if s.test_freq > 0 and (step % s.test_freq == 0 or step == s.steps):
-            metrics["sft/val_accuracy"] = greedy_accuracy(graphdef, state.params, task, tokenizer, cfg)
-        logger.log(metrics, step)
-    logger.close()
-
-    write_hf(graphdef, state.params, tokenizer, s.output_dir)
-    print(f"sft: wrote {s.output_dir} (final loss {metrics.get('sft/loss', float('nan')):.4f})", flush=True)
+    try:
+        for step in range(1, s.steps + 1):
+            start = time.perf_counter()
+            idx = rng.choice(len(rows), size=s.batch_size, replace=False)
+            state, out = step_fn(state, {key: data[key][idx] for key in PROMPT_KEYS}, {})
+            out = jax.device_get(out)
+            metrics = {"sft/loss": float(out["loss"]), "sft/grad_norm": float(out["grad_norm"]),
+                       "sft/lr": float(out["lr"]), "sft/update_skipped": float(out["update_skipped"]),
+                       "timing_s/step": time.perf_counter() - start}
+            if metrics["sft/update_skipped"] > 0:
+                logger.log(metrics, step)
+                raise NonFiniteError(
+                    f"sft step {step}: the update was refused (loss {metrics['sft/loss']:.4g}, gradient norm "
+                    f"{metrics['sft/grad_norm']:.4g}, learning rate {s.lr:g}: not finite, or weights that would "
+                    f"overflow); no weights were written, {os.path.abspath(s.output_dir)} is unchanged. Lower "
+                    "jaxflow.sft.lr or check the data")
+            if s.test_freq > 0 and (step % s.test_freq == 0 or step == s.steps):
+                metrics["sft/val_accuracy"] = greedy_accuracy(graphdef, state.params, task, tokenizer, cfg)
+            logger.log(metrics, step)
+            history.append({"step": step, **metrics})
+    finally:
+        logger.close()
+    if not all_finite(state.params):  # the train step keeps the old weights unless the new ones are finite
+        raise NonFiniteError(f"sft: the trained weights hold NaN or Inf; {s.output_dir} is unchanged")
+    out_dir = write_hf(graphdef, state.params, tokenizer, s.output_dir)
+    outputs = {"HF export": str(out_dir), "metrics": os.path.join(run_dir, JSONL_NAME) if "jsonl" in t.logger else None}
+    print("sft " + run_summary(history, wall_s=time.perf_counter() - started, outputs=outputs,
+                               train=("training loss", "sft/loss"), val=("held-out accuracy", "sft/val_accuracy")),
+          flush=True)
     return metrics, graphdef, state.params
 
 

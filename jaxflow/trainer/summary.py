@@ -9,7 +9,9 @@
       HF export  run/hf_actor
 
 Scores are read from the history the loop logged (``step`` plus verl's metric names); a
-metric the run never logged is left out.
+metric the run never logged is left out. An SFT run's summary shows its loss and held-out
+greedy accuracy instead (``train=``, ``val=``). The wall time is the whole run's, from the
+start of its build (warm start included), measured with ``time.perf_counter``.
 """
 
 from __future__ import annotations
@@ -48,21 +50,25 @@ def score_trajectory(history: Sequence[Mapping[str, Any]], key: str) -> dict[str
 
 
 def run_summary(history: Sequence[Mapping[str, Any]], *, wall_s: float,
-                outputs: Mapping[str, str | None] = ()) -> str:
+                outputs: Mapping[str, str | None] = (), train: tuple[str, str] = ("training score", TRAIN_KEY),
+                val: tuple[str, str] = ("held-out score", VAL_KEY)) -> str:
     """The summary text (see the module docstring); ``outputs`` maps a label to a path (None or
-    empty: not written, left out)."""
+    empty: not written, left out). ``train`` and ``val`` are ``(label, metric)`` of the training
+    and held-out lines (an SFT run: its loss and greedy accuracy)."""
     steps = sorted({int(r["step"]) for r in history if "step" in r and int(r["step"]) > 0})
     span = f"{len(steps)} steps ({steps[0]} -> {steps[-1]})" if steps else "no training steps"
     lines = [f"done in {format_duration(wall_s)}: {span}"]
-    train = score_trajectory(history, TRAIN_KEY)
-    if train:
-        lines.append(f"  training score ({TRAIN_KEY}): {train['first'][1]:.3f} (first) -> "
-                     f"{train['last'][1]:.3f} (last)")
-    val = score_trajectory(history, VAL_KEY)
-    if val:
-        lines.append(f"  held-out score ({VAL_KEY}):   {val['first'][1]:.3f} (first, step {val['first'][0]}) -> "
-                     f"{val['best'][1]:.3f} (best, step {val['best'][0]}) -> "
-                     f"{val['last'][1]:.3f} (last, step {val['last'][0]})")
+    heads = {name: f"{label} ({key}):" for name, (label, key) in (("train", train), ("val", val))}
+    width = max(map(len, heads.values()))
+    first_last = score_trajectory(history, train[1])
+    if first_last:
+        lines.append(f"  {heads['train']:<{width}} {first_last['first'][1]:.3f} (first) -> "
+                     f"{first_last['last'][1]:.3f} (last)")
+    held_out = score_trajectory(history, val[1])
+    if held_out:
+        lines.append(f"  {heads['val']:<{width}} {held_out['first'][1]:.3f} (first, step {held_out['first'][0]}) -> "
+                     f"{held_out['best'][1]:.3f} (best, step {held_out['best'][0]}) -> "
+                     f"{held_out['last'][1]:.3f} (last, step {held_out['last'][0]})")
     width = max((len(k) for k, v in dict(outputs).items() if v), default=0)
     lines += [f"  {label:<{width}}  {path}" for label, path in dict(outputs).items() if path]
     return "\n".join(lines)
