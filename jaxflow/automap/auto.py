@@ -22,13 +22,15 @@ from jaxflow.automap.verify import apply_plan
 
 
 def placement_profile(cfg: ConfigDict) -> DeviceProfile:
+    """The device profile ``jaxflow.placement.*`` names (host size: the Ray backend's hosts)."""
     p = cfg.jaxflow.placement
     kind = p.device_kind
     if not kind:
         import jax
 
         kind = local_device_kind(jax.devices()[0])
-    return get_profile(kind, p.devices_per_host or None)
+    per_host = cfg.jaxflow.ray.devices_per_host if cfg.jaxflow.backend == "ray" else p.devices_per_host
+    return get_profile(kind, per_host or None)
 
 
 def describe(plan: Plan) -> str:
@@ -49,11 +51,14 @@ def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print
     prof = placement_profile(cfg)
     n = cfg.jaxflow.num_devices
     t0 = time.perf_counter()
-    mapper = Mapper(workload_from_config(cfg), n, prof)
+    # Pools of whole hosts on Ray (one process per host per group); stages run one at a time
+    # (the RL programs block after each), so the mapper plans for that.
+    mapper = Mapper(workload_from_config(cfg), n, prof, whole_hosts=cfg.jaxflow.backend == "ray")
     plan = mapper.search(top=1)[0]
     out = apply_plan(cfg, plan, n)
     validate(out)
     if log is not None:
+        cut = " (search cut short by its time limit: the best plan found so far)" if mapper.truncated else ""
         log(f"jaxflow: auto-mapper ({prof.name} profile, {n} devices, {mapper.evaluated} plans in "
-            f"{time.perf_counter() - t0:.1f} s): {describe(plan)}")
+            f"{time.perf_counter() - t0:.1f} s){cut}: {describe(plan)}")
     return out

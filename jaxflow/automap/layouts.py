@@ -26,7 +26,7 @@ from jax.sharding import AbstractMesh
 from jaxflow.automap.workload import RoleModel, Workload
 from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
 from jaxflow.plan.dry_run import RolePlan, activation_bytes, generate_activation_bytes, kv_pool_bytes
-from jaxflow.sampling import engine_shape
+from jaxflow.sampling import EngineShape, engine_shape
 from jaxflow.workers.base import num_micro_batches
 
 
@@ -71,6 +71,7 @@ class RoleLayout:
     plan: RolePlan  # analytic bytes per device (param, optimizer, gradient, activations, KV)
     micro_batches: dict[str, int]
     weight_degree: int  # devices that split the weights' Megatron dimension (fsdp*tp or tp)
+    engine: EngineShape | None = None  # the actor's rollout engine, per generation replica
 
     @property
     def persistent_bytes(self) -> int:
@@ -152,7 +153,7 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
     k = num_micro_batches(w.rows, w.forward_micro[role], dp_ranks, f"{role} forward")
     micro["infer"] = k
     plan.activation_bytes["infer"] = activation_bytes(mc, "infer", w.rows / k / dp_ranks, P, R, rules, mesh)
-    gen_mesh = None
+    gen_mesh, shape = None, None
     if role == "actor":
         if not layout.gen_tp or weight_degree % layout.gen_tp:
             raise ValueError(f"generation tp={layout.gen_tp} does not divide the weight degree {weight_degree}")
@@ -166,7 +167,7 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
         plan.kv_cache_bytes = kv_pool_bytes(mc, shape, gen_rules, gen_mesh)
         plan.activation_bytes["generate"] = generate_activation_bytes(mc, shape, gen_rules, gen_mesh)
-    return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree)
+    return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree, shape)
 
 
 def candidate_layouts(n: int, devices_per_host: int, generating: bool) -> list[Layout]:

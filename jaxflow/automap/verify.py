@@ -65,10 +65,11 @@ def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DevicePro
 
 
 def choose_verified(cfg: ConfigDict, plans: list[Plan], num_devices: int, prof: DeviceProfile,
-                    top: int = 1, log: Any = None) -> Plan:
-    """Compile the ranked plans in order (at most ``top``) and return the first that fits."""
+                    top: int = 1, log: Any = None, programs: Any = None) -> Plan:
+    """Compile the ranked plans in order (at most ``top``; ``programs`` as in
+    :func:`compile_check`) and return the first that fits; ValueError when none does."""
     for plan in plans[:max(1, top)]:
-        result = compile_check(cfg, plan, num_devices, prof)
+        result = compile_check(cfg, plan, num_devices, prof, programs=programs)
         if log is not None:
             log(f"compiled plan {plans.index(plan) + 1}: "
                 + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
