@@ -34,7 +34,7 @@ small per-device batch is memory- or launch-bound, far below ``mfu``.
 - **infer**: one pass per micro-batch, its all-reduces and one FSDP gather; one call.
 - **generate** (the rollout engine's shape, :func:`jaxflow.sampling.engine_shape`, per
   generation replica of ``g`` devices): chunked prefill of the replica's prompts (a pass
-  per chunk), then ``ceil(rows / slots) R`` decode steps of ``b`` sequences (the slots in
+  per chunk, over the engine's prompt bucket ``P``), then ``ceil(rows / slots) R`` decode steps of ``b`` sequences (the slots in
   use), each reading ``Wm / g`` and the KV cache ``b S L 2 N K c`` (``S = P + (R + 1) / 2``
   the mean context; split ``g`` ways) and computing ``b (2 (B + Hd) + 4 L H K S) / g``
   FLOPs at ``decode_mfu``, with ``L (16 + 2)`` + 12 kernels (the layers, the paged-cache
@@ -218,7 +218,7 @@ def generate_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime
     m = rl.weight_degree // g  # a generation tp group strides m devices
     c = rm.compute_itemsize
     L, D, H, N, K = mc.num_layers, mc.hidden_size, mc.num_heads, mc.num_kv_heads, mc.head_dim
-    P, R = shape.prompt_len, shape.response_len
+    P, R = shape.prompt_len, w.response_len  # the prompt bucket is computed; decode stops at R
     gather_kv = _kv_over_head_dim(rl.gen_rules)
     kv_split = g if (gather_kv or N % g == 0) else 1
     layer_kernels = L * KERNELS_PER_LAYER + HEAD_KERNELS
