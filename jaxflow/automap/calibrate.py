@@ -77,24 +77,29 @@ def sample_workload(base: Any, s: Sample) -> Any:
         forward_micro={"actor": None}, max_num_seqs=0)
 
 
-def predict(prof: Any, base: Any, samples: Sequence[Sample], devices: int) -> list[float]:
-    """The simulators' seconds for each sample on ``devices`` devices in one FSDP mesh."""
+def cases(base: Any, samples: Sequence[Sample], devices: int) -> list[tuple[Any, Any, str]]:
+    """``(workload, role layout, phase)`` of each sample on ``devices`` devices in one FSDP mesh."""
     from jaxflow.automap.layouts import Layout, role_layout
-    from jaxflow.automap.simulate import stage_time
 
     out = []
     for s in samples:
         w = sample_workload(base, s)
-        rl = role_layout(w, "actor", Layout(1, devices, 1, 1))
-        out.append(stage_time(w, s.phase, rl, prof).seconds)
+        out.append((w, role_layout(w, "actor", Layout(1, devices, 1, 1)), s.phase))
     return out
 
 
+def predict(prof: Any, calls: Sequence[tuple[Any, Any, str]]) -> list[float]:
+    """The simulators' seconds for each of :func:`cases`."""
+    from jaxflow.automap.simulate import stage_time
+
+    return [stage_time(w, phase, rl, prof).seconds for w, rl, phase in calls]
+
+
 def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int, int, int]] = SHAPES,
-            log: Callable[[str], None] = print) -> dict[str, Any]:
+            collective_bytes: Sequence[int] = (1 << 14, 1 << 22), log: Callable[[str], None] = print) -> dict[str, Any]:
     """Times on this machine (see the module docstring): ``flops``, ``hbm_bw``,
-    ``call_s`` (a trivial program), ``collectives`` ``[(k, bytes, seconds)]`` and the stage
-    ``samples``."""
+    ``call_s`` (a trivial program), ``collectives`` ``[(k, bytes, seconds)]`` (all-reduces
+    over 2, 4, 8 devices of ``collective_bytes``) and the stage ``samples`` at ``shapes``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -139,7 +144,8 @@ def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int
         if g > devices:
             continue
         gmesh = Mesh(np.asarray(devs[:g]), ("d",))
-        for elems in (4096, 1 << 20):
+        for nbytes in collective_bytes:
+            elems = nbytes // 4
             a = jax.device_put(jnp.ones((g, elems), jnp.float32), NamedSharding(gmesh, Ps("d")))
             ar = jax.jit(lambda v: jnp.broadcast_to(v.sum(0, keepdims=True), v.shape),
                          out_shardings=NamedSharding(gmesh, Ps("d")))
@@ -224,18 +230,19 @@ def fit_profile(m: dict[str, Any], devices: int, source: str, log: Callable[[str
         name="cpu", flops=m["flops"], hbm_bw=m["hbm_bw"], memory_gib=ram_gib / 2 / devices, intra_bw=link_bw,
         inter_bw=link_bw, devices_per_host=devices, hbm_eff=1.0, protocols=(protocol,),
         kernel_overhead_s=0.0, call_overhead_s=m["call_s"], shared_host=True, source=source)
-    samples, base = m["samples"], m["base"]
+    samples = m["samples"]
+    calls = cases(m["base"], samples, devices)
     measured = np.log([s.seconds for s in samples])
 
     def residuals(theta):
         p = dataclasses.replace(prof, **dict(zip(FIT_FIELDS, (float(t) for t in theta))))
-        return np.log(predict(p, base, samples, devices)) - measured
+        return np.log(predict(p, calls)) - measured
 
     lo, hi = (np.array(b) for b in zip(*FIT_BOUNDS))
     start = np.clip([0.5, 0.5, 1.0, 20e-6, m["call_s"]], lo, hi)
     fit = least_squares(residuals, start, bounds=(lo, hi), x_scale=np.maximum(start, 1e-6))
     fitted = dataclasses.replace(prof, **dict(zip(FIT_FIELDS, (float(t) for t in fit.x))))
-    predicted = predict(fitted, base, samples, devices)
+    predicted = predict(fitted, calls)
     for s, p in zip(samples, predicted):
         log(f"    {s.phase:<8} {s.rows:>4} x {s.prompt_len}+{s.response_len}: measured {s.seconds * 1e3:8.2f} ms, "
             f"fitted model {p * 1e3:8.2f} ms")

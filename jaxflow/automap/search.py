@@ -335,22 +335,26 @@ class Mapper:
 
     def nothing_fits(self) -> str:
         """Why no plan fits: per role, the least memory per device it needs alone on the whole
-        cluster (analytic), against the usable memory."""
+        cluster (analytic; on a smaller pool it needs more), and what the roles need together
+        on it, against the usable memory."""
         budget = self.prof.budget_bytes
-        parts = []
+        parts, kept, transient = [], 0, 0
         for role in self.w.roles:
             opts = self.role_options(role, self.n)
             if not opts:
                 parts.append(f"{role}: no layout of its model divides over {self.n} devices")
                 continue
             lean = min(opts, key=lambda o: o.kept + o.transient)
+            kept += min(o.kept for o in opts)
+            transient = max(transient, min(o.transient for o in opts))
             p = lean.layout.plan
             need = lean.kept + lean.transient
             parts.append(f"{role} needs {need / GiB:.1f} GiB per device at best ({lean.layout.layout.text()}: "
                          f"parameters {p.param_bytes / GiB:.1f}, optimizer {p.optimizer_bytes / GiB:.1f}, largest "
                          f"transient {lean.transient / GiB:.1f})" + ("" if need <= budget else " > the budget"))
-        return (f"no plan fits {self.w.name} on {self.n} {self.prof.name} devices ({budget / GiB:.1f} GiB usable each, "
-                f"colocated roles adding up): " + "; ".join(parts))
+        return (f"no plan fits {self.w.name} on {self.n} {self.prof.name} devices ({budget / GiB:.1f} GiB usable each): "
+                f"alone on all {self.n} devices, " + "; ".join(parts) + f"; all colocated they need at least "
+                f"{(kept + transient) / GiB:.1f} GiB per device, and on smaller pools each role needs more")
 
 
 def evaluate(w: Workload, prof: DeviceProfile, pools: Sequence[tuple[tuple[str, ...], int, dict[str, Any]]],
