@@ -236,7 +236,7 @@ class Mapper:
         key = (role, n)
         if key not in self._role_cache:
             opts = []
-            for rl in feasible_layouts(self.w, role, n, self.prof.devices_per_host, self.prof.budget_bytes):
+            for rl in feasible_layouts(self.w, role, n, self.prof.devices_per_host):
                 self._tick()
                 times = {name: stage_time(self.w, phase, rl, self.prof) for name, phase in _stage_names(self.w, role)}
                 self.layouts_simulated += 1
