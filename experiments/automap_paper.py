@@ -3,10 +3,11 @@ and reward model of one size; A100-80G, 8 per host) at 16, 32, 64, 96 and 128 de
 
 For every case, in a fresh process each:
 
-1. ``python -m jaxflow.automap ... --json --verify=3``: the search (one stage at a time, as
-   jaxflow's RL programs run) and the compile check of its best plan (falling back to the
-   next of the 3 best if the compiler rejects it), the plan's programs lowered through the
-   dry run's builders and compiled ahead of time on that many simulated devices;
+1. ``python -m jaxflow.automap ... --json --verify=6``: the search (one stage at a time, as
+   jaxflow's RL programs run) and the compile check of its best plan, the plan's programs
+   lowered through the dry run's builders and compiled ahead of time on that many simulated
+   devices; when the compiler rejects it, down the ranking (at most 6 plans that compile
+   something new);
 2. the same search with ``--concurrent`` (stages on disjoint pools overlapping, HybridFlow's
    driver), not compiled: what the model would choose for such a driver.
 
@@ -38,7 +39,7 @@ TIME_BOUND_S = 60.0
 def run_case(config: str, devices: int, device_kind: str, verify: bool, concurrent: bool) -> dict:
     cmd = [sys.executable, "-m", "jaxflow.automap", f"--config={config}", f"--devices={devices}",
            f"--device_kind={device_kind}", "--devices_per_host=8", "--top=3", "--json",
-           f"--time_limit_s={TIME_BOUND_S:g}"] + (["--verify=3"] if verify else []) + (["--concurrent"] if concurrent else [])
+           f"--time_limit_s={TIME_BOUND_S:g}"] + (["--verify=6"] if verify else []) + (["--concurrent"] if concurrent else [])
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -79,9 +80,8 @@ def summary(d: dict, other: dict | None) -> tuple[str, dict]:
         lines.append(f"{'':14}compiled on {d['devices']} simulated devices: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
                      f"largest program {c['compiled_max_total_gib']:.1f} GiB per device (compile-time) vs "
                      f"{c['estimated_max_pool_gib']:.1f} GiB (analytic), compile wall {c['wall_s']:.0f} s")
-        rank = next((i for i, p in enumerate(d["candidates"], 1) if p["overrides"] == b["overrides"]), None)
-        if rank and rank > 1:
-            lines.append(f"{'':14}(the search's plan {rank}: the better ones did not fit when compiled)")
+        if d["best_rank"] > 1:
+            lines.append(f"{'':14}(the search's plan {d['best_rank']}: the better ones did not fit when compiled)")
     if other is not None and "best" in other:
         o = other["best"]
         lines.append(f"{'':14}stages overlapping (a concurrent driver): {o['predicted_iteration_s']:7.1f} s/iter: "

@@ -10,6 +10,10 @@ all its timed iterations. The machine's load average is printed with the results
 
     python -m jaxflow.automap.calibrate                     # fit the cpu profile first
     python experiments/automap_validation.py [--rounds=3] [--iters=2] [--json]
+    python experiments/automap_validation.py --plans=2 --rounds=1 --iters=1   # a smoke test
+
+``--plans=K`` times only the first K of the hand-written plans (plus the mapper's choice when
+it is not among them); acceptance 1 needs all of them (at least 8 distinct plans).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=2, help="timed iterations per plan per round")
     p.add_argument("--profile", default="cpu", help="device kind or profile .json (default: the calibrated cpu)")
+    p.add_argument("--plans", type=int, default=len(PLANS), help="time the first K hand-written plans")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -116,7 +121,7 @@ def main(argv=None) -> int:
     cfg0 = base_config(args.config, tmp)
     w = workload_from_config(cfg0)
     chosen = Mapper(w, 8, prof).search(top=1)[0]
-    plans = {name: evaluate(w, prof, pools) for name, pools in PLANS.items()}
+    plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[:args.plans]}
     chosen_name = next((n for n, p in plans.items() if p.key() == chosen.key()), None)
     if chosen_name is None:
         chosen_name = "auto-mapper's choice"

@@ -555,13 +555,13 @@ def test_a_plan_the_estimate_passes_but_the_compiler_rejects_falls_back_to_the_n
     limit = dataclasses.replace(cpu, memory_gib=1.05 * dp.pools[0].peak_bytes / 2**30)
     assert dp.pools[0].peak_bytes <= limit.budget_bytes  # the estimate passes
     lines = []
-    chosen = choose_verified(cfg, [dp, fsdp], 8, limit, top=2, log=lines.append,
+    chosen = choose_verified(cfg, [dp, fsdp], 8, limit, attempts=2, log=lines.append,
                              programs=("actor/train_step",))
     assert chosen is fsdp and fsdp.compiled["fits"]
     assert not dp.compiled["fits"] and dp.compiled["rejected"].startswith("actor/train_step needs")
     assert "compiled plan 1: REJECTED" in lines[0] and "compiled plan 2: fits" in lines[1]
     with pytest.raises(ValueError, match="none of the 1 best plans fits"):
-        choose_verified(cfg, [dp], 8, limit, top=1, programs=("actor/train_step",))
+        choose_verified(cfg, [dp], 8, limit, attempts=1, programs=("actor/train_step",))
 
 
 def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):

@@ -5,8 +5,10 @@
 Prints the auto-mapper's ranking for an experiment config on a cluster: per plan the pools
 (roles, devices), every role's meshes per phase, the predicted time per stage and per
 iteration (analytic), the memory per device (analytic) and the config overrides that
-reproduce it. ``--verify`` compiles the best plan (``--verify=K``: the K best, in order,
-until one fits) ahead of time on ``N`` simulated devices and reports its compiled memory.
+reproduce it. ``--verify`` compiles the best plan ahead of time on ``N`` simulated devices
+through the dry run's builders and reports its compiled memory; when the compiler rejects it,
+the next plans in the ranking (``--verify=K``: at most K that compile something new; plans
+sharing a program already too big are rejected at once) until one fits.
 ``--concurrent``: plan for a driver that runs stages on disjoint pools at the same time
 (HybridFlow's; jaxflow's RL programs run one stage at a time, the default). The search stops
 at ``--time_limit_s`` (default 60) and then says it was cut short.
@@ -23,6 +25,7 @@ import time
 from typing import Any
 
 USAGE = __doc__
+VERIFY_RANKING = 100  # plans of the ranking --verify may go down
 
 
 def _flag(rest: list[str], name: str, default: Any = None) -> Any:
@@ -108,11 +111,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         w = workload_from_config(cfg)
         mapper = Mapper(w, devices, prof, concurrent=concurrent, whole_hosts=cfg.jaxflow.backend == "ray")
-        plans = mapper.search(top=max(top, verify_top), time_limit_s=time_limit)
+        plans = mapper.search(top=max(top, VERIFY_RANKING if verify_top else top), time_limit_s=time_limit)
         search_s = time.perf_counter() - t0
         best = plans[0]
         if verify_top:
-            best = choose_verified(cfg, plans, devices, prof, verify_top, log=say)
+            best = choose_verified(cfg, plans, devices, prof, attempts=verify_top, log=say)
     except (ValueError, KeyError, configs.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -123,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                    "placements_explored": mapper.placements_done, "placements_total": mapper.placements_total,
                    "allocations_evaluated": mapper.evaluated, "layouts_simulated": mapper.layouts_simulated},
         "plans_evaluated": mapper.evaluated,
-        "best": best.to_dict(devices), "candidates": [p.to_dict(devices) for p in plans[:top]],
+        "best": best.to_dict(devices), "best_rank": plans.index(best) + 1,
+        "candidates": [p.to_dict(devices) for p in plans[:top]],
     }
     if as_json:
         print(json.dumps(result, indent=2))
