@@ -596,3 +596,32 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
     logged = []
     resolved = resolve_placement(_cfg("ppo_tiny", **{"jaxflow.placement.device_kind": path}), log=logged.append)
     assert resolved.jaxflow.placement.type in ("colocated", "custom") and "cpu profile" in logged[0]
+
+
+def test_memory_scale_from_the_compiler_changes_the_plan():
+    """When the compiled rollout program holds 3x its analytic transient (compile-in-the-loop),
+    the search plans with that: the actor's generation layout changes and every pool's peak,
+    with the scaled transient, still fits."""
+    from jaxflow.automap.verify import memory_correction
+
+    w = workload_from_config(configs.get_config("ppo_7b"))
+    mapper = Mapper(w, 16, A100)
+    first = mapper.search(top=1)[0]
+    rl = first.pool_of("actor").layouts["actor"]
+    gen = rl.plan.transient_bytes()["generate"]
+    row = {"role": "actor", "phase": "generate", "compiled_peak_bytes": 3 * gen}
+    assert memory_correction(first, row) == ("generate", pytest.approx(3.0))
+    train = {"role": "actor", "phase": "train", "compiled_peak_bytes": rl.persistent_bytes + 2 * rl.plan.transient_bytes()["train"]}
+    assert memory_correction(first, train) == ("train", pytest.approx(2.0))
+    simulated = mapper.layouts_simulated
+    mapper.scale_memory("generate", 3.0)
+    second = mapper.search(top=1)[0]
+    assert mapper.layouts_simulated == simulated  # times are kept, only memory is re-judged
+    rl2 = second.pool_of("actor").layouts["actor"]
+    assert rl2.layout != rl.layout
+    for pc in second.pools:
+        kept = sum(x.persistent_bytes for x in pc.layouts.values())
+        worst = max(mapper.transient_bytes(x) for x in pc.layouts.values())
+        assert pc.peak_bytes == kept + worst <= A100.budget_bytes
+    assert mapper.transient_bytes(rl2) >= 3 * rl2.plan.transient_bytes()["generate"] - 1
+    assert second.iteration_s >= first.iteration_s

@@ -6,9 +6,9 @@ Prints the auto-mapper's ranking for an experiment config on a cluster: per plan
 (roles, devices), every role's meshes per phase, the predicted time per stage and per
 iteration (analytic), the memory per device (analytic) and the config overrides that
 reproduce it. ``--verify`` compiles the best plan ahead of time on ``N`` simulated devices
-through the dry run's builders and reports its compiled memory; when the compiler rejects it,
-the next plans in the ranking (``--verify=K``: at most K that compile something new; plans
-sharing a program already too big are rejected at once) until one fits.
+through the dry run's builders and reports its compiled memory; when the compiler rejects it
+because a program holds more than its analytic estimate, that phase's estimate is scaled by
+what XLA allocated and the search runs again (``--verify=K``: at most K plans compiled).
 ``--concurrent``: plan for a driver that runs stages on disjoint pools at the same time
 (HybridFlow's; jaxflow's RL programs run one stage at a time, the default). The search stops
 at ``--time_limit_s`` (default 60) and then says it was cut short.
@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 USAGE = __doc__
-VERIFY_RANKING = 100  # plans of the ranking --verify may go down
 
 
 def _flag(rest: list[str], name: str, default: Any = None) -> Any:
@@ -101,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     from jaxflow.automap.profiles import get_profile
     from jaxflow.automap.search import Mapper
-    from jaxflow.automap.verify import choose_verified
+    from jaxflow.automap.verify import search_verified
     from jaxflow.automap.workload import workload_from_config
 
     as_json = bool(_flag(rest, "json", False))
@@ -111,11 +110,12 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         w = workload_from_config(cfg)
         mapper = Mapper(w, devices, prof, concurrent=concurrent, whole_hosts=cfg.jaxflow.backend == "ray")
-        plans = mapper.search(top=max(top, VERIFY_RANKING if verify_top else top), time_limit_s=time_limit)
+        plans = mapper.search(top=top, time_limit_s=time_limit)
         search_s = time.perf_counter() - t0
         best = plans[0]
         if verify_top:
-            best = choose_verified(cfg, plans, devices, prof, attempts=verify_top, log=say)
+            best, plans = search_verified(cfg, mapper, devices, attempts=verify_top, log=say, top=max(top, 20),
+                                          time_limit_s=time_limit)
     except (ValueError, KeyError, configs.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
                    "placements_explored": mapper.placements_done, "placements_total": mapper.placements_total,
                    "allocations_evaluated": mapper.evaluated, "layouts_simulated": mapper.layouts_simulated},
         "plans_evaluated": mapper.evaluated,
-        "best": best.to_dict(devices), "best_rank": plans.index(best) + 1,
+        "best": best.to_dict(devices), "best_rank": plans.index(best) + 1, "memory_scale": mapper.memory_scale,
         "candidates": [p.to_dict(devices) for p in plans[:top]],
     }
     if as_json:
@@ -136,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{prof.budget_bytes / 2**30:.1f} GiB usable each; profile {prof.source}); searched "
           f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
           f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}")
+    if mapper.memory_scale:
+        print("analytic transient bytes scaled to what the compiled programs hold: "
+              + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items()))
     if mapper.truncated:
         print(f"WARNING: search cut short at the {time_limit:g} s time limit: {mapper.placements_done} of "
               f"{mapper.placements_total} placements explored; the ranking covers only those (raise --time_limit_s)")

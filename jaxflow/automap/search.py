@@ -173,19 +173,17 @@ def _stage_names(w: Workload, role: str) -> list[tuple[str, str]]:
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    """One feasible layout of a role on a pool size, with its predicted stage times."""
+    """One feasible layout of a role on a pool size, with its predicted stage times and the
+    largest transient bytes of its phases (analytic, times the mapper's memory scales)."""
 
     seconds: float  # the role's stages, summed (analytic)
     times: dict[str, StageTime]
     layout: RoleLayout
+    transient: int
 
     @property
     def kept(self) -> int:
         return self.layout.persistent_bytes
-
-    @property
-    def transient(self) -> int:
-        return self.layout.peak_transient_bytes
 
 
 def pareto_front(options: Sequence[Option]) -> list[Option]:
@@ -207,7 +205,9 @@ class Mapper:
 
     ``concurrent``: whether stages on disjoint pools run at the same time (see
     :func:`schedule`; never on a ``shared_host`` profile). ``whole_hosts``: pools of whole
-    hosts only. After :meth:`search`: ``truncated`` (cut short by the time limit),
+    hosts only. ``memory_scale``: phase -> factor on that phase's analytic transient bytes
+    (:meth:`scale_memory`; the compile check sets it when a compiled program holds more than
+    the estimate). After :meth:`search`: ``truncated`` (cut short by the time limit),
     ``placements_done`` of ``placements_total``, ``evaluated`` allocations,
     ``layouts_simulated`` (each (role, pool size, layout) is simulated once)."""
 
@@ -216,7 +216,9 @@ class Mapper:
         self.w, self.n, self.prof = w, num_devices, prof
         self.concurrent = concurrent and not prof.shared_host
         self.whole_hosts = whole_hosts
+        self._sim_cache: dict[tuple[str, int], list[tuple[float, dict[str, StageTime], RoleLayout]]] = {}
         self._role_cache: dict[tuple[str, int], list[Option]] = {}
+        self.memory_scale: dict[str, float] = {}
         self._front_cache: dict[tuple[str, int], list[Option]] = {}
         self._pool_cache: dict[tuple[tuple[str, ...], int], PoolChoice | None] = {}
         self._deadline = math.inf
@@ -234,16 +236,33 @@ class Mapper:
     def role_options(self, role: str, n: int) -> list[Option]:
         """Every feasible layout of ``role`` on ``n`` devices with its stage times, fastest first."""
         key = (role, n)
-        if key not in self._role_cache:
-            opts = []
+        if key not in self._sim_cache:
+            sims = []
             for rl in feasible_layouts(self.w, role, n, self.prof.devices_per_host):
                 self._tick()
                 times = {name: stage_time(self.w, phase, rl, self.prof) for name, phase in _stage_names(self.w, role)}
                 self.layouts_simulated += 1
-                opts.append(Option(sum(t.seconds for t in times.values()), times, rl))
+                sims.append((sum(t.seconds for t in times.values()), times, rl))
+            self._sim_cache[key] = sims
+        if key not in self._role_cache:
+            opts = [Option(seconds, times, rl, self.transient_bytes(rl)) for seconds, times, rl in self._sim_cache[key]]
             opts.sort(key=lambda o: (o.seconds, o.kept))
             self._role_cache[key] = opts
         return self._role_cache[key]
+
+    def transient_bytes(self, rl: RoleLayout) -> int:
+        """The layout's largest transient over its phases, each times its memory scale."""
+        return int(max((b * self.memory_scale.get(phase, 1.0) for phase, b in rl.plan.transient_bytes().items()),
+                       default=0))
+
+    def scale_memory(self, phase: str, factor: float) -> None:
+        """Scale the analytic transient bytes of ``phase`` by ``factor`` (kept if larger than the
+        current scale); the layouts' simulated times are kept, the pools searched again."""
+        if factor > self.memory_scale.get(phase, 1.0):
+            self.memory_scale[phase] = factor
+            self._role_cache.clear()
+            self._front_cache.clear()
+            self._pool_cache.clear()
 
     def front(self, role: str, n: int) -> list[Option]:
         key = (role, n)

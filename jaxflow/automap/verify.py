@@ -69,7 +69,8 @@ def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DevicePro
             compiled_now += 1
             cache[key] = CompiledMemory(p.argument_bytes, p.output_bytes, p.alias_bytes, p.temp_bytes,
                                         p.generated_code_bytes, p.compile_seconds, p.extra)
-        rows.append({"program": p.name, "mesh": p.mesh, "compiled_peak_gib": p.peak_bytes / GiB,
+        rows.append({"program": p.name, "role": p.role, "phase": p.phase, "mesh": p.mesh,
+                     "compiled_peak_bytes": p.peak_bytes, "compiled_peak_gib": p.peak_bytes / GiB,
                      "resident_gib": p.resident_bytes / GiB, "compiled_total_gib": p.total_bytes / GiB,
                      "estimated_pool_peak_gib": estimates[p.role] / GiB, "fits": p.fits,
                      "compile_s": p.compile_seconds, "cached": cached})
@@ -114,3 +115,55 @@ def choose_verified(cfg: ConfigDict, plans: list[Plan], num_devices: int, prof: 
         if tried >= attempts:
             break
     raise ValueError(f"none of the {len(rejected)} best plans fits when compiled: " + "; ".join(rejected))
+
+
+def memory_correction(plan: Plan, row: dict[str, Any]) -> tuple[str, float] | None:
+    """``(phase, factor)`` by which the analytic transient bytes of a compiled program's phase
+    must grow to hold what XLA allocated (its compiled peak less the persistent state among
+    its arguments), or None for a program the analytic model has no transient for."""
+    rl = plan.pool_of(row["role"]).layouts[row["role"]]
+    transient = rl.plan.transient_bytes().get(row["phase"])
+    if not transient:
+        return None
+    kept = {"train": rl.plan.param_bytes + rl.plan.optimizer_bytes, "infer": rl.plan.param_bytes}.get(row["phase"], 0)
+    return row["phase"], (row["compiled_peak_bytes"] - kept) / transient
+
+
+def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: int = 3, log: Any = None,
+                    programs: Any = None, top: int = 5, time_limit_s: float = 60.0) -> tuple[Plan, list[Plan]]:
+    """The mapper's best plan that compiles and fits: search, compile the best plan; when a
+    program holds more than its analytic estimate and does not fit, scale that phase's
+    analytic transient bytes by what the compiler allocated (:meth:`Mapper.scale_memory`)
+    and search again (a rejection the scales cannot explain moves down the ranking). At most
+    ``attempts`` plans that compile something new. Returns ``(plan, the last ranking)``."""
+    prof = mapper.prof
+    cache: dict = {}
+    rejected: dict[tuple, str] = {}
+    tried = 0
+    while True:
+        plans = mapper.search(top=top, time_limit_s=time_limit_s)
+        fresh = [p for p in plans if p.key() not in rejected]
+        if not fresh:
+            break
+        plan = fresh[0]
+        result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
+        rank = plans.index(plan) + 1
+        if log is not None:
+            log(f"compiled plan {rank} of the ranking: " + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
+                + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
+                  f"{result['estimated_max_pool_gib']:.2f} GiB per device)")
+        if result["fits"]:
+            return plan, plans
+        rejected[plan.key()] = result["rejected"]
+        tried += result["compiled_now"] > 0
+        bad = next((r for r in result["programs"] if not r["fits"]), None)
+        correction = memory_correction(plan, bad) if bad is not None else None
+        if correction is not None and correction[1] > mapper.memory_scale.get(correction[0], 1.0) * 1.001:
+            mapper.scale_memory(*correction)
+            if log is not None:
+                log(f"  the compiled {bad['program']} holds {correction[1]:.2f} x the analytic {correction[0]} "
+                    f"transient: planning with that and searching again")
+        if tried >= attempts:
+            break
+    raise ValueError(f"no plan of {mapper.w.name} on {num_devices} {prof.name} devices fits when compiled "
+                     f"({len(rejected)} rejected): " + "; ".join(rejected.values()))
