@@ -9,7 +9,8 @@ For every case, in a fresh process each:
    devices; when the compiler rejects it, down the ranking (at most 6 plans that compile
    something new);
 2. the same search with ``--concurrent`` (stages on disjoint pools overlapping, HybridFlow's
-   driver), not compiled: what the model would choose for such a driver.
+   driver), not compiled, with the memory scales the compile check of 1. learned: what the
+   model would choose for such a driver.
 
 Prints per case the search time (measured, this machine) against the 60 s bound and whether
 it was cut short, the chosen placement (pools, devices, every role's meshes), the predicted
@@ -36,10 +37,13 @@ DEVICES = (16, 32, 64, 96, 128)
 TIME_BOUND_S = 60.0
 
 
-def run_case(config: str, devices: int, device_kind: str, verify: bool, concurrent: bool) -> dict:
+def run_case(config: str, devices: int, device_kind: str, verify: bool, concurrent: bool,
+             memory_scale: dict | None = None) -> dict:
     cmd = [sys.executable, "-m", "jaxflow.automap", f"--config={config}", f"--devices={devices}",
            f"--device_kind={device_kind}", "--devices_per_host=8", "--top=3", "--json",
            f"--time_limit_s={TIME_BOUND_S:g}"] + (["--verify=6"] if verify else []) + (["--concurrent"] if concurrent else [])
+    if memory_scale:
+        cmd.append("--memory_scale=" + ",".join(f"{p}:{f}" for p, f in memory_scale.items()))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -104,7 +108,8 @@ def main(argv=None) -> int:
     for config in args.configs.split(","):
         for n in map(int, args.devices.split(",")):
             d = run_case(config, n, args.device_kind, not args.no_verify, concurrent=False)
-            other = run_case(config, n, args.device_kind, False, concurrent=True) if "error" not in d else None
+            other = (run_case(config, n, args.device_kind, False, concurrent=True, memory_scale=d.get("memory_scale"))
+                     if "error" not in d else None)
             text, checks = summary(d, other)
             d["checks"] = checks
             if other is not None:

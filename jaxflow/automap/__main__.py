@@ -1,6 +1,6 @@
 """``python -m jaxflow.automap --config=NAME --devices=N --device_kind=KIND [--devices_per_host=H]
-[--memory_gib=G] [--top=K] [--verify[=K]] [--concurrent] [--time_limit_s=S] [--json]
-[--config.key=value ...]``
+[--memory_gib=G] [--top=K] [--verify[=K]] [--concurrent] [--time_limit_s=S]
+[--memory_scale=PHASE:F,...] [--json] [--config.key=value ...]``
 
 Prints the auto-mapper's ranking for an experiment config on a cluster: per plan the pools
 (roles, devices), every role's meshes per phase, the predicted time per stage and per
@@ -9,6 +9,8 @@ reproduce it. ``--verify`` compiles the best plan ahead of time on ``N`` simulat
 through the dry run's builders and reports its compiled memory; when the compiler rejects it
 because a program holds more than its analytic estimate, that phase's estimate is scaled by
 what XLA allocated and the search runs again (``--verify=K``: at most K plans compiled).
+``--memory_scale=generate:3.2``: start from such scales (e.g. learned by an earlier
+``--verify``; its JSON's ``memory_scale``).
 ``--concurrent``: plan for a driver that runs stages on disjoint pools at the same time
 (HybridFlow's; jaxflow's RL programs run one stage at a time, the default). The search stops
 at ``--time_limit_s`` (default 60) and then says it was cut short.
@@ -75,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     known = ("--devices", "--device_kind", "--devices_per_host", "--memory_gib", "--top", "--verify", "--json",
-             "--time_limit_s", "--concurrent")
+             "--time_limit_s", "--concurrent", "--memory_scale")
     unknown = [a for a in rest if a.split("=", 1)[0] not in known]
     if unknown:
         print(f"error: unknown argument(s) {unknown}\n{USAGE}", file=sys.stderr)
@@ -92,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         verify_top = 0 if verify is False else (1 if verify is True else int(verify))
         time_limit = float(_flag(rest, "time_limit_s", 60.0))
         concurrent = bool(_flag(rest, "concurrent", False))
+        scales = {phase: float(f) for phase, f in (item.split(":") for item in
+                                                    filter(None, str(_flag(rest, "memory_scale", "")).split(",")))}
     except (configs.ConfigError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         w = workload_from_config(cfg)
         mapper = Mapper(w, devices, prof, concurrent=concurrent, whole_hosts=cfg.jaxflow.backend == "ray")
+        for phase, factor in scales.items():
+            mapper.scale_memory(phase, factor)
         plans = mapper.search(top=top, time_limit_s=time_limit)
         search_s = time.perf_counter() - t0
         best = plans[0]
