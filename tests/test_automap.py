@@ -599,19 +599,25 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
 
 
 def test_memory_scale_from_the_compiler_changes_the_plan():
-    """When the compiled rollout program holds 3x its analytic transient (compile-in-the-loop),
-    the search plans with that: the actor's generation layout changes and every pool's peak,
-    with the scaled transient, still fits."""
+    """When the compiled rollout program holds 3x its estimated working memory (KV cache and
+    activations; the generation copy of the weights is counted exactly), the search plans
+    with that (compile-in-the-loop): the actor's generation layout changes and every pool's
+    peak, with the scaled transient, still fits."""
+    from jaxflow.automap.search import transient_parts
     from jaxflow.automap.verify import memory_correction
 
     w = workload_from_config(configs.get_config("ppo_7b"))
     mapper = Mapper(w, 16, A100)
     first = mapper.search(top=1)[0]
     rl = first.pool_of("actor").layouts["actor"]
-    gen = rl.plan.transient_bytes()["generate"]
-    row = {"role": "actor", "phase": "generate", "compiled_peak_bytes": 3 * gen}
+    p = rl.plan
+    gen_work = p.kv_cache_bytes + p.activation_bytes["generate"]
+    assert transient_parts(rl)["generate"] == (p.generate_param_bytes, gen_work)
+    assert sum(transient_parts(rl)["generate"]) == p.transient_bytes()["generate"]
+    row = {"role": "actor", "phase": "generate", "compiled_peak_bytes": p.generate_param_bytes + 3 * gen_work}
     assert memory_correction(first, row) == ("generate", pytest.approx(3.0))
-    train = {"role": "actor", "phase": "train", "compiled_peak_bytes": rl.persistent_bytes + 2 * rl.plan.transient_bytes()["train"]}
+    train = {"role": "actor", "phase": "train", "compiled_peak_bytes":
+             rl.persistent_bytes + p.gradient_bytes + 2 * p.activation_bytes["train"]}
     assert memory_correction(first, train) == ("train", pytest.approx(2.0))
     simulated = mapper.layouts_simulated
     mapper.scale_memory("generate", 3.0)
@@ -623,5 +629,7 @@ def test_memory_scale_from_the_compiler_changes_the_plan():
         kept = sum(x.persistent_bytes for x in pc.layouts.values())
         worst = max(mapper.transient_bytes(x) for x in pc.layouts.values())
         assert pc.peak_bytes == kept + worst <= A100.budget_bytes
-    assert mapper.transient_bytes(rl2) >= 3 * rl2.plan.transient_bytes()["generate"] - 1
+    p2 = rl2.plan
+    assert mapper.transient_bytes(rl2) >= p2.generate_param_bytes + 3 * (p2.kv_cache_bytes
+                                                                         + p2.activation_bytes["generate"]) - 1
     assert second.iteration_s >= first.iteration_s

@@ -7,8 +7,8 @@ Prints the auto-mapper's ranking for an experiment config on a cluster: per plan
 iteration (analytic), the memory per device (analytic) and the config overrides that
 reproduce it. ``--verify`` compiles the best plan ahead of time on ``N`` simulated devices
 through the dry run's builders and reports its compiled memory; when the compiler rejects it
-because a program holds more than its analytic estimate, that phase's estimate is scaled by
-what XLA allocated and the search runs again (``--verify=K``: at most K plans compiled).
+because a program holds more than its analytic estimate, that phase's estimated working
+memory (activations, KV cache) is scaled by what XLA allocated and the search runs again (``--verify=K``: at most K plans compiled).
 ``--memory_scale=generate:3.2``: start from such scales (e.g. learned by an earlier
 ``--verify``; its JSON's ``memory_scale``).
 ``--concurrent``: plan for a driver that runs stages on disjoint pools at the same time
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
           f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}")
     if mapper.memory_scale:
-        print("analytic transient bytes scaled to what the compiled programs hold: "
+        print("estimated working memory scaled to what the compiled programs hold: "
               + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items()))
     if mapper.truncated:
         print(f"WARNING: search cut short at the {time_limit:g} s time limit: {mapper.placements_done} of "

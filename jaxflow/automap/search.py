@@ -196,6 +196,17 @@ def pareto_front(options: Sequence[Option]) -> list[Option]:
     return front
 
 
+def transient_parts(rl: RoleLayout) -> dict[str, tuple[int, int]]:
+    """Phase -> (bytes counted exactly, working bytes estimated) of a layout's transient
+    (:meth:`jaxflow.plan.dry_run.RolePlan.transient_bytes` split in two): training adds the
+    gradients to its activations, generation the generation copy of the weights to the KV
+    cache and its activations."""
+    p = rl.plan
+    exact = {"train": p.gradient_bytes, "generate": p.generate_param_bytes}
+    rough = {"generate": p.kv_cache_bytes}
+    return {phase: (exact.get(phase, 0), act + rough.get(phase, 0)) for phase, act in p.activation_bytes.items()}
+
+
 class SearchTimeout(Exception):
     """The search ran past its time limit (caught by :meth:`Mapper.search`)."""
 
@@ -205,9 +216,9 @@ class Mapper:
 
     ``concurrent``: whether stages on disjoint pools run at the same time (see
     :func:`schedule`; never on a ``shared_host`` profile). ``whole_hosts``: pools of whole
-    hosts only. ``memory_scale``: phase -> factor on that phase's analytic transient bytes
-    (:meth:`scale_memory`; the compile check sets it when a compiled program holds more than
-    the estimate). After :meth:`search`: ``truncated`` (cut short by the time limit),
+    hosts only. ``memory_scale``: phase -> factor on that phase's estimated working memory
+    (:func:`transient_parts`; :meth:`scale_memory`: the compile check sets it when a compiled
+    program holds more than the estimate). After :meth:`search`: ``truncated`` (cut short by the time limit),
     ``placements_done`` of ``placements_total``, ``evaluated`` allocations,
     ``layouts_simulated`` (each (role, pool size, layout) is simulated once)."""
 
@@ -251,12 +262,14 @@ class Mapper:
         return self._role_cache[key]
 
     def transient_bytes(self, rl: RoleLayout) -> int:
-        """The layout's largest transient over its phases, each times its memory scale."""
-        return int(max((b * self.memory_scale.get(phase, 1.0) for phase, b in rl.plan.transient_bytes().items()),
-                       default=0))
+        """The layout's largest transient over its phases, each phase's working memory (what
+        the analytic model estimates roughly: activations, the KV cache) times its memory
+        scale, plus what it counts exactly (gradients, the generation copy of the weights)."""
+        return int(max((exact + rough * self.memory_scale.get(phase, 1.0)
+                        for phase, (exact, rough) in transient_parts(rl).items()), default=0))
 
     def scale_memory(self, phase: str, factor: float) -> None:
-        """Scale the analytic transient bytes of ``phase`` by ``factor`` (kept if larger than the
+        """Scale the estimated working memory of ``phase`` by ``factor`` (kept if larger than the
         current scale); the layouts' simulated times are kept, the pools searched again."""
         if factor > self.memory_scale.get(phase, 1.0):
             self.memory_scale[phase] = factor
@@ -405,4 +418,4 @@ def bell(k: int) -> int:
 
 
 __all__ = ["Mapper", "Option", "Plan", "PoolChoice", "SearchTimeout", "allocations", "bell", "evaluate",
-           "pareto_front", "pool_sizes", "schedule", "set_partitions"]
+           "pareto_front", "pool_sizes", "schedule", "set_partitions", "transient_parts"]

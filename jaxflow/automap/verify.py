@@ -118,22 +118,26 @@ def choose_verified(cfg: ConfigDict, plans: list[Plan], num_devices: int, prof: 
 
 
 def memory_correction(plan: Plan, row: dict[str, Any]) -> tuple[str, float] | None:
-    """``(phase, factor)`` by which the analytic transient bytes of a compiled program's phase
-    must grow to hold what XLA allocated (its compiled peak less the persistent state among
-    its arguments), or None for a program the analytic model has no transient for."""
+    """``(phase, factor)`` by which the estimated working memory of a compiled program's phase
+    (:func:`jaxflow.automap.search.transient_parts`) must grow to hold what XLA allocated: its
+    compiled peak less the persistent state among its arguments and the bytes counted exactly.
+    None for a program the analytic model has no working memory for."""
+    from jaxflow.automap.search import transient_parts
+
     rl = plan.pool_of(row["role"]).layouts[row["role"]]
-    transient = rl.plan.transient_bytes().get(row["phase"])
-    if not transient:
+    parts = transient_parts(rl).get(row["phase"])
+    if not parts or not parts[1]:
         return None
+    exact, rough = parts
     kept = {"train": rl.plan.param_bytes + rl.plan.optimizer_bytes, "infer": rl.plan.param_bytes}.get(row["phase"], 0)
-    return row["phase"], (row["compiled_peak_bytes"] - kept) / transient
+    return row["phase"], (row["compiled_peak_bytes"] - kept - exact) / rough
 
 
 def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: int = 3, log: Any = None,
                     programs: Any = None, top: int = 5, time_limit_s: float = 60.0) -> tuple[Plan, list[Plan]]:
     """The mapper's best plan that compiles and fits: search, compile the best plan; when a
     program holds more than its analytic estimate and does not fit, scale that phase's
-    analytic transient bytes by what the compiler allocated (:meth:`Mapper.scale_memory`)
+    estimated working memory by what the compiler allocated (:meth:`Mapper.scale_memory`)
     and search again (a rejection the scales cannot explain moves down the ranking). At most
     ``attempts`` plans that compile something new. Returns ``(plan, the last ranking)``."""
     prof = mapper.prof
@@ -161,8 +165,8 @@ def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: in
         if correction is not None and correction[1] > mapper.memory_scale.get(correction[0], 1.0) * 1.001:
             mapper.scale_memory(*correction)
             if log is not None:
-                log(f"  the compiled {bad['program']} holds {correction[1]:.2f} x the analytic {correction[0]} "
-                    f"transient: planning with that and searching again")
+                log(f"  the compiled {bad['program']} holds {correction[1]:.2f} x the estimated {correction[0]} "
+                    f"working memory: planning with that and searching again")
         if tried >= attempts:
             break
     raise ValueError(f"no plan of {mapper.w.name} on {num_devices} {prof.name} devices fits when compiled "
