@@ -84,8 +84,9 @@ def summary(d: dict, other: dict | None) -> tuple[str, dict]:
         lines.append(f"{'':14}compiled on {d['devices']} simulated devices: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
                      f"largest program {c['compiled_max_total_gib']:.1f} GiB per device (compile-time) vs "
                      f"{c['estimated_max_pool_gib']:.1f} GiB (analytic), compile wall {c['wall_s']:.0f} s")
-        if d["best_rank"] > 1:
-            lines.append(f"{'':14}(the search's plan {d['best_rank']}: the better ones did not fit when compiled)")
+        if d["memory_scale"]:
+            lines.append(f"{'':14}the compile check rejected better-looking plans and scaled the estimated working "
+                         "memory to what XLA allocated: " + ", ".join(f"{ph} x{f:.2f}" for ph, f in d["memory_scale"].items()))
     if other is not None and "best" in other:
         o = other["best"]
         lines.append(f"{'':14}stages overlapping (a concurrent driver): {o['predicted_iteration_s']:7.1f} s/iter: "
