@@ -633,3 +633,17 @@ def test_memory_scale_from_the_compiler_changes_the_plan():
     assert mapper.transient_bytes(rl2) >= p2.generate_param_bytes + 3 * (p2.kv_cache_bytes
                                                                          + p2.activation_bytes["generate"]) - 1
     assert second.iteration_s >= first.iteration_s
+
+
+def test_ray_pools_take_whole_hosts():
+    """On the Ray backend every pool is whole hosts (one process per host per group): the
+    auto-mapper allocates only those."""
+    from jaxflow.automap.auto import resolve_placement
+
+    assert pool_sizes(8, 2, whole_hosts=True) == [2, 4, 6, 8] and pool_sizes(8, 2) == [1, 2, 4, 6, 8]
+    assert pool_sizes(4, 8, whole_hosts=True) == [1, 2, 4]  # below one host: the whole cluster's divisors
+    cfg = _cfg("ppo_tiny", **{"jaxflow.backend": "ray", "jaxflow.ray.devices_per_host": 4,
+                              "jaxflow.placement.device_kind": "cpu"})
+    resolved = resolve_placement(cfg, log=None)
+    sizes = resolved.jaxflow.placement.pool_sizes or (8,)
+    assert all(s % 4 == 0 for s in sizes) and sum(sizes) == 8
