@@ -10,6 +10,10 @@ all its timed iterations. The machine's load average is printed with the results
 
     python -m jaxflow.automap.calibrate                     # fit the cpu profile first
     python experiments/automap_validation.py [--rounds=3] [--iters=2] [--json]
+    python experiments/automap_validation.py --plans=2 --rounds=1 --iters=1   # a smoke test
+
+``--plans=K`` times only the first K of the hand-written plans (plus the mapper's choice when
+it is not among them); acceptance 1 needs all of them (at least 8 distinct plans).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -31,6 +36,7 @@ import time  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxflow import configs  # noqa: E402
+from jaxflow.automap.auto import describe  # noqa: E402
 from jaxflow.automap.layouts import Layout  # noqa: E402
 from jaxflow.automap.profiles import get_profile  # noqa: E402
 from jaxflow.automap.search import Mapper, evaluate  # noqa: E402
@@ -67,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--iters", type=int, default=2, help="timed iterations per plan per round")
     p.add_argument("--profile", default="cpu", help="device kind or profile .json (default: the calibrated cpu)")
+    p.add_argument("--plans", type=int, default=len(PLANS), help="time the first K hand-written plans")
     p.add_argument("--json", action="store_true")
     return p.parse_args(argv)
 
@@ -107,22 +114,11 @@ def spearman(x: list[float], y: list[float]) -> float:
     return cov / (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
 
 
-def main(argv=None) -> int:
+def time_plans(cfg0, plans: dict, args: argparse.Namespace, tmp: str, say) -> tuple[dict, list]:
+    """Build one RL trainer per plan (a warm-up step compiles), then time ``args.iters``
+    iterations per plan per round, plans alternating (measured)."""
     from jaxflow.trainer.rl import RLTrainer
 
-    args = parse_args(argv)
-    prof = get_profile(args.profile)
-    tmp = tempfile.mkdtemp(prefix="automap_validation_")
-    cfg0 = base_config(args.config, tmp)
-    w = workload_from_config(cfg0)
-    chosen = Mapper(w, 8, prof).search(top=1)[0]
-    plans = {name: evaluate(w, prof, pools) for name, pools in PLANS.items()}
-    chosen_name = next((n for n, p in plans.items() if p.key() == chosen.key()), None)
-    if chosen_name is None:
-        chosen_name = "auto-mapper's choice"
-        plans[chosen_name] = chosen
-    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
-    say(f"profile {prof.name} ({prof.source}); mapper's choice: {chosen_name}")
     trainers = {}
     for name, plan in plans.items():
         cfg = apply_plan(cfg0, plan, 8)
@@ -143,6 +139,27 @@ def main(argv=None) -> int:
                 times[name].append(tr.train_step(steps[name])["timing_s/step"])
         loads.append(os.getloadavg()[0])
         say(f"  round {r + 1}/{args.rounds} done (load {loads[-1]:.1f})")
+    return times, loads
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    prof = get_profile(args.profile)
+    tmp = tempfile.mkdtemp(prefix="automap_validation_")
+    cfg0 = base_config(args.config, tmp)
+    w = workload_from_config(cfg0)
+    chosen = Mapper(w, 8, prof).search(top=1)[0]
+    plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[:args.plans]}
+    chosen_name = next((n for n, p in plans.items() if p.key() == chosen.key()), None)
+    if chosen_name is None:
+        chosen_name = "auto-mapper's choice"
+        plans[chosen_name] = chosen
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    say(f"profile {prof.name} ({prof.source}); mapper's choice: {chosen_name}: {describe(chosen)}")
+    # The trainers print (data sources, ...): with --json, to stderr, so stdout is the JSON alone.
+    quiet = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    with quiet:
+        times, loads = time_plans(cfg0, plans, args, tmp, say)
     rows = []
     for name, plan in plans.items():
         rows.append({"plan": name, "predicted_s": plan.iteration_s, "measured_median_s": statistics.median(times[name]),
@@ -155,7 +172,8 @@ def main(argv=None) -> int:
     mine = next(r for r in rows if r["plan"] == chosen_name)
     gap = mine["measured_median_s"] / fastest["measured_median_s"] - 1
     result = {"config": args.config, "profile": prof.to_dict(), "rows": rows, "spearman": rho,
-              "chosen": chosen_name, "fastest_measured": fastest["plan"], "chosen_vs_fastest": gap,
+              "chosen": chosen_name, "chosen_plan": describe(chosen), "fastest_measured": fastest["plan"],
+              "chosen_vs_fastest": gap,
               "load_average": loads, "rounds": args.rounds, "iters_per_round": args.iters}
     if args.json:
         print(json.dumps(result, indent=2))

@@ -7,8 +7,8 @@ layouts) over analytic simulators, checked by ahead-of-time compilation.
 from jaxflow.automap.auto import resolve_placement
 from jaxflow.automap.profiles import DeviceProfile, get_profile
 from jaxflow.automap.search import Mapper, Plan, evaluate
-from jaxflow.automap.verify import choose_verified, compile_check
-from jaxflow.automap.workload import Workload, workload_from_config
+from jaxflow.automap.verify import choose_verified, compile_check, search_verified
+from jaxflow.automap.workload import Workload, workload_from_config, workload_from_spec
 
 __all__ = [
     "DeviceProfile",
@@ -20,5 +20,7 @@ __all__ = [
     "evaluate",
     "get_profile",
     "resolve_placement",
+    "search_verified",
     "workload_from_config",
+    "workload_from_spec",
 ]

@@ -1,12 +1,21 @@
 """``python -m jaxflow.automap --config=NAME --devices=N --device_kind=KIND [--devices_per_host=H]
-[--memory_gib=G] [--top=K] [--verify[=K]] [--json] [--config.key=value ...]``
+[--memory_gib=G] [--top=K] [--verify[=K]] [--concurrent] [--time_limit_s=S]
+[--memory_scale=PHASE:F,...] [--json] [--config.key=value ...]``
 
 Prints the auto-mapper's ranking for an experiment config on a cluster: per plan the pools
 (roles, devices), every role's meshes per phase, the predicted time per stage and per
 iteration (analytic), the memory per device (analytic) and the config overrides that
-reproduce it. ``--verify`` compiles the best plan (``--verify=K``: the K best, in order,
-until one fits) ahead of time on ``N`` simulated devices and reports its compiled memory.
-``--json`` prints one object: ``{"best": plan, "candidates": [plans], ...}``.
+reproduce it. ``--verify`` compiles the best plan ahead of time on ``N`` simulated devices
+through the dry run's builders and reports its compiled memory; when the compiler rejects it
+because a program holds more than its analytic estimate, that phase's estimated working
+memory (activations, KV cache) is scaled by what XLA allocated and the search runs again (``--verify=K``: at most K plans compiled).
+``--memory_scale=generate:3.2``: start from such scales (e.g. learned by an earlier
+``--verify``; its JSON's ``memory_scale``).
+``--concurrent``: plan for a driver that runs stages on disjoint pools at the same time
+(HybridFlow's; jaxflow's RL programs run one stage at a time, the default). The search stops
+at ``--time_limit_s`` (default 60) and then says it was cut short.
+``--json`` prints one object: ``{"best": plan, "candidates": [plans], "truncated": bool,
+"search": {...}, ...}``.
 """
 
 from __future__ import annotations
@@ -68,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     known = ("--devices", "--device_kind", "--devices_per_host", "--memory_gib", "--top", "--verify", "--json",
-             "--time_limit_s")
+             "--time_limit_s", "--concurrent", "--memory_scale")
     unknown = [a for a in rest if a.split("=", 1)[0] not in known]
     if unknown:
         print(f"error: unknown argument(s) {unknown}\n{USAGE}", file=sys.stderr)
@@ -84,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         verify = _flag(rest, "verify", False)
         verify_top = 0 if verify is False else (1 if verify is True else int(verify))
         time_limit = float(_flag(rest, "time_limit_s", 60.0))
+        concurrent = bool(_flag(rest, "concurrent", False))
+        scales = {phase: float(f) for phase, f in (item.split(":") for item in
+                                                    filter(None, str(_flag(rest, "memory_scale", "")).split(",")))}
     except (configs.ConfigError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
     from jaxflow.automap.profiles import get_profile
     from jaxflow.automap.search import Mapper
-    from jaxflow.automap.verify import choose_verified
+    from jaxflow.automap.verify import search_verified
     from jaxflow.automap.workload import workload_from_config
 
     as_json = bool(_flag(rest, "json", False))
@@ -101,26 +113,41 @@ def main(argv: list[str] | None = None) -> int:
         prof = get_profile(kind, int(per_host) if per_host else None, float(memory) if memory else None)
         t0 = time.perf_counter()
         w = workload_from_config(cfg)
-        mapper = Mapper(w, devices, prof)
-        plans = mapper.search(top=max(top, verify_top), time_limit_s=time_limit)
+        mapper = Mapper(w, devices, prof, concurrent=concurrent, whole_hosts=cfg.jaxflow.backend == "ray")
+        for phase, factor in scales.items():
+            mapper.scale_memory(phase, factor)
+        plans = mapper.search(top=top, time_limit_s=time_limit)
         search_s = time.perf_counter() - t0
         best = plans[0]
         if verify_top:
-            best = choose_verified(cfg, plans, devices, prof, verify_top, log=say)
+            best, plans = search_verified(cfg, mapper, devices, attempts=verify_top, log=say, top=max(top, 20),
+                                          time_limit_s=time_limit)
     except (ValueError, KeyError, configs.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = {
         "config": name, "devices": devices, "device_kind": prof.name, "devices_per_host": prof.devices_per_host,
-        "profile": prof.to_dict(), "search_s": search_s, "plans_evaluated": mapper.evaluated,
-        "best": best.to_dict(devices), "candidates": [p.to_dict(devices) for p in plans[:top]],
+        "profile": prof.to_dict(), "search_s": search_s, "truncated": mapper.truncated,
+        "search": {"time_limit_s": time_limit, "truncated": mapper.truncated, "concurrent": mapper.concurrent,
+                   "placements_explored": mapper.placements_done, "placements_total": mapper.placements_total,
+                   "allocations_evaluated": mapper.evaluated, "layouts_simulated": mapper.layouts_simulated},
+        "plans_evaluated": mapper.evaluated,
+        "best": best.to_dict(devices), "best_rank": plans.index(best) + 1, "memory_scale": mapper.memory_scale,
+        "candidates": [p.to_dict(devices) for p in plans[:top]],
     }
     if as_json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"auto-mapper: {name} on {devices} x {prof.name} ({prof.devices_per_host} per host, "
           f"{prof.budget_bytes / 2**30:.1f} GiB usable each; profile {prof.source}); searched "
-          f"{mapper.evaluated} allocations in {search_s:.1f} s (measured)")
+          f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
+          f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}")
+    if mapper.memory_scale:
+        print("estimated working memory scaled to what the compiled programs hold: "
+              + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items()))
+    if mapper.truncated:
+        print(f"WARNING: search cut short at the {time_limit:g} s time limit: {mapper.placements_done} of "
+              f"{mapper.placements_total} placements explored; the ranking covers only those (raise --time_limit_s)")
     for i, p in enumerate(plans[:top], 1):
         print(_format_plan(i, p.to_dict(devices)))
     if best is not plans[0]:

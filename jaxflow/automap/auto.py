@@ -18,17 +18,21 @@ from ml_collections import ConfigDict
 
 from jaxflow.automap.profiles import DeviceProfile, get_profile, local_device_kind
 from jaxflow.automap.search import Mapper, Plan
-from jaxflow.automap.verify import apply_plan
+from jaxflow.automap.verify import apply_plan, search_verified
+
+DRY_RUN_ATTEMPTS = 6  # plans a dry run may compile before it gives up
 
 
 def placement_profile(cfg: ConfigDict) -> DeviceProfile:
+    """The device profile ``jaxflow.placement.*`` names (host size: the Ray backend's hosts)."""
     p = cfg.jaxflow.placement
     kind = p.device_kind
     if not kind:
         import jax
 
         kind = local_device_kind(jax.devices()[0])
-    return get_profile(kind, p.devices_per_host or None)
+    per_host = cfg.jaxflow.ray.devices_per_host if cfg.jaxflow.backend == "ray" else p.devices_per_host
+    return get_profile(kind, per_host or None)
 
 
 def describe(plan: Plan) -> str:
@@ -40,7 +44,9 @@ def describe(plan: Plan) -> str:
 
 def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print) -> ConfigDict:
     """``cfg`` with ``jaxflow.placement.type=auto`` replaced by the auto-mapper's choice. Other
-    configs, and sft jobs (the actor alone on every device), are returned as they are."""
+    configs, and sft jobs (the actor alone on every device), are returned as they are. In a
+    dry run (``jaxflow.dry_run.enable``, on simulated devices) the choice is also compiled:
+    the best plan whose programs fit (:func:`jaxflow.automap.verify.search_verified`)."""
     from jaxflow.configs import validate
     from jaxflow.automap.workload import workload_from_config
 
@@ -49,11 +55,20 @@ def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print
     prof = placement_profile(cfg)
     n = cfg.jaxflow.num_devices
     t0 = time.perf_counter()
-    mapper = Mapper(workload_from_config(cfg), n, prof)
-    plan = mapper.search(top=1)[0]
+    # Pools of whole hosts on Ray (one process per host per group); stages run one at a time
+    # (the RL programs block after each), so the mapper plans for that.
+    mapper = Mapper(workload_from_config(cfg), n, prof, whole_hosts=cfg.jaxflow.backend == "ray")
+    if cfg.jaxflow.dry_run.enable:  # simulated devices at hand: the plan must also compile and fit
+        plan, _ = search_verified(cfg, mapper, n, attempts=DRY_RUN_ATTEMPTS, log=log)
+    else:
+        plan = mapper.search(top=1)[0]
     out = apply_plan(cfg, plan, n)
     validate(out)
     if log is not None:
+        cut = " (search cut short by its time limit: the best plan found so far)" if mapper.truncated else ""
+        if mapper.memory_scale:
+            cut += " (working memory scaled to the compiled programs: " + ", ".join(
+                f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items()) + ")"
         log(f"jaxflow: auto-mapper ({prof.name} profile, {n} devices, {mapper.evaluated} plans in "
-            f"{time.perf_counter() - t0:.1f} s): {describe(plan)}")
+            f"{time.perf_counter() - t0:.1f} s){cut}: {describe(plan)}")
     return out

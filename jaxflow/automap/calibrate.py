@@ -1,19 +1,26 @@
-"""``python -m jaxflow.automap.calibrate [--config=NAME] [--devices=8] [--out=PATH]``: measure
-this machine and fit the ``cpu`` device profile the auto-mapper plans with (as ReaL profiles
-per-layer costs before it searches).
+"""``python -m jaxflow.automap.calibrate [--config=NAME] [--devices=8] [--repeats=5] [--out=PATH]``:
+measure this machine and fit the ``cpu`` device profile the auto-mapper plans with (as ReaL
+profiles per-layer costs before it searches).
 
-Measured (medians of several timed calls after a warm-up, all on the simulated devices):
+Measured (medians of timed calls after a warm-up that compiles, on the simulated devices):
 
-1. matmul throughput with every device busy (FLOP/s of the host) and an elementwise pass
-   (bytes/s of the host);
-2. all-reduces over 2, 4 and 8 devices at two sizes: a least-squares fit of the collective
-   model ``2 (k-1) (latency + X / (k bw_dev))`` with ``bw_dev = bw / k`` (the host's bytes
-   shared by the busy devices) gives ``latency_s`` and ``intra_bw``;
-3. the cost of one program call (dispatch and synchronisation of a trivial program);
-4. per-layer forward and forward+backward times of the config's decoder at 1 and 3 layers
-   (the slope is one layer): their FLOPs over the time and the host's FLOP/s give ``mfu``;
-5. decode: the real sampler at two response lengths; the slope is one step, and what the
-   memory/compute model does not explain of it is ``step_overhead_s``.
+1. the host's matmul throughput with every device busy (``flops``) and its streaming
+   bandwidth over a buffer far larger than the caches (``hbm_bw``);
+2. all-reduces over 2, 4 and 8 devices at two sizes: a linear least-squares fit of the
+   collective model (:class:`~jaxflow.automap.profiles.Protocol`, one protocol, one link
+   domain) gives its base latency, per-step latency and bandwidth;
+3. the stage programs the workers run, built by their own builders, at a few shapes
+   (rows x prompt x response) on the config's actor model with every device in one FSDP
+   mesh: the optimizer step (`jaxflow.workers.actor.actor_train_step`), the log-prob
+   forward (`jaxflow.workers.actor.log_probs_program`) and the rollout engine
+   (`jaxflow.sampling.generate_from_state`, in the 3D-HybridEngine's generation layout).
+
+Fitted: the simulators (:mod:`jaxflow.automap.simulate`) predict each measured call from the
+profile; a bounded non-linear least-squares fit of ``log(predicted / measured)`` over all
+calls gives ``mfu`` (training and forward FLOPs), ``decode_mfu`` (decode steps, fitted
+separately), ``hbm_eff`` (the fraction of the measured streaming bandwidth the passes
+achieve, in (0, 1]), ``kernel_overhead_s`` and ``call_overhead_s``. The fit's residual per
+call is printed, so a poor fit shows.
 
 Writes the profile JSON (default :func:`jaxflow.automap.profiles.calibrated_path`), which
 ``--device_kind=cpu`` and ``jaxflow.placement.type=auto`` on CPU then use.
@@ -21,15 +28,34 @@ Writes the profile JSON (default :func:`jaxflow.automap.profiles.calibrated_path
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+# (rows, prompt_len, response_len) of the measured stage programs: the batch and the length vary.
+SHAPES = ((16, 8, 8), (64, 8, 8), (16, 16, 32))
+FIT_FIELDS = ("mfu", "decode_mfu", "hbm_eff", "kernel_overhead_s", "call_overhead_s")
+FIT_BOUNDS = ((1e-3, 1.0), (1e-3, 1.0), (1e-3, 1.0), (0.0, 0.1), (0.0, 1.0))
 
-def _median_time(fn: Callable[[], Any], repeats: int = 7) -> float:
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One measured stage call: ``phase`` (train | infer | generate), its shape and the
+    measured median seconds."""
+
+    phase: str
+    rows: int
+    prompt_len: int
+    response_len: int
+    seconds: float
+
+
+def _median_time(fn: Callable[[], Any], repeats: int) -> float:
     import jax
 
     jax.block_until_ready(fn())  # compile / warm up
@@ -41,131 +67,201 @@ def _median_time(fn: Callable[[], Any], repeats: int = 7) -> float:
     return statistics.median(times)
 
 
-def measure(cfg: Any, devices: int, log: Callable[[str], None] = print) -> dict[str, float]:
+def sample_workload(base: Any, s: Sample) -> Any:
+    """``base`` (a `Workload`) reshaped to one measured call: ``rows`` sequences of
+    ``prompt_len + response_len`` tokens (generate: ``rows`` prompts, one response each),
+    one mini-batch, one micro-batch."""
+    return dataclasses.replace(
+        base, prompts=s.rows, n=1, prompt_len=s.prompt_len, response_len=s.response_len,
+        mini_batch_rows={"actor": s.rows}, train_micro={"actor": None}, epochs={"actor": 1},
+        forward_micro={"actor": None}, max_num_seqs=0)
+
+
+def cases(base: Any, samples: Sequence[Sample], devices: int) -> list[tuple[Any, Any, str]]:
+    """``(workload, role layout, phase)`` of each sample on ``devices`` devices in one FSDP mesh."""
+    from jaxflow.automap.layouts import Layout, role_layout
+
+    out = []
+    for s in samples:
+        w = sample_workload(base, s)
+        out.append((w, role_layout(w, "actor", Layout(1, devices, 1, 1)), s.phase))
+    return out
+
+
+def predict(prof: Any, calls: Sequence[tuple[Any, Any, str]]) -> list[float]:
+    """The simulators' seconds for each of :func:`cases`."""
+    from jaxflow.automap.simulate import stage_time
+
+    return [stage_time(w, phase, rl, prof).seconds for w, rl, phase in calls]
+
+
+def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int, int, int]] = SHAPES,
+            collective_bytes: Sequence[int] = (1 << 14, 1 << 22), log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Times on this machine (see the module docstring): ``flops``, ``hbm_bw``,
+    ``call_s`` (a trivial program), ``collectives`` ``[(k, bytes, seconds)]`` (all-reduces
+    over 2, 4, 8 devices of ``collective_bytes``) and the stage ``samples`` at ``shapes``."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as Ps
 
-    from jaxflow.configs import model_config
-    from jaxflow.mesh import GENERATE_RULES, MeshSpec, TRAIN_RULES, sharding_rules, state_shardings
+    from jaxflow.automap.layouts import Layout, role_layout
+    from jaxflow.automap.workload import workload_from_config
+    from jaxflow.mesh import MeshSpec, state_shardings
     from jaxflow.models import init_model
+    from jaxflow.reshard import HybridEngine
     from jaxflow.sampling import SamplingParams, generate_from_state
+    from jaxflow.configs.run_spec import describe_run
+    from jaxflow.workers.actor import actor_train_step, log_probs_program
+    from jaxflow.workers.base import RoleLayout
+    from jaxflow.workers.optim import make_optimizer
+    from jaxflow.workers.train_state import create_train_state
 
     devs = jax.devices()[:devices]
+    if len(devs) < devices:
+        raise ValueError(f"calibrate needs {devices} devices, JAX has {len(devs)}")
     mesh = Mesh(np.asarray(devs), ("d",))
-    rows = NamedSharding(mesh, Ps("d"))
-    out: dict[str, float] = {}
+    rows_sharding = NamedSharding(mesh, Ps("d"))
+    out: dict[str, Any] = {}
 
     m, k = 256 * devices, 512
-    x = jax.device_put(jnp.ones((m, k), jnp.float32), rows)
+    x = jax.device_put(jnp.ones((m, k), jnp.float32), rows_sharding)
     wgt = jax.device_put(jnp.ones((k, k), jnp.float32), NamedSharding(mesh, Ps()))
     mm = jax.jit(lambda a, b: a @ b)
-    out["host_flops"] = 2 * m * k * k / _median_time(lambda: mm(x, wgt))
-    big = jax.device_put(jnp.ones((devices * (1 << 20),), jnp.float32), rows)
+    out["flops"] = 2 * m * k * k / _median_time(lambda: mm(x, wgt), repeats)
+    big = jax.device_put(jnp.ones((devices * (4 << 20),), jnp.float32), rows_sharding)  # 16 MiB per device
     ew = jax.jit(lambda a: a * 2.0 + 1.0)
-    out["host_bw"] = 2 * big.size * 4 / _median_time(lambda: ew(big))
-    tiny = jax.device_put(jnp.ones((devices,), jnp.float32), rows)
+    out["hbm_bw"] = 2 * big.size * 4 / _median_time(lambda: ew(big), repeats)
+    tiny = jax.device_put(jnp.ones((devices,), jnp.float32), rows_sharding)
     inc = jax.jit(lambda a: a + 1.0)
-    out["call_overhead_s"] = _median_time(lambda: inc(tiny), 15)
-    log(f"  host {out['host_flops'] / 1e9:.1f} GFLOP/s, {out['host_bw'] / 1e9:.1f} GB/s, "
-        f"call {out['call_overhead_s'] * 1e3:.2f} ms (measured)")
+    out["call_s"] = _median_time(lambda: inc(tiny), 3 * repeats)
+    log(f"  host {out['flops'] / 1e9:.1f} GFLOP/s, {out['hbm_bw'] / 1e9:.1f} GB/s streaming, one program call "
+        f"{out['call_s'] * 1e3:.2f} ms (measured)")
 
-    # All-reduces: t = 2 (k-1) latency + 2 (k-1) X / bw  (X bytes per device; the host's bw shared).
-    samples = []
+    collectives = []
     for g in (2, 4, 8):
         if g > devices:
             continue
         gmesh = Mesh(np.asarray(devs[:g]), ("d",))
-        for elems in (4096, 1 << 20):
+        for nbytes in collective_bytes:
+            elems = nbytes // 4
             a = jax.device_put(jnp.ones((g, elems), jnp.float32), NamedSharding(gmesh, Ps("d")))
             ar = jax.jit(lambda v: jnp.broadcast_to(v.sum(0, keepdims=True), v.shape),
                          out_shardings=NamedSharding(gmesh, Ps("d")))
-            t = _median_time(lambda: ar(a)) - out["call_overhead_s"]
-            samples.append((2 * (g - 1), 2 * (g - 1) * elems * 4, max(t, 0.0)))
-    A = np.array([[s[0], s[1]] for s in samples])
-    y = np.array([s[2] for s in samples])
-    (latency, inv_bw), *_ = np.linalg.lstsq(A, y, rcond=None)
-    out["latency_s"] = float(max(latency, 1e-6))
-    out["intra_bw"] = float(1.0 / inv_bw) if inv_bw > 0 else out["host_bw"]
-    log(f"  collectives: latency {out['latency_s'] * 1e6:.0f} us per step, {out['intra_bw'] / 1e9:.2f} GB/s "
-        "(fit to measured all-reduces)")
+            collectives.append((g, elems * 4, max(0.0, _median_time(lambda: ar(a), repeats) - out["call_s"])))
+    out["collectives"] = collectives
 
-    # Per-layer forward / backward of the config's decoder, rows over every device (fsdp).
-    mc = model_config(cfg, "actor")
-    T = cfg.data.max_prompt_length + cfg.data.max_response_length
-    B = cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
-    fmesh = MeshSpec(fsdp=devices).build(devs)
-    per_layer = {}
-    for L in (1, 3):
-        lmc = mc.replace(num_layers=L)
-        graphdef, state = nnx.split(init_model(lmc, head="lm"))
-        state = jax.device_put(state, state_shardings(state, TRAIN_RULES, fmesh))
-        ids = jax.device_put(jnp.ones((B, T), jnp.int32), NamedSharding(fmesh, Ps(("dp", "fsdp"))))
+    # The stage programs, through the workers' builders, on the actor's model.
+    base = workload_from_config(cfg)
+    mc = base.models["actor"].config
+    actor = describe_run(cfg, with_placement=False).actor
+    tx, schedule = make_optimizer(actor.optim)
+    graphdef, params = nnx.split(init_model(mc, head="lm"))
+    samples = []
+    for rows, P, R in shapes:
+        probe = Sample("train", rows, P, R, 0.0)
+        rl = role_layout(sample_workload(base, probe), "actor", Layout(1, devices, 1, 1))
+        fmesh = MeshSpec(fsdp=devices).build(devs, model=mc, rules=rl.rules)
+        shardings = state_shardings(params, rl.rules, fmesh)
+        layout = RoleLayout(graphdef, fmesh, rl.rules, shardings)
+        batch_rows = NamedSharding(fmesh, Ps(layout.batch_axes))
+        ones = {"prompt_ids": jnp.ones((rows, P), jnp.int32), "prompt_mask": jnp.ones((rows, P), jnp.int32),
+                "responses": jnp.ones((rows, R), jnp.int32), "response_mask": jnp.ones((rows, R), jnp.int32)}
+        tensors = jax.device_put(ones, batch_rows)
+        scalars = {"temperature": jnp.float32(1.0)}
+        placed = jax.device_put(params, shardings)
+        forward = log_probs_program(layout, 1)
+        samples.append(Sample("infer", rows, P, R, _median_time(lambda: forward(placed, tensors, scalars), repeats)))
+        cols = {c: (rows, R) for c in actor.train_columns() if c not in ones}
+        batch = dict(tensors, **jax.device_put({c: jnp.zeros(s, jnp.float32) for c, s in cols.items()}, batch_rows))
+        state, state_sh = create_train_state(placed, shardings, tx, fmesh)
+        step = actor_train_step(layout, tx, schedule, actor, state_sh, 1)
+        holder = [state]
 
-        def loss(st, ids=ids, graphdef=graphdef):
-            with sharding_rules(TRAIN_RULES, fmesh):
-                return nnx.merge(graphdef, st)(ids).astype(jnp.float32).mean()
+        def train_call():
+            holder[0], metrics = step(holder[0], batch, scalars)
+            return metrics
 
-        fwd, grad = jax.jit(loss), jax.jit(jax.grad(loss))
-        per_layer[L] = (_median_time(lambda: fwd(state), 5), _median_time(lambda: grad(state), 5))
-    fwd_layer = max(1e-9, (per_layer[3][0] - per_layer[1][0]) / 2)
-    train_layer = max(1e-9, (per_layer[3][1] - per_layer[1][1]) / 2)
-    layer_flops = B * T * (2 * (mc.hidden_size * (mc.num_heads + 2 * mc.num_kv_heads) * mc.head_dim
-                                + mc.num_heads * mc.head_dim * mc.hidden_size + 3 * mc.hidden_size * mc.intermediate_size)
-                           + 4 * mc.num_heads * mc.head_dim * T)
-    out["mfu"] = float(min(1.0, statistics.mean([layer_flops / fwd_layer, 3 * layer_flops / train_layer])
-                           / out["host_flops"]))
-    log(f"  one layer: forward {fwd_layer * 1e3:.2f} ms, forward+backward {train_layer * 1e3:.2f} ms (measured, "
-        f"{B} x {T} tokens) -> mfu {out['mfu']:.2f}")
-
-    # Decode steps of the real sampler (generation dp over every device).
-    gmesh = MeshSpec(dp=devices).build(devs)
-    graphdef, state = nnx.split(init_model(mc, head="lm"))
-    state = jax.device_put(state, state_shardings(state, GENERATE_RULES, gmesh))
-    P = cfg.data.max_prompt_length
-    prompts = np.ones((cfg.data.train_batch_size, P), np.int32)
-    times = {}
-    for R in (4, 16):
-        sp = SamplingParams(max_new_tokens=R, n=cfg.actor_rollout_ref.rollout.n, eos_token_ids=())
-        times[R] = _median_time(lambda: generate_from_state(graphdef, state, prompts, prompts, sp, mesh=gmesh,
-                                                            rules=GENERATE_RULES).responses, 5)
-    step = max(1e-9, (times[16] - times[4]) / 12)
-    rows_dev = B / devices
-    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-    kv = rows_dev * (P + 10) * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 4
-    modelled = (weights + kv) * devices / out["host_bw"]
-    # Small weights stay in cache: when streaming bandwidth over-explains the step, the
-    # step's bytes go at the effective (cache) bandwidth instead and there is no fixed part.
-    out["hbm_eff"] = float(max(1.0, modelled / step))
-    out["step_overhead_s"] = float(max(0.0, step - modelled))
-    out["decode_step_s"] = step
-    log(f"  decode step {step * 1e3:.2f} ms ({B} sequences; measured): fixed overhead "
-        f"{out['step_overhead_s'] * 1e3:.2f} ms, effective bandwidth x{out['hbm_eff']:.2f} of streaming")
+        samples.append(Sample("train", rows, P, R, _median_time(train_call, repeats)))
+        engine = HybridEngine(fmesh, rl.rules, gen_tp=1)
+        gen_params = jax.device_put(params, state_shardings(params, engine.gen_rules, engine.gen_mesh))
+        prompts = np.ones((rows, P), np.int32)
+        sp = SamplingParams(max_new_tokens=R, n=1, eos_token_ids=())
+        samples.append(Sample("generate", rows, P, R, _median_time(
+            lambda: generate_from_state(graphdef, gen_params, prompts, prompts, sp, mesh=engine.gen_mesh,
+                                        rules=engine.gen_rules).responses, repeats)))
+        log("  " + ", ".join(f"{s.phase} {s.seconds * 1e3:.1f} ms" for s in samples[-3:])
+            + f" ({rows} x {P}+{R} tokens; measured)")
+    out["samples"] = samples
+    out["base"] = base
     return out
 
 
-def fit_profile(m: dict[str, float], devices: int, source: str) -> Any:
+def fit_collectives(samples: Sequence[tuple[int, int, float]]) -> Any:
+    """The one-protocol collective model fitted (linear least squares) to all-reduce times
+    ``(k devices, bytes X, seconds)``: ``t = base + 2 (k-1) hop + 2 (k-1) / k X k / bw``
+    (on a simulated host the ``k`` busy devices share ``bw``)."""
+    import numpy as np
+
+    from jaxflow.automap.profiles import Protocol
+
+    A = np.array([[1.0, 2 * (k - 1), 2 * (k - 1) / k * x * k] for k, x, _ in samples])
+    y = np.array([t for _, _, t in samples])
+    (base, hop, inv_bw), *_ = np.linalg.lstsq(A, y, rcond=None)
+    bw = 1.0 / inv_bw if inv_bw > 0 else math.inf
+    return Protocol("host", max(0.0, float(base)), max(0.0, float(hop)), max(0.0, float(hop)), 1.0), bw
+
+
+def fit_profile(m: dict[str, Any], devices: int, source: str, log: Callable[[str], None] = print) -> Any:
+    """The ``cpu`` profile fitted to :func:`measure`'s times (see the module docstring)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
     from jaxflow.automap.profiles import DeviceProfile
 
     try:
         ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):
         ram_gib = 16.0
-    return DeviceProfile(
-        name="cpu", flops=m["host_flops"], hbm_bw=m["host_bw"], memory_gib=ram_gib / 2 / devices,
-        intra_bw=m["intra_bw"], inter_bw=m["intra_bw"], devices_per_host=devices, mfu=m["mfu"], decode_mfu=m["mfu"],
-        hbm_eff=m["hbm_eff"], latency_s=m["latency_s"], step_overhead_s=m["step_overhead_s"], usable=0.9, shared_host=True,
-        call_overhead_s=m["call_overhead_s"], source=source)
+    protocol, link_bw = fit_collectives(m["collectives"])
+    link_bw = min(link_bw, m["hbm_bw"])  # copies between simulated devices go through the host's memory
+    prof = DeviceProfile(
+        name="cpu", flops=m["flops"], hbm_bw=m["hbm_bw"], memory_gib=ram_gib / 2 / devices, intra_bw=link_bw,
+        inter_bw=link_bw, devices_per_host=devices, hbm_eff=1.0, protocols=(protocol,),
+        kernel_overhead_s=0.0, call_overhead_s=m["call_s"], shared_host=True, source=source)
+    samples = m["samples"]
+    calls = cases(m["base"], samples, devices)
+    measured = np.log([s.seconds for s in samples])
+
+    def residuals(theta):
+        p = dataclasses.replace(prof, **dict(zip(FIT_FIELDS, (float(t) for t in theta))))
+        return np.log(predict(p, calls)) - measured
+
+    lo, hi = (np.array(b) for b in zip(*FIT_BOUNDS))
+    start = np.clip([0.5, 0.5, 1.0, 20e-6, m["call_s"]], lo, hi)
+    fit = least_squares(residuals, start, bounds=(lo, hi), x_scale=np.maximum(start, 1e-6))
+    fitted = dataclasses.replace(prof, **dict(zip(FIT_FIELDS, (float(t) for t in fit.x))))
+    predicted = predict(fitted, calls)
+    for s, p in zip(samples, predicted):
+        log(f"    {s.phase:<8} {s.rows:>4} x {s.prompt_len}+{s.response_len}: measured {s.seconds * 1e3:8.2f} ms, "
+            f"fitted model {p * 1e3:8.2f} ms")
+    log(f"  fit: " + ", ".join(f"{f}={getattr(fitted, f):.3g}" for f in FIT_FIELDS)
+        + f"; rms log error {float(np.sqrt(np.mean(fit.fun ** 2))):.3f}")
+    return fitted
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = dict(a.removeprefix("--").split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+    unknown = sorted(set(args) - {"config", "devices", "repeats", "out"})
+    if unknown:
+        print(f"error: unknown argument(s) {unknown}\n{__doc__}", file=sys.stderr)
+        return 2
     devices = int(args.get("devices", 8))
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-    os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
+    from jaxflow.mesh import simulate_devices
+
+    simulate_devices(devices)  # before JAX starts
     from jaxflow import configs
     from jaxflow.automap.profiles import calibrated_path, save_profile
 
@@ -173,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"calibrating the cpu profile on {devices} simulated devices ({cfg.trainer.experiment_name}'s model; "
           f"load average {load:.1f})", flush=True)
-    m = measure(cfg, devices)
+    m = measure(cfg, devices, repeats=int(args.get("repeats", 5)))
     prof = fit_profile(m, devices, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} (load {load:.1f})")
     path = args.get("out", calibrated_path())
     save_profile(prof, path)

@@ -20,13 +20,14 @@ the KV cache of one generation call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from jax.sharding import AbstractMesh
 
 from jaxflow.automap.workload import RoleModel, Workload
 from jaxflow.mesh import TRAIN_RULES, Rules, check_model_fits, hybrid_rules, logical_to_spec
 from jaxflow.plan.dry_run import RolePlan, activation_bytes, generate_activation_bytes, kv_pool_bytes
-from jaxflow.sampling import engine_shape
+from jaxflow.sampling import EngineShape, engine_shape
 from jaxflow.workers.base import num_micro_batches
 
 
@@ -71,6 +72,7 @@ class RoleLayout:
     plan: RolePlan  # analytic bytes per device (param, optimizer, gradient, activations, KV)
     micro_batches: dict[str, int]
     weight_degree: int  # devices that split the weights' Megatron dimension (fsdp*tp or tp)
+    engine: EngineShape | None = None  # the actor's rollout engine, per generation replica
 
     @property
     def persistent_bytes(self) -> int:
@@ -95,6 +97,12 @@ def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
 def sharded_bytes(rm: RoleModel, rules: Rules, mesh: AbstractMesh, itemsize: int) -> int:
     """Per-device bytes of the role's parameters under ``rules`` (ValueError if a sharded
     dimension does not divide its mesh axes, as :func:`jaxflow.mesh.state_shardings`)."""
+    return _sharded_elements(rm, rules, tuple(mesh.shape.items())) * itemsize
+
+
+@functools.lru_cache(maxsize=4096)
+def _sharded_elements(rm: RoleModel, rules: Rules, sizes: tuple[tuple[str, int], ...]) -> int:
+    mesh = abstract_mesh(dict(sizes))
     total = 0
     for leaf in rm.leaves:
         spec = logical_to_spec(leaf.logical_axes, rules, mesh)
@@ -106,19 +114,13 @@ def sharded_bytes(rm: RoleModel, rules: Rules, mesh: AbstractMesh, itemsize: int
                 raise ValueError(f"dimension {size} of {leaf.logical_axes} does not split {k} ways")
             n *= size // k
         total += n
-    return total * itemsize
+    return total
 
 
 def _gen_sizes(layout: Layout, weight_degree: int) -> dict[str, int]:
     replica = layout.devices // weight_degree
     sizes = {"tp": layout.gen_tp, "dp": weight_degree // layout.gen_tp}
     return {"replica": replica, **sizes} if replica > 1 else sizes
-
-
-def generation_rows(w: Workload, gen_dp: int, max_num_seqs: int | None = None) -> int:
-    """Sequences one generate call produces (the whole rollout, or max_num_seqs per replica)."""
-    seqs = w.max_num_seqs if max_num_seqs is None else max_num_seqs
-    return min(w.rows, seqs * gen_dp) if seqs > 0 else w.rows
 
 
 def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
@@ -152,7 +154,7 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
     k = num_micro_batches(w.rows, w.forward_micro[role], dp_ranks, f"{role} forward")
     micro["infer"] = k
     plan.activation_bytes["infer"] = activation_bytes(mc, "infer", w.rows / k / dp_ranks, P, R, rules, mesh)
-    gen_mesh = None
+    gen_mesh, shape = None, None
     if role == "actor":
         if not layout.gen_tp or weight_degree % layout.gen_tp:
             raise ValueError(f"generation tp={layout.gen_tp} does not divide the weight degree {weight_degree}")
@@ -166,7 +168,7 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
         plan.kv_cache_bytes = kv_pool_bytes(mc, shape, gen_rules, gen_mesh)
         plan.activation_bytes["generate"] = generate_activation_bytes(mc, shape, gen_rules, gen_mesh)
-    return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree)
+    return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree, shape)
 
 
 def candidate_layouts(n: int, devices_per_host: int, generating: bool) -> list[Layout]:
@@ -187,12 +189,12 @@ def candidate_layouts(n: int, devices_per_host: int, generating: bool) -> list[L
     return out
 
 
-def feasible_layouts(w: Workload, role: str, n: int, devices_per_host: int,
-                     budget_bytes: float | None = None) -> list[RoleLayout]:
+def feasible_layouts(w: Workload, role: str, n: int, devices_per_host: int) -> list[RoleLayout]:
     """The role's layouts on ``n`` devices that fit its model and batches (memory is checked
-    by the search: it depends on what shares the pool). For the actor, when a layout alone
-    exceeds ``budget_bytes`` with the configured rollout batch, the same layout with
-    max_num_seqs halved (down to n responses, one prompt) is proposed too."""
+    by the search: it depends on what shares the pool). For the actor, each layout also with
+    fewer decode slots per generation replica (``max_num_seqs`` halved, down to ``n``: one
+    prompt's responses): slower decoding for a smaller KV cache, which the search takes when
+    memory is short."""
     out = []
     for layout in candidate_layouts(n, devices_per_host, role == "actor"):
         try:
@@ -200,15 +202,8 @@ def feasible_layouts(w: Workload, role: str, n: int, devices_per_host: int,
         except ValueError:
             continue
         out.append(rl)
-        if role != "actor" or budget_bytes is None:
-            continue
-        seqs = math.ceil(generation_rows(w, n // layout.gen_tp) / (n // layout.gen_tp))
-        while rl.persistent_bytes + rl.peak_transient_bytes > budget_bytes and seqs > w.n:
+        seqs = rl.engine.slots if rl.engine is not None else 0
+        while seqs > w.n:
             seqs = max(w.n, seqs // 2)
-            try:
-                rl = role_layout(w, role, dataclasses.replace(layout, max_num_seqs=seqs))
-            except ValueError:
-                break
-            out.append(rl)
+            out.append(role_layout(w, role, dataclasses.replace(layout, max_num_seqs=seqs)))
     return out
-

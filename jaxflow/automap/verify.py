@@ -10,6 +10,8 @@ set before JAX starts; ``python -m jaxflow.automap --verify`` does that).
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 from ml_collections import ConfigDict
@@ -31,50 +33,141 @@ def apply_plan(cfg: ConfigDict, plan: Plan, num_devices: int) -> ConfigDict:
     return out
 
 
+def _program_key(spec: Any) -> tuple:
+    """What makes two plans' programs the same compile: the program, its mesh and its shapes
+    (the description names rows, lengths, micro-batches, slots)."""
+    return spec.name, tuple(spec.mesh.shape.items()), spec.description
+
+
 def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DeviceProfile,
-                  programs: Any = None) -> dict[str, Any]:
-    """Compile the plan's programs (the dry run's default set) for ``num_devices`` devices and
-    judge them against the profile's device memory. Returns ``{"fits", "programs": [...],
-    "rejected": "program: bytes" | None}`` and stores it on ``plan.compiled``."""
-    from jaxflow.plan.dry_run import dry_run
+                  programs: Any = None, cache: dict | None = None) -> dict[str, Any]:
+    """Compile the plan's programs (the dry run's default set, or ``programs``) for
+    ``num_devices`` devices, in the order of a step, and judge them against the profile's
+    device memory; stop at the first that does not fit. ``cache`` (a dict shared across
+    plans) keeps each compiled program's memory by (program, mesh, shapes): a program several
+    plans share compiles once. Returns ``{"fits", "programs": [...], "rejected": "program:
+    bytes" | None, "compiled_now": programs compiled by this call}`` and stores it on
+    ``plan.compiled``."""
+    from jaxflow.plan.dry_run import compile_program, plan as plan_programs
+    from jaxflow.plan.lowering import CompiledMemory
 
     planned = apply_plan(cfg, plan, num_devices)
     with planned.unlocked():
         planned.jaxflow.dry_run.device_memory_gib = prof.memory_gib
-    report = dry_run(planned, out=None, programs=programs)
+    t0 = time.perf_counter()
+    report, specs = plan_programs(planned, programs)
+    cache = {} if cache is None else cache
     estimates = {r: plan.pool_of(r).peak_bytes for r in (rp.role for rp in report.roles)}
-    rows = []
-    for p in report.programs:
-        rows.append({"program": p.name, "mesh": p.mesh, "compiled_peak_gib": p.peak_bytes / GiB,
+    rows, compiled_now, bad = [], 0, None
+    for spec in specs:
+        key = _program_key(spec)
+        cached = key in cache
+        if cached:
+            spec = dataclasses.replace(spec, lower=None, measure=lambda m=cache[key]: m)
+        p = compile_program(report, spec)
+        if not cached:
+            compiled_now += 1
+            cache[key] = CompiledMemory(p.argument_bytes, p.output_bytes, p.alias_bytes, p.temp_bytes,
+                                        p.generated_code_bytes, p.compile_seconds, p.extra)
+        rows.append({"program": p.name, "role": p.role, "phase": p.phase, "mesh": p.mesh,
+                     "compiled_peak_bytes": p.peak_bytes, "compiled_peak_gib": p.peak_bytes / GiB,
                      "resident_gib": p.resident_bytes / GiB, "compiled_total_gib": p.total_bytes / GiB,
                      "estimated_pool_peak_gib": estimates[p.role] / GiB, "fits": p.fits,
-                     "compile_s": p.compile_seconds})
-    bad = [p for p in report.programs if not p.fits]
+                     "compile_s": p.compile_seconds, "cached": cached})
+        if not p.fits:
+            bad = p
+            break
     rejected = None
-    if bad:
-        worst = max(bad, key=lambda p: p.total_bytes)
-        rejected = (f"{worst.name} needs {worst.total_bytes / GiB:.2f} GiB per device (compiled peak "
-                    f"{worst.peak_bytes / GiB:.2f} + resident {worst.resident_bytes / GiB:.2f}) > "
+    if bad is not None:
+        rejected = (f"{bad.name} needs {bad.total_bytes / GiB:.2f} GiB per device (compiled peak "
+                    f"{bad.peak_bytes / GiB:.2f} + resident {bad.resident_bytes / GiB:.2f}) > "
                     f"{prof.memory_gib:.1f} GiB")
-    result = {"fits": not bad and report.fits, "programs": rows, "rejected": rejected,
-              "compiled_max_total_gib": max((p.total_bytes for p in report.programs), default=0) / GiB,
+    elif not report.fits:
+        pools = [pp.name for pp in report.pools if not pp.fits]
+        rejected = f"the dry run's analytic estimate of pool(s) {pools} exceeds {prof.memory_gib:.1f} GiB"
+    result = {"fits": rejected is None, "programs": rows, "rejected": rejected, "compiled_now": compiled_now,
+              "compiled_max_total_gib": max((r["compiled_total_gib"] for r in rows), default=0.0),
               "estimated_max_pool_gib": max(pc.peak_bytes for pc in plan.pools) / GiB,
-              "wall_s": report.wall_seconds}
+              "wall_s": time.perf_counter() - t0}
     plan.compiled = result
     return result
 
 
 def choose_verified(cfg: ConfigDict, plans: list[Plan], num_devices: int, prof: DeviceProfile,
-                    top: int = 1, log: Any = None) -> Plan:
-    """Compile the ranked plans in order (at most ``top``) and return the first that fits."""
-    for plan in plans[:max(1, top)]:
-        result = compile_check(cfg, plan, num_devices, prof)
+                    attempts: int = 1, log: Any = None, programs: Any = None) -> Plan:
+    """Go down the ranked ``plans`` and return the first whose programs compile and fit
+    (``programs`` as in :func:`compile_check`). Programs compiled once are not compiled
+    again, so a plan that shares a program already too big is rejected at once; at most
+    ``attempts`` plans that compile something new are tried. ValueError when none fits."""
+    cache: dict = {}
+    tried, rejected = 0, []
+    for i, plan in enumerate(plans, 1):
+        result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
         if log is not None:
-            log(f"compiled plan {plans.index(plan) + 1}: "
-                + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
+            how = "" if result["compiled_now"] else " (programs compiled before)"
+            log(f"compiled plan {i}: " + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
+                + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
+                  f"{result['estimated_max_pool_gib']:.2f} GiB per device){how}")
+        if result["fits"]:
+            return plan
+        rejected.append(f"plan {i}: {result['rejected']}")
+        tried += result["compiled_now"] > 0
+        if tried >= attempts:
+            break
+    raise ValueError(f"none of the {len(rejected)} best plans fits when compiled: " + "; ".join(rejected))
+
+
+def memory_correction(plan: Plan, row: dict[str, Any]) -> tuple[str, float] | None:
+    """``(phase, factor)`` by which the estimated working memory of a compiled program's phase
+    (:func:`jaxflow.automap.search.transient_parts`) must grow to hold what XLA allocated: its
+    compiled peak less the persistent state among its arguments and the bytes counted exactly.
+    None for a program the analytic model has no working memory for."""
+    from jaxflow.automap.search import transient_parts
+
+    rl = plan.pool_of(row["role"]).layouts[row["role"]]
+    parts = transient_parts(rl).get(row["phase"])
+    if not parts or not parts[1]:
+        return None
+    exact, rough = parts
+    kept = {"train": rl.plan.param_bytes + rl.plan.optimizer_bytes, "infer": rl.plan.param_bytes}.get(row["phase"], 0)
+    return row["phase"], (row["compiled_peak_bytes"] - kept - exact) / rough
+
+
+def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: int = 3, log: Any = None,
+                    programs: Any = None, top: int = 5, time_limit_s: float = 60.0) -> tuple[Plan, list[Plan]]:
+    """The mapper's best plan that compiles and fits: search, compile the best plan; when a
+    program holds more than its analytic estimate and does not fit, scale that phase's
+    estimated working memory by what the compiler allocated (:meth:`Mapper.scale_memory`)
+    and search again (a rejection the scales cannot explain moves down the ranking). At most
+    ``attempts`` plans that compile something new. Returns ``(plan, the last ranking)``."""
+    prof = mapper.prof
+    cache: dict = {}
+    rejected: dict[tuple, str] = {}
+    tried = 0
+    while True:
+        plans = mapper.search(top=top, time_limit_s=time_limit_s)
+        fresh = [p for p in plans if p.key() not in rejected]
+        if not fresh:
+            break
+        plan = fresh[0]
+        result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
+        rank = plans.index(plan) + 1
+        if log is not None:
+            log(f"compiled plan {rank} of the ranking: " + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
                 + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
                   f"{result['estimated_max_pool_gib']:.2f} GiB per device)")
         if result["fits"]:
-            return plan
-    raise ValueError(f"none of the {min(top, len(plans))} best plans fits when compiled: "
-                     + "; ".join(p.compiled["rejected"] or "?" for p in plans[:top] if p.compiled))
+            return plan, plans
+        rejected[plan.key()] = result["rejected"]
+        tried += result["compiled_now"] > 0
+        bad = next((r for r in result["programs"] if not r["fits"]), None)
+        correction = memory_correction(plan, bad) if bad is not None else None
+        if correction is not None and correction[1] > mapper.memory_scale.get(correction[0], 1.0) * 1.001:
+            mapper.scale_memory(*correction)
+            if log is not None:
+                log(f"  the compiled {bad['program']} holds {correction[1]:.2f} x the estimated {correction[0]} "
+                    f"working memory: planning with that and searching again")
+        if tried >= attempts:
+            break
+    raise ValueError(f"no plan of {mapper.w.name} on {num_devices} {prof.name} devices fits when compiled "
+                     f"({len(rejected)} rejected): " + "; ".join(rejected.values()))

@@ -1,13 +1,16 @@
 """What the auto-mapper plans: the roles' models and the dataflow of one RL iteration, read
-from an experiment config.
+from the run's typed description (:func:`jaxflow.configs.run_spec.describe_run`, without a
+placement: the mapper is what places it).
 
 The dataflow (HybridFlow's PPO; the other algorithms drop roles they do not run)::
 
     actor/reshard -> actor/generate -> {actor/log_probs, ref/log_probs, critic/values,
                                         reward/scores, cost/scores} -> {critic/train, actor/train}
 
-Stages on one pool run one after another; stages on disjoint pools overlap when their
-inputs are ready (:func:`jaxflow.automap.search.schedule`).
+``actor/log_probs`` runs unless the actor's update is on-policy (one optimizer step per
+rollout: the update's own forward gives the old log-probs). The stages of one pool run one
+after another; :func:`jaxflow.automap.search.schedule` says when stages on disjoint pools
+overlap. Not modelled: ReMax's extra greedy rollout, packed (remove-padding) batches.
 """
 
 from __future__ import annotations
@@ -21,20 +24,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.configs import active_roles, model_config
+from jaxflow.configs.run_spec import HEADS, RunSpec, describe_run
 from jaxflow.mesh import logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
+from jaxflow.plan.lowering import FORWARDS
 
-HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward", "cost": "reward"}
 TRAINING_ROLES = ("actor", "critic")
-# Forward program per role and the config key of its micro-batch per device.
-FORWARD_STAGES = {
-    "actor": ("actor/log_probs", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device"),
-    "ref": ("ref/log_probs", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device"),
-    "critic": ("critic/values", "critic.forward_micro_batch_size_per_device"),
-    "reward": ("reward/scores", "reward_model.micro_batch_size_per_device"),
-    "cost": ("cost/scores", "reward_model.micro_batch_size_per_device"),
-}
+# Each role's forward program over the rollout (the dry run's names; `FORWARDS` holds its
+# builder and micro-batch setting).
+FORWARD_PROGRAM = {"actor": "actor/log_probs", "ref": "ref/log_probs", "critic": "critic/values",
+                   "reward": "reward/scores", "cost": "cost/scores"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,14 +45,21 @@ class Leaf:
 @dataclasses.dataclass(frozen=True)
 class RoleModel:
     """One role's model: shapes of its parameters (with logical axes), and the counts the
-    simulators need."""
+    simulators need.
+
+    ``body_params``: the decoder's parameters (every layer, final norm), each used once per
+    token. ``head_params``: the output head's matmul (the LM head ``V x D``, also when tied
+    to the embedding; a value / reward head ``D``). ``embed_params``: the embedding table,
+    which a token only looks up (a row), never multiplies, unless tied to the LM head."""
 
     role: str
     head: str
     config: ModelConfig
     leaves: tuple[Leaf, ...]
     num_params: int
-    matmul_params: int  # parameters multiplied per token (no embedding lookup; LM head if any)
+    body_params: int
+    head_params: int
+    embed_params: int
 
     @property
     def param_itemsize(self) -> int:
@@ -62,6 +68,17 @@ class RoleModel:
     @property
     def compute_itemsize(self) -> int:
         return jnp.dtype(self.config.dtype).itemsize
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter (what a copy of the model holds)."""
+        return self.num_params * self.param_itemsize
+
+    @property
+    def matmul_weight_bytes(self) -> int:
+        """Bytes a forward pass multiplies with (reads): the body and the head, not the
+        embedding table's unused rows."""
+        return (self.body_params + self.head_params) * self.param_itemsize
 
 
 @functools.lru_cache(maxsize=64)
@@ -74,8 +91,11 @@ def role_model(role: str, head: str, mc: ModelConfig) -> RoleModel:
     leaves = tuple(Leaf(s, tuple(a)) for s, a in zip(shapes, names))
     total = sum(math.prod(s) for s in shapes)
     embed = mc.vocab_size * mc.hidden_size
-    lm_head = embed if (head == "lm" and mc.tie_word_embeddings) else 0
-    return RoleModel(role, head, mc, leaves, total, total - embed + lm_head)
+    # Parameters outside the decoder (`model`): the untied LM head, or the score head.
+    outside = sum(math.prod(v.shape) for path, v in jax.tree_util.tree_leaves_with_path(state)
+                  if getattr(path[0], "key", None) != "model")
+    head_matmul = embed if head == "lm" else mc.hidden_size
+    return RoleModel(role, head, mc, leaves, total, total - embed - outside, head_matmul, embed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,13 +117,12 @@ class Workload:
     prompt_len: int
     response_len: int
     mini_batch_rows: dict[str, int]  # training role -> responses per optimizer step
-    train_micro: dict[str, int]  # training role -> micro-batch per device
+    train_micro: dict[str, int | None]  # training role -> micro-batch per device
     epochs: dict[str, int]
-    forward_micro: dict[str, int]  # role -> forward micro-batch per device
+    forward_micro: dict[str, int | None]  # role -> forward micro-batch per device
     max_num_seqs: int
     state_itemsize: int
     stages: tuple[Stage, ...]
-    cfg: Any = dataclasses.field(repr=False, compare=False, default=None)
 
     @property
     def rows(self) -> int:
@@ -114,40 +133,48 @@ class Workload:
         return tuple(self.models)
 
 
-def dataflow(roles: tuple[str, ...]) -> tuple[Stage, ...]:
-    """The stages of one iteration over ``roles`` (HybridFlow's PPO dataflow)."""
+def dataflow(roles: tuple[str, ...], old_log_probs: bool = True) -> tuple[Stage, ...]:
+    """The stages of one iteration over ``roles`` (HybridFlow's PPO dataflow);
+    ``old_log_probs``: whether the actor scores the rollout before its update."""
     stages = [Stage("actor/reshard", "actor", "reshard", ()),
               Stage("actor/generate", "actor", "generate", ("actor/reshard",))]
-    forwards = [FORWARD_STAGES[r][0] for r in roles]
-    stages += [Stage(FORWARD_STAGES[r][0], r, "infer", ("actor/generate",)) for r in roles]
-    stages += [Stage(f"{r}/train", r, "train", tuple(forwards)) for r in TRAINING_ROLES if r in roles]
+    scored = [r for r in roles if r != "actor" or old_log_probs]
+    forwards = [FORWARD_PROGRAM[r] for r in scored]
+    stages += [Stage(FORWARD_PROGRAM[r], r, "infer", ("actor/generate",)) for r in scored]
+    stages += [Stage(f"{r}/train", r, "train", tuple(forwards) or ("actor/generate",))
+               for r in TRAINING_ROLES if r in roles]
     return tuple(stages)
 
 
-def workload_from_config(cfg: Any) -> Workload:
-    """The workload of an RL experiment config (its roles' models from their presets or
-    checkpoint ``config.json`` files: shapes only)."""
-    from jaxflow.configs.overrides import get_value
-
-    if cfg.jaxflow.job != "rl":
-        raise ValueError(f"the auto-mapper plans RL jobs; jaxflow.job is {cfg.jaxflow.job!r}")
-    roles = active_roles(cfg)
+def workload_from_spec(spec: RunSpec) -> Workload:
+    """The workload of a described RL run (shapes only: nothing is allocated)."""
+    if spec.job != "rl":
+        raise ValueError(f"the auto-mapper plans RL jobs; jaxflow.job is {spec.job!r}")
     models = {}
-    for role in roles:
-        mc = model_config(cfg, role)
+    for role in spec.roles:
+        mc = spec.models[role].config
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
         models[role] = role_model(role, HEADS[role], mc)
-    n = cfg.actor_rollout_ref.rollout.n
-    sections = {"actor": cfg.actor_rollout_ref.actor, "critic": cfg.critic}
-    train = {r: sections[r] for r in TRAINING_ROLES if r in roles}
+    train = {"actor": spec.actor, "critic": spec.critic}
+    train = {r: c for r, c in train.items() if r in spec.roles}
+    old_log_probs = not spec.actor.is_on_policy(spec.rollout_rows)
     return Workload(
-        name=cfg.trainer.experiment_name, models=models, prompts=cfg.data.train_batch_size, n=n,
-        prompt_len=cfg.data.max_prompt_length, response_len=cfg.data.max_response_length,
-        mini_batch_rows={r: s.ppo_mini_batch_size * n for r, s in train.items()},
-        train_micro={r: s.ppo_micro_batch_size_per_device for r, s in train.items()},
-        epochs={r: s.ppo_epochs for r, s in train.items()},
-        forward_micro={r: get_value(cfg, FORWARD_STAGES[r][1]) for r in roles},
-        max_num_seqs=cfg.actor_rollout_ref.rollout.max_num_seqs,
-        state_itemsize=jnp.dtype(cfg.jaxflow.optim.state_dtype).itemsize,
-        stages=dataflow(roles), cfg=cfg)
+        name=spec.name, models=models, prompts=spec.train_batch_size, n=spec.n,
+        prompt_len=spec.prompt_length, response_len=spec.response_length,
+        mini_batch_rows={r: c.ppo_mini_batch_size for r, c in train.items()},
+        train_micro={r: c.ppo_micro_batch_size_per_device for r, c in train.items()},
+        epochs={r: c.ppo_epochs for r, c in train.items()},
+        forward_micro={r: FORWARDS[FORWARD_PROGRAM[r]][2](spec) for r in spec.roles},
+        max_num_seqs=spec.rollout.max_num_seqs,
+        state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
+        stages=dataflow(spec.roles, old_log_probs))
+
+
+def workload_from_config(cfg: Any) -> Workload:
+    """The workload of an RL experiment config: :func:`workload_from_spec` of its
+    description (each role's model from its preset, ``preset:NAME`` path or checkpoint
+    ``config.json``)."""
+    if cfg.jaxflow.job != "rl":
+        raise ValueError(f"the auto-mapper plans RL jobs; jaxflow.job is {cfg.jaxflow.job!r}")
+    return workload_from_spec(describe_run(cfg, with_placement=False))

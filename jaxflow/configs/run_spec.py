@@ -83,7 +83,8 @@ class RunSpec:
     Attributes:
       name: ``trainer.experiment_name``; ``job``: ``rl`` | ``sft``.
       placement: pools, meshes and logical-axis rules per role and phase, the actor's
-        generation tp and the model shapes.
+        generation tp and the model shapes; None when the run is described before it has one
+        (``describe_run(..., with_placement=False)``: the auto-mapper plans it).
       roles: the active roles in order; ``models``: their `ModelSpec`.
       actor: the policy update (mini- and micro-batches in responses, the log-prob forward's
         micro-batch, the optimizer sized by ``actor_optimizer_steps``).
@@ -102,7 +103,7 @@ class RunSpec:
     name: str
     job: str
     num_devices: int
-    placement: Placement
+    placement: Placement | None
     roles: tuple[str, ...]
     models: Mapping[str, ModelSpec]
     actor: ActorConfig
@@ -268,19 +269,22 @@ def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
 
 
 def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None, num_train_prompts: int | None = None) -> RunSpec:
+                 pad_token_id: int | None = None, num_train_prompts: int | None = None,
+                 with_placement: bool = True) -> RunSpec:
     """The `RunSpec` of a validated config.
 
     ``devices``: those of the placement (default: the first ``jaxflow.num_devices``).
     ``eos_token_id`` / ``pad_token_id``: the tokenizer's (stop tokens of the rollouts, and the
     ids of a preset model). ``num_train_prompts``: the training set's size, which sizes the
     schedules when ``trainer.total_training_steps`` is unset (default: the built-in task's).
+    ``with_placement=False``: no placement (``placement`` is None), for a config whose
+    placement is still ``auto``: the auto-mapper describes the run before it places it.
     """
     steps = training_steps(cfg, num_train_prompts)
     roles = active_roles(cfg)
     return RunSpec(
         name=cfg.trainer.experiment_name, job=cfg.jaxflow.job, num_devices=cfg.jaxflow.num_devices,
-        placement=build_placement(cfg, devices), roles=roles,
+        placement=build_placement(cfg, devices) if with_placement else None, roles=roles,
         models={r: model_spec(cfg, r, eos_token_id, pad_token_id) for r in roles},
         actor=actor_config(cfg, steps),
         rollout=rollout_config(cfg, eos_token_id, pad_token_id),
