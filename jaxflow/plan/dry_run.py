@@ -13,8 +13,9 @@ What it reports, per device (the most loaded device of each mesh):
 
 1. **The plan**: pools (device ranges, roles), each role's meshes per phase (the actor:
    train and generate), its model's shape and parameter count.
-2. **Analytic memory** per role: parameters; optimizer state, ``2 * params`` in
-   ``jaxflow.optim.state_dtype`` (Adam's moments, sharded like the parameters); gradients
+2. **Analytic memory** per role: parameters; optimizer state, as the workers create it
+   (`jaxflow.workers.abstract_train_state`: Adam's two moments in ``jaxflow.optim.state_dtype``,
+   sharded like the parameters); gradients
    (parameter dtype; twice that with micro-batch accumulation: the running sum and the
    micro-batch's); an activation estimate (below); for the actor, the generation copy of
    the weights and the paged KV pool of the rollout engine (`jaxflow.sampling.engine_shape`:
@@ -32,8 +33,9 @@ What it reports, per device (the most loaded device of each mesh):
    ``memory_analysis()``: argument, output, alias (outputs written over donated inputs),
    temp and generated-code bytes; ``peak = argument + output - alias + temp``. A program
    fits when its peak plus the persistent state of its pool that is *not* among its
-   arguments (e.g. the actor's training state and the reference weights while the actor
-   generates) is within the budget.
+   arguments (e.g. the actor's optimizer state and the reference weights while the actor
+   generates: its training weights are donated into the generation copy,
+   `jaxflow.reshard.HybridEngine.generation_swap`) is within the budget.
 
 Activation estimate (``b`` rows per device, ``T = P + R``, ``D`` width, ``F`` MLP width,
 ``H``/``N`` query/kv heads of ``K`` dims, ``V`` vocabulary, ``c`` compute bytes, each
@@ -127,8 +129,8 @@ class RolePlan:
         for phase, act in self.activation_bytes.items():
             if phase == "train":
                 out[phase] = self.gradient_bytes + act
-            elif phase == "generate":
-                out[phase] = self.generate_param_bytes + self.kv_cache_bytes + act
+            elif phase == "generate":  # the training weights are donated into the generation copy
+                out[phase] = self.generate_param_bytes - self.param_bytes + self.kv_cache_bytes + act
             else:
                 out[phase] = act
         return out
@@ -274,10 +276,8 @@ def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules,
     return int(max(prefill, decode) + 2 * shape.rows * shape.response_len * 4)
 
 
-def _params_bytes(state: Any, rules: Rules, mesh: Mesh, dtype: Any = None) -> int:
+def _params_bytes(state: Any, rules: Rules, mesh: Mesh) -> int:
     leaves = jax.tree.leaves(state)
-    if dtype is not None:
-        leaves = [jax.ShapeDtypeStruct(x.shape, dtype) for x in leaves]
     shardings = jax.tree.leaves(state_shardings(state, rules, mesh), is_leaf=lambda x: isinstance(x, NamedSharding))
     return shard_bytes(leaves, shardings)
 
@@ -381,7 +381,7 @@ def _check_devices(cfg: Any) -> None:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before jax is imported)")
 
 
-def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: Any, moment_dtype: Any,
+def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: Any,
                wanted: Sequence[str], specs: dict[str, progs.ProgramSpec], notes: list[str]) -> RolePlan:
     """A role's analytic plan; adds the role's wanted programs to ``specs``."""
     placement = run.placement
@@ -395,11 +395,11 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
                   meshes={main: dict(mesh.shape)}, param_bytes=_params_bytes(state, rules, mesh))
     dp = progs.batch_axis_size(rules, mesh)
     if role in TRAINING_ROLES:
-        rp.optimizer_bytes = 2 * _params_bytes(state, rules, mesh, moment_dtype)
+        tx, _ = progs.optimizer(run, role)
+        rp.optimizer_bytes = progs.tree_bytes_per_device(progs.abstract_role_state(state, rules, mesh, tx)[0].opt_state)
         rows, k = progs.train_micro_batches(run, role, rules, mesh)
         if f"{role}/train_step" in wanted:
-            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules,
-                                                                      moment_dtype)
+            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules)
         rp.micro_batches[f"{role}/train_step"] = k
         rp.gradient_bytes = rp.param_bytes * (2 if k > 1 else 1)
         rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
@@ -412,7 +412,7 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
     if role != "actor":
         return rp
     # The actor also generates, in the 3D-HybridEngine's generation layout.
-    engine = HybridEngine(mesh, rules, spec.gen_tp)
+    engine = HybridEngine(mesh, rules, spec.gen_tp, gen_rules=placement.rules(role, "generate"))  # as the worker's
     gmesh, grules = engine.gen_mesh, engine.gen_rules
     if dict(gmesh.shape) != dict(placement.mesh(role, "generate").shape):
         notes.append(f"the hybrid engine's generation mesh {dict(gmesh.shape)} differs from the placement's "
@@ -444,8 +444,7 @@ def _pool_plans(placement: Any, role_plans: dict[str, RolePlan], budget: int) ->
     return pools
 
 
-def _platform_notes(run: RunSpec, moment_dtype: Any, platform: str, role_plans: dict[str, RolePlan],
-                    states: dict[str, Any]) -> list[str]:
+def _platform_notes(platform: str, role_plans: dict[str, RolePlan]) -> list[str]:
     notes = []
     low = sorted({r.model["dtype"] for r in role_plans.values() if r.model["dtype"] in ("bfloat16", "float16")})
     if platform == "cpu" and low:
@@ -456,15 +455,6 @@ def _platform_notes(run: RunSpec, moment_dtype: Any, platform: str, role_plans: 
         if "actor" in role_plans and role_plans["actor"].model["param_dtype"] in ("bfloat16", "float16"):
             notes.append("XLA:CPU all-gathers bf16 as f32 (convert, gather, convert back): the reshard's received "
                          "bytes are twice an accelerator's")
-    for role in TRAINING_ROLES:
-        if role in role_plans:
-            tx, _ = progs.optimizer(run, role)
-            dtypes = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(jax.eval_shape(tx.init, states[role]))
-                      if jnp.issubdtype(x.dtype, jnp.floating)}
-            if dtypes != {moment_dtype.name}:
-                notes.append(f"{role}: optimizer moments are planned and compiled in {moment_dtype.name} "
-                             f"(jaxflow.optim.state_dtype), but workers.optim.make_optimizer would create them in "
-                             f"{'/'.join(sorted(dtypes))}")
     return notes
 
 
@@ -482,25 +472,23 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
     tokenizer = build_tokenizer(cfg)
     run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     roles = run.roles
-    moment_dtype = jnp.dtype(cfg.jaxflow.optim.state_dtype)
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
     budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
     role_plans: dict[str, RolePlan] = {}
-    states: dict[str, Any] = {}
     specs: dict[str, progs.ProgramSpec] = {}
     notes: list[str] = []
     for role in roles:
         mc = run.models[role].config
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
-        graphdef, states[role] = progs.abstract_model(mc, HEADS[role])
-        role_plans[role] = _role_plan(run, role, mc, states[role], graphdef, moment_dtype, wanted, specs, notes)
+        graphdef, state = progs.abstract_model(mc, HEADS[role])
+        role_plans[role] = _role_plan(run, role, mc, state, graphdef, wanted, specs, notes)
     platform = jax.devices()[0].platform
     report = DryRunReport(
         config=cfg.trainer.experiment_name, num_devices=cfg.jaxflow.num_devices, platform=platform,
         device_memory_bytes=budget, placement=cfg.jaxflow.placement.type,
         pools=_pool_plans(run.placement, role_plans, budget), roles=[role_plans[r] for r in roles],
-        notes=notes + _platform_notes(run, moment_dtype, platform, role_plans, states))
+        notes=notes + _platform_notes(platform, role_plans))
     return report, [specs[p] for p in wanted if p in specs]
 
 

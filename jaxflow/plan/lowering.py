@@ -52,7 +52,7 @@ from jaxflow.workers.critic import CriticConfig, critic_train_step, values_progr
 from jaxflow.workers.forward import PROMPT_KEYS
 from jaxflow.workers.optim import make_optimizer
 from jaxflow.workers.reward import scores_program
-from jaxflow.workers.train_state import TrainState, batch_sharding, train_state_shardings
+from jaxflow.workers.train_state import TrainState, abstract_train_state, batch_sharding
 
 # See the module docstring: cheap machine code (it never runs), and no hoisting of XLA:CPU's
 # whole-weight f32 converts out of loops.
@@ -101,17 +101,10 @@ def abstract_params(state: Any, rules: Rules, mesh: Mesh) -> Any:
     return with_shardings(state_shardings(state, rules, mesh), state)
 
 
-def abstract_train_state(state: Any, rules: Rules, mesh: Mesh, tx: Any,
-                         moment_dtype: Any) -> tuple[TrainState, TrainState]:
-    """``(abstract TrainState, its shardings)`` as `create_train_state` would build it, with
-    the optimizer's per-parameter buffers in ``moment_dtype`` (``jaxflow.optim.state_dtype``)."""
-    param_shardings = state_shardings(state, rules, mesh)
-    shardings = train_state_shardings(state, param_shardings, tx, mesh)
-    params = with_shardings(param_shardings, state)
-    moments_like = with_shardings(param_shardings, state, moment_dtype)
-    opt_state = with_shardings(shardings.opt_state, jax.eval_shape(tx.init, moments_like))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step)
-    return TrainState(params=params, opt_state=opt_state, step=step), shardings
+def abstract_role_state(state: Any, rules: Rules, mesh: Mesh, tx: Any) -> tuple[TrainState, TrainState]:
+    """``(abstract TrainState, its shardings)`` of a training role, from the workers' own
+    `abstract_train_state` (the optimizer's moments in ``tx``'s dtype)."""
+    return abstract_train_state(state, state_shardings(state, rules, mesh), tx, mesh)
 
 
 def tree_bytes_per_device(tree: Any) -> int:
@@ -219,15 +212,15 @@ def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> t
     return rows, k
 
 
-def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules,
-                       moment_dtype: Any) -> tuple[ProgramSpec, int]:
+def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
+                       rules: Rules) -> tuple[ProgramSpec, int]:
     """The actor's or critic's optimizer step on one PPO mini-batch, micro-batched as
     configured, from the workers' own builder (`actor_train_step` / `critic_train_step`).
     Returns the spec and the number of micro-batches."""
     P, R = spec.prompt_length, spec.response_length
     tx, schedule = optimizer(spec, role)
     rows, k = train_micro_batches(spec, role, rules, mesh)
-    abstract_state, shardings = abstract_train_state(state, rules, mesh, tx, moment_dtype)
+    abstract_state, shardings = abstract_role_state(state, rules, mesh, tx)
     role_layout = layout(graphdef, state, mesh, rules)
     if role == "actor":
         step = actor_train_step(role_layout, tx, schedule, spec.actor, shardings, k)
@@ -320,7 +313,9 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
         # + each replica's prompts (ids [prompts, P], lengths) and row limits, int32
         analytic_argument_bytes=tree_bytes_per_device(params) + 4 * (shape.prompts * (shape.prompt_len + 1)
                                                                      + shape.rows + 2),
-        args_hold=(),  # a generation copy of the weights: the training state stays resident
+        # The training weights are donated into this generation copy (`HybridEngine.generation_swap`):
+        # the actor's optimizer state stays resident, its training weights do not.
+        args_hold=("params",),
         lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots))
     return out, prompts
 
