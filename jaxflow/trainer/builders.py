@@ -87,13 +87,21 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
     return init_sharded(spec.config, spec.head, spec.seed, mesh, rules)
 
 
-def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
-    """A preset model initialised directly in its shardings: one jitted init whose output
-    shardings come from the abstract model (``nnx.eval_shape``) under ``rules``, so no device
-    (and not the host) ever holds the whole model."""
+def init_program(config: models.ModelConfig, head: str, seed: int, mesh: Mesh,
+                 rules: Rules) -> tuple[nnx.GraphDef, Any]:
+    """``(graphdef, jitted init)``: the preset model's initialisation as one jitted program
+    (no arguments) whose output shardings come from the abstract model (``nnx.eval_shape``)
+    under ``rules`` on ``mesh``, so each device computes only its own shard."""
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.init_model(config, head=head, seed=seed)))
     shardings = state_shardings(abstract, rules, mesh)
-    init = jax.jit(lambda: nnx.split(models.init_model(config, head=head, seed=seed))[1], out_shardings=shardings)
+    return graphdef, jax.jit(lambda: nnx.split(models.init_model(config, head=head, seed=seed))[1],
+                             out_shardings=shardings)
+
+
+def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
+    """A preset model initialised directly in its shardings (`init_program`, run once): no
+    device (and not the host) ever holds the whole model."""
+    graphdef, init = init_program(config, head, seed, mesh, rules)
     return graphdef, init()
 
 
