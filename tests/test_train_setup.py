@@ -2,6 +2,7 @@
 train step that compiles once, learning-rate schedules sized by the optimizer steps the run
 really makes, and preset models initialised directly in their shardings."""
 
+import dataclasses
 import json
 
 import jax
@@ -168,3 +169,47 @@ def test_init_program_holds_one_shard_per_device(role):
     assert not [line for shape in split - shard_shapes for line in hlo.buffers_with_shape(text, shape)]
     assert mem.temp_size_in_bytes < 2 * shard, (mem.temp_size_in_bytes, shard)
     assert mem.output_size_in_bytes + mem.temp_size_in_bytes < whole / 3
+
+
+# ----------------------------------------------------------------------------- warm start
+
+
+def test_warm_start_hands_its_weights_to_rl_in_memory(tmp_path, monkeypatch):
+    """RLTrainer runs the supervised warm start itself and builds the actor and the reference
+    from the weights it returns, never reading its checkpoint back (the loader is made to
+    fail); the checkpoint is still written for the user."""
+    import jaxflow.models
+    import jaxflow.workers.base
+    from jaxflow.trainer import sft
+
+    returned = {}
+    run_sft = sft.run_sft
+
+    def recording(cfg):
+        metrics, graphdef, params = run_sft(cfg)
+        returned["params"] = jax.device_get(params)  # host copies: the values SFT ended with
+        return metrics, graphdef, params
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the warm start's checkpoint was read back from disk")
+
+    monkeypatch.setattr(sft, "run_sft", recording)
+    monkeypatch.setattr(jaxflow.models, "from_pretrained", refuse)
+    monkeypatch.setattr(jaxflow.workers.base, "from_pretrained", refuse)
+    cfg = load_config("grpo_tiny", [o for o in SMALL if "warm_start" not in o] + [
+        "jaxflow.sft.warm_start_steps=3", "jaxflow.sft.test_freq=-1", "jaxflow.sft.batch_size=16",
+        "jaxflow.sft.micro_batch_size_per_device=4", "jaxflow.data.num_train_examples=64",
+        "jaxflow.data.num_val_examples=8", "data.train_batch_size=16", f"trainer.default_local_dir={tmp_path}"])
+    trainer = RLTrainer(cfg)
+    assert (tmp_path / "sft_warm_start" / "config.json").is_file()
+    assert trainer.spec.models["actor"].path == str(tmp_path / "sft_warm_start")  # the reference's provenance
+    sft_leaves = jax.tree.leaves(returned["params"])
+    for worker in (trainer.workers.actor.worker, trainer.workers.ref.worker):
+        leaves = jax.tree.leaves(jax.device_get(worker.params))
+        assert len(leaves) == len(sft_leaves)
+        assert all(np.array_equal(a, b) for a, b in zip(leaves, sft_leaves))
+    # SFT moved the weights: the RL actor starts from them, not from the preset's init.
+    preset = dataclasses.replace(trainer.spec.models["actor"], path="")
+    p = trainer.placement
+    init = jax.tree.leaves(jax.device_get(load_model(preset, p.mesh("actor", "train"), p.rules("actor", "train"))[1]))
+    assert not all(np.array_equal(a, b) for a, b in zip(init, sft_leaves))
