@@ -74,13 +74,14 @@ from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
 from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.plan import lowering as progs
+from jaxflow.programs import select_algorithm
 from jaxflow.sampling import EngineShape, engine_shape
 
 GiB = 1024**3
 TRAINING_ROLES = ("actor", "critic")
 # Programs compiled by default (those of roles the config runs), in the order of a step.
-DEFAULT_PROGRAMS = ("actor/generate", "actor/reshard", "ref/log_probs", "reward/scores", "cost/scores",
-                    "critic/train_step", "actor/train_step")
+DEFAULT_PROGRAMS = ("actor/generate", "actor/generate_greedy", "actor/reshard", "ref/log_probs", "reward/scores",
+                    "cost/scores", "critic/train_step", "actor/train_step")
 # Also available: the actor's old-log-prob forward and the critic's value forward.
 OPTIONAL_PROGRAMS = ("actor/log_probs", "critic/values")
 
@@ -425,6 +426,8 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
         specs["actor/generate"], _ = progs.generate_program(run, mc, graphdef, state, engine)
+    if "actor/generate_greedy" in wanted and select_algorithm(run.algorithm) == "remax":  # its baseline rollout
+        specs["actor/generate_greedy"], _ = progs.generate_program(run, mc, graphdef, state, engine, "greedy")
     if "actor/reshard" in wanted:
         specs["actor/reshard"] = progs.reshard_program(engine, state)
     return rp
@@ -458,8 +461,11 @@ def _platform_notes(platform: str, role_plans: dict[str, RolePlan]) -> list[str]
     return notes
 
 
-def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
-    """The analytic plan and the programs to compile (not compiled yet), in step order."""
+def plan(cfg: Any, program_names: Sequence[str] | None = None, *,
+         num_train_prompts: int | None = None) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
+    """The analytic plan and the programs to compile (not compiled yet), in step order.
+    ``num_train_prompts``: the training set's size, which sizes the learning-rate schedules
+    (and so the train steps' constants) when ``trainer.total_training_steps`` is unset."""
     if cfg.jaxflow.job != "rl":
         raise ValueError(f"the dry run plans RL jobs; jaxflow.job is {cfg.jaxflow.job!r}")
     unknown = sorted(set(program_names or ()) - set(DEFAULT_PROGRAMS) - set(OPTIONAL_PROGRAMS))
@@ -470,7 +476,8 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
         raise ConfigError("jaxflow.placement.type", "is 'auto': the dry run plans a resolved placement; resolve it "
                           "first with jaxflow.automap.resolve_placement(cfg) (python -m jaxflow.run --dry_run does)")
     tokenizer = build_tokenizer(cfg)
-    run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       num_train_prompts=num_train_prompts)
     roles = run.roles
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
     budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
@@ -517,20 +524,21 @@ def compile_program(report: DryRunReport, spec: progs.ProgramSpec) -> ProgramRep
 
 
 def dry_run(cfg: Any, *, out: TextIO | None = sys.stdout, json_path: str | None = None,
-            programs: Sequence[str] | None = None) -> DryRunReport:
+            programs: Sequence[str] | None = None, num_train_prompts: int | None = None) -> DryRunReport:
     """Plan ``cfg`` (a validated experiment config) and compile its programs ahead of time on
     ``jaxflow.num_devices`` devices (simulated on CPU), printing the plan, then each program
     as it compiles, then the verdict, to ``out`` (None: silent). ``json_path``: also write
     :meth:`DryRunReport.to_json` there. ``programs``: which to compile (default
     :data:`DEFAULT_PROGRAMS`; :data:`OPTIONAL_PROGRAMS` adds the actor's and the critic's
-    forwards). Allocates no model, optimizer state or batch."""
+    forwards). ``num_train_prompts``: as for :func:`plan`. Allocates no model, optimizer
+    state or batch."""
     t0 = time.perf_counter()
 
     def say(text: str) -> None:
         if out is not None:
             print(text, file=out, flush=True)
 
-    report, specs = plan(cfg, programs)
+    report, specs = plan(cfg, programs, num_train_prompts=num_train_prompts)
     say(format_plan(report))
     say(format_program_header(report))
     for spec in specs:

@@ -65,6 +65,14 @@ def build_dataset(cfg: ConfigDict, source: DataSource, tokenizer: Any) -> Prompt
     return PromptDataset(source, tokenizer, **kwargs)
 
 
+def count_train_prompts(cfg: ConfigDict, tokenizer: Any) -> int | None:
+    """Prompts of the configured training files that the run keeps (after
+    ``data.truncation=filter``), which size an epoch-mode run's schedules; None for the
+    built-in task (its size is ``jaxflow.data.num_train_examples``)."""
+    train, _ = dataset_sources(cfg)
+    return None if isinstance(train, BuiltinSplit) else len(build_dataset(cfg, train, tokenizer))
+
+
 def describe_source(source: DataSource, dataset: PromptDataset) -> str:
     """For the console: where a split's prompts come from, and how many were kept."""
     if isinstance(source, BuiltinSplit):
