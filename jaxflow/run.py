@@ -158,11 +158,11 @@ def _train(cfg: Any, json_path: str | None) -> int:
 
             print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
 
-        from jaxflow.configs import build_tokenizer
+        from jaxflow.configs.run_spec import build_tokenizer, data_spec
         from jaxflow.trainer.builders import count_train_prompts
 
         # Epoch mode sizes the schedules by the training files' prompts, as the run does.
-        prompts = count_train_prompts(cfg, build_tokenizer(cfg)) if not cfg.trainer.total_training_steps else None
+        prompts = None if cfg.trainer.total_training_steps else count_train_prompts(data_spec(cfg), build_tokenizer(cfg))
         dry_run(cfg, json_path=json_path, num_train_prompts=prompts)
         return 0
     if cfg.jaxflow.job == "sft":

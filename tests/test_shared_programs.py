@@ -150,7 +150,7 @@ def test_dry_run_lowers_the_programs_the_run_calls(config, tmp_path, monkeypatch
     trainer.train_step(1)
     monkeypatch.undo()
     cfg = trainer.cfg
-    prompts = None if cfg.trainer.total_training_steps else count_train_prompts(cfg, build_tokenizer(cfg))
+    prompts = None if cfg.trainer.total_training_steps else count_train_prompts(trainer.spec.data, build_tokenizer(cfg))
     report, programs = plan(cfg, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS, num_train_prompts=prompts)
     planned = {p.name: p for p in programs}
     ran = recorder.texts
