@@ -492,7 +492,7 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None, *,
         role_plans[role] = _role_plan(run, role, mc, state, graphdef, wanted, specs, notes)
     platform = jax.devices()[0].platform
     report = DryRunReport(
-        config=cfg.trainer.experiment_name, num_devices=cfg.jaxflow.num_devices, platform=platform,
+        config=run.name, num_devices=run.num_devices, platform=platform,
         device_memory_bytes=budget, placement=cfg.jaxflow.placement.type,
         pools=_pool_plans(run.placement, role_plans, budget), roles=[role_plans[r] for r in roles],
         notes=notes + _platform_notes(platform, role_plans))
