@@ -26,10 +26,11 @@ What it reports, per device (the most loaded device of each mesh):
 3. **Compiled memory** of every program of an RL step, lowered on ``jax.ShapeDtypeStruct``
    inputs through the workers' own program builders and compiled for the role's mesh
    (:mod:`jaxflow.plan.lowering`): the actor and critic optimizer steps (one
-   mini-batch, micro-batched as configured), the actor's generate program (chunked prefill +
-   continuous decode over ``max_num_seqs`` slots per generation replica, one call), its
-   train -> generate reshard,
-   the reference log-probs and the reward (and cost) model scores. From XLA's
+   mini-batch, micro-batched as configured or packed with remove padding; the actor's
+   on-policy step when the run takes it), the actor's generate program (chunked prefill +
+   continuous decode over ``max_num_seqs`` slots per generation replica, one call; ReMax also
+   its greedy baseline rollout), its train -> generate reshard, the reference log-probs and
+   the reward (and cost) model scores (padded or packed, as the workers run them). From XLA's
    ``memory_analysis()``: argument, output, alias (outputs written over donated inputs),
    temp and generated-code bytes; ``peak = argument + output - alias + temp``. A program
    fits when its peak plus the persistent state of its pool that is *not* among its

@@ -2,9 +2,13 @@
 
 Each role's model is built with ``nnx.eval_shape`` (shapes only), given the shardings its
 mesh and rules ask for, and handed to the *same* program builders the workers use
-(`make_train_step`, `row_program`, `lower_generate`, `HybridEngine.report`) as
-``jax.ShapeDtypeStruct`` leaves carrying those shardings. Nothing is allocated: not the
-weights, not the optimizer state, not a batch.
+(`actor_train_step` / `critic_train_step`, the padded forwards' `log_probs_program`,
+`values_program`, `scores_program`, the packed forwards' `packed_program`, `lower_generate`,
+`HybridEngine.lowered`), with the same settings (the `RunSpec`), as ``jax.ShapeDtypeStruct``
+leaves carrying those shardings. Nothing is allocated: not the weights, not the optimizer
+state, not a batch. Data-dependent shapes take their worst case: with remove padding every
+row is full length (`full_length_rows`). ``tests/test_shared_programs.py`` checks that a real
+step calls exactly these programs.
 
 :class:`ProgramSpec` is one program: ``lower()`` gives a ``jax.stages.Lowered``, and
 :meth:`ProgramSpec.compile` its per-device memory from XLA's buffer assignment
