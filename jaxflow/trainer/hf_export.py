@@ -29,8 +29,7 @@ import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
 from jaxflow.trainer.checkpoint import CheckpointManager
-from jaxflow.workers import TrainState, make_optimizer
-from jaxflow.workers import train_state
+from jaxflow.workers import TrainState, make_optimizer, train_state
 
 ROLES = {"actor": "lm", "critic": "value"}
 HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run

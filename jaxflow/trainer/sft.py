@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run, sft_spec
 from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples

@@ -19,7 +19,7 @@ from jaxflow.workers.protocols import (
 )
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker
-from jaxflow.workers.train_state import TrainState, create_train_state, make_train_step
+from jaxflow.workers.train_state import TrainState, abstract_train_state, create_train_state, make_train_step
 
 __all__ = [
     "ALL_TO_ALL",
@@ -47,6 +47,7 @@ __all__ = [
     "Workers",
     "actor_loss",
     "build_local_workers",
+    "abstract_train_state",
     "create_train_state",
     "critic_loss",
     "make_optimizer",
