@@ -118,8 +118,8 @@ class RLTrainer:
         self.train_data = build_dataset(data, train, self.tokenizer)
         self.val_data = build_dataset(data, val, self.tokenizer)
         if not reward.custom_function_path:  # the built-in scorers compare one string or number
-            for data in (self.train_data, self.val_data):
-                data.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
+            for dataset in (self.train_data, self.val_data):
+                dataset.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
                                          "with one string or number; fix the data or use a custom reward function "
                                          "(custom_reward_function.path)")
         print(f"data: train = {describe_source(train, self.train_data)}; "
