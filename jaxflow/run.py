@@ -174,7 +174,12 @@ def _train(cfg: Any, json_path: str | None) -> int:
 
             print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
 
-        dry_run(cfg, json_path=json_path)
+        from jaxflow.configs.run_spec import build_tokenizer, data_spec
+        from jaxflow.trainer.builders import count_train_prompts
+
+        # Epoch mode sizes the schedules by the training files' prompts, as the run does.
+        prompts = None if cfg.trainer.total_training_steps else count_train_prompts(data_spec(cfg), build_tokenizer(cfg))
+        dry_run(cfg, json_path=json_path, num_train_prompts=prompts)
         return 0
     if cfg.jaxflow.job == "sft":
         from jaxflow.trainer.sft import run_sft

@@ -263,10 +263,10 @@ def test_rule_reward_worker_scores_decoded_responses():
         {"responses": responses, "response_mask": mask},
         {"data_source": ["jaxflow/addition"] * 4, "ground_truth": answers},
     )
-    out = LocalWorkerGroup(RuleRewardWorker(tok)).scores(batch)
+    [(out, metrics)] = LocalWorkerGroup(RuleRewardWorker(tok)).scores(batch)
     scores = np.asarray(out["token_level_scores"])
     np.testing.assert_array_equal(scores.sum(-1), [1.0, 0.0, 1.0, 0.0])
     last = mask.sum(-1) - 1
     assert scores[0, last[0]] == 1.0 and scores[2, last[2]] == 1.0  # on the last (EOS) token
     assert list(out["response_text"]) == said
-    assert out.meta["reward_metrics"]["reward/mean"] == 0.5
+    assert metrics["reward/mean"] == 0.5 and not out.meta  # metrics are returned, not carried in the batch

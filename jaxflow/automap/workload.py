@@ -27,10 +27,10 @@ from flax import nnx
 from jaxflow.configs.run_spec import HEADS, RunSpec, describe_run
 from jaxflow.mesh import logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
-from jaxflow.plan.lowering import FORWARDS
+from jaxflow.plan.lowering import forward_of
 
 TRAINING_ROLES = ("actor", "critic")
-# Each role's forward program over the rollout (the dry run's names; `FORWARDS` holds its
+# Each role's forward program over the rollout (the dry run's names; `forward_of` gives its
 # builder and micro-batch setting).
 FORWARD_PROGRAM = {"actor": "actor/log_probs", "ref": "ref/log_probs", "critic": "critic/values",
                    "reward": "reward/scores", "cost": "cost/scores"}
@@ -165,7 +165,7 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         mini_batch_rows={r: c.ppo_mini_batch_size for r, c in train.items()},
         train_micro={r: c.ppo_micro_batch_size_per_device for r, c in train.items()},
         epochs={r: c.ppo_epochs for r, c in train.items()},
-        forward_micro={r: FORWARDS[FORWARD_PROGRAM[r]][2](spec) for r in spec.roles},
+        forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).micro_batch_size_per_device for r in spec.roles},
         max_num_seqs=spec.rollout.max_num_seqs,
         state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
         stages=dataflow(spec.roles, old_log_probs))

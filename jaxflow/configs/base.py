@@ -71,7 +71,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
      "jaxflow.data.builtin_task."),
     ("data.val_files", "", "Validation prompts, same format; empty = the built-in task's test split."),
     ("data.prompt_key", "prompt", "Column holding the prompt (a chat message list or a string)."),
-    ("data.reward_fn_key", "data_source", "Column that selects the rule-based reward function."),
+    ("data.reward_fn_key", "data_source",
+     "Column that selects the rule-based reward function (verl's key; only data_source is supported)."),
     ("data.max_prompt_length", 16, "Prompt length P in tokens; prompts are left-padded to P."),
     ("data.max_response_length", 8, "Response length R in tokens; generation stops at EOS or R."),
     ("data.train_batch_size", 64, "Prompts per training step (each gets rollout.n responses)."),
@@ -295,8 +296,6 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("jaxflow.reward.max_failure_fraction", 0.5,
      "Stop the run when more than this fraction of the reward calls of the last 5 batches failed (errors and "
      "timeouts); a batch whose every sample fails always stops it. 1.0 = only that."),
-    ("jaxflow.reward.partial_credit", False,
-     "Built-in tasks: reward the fraction of correct answer characters instead of 0/1."),
     ("jaxflow.trainer.max_nonfinite_steps", 3,
      "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped)."),
     # --- jaxflow: SFT warm start -------------------------------------------------------------

@@ -27,7 +27,7 @@ from ml_collections import ConfigDict
 
 from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
 from jaxflow.configs.overrides import ConfigError
-from jaxflow.configs.resolve import PRESET_PREFIX, active_roles, build_placement, model_config, model_path
+from jaxflow.configs.resolve import PRESET_PREFIX, active_roles, build_placement, checkpoint_dir, model_config, model_path
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.mesh import Placement
@@ -65,15 +65,80 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """The reward: an optional reward model (its forward micro-batch), the rule scorer's
-    custom function and time limit."""
+    """The reward: an optional reward model (its forward micro-batch, packed or padded; the
+    cost model shares them), and the rule scorer: the custom function and its time limits per
+    sample, per batch and for loading, and the failure fraction that stops the run."""
 
     model: bool
     micro_batch_size_per_device: int | None
     custom_function_path: str | None
     custom_function_name: str
     timeout_s: float
+    batch_timeout_s: float
+    load_timeout_s: float
+    max_failure_fraction: float
     use_remove_padding: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+    """The prompts (verl's ``data``, ``jaxflow.data``): ``train_files`` / ``val_files`` (empty:
+    the built-in task ``builtin_task`` with ``task_params``, ``num_train_examples`` /
+    ``num_val_examples`` drawn with ``seed``), the prompt column, the prompt length and what
+    happens to longer prompts, the training order (``shuffle``, ``seed``) and the validation
+    batch (None: the whole set)."""
+
+    train_files: tuple[str, ...]
+    val_files: tuple[str, ...]
+    builtin_task: str
+    task_params: tuple[tuple[str, Any], ...]
+    num_train_examples: int
+    num_val_examples: int
+    prompt_key: str
+    max_prompt_length: int
+    truncation: str
+    shuffle: bool
+    seed: int
+    val_batch_size: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerSpec:
+    """The loop's plumbing (verl's ``trainer``, ``jaxflow.trainer``): where the run writes
+    (``run_dir``) and what it logs, when it validates and checkpoints, how it resumes, how
+    many checkpoints it keeps (the stricter of the actor's and the critic's limits; None:
+    all), the non-finite guard, the driver (``backend``) and its restarts."""
+
+    project_name: str
+    experiment_name: str
+    run_dir: str
+    logger: tuple[str, ...]
+    log_val_generations: int
+    test_freq: int
+    val_before_train: bool
+    save_freq: int
+    save_hf: bool
+    resume_mode: str
+    resume_from_path: str | None
+    max_ckpt_to_keep: int | None
+    max_nonfinite_steps: int
+    backend: str
+    max_restarts: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTSpec:
+    """The supervised job (``jaxflow.sft``; ``warm_start_steps``: an RL run's warm start)."""
+
+    steps: int
+    warm_start_steps: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    batch_size: int
+    micro_batch_size_per_device: int
+    test_freq: int
+    output_dir: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +163,7 @@ class RunSpec:
       prompt_length, response_length: P and R; ``train_batch_size``: prompts per step.
       training_steps: iterations of the run; ``critic_warmup``: the first steps without an
         actor update.
+      data, trainer, sft: the prompts, the loop's plumbing, the supervised job.
     """
 
     name: str
@@ -118,6 +184,9 @@ class RunSpec:
     training_steps: int
     critic_warmup: int
     seed: int
+    data: DataSpec
+    trainer: TrainerSpec
+    sft: SFTSpec
     ref_use_remove_padding: bool = False
     ref_max_token_len_per_device: int | None = None
 
@@ -182,9 +251,10 @@ def _optim(section: ConfigDict, total_steps: int, state_dtype: str) -> OptimConf
         state_dtype=state_dtype)
 
 
-def actor_config(cfg: ConfigDict, steps: int) -> ActorConfig:
-    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob micro-batch)."""
-    a, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
+    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob micro-batch); ``n``: the
+    training rollouts' responses per prompt."""
+    a = cfg.actor_rollout_ref.actor
     mode = a.policy_loss.loss_mode
     updates = max(0, steps - cfg.trainer.critic_warmup)
     return ActorConfig(
@@ -205,9 +275,9 @@ def actor_config(cfg: ConfigDict, steps: int) -> ActorConfig:
                      cfg.jaxflow.optim.state_dtype))
 
 
-def critic_config(cfg: ConfigDict, steps: int) -> CriticConfig:
-    """verl's ``critic``."""
-    c, n = cfg.critic, cfg.actor_rollout_ref.rollout.n
+def critic_config(cfg: ConfigDict, steps: int, n: int) -> CriticConfig:
+    """verl's ``critic``; ``n``: the training rollouts' responses per prompt."""
+    c = cfg.critic
     return CriticConfig(
         ppo_mini_batch_size=c.ppo_mini_batch_size * n,
         ppo_micro_batch_size_per_device=c.ppo_micro_batch_size_per_device,
@@ -257,6 +327,51 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
         balance_batch=cfg.trainer.balance_batch)
 
 
+def reward_spec(cfg: ConfigDict) -> RewardSpec:
+    """``reward_model``, ``custom_reward_function`` and ``jaxflow.reward``."""
+    fn, r = cfg.custom_reward_function, cfg.jaxflow.reward
+    return RewardSpec(model="reward" in active_roles(cfg), micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
+                      custom_function_path=fn.path, custom_function_name=fn.name, timeout_s=r.timeout_s,
+                      batch_timeout_s=r.batch_timeout_s, load_timeout_s=r.load_timeout_s,
+                      max_failure_fraction=r.max_failure_fraction,
+                      use_remove_padding=cfg.reward_model.model.use_remove_padding)
+
+
+def data_spec(cfg: ConfigDict) -> DataSpec:
+    """``data`` and ``jaxflow.data`` (the tokenizer: `build_tokenizer`)."""
+    d, j = cfg.data, cfg.jaxflow.data
+    task = j.builtin_task
+    params = (("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else ()
+    return DataSpec(
+        train_files=tuple(f for f in d.train_files.split(",") if f),
+        val_files=tuple(f for f in d.val_files.split(",") if f),
+        builtin_task=task, task_params=params, num_train_examples=j.num_train_examples,
+        num_val_examples=j.num_val_examples, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+        truncation=d.truncation, shuffle=d.shuffle, seed=d.seed, val_batch_size=d.val_batch_size)
+
+
+def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
+    """``trainer``, ``jaxflow.trainer``, ``jaxflow.backend`` and ``jaxflow.ray.max_restarts``."""
+    t = cfg.trainer
+    keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
+    return TrainerSpec(
+        project_name=t.project_name, experiment_name=t.experiment_name, run_dir=checkpoint_dir(cfg),
+        logger=tuple(t.logger), log_val_generations=t.log_val_generations, test_freq=t.test_freq,
+        val_before_train=t.val_before_train, save_freq=t.save_freq, save_hf=t.save_hf, resume_mode=t.resume_mode,
+        resume_from_path=t.resume_from_path, max_ckpt_to_keep=min(keep) if keep else None,
+        max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps, backend=cfg.jaxflow.backend,
+        max_restarts=cfg.jaxflow.ray.max_restarts)
+
+
+def sft_spec(cfg: ConfigDict) -> SFTSpec:
+    """``jaxflow.sft``."""
+    s = cfg.jaxflow.sft
+    return SFTSpec(steps=s.steps, warm_start_steps=s.warm_start_steps, lr=s.lr, warmup_steps=s.warmup_steps,
+                   weight_decay=s.weight_decay, batch_size=s.batch_size,
+                   micro_batch_size_per_device=s.micro_batch_size_per_device, test_freq=s.test_freq,
+                   output_dir=s.output_dir)
+
+
 def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
                pad_token_id: int | None = None) -> ModelSpec:
     """A role's weights: a checkpoint directory, or a preset (its eos / pad ids the tokenizer's)."""
@@ -282,22 +397,21 @@ def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_t
     """
     steps = training_steps(cfg, num_train_prompts)
     roles = active_roles(cfg)
+    rollout = rollout_config(cfg, eos_token_id, pad_token_id)
+    n = rollout.train.n  # rollout.n, read once
     return RunSpec(
         name=cfg.trainer.experiment_name, job=cfg.jaxflow.job, num_devices=cfg.jaxflow.num_devices,
         placement=build_placement(cfg, devices) if with_placement else None, roles=roles,
         models={r: model_spec(cfg, r, eos_token_id, pad_token_id) for r in roles},
-        actor=actor_config(cfg, steps),
-        rollout=rollout_config(cfg, eos_token_id, pad_token_id),
+        actor=actor_config(cfg, steps, n),
+        rollout=rollout,
         ref_micro_batch_size_per_device=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_device,
-        critic=critic_config(cfg, steps) if "critic" in roles else None,
-        reward=RewardSpec(model="reward" in roles, micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
-                          custom_function_path=cfg.custom_reward_function.path,
-                          custom_function_name=cfg.custom_reward_function.name,
-                          timeout_s=cfg.jaxflow.reward.timeout_s,
-                          use_remove_padding=cfg.reward_model.model.use_remove_padding),
+        critic=critic_config(cfg, steps, n) if "critic" in roles else None,
+        reward=reward_spec(cfg),
         algorithm=algorithm_settings(cfg),
         prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
         train_batch_size=cfg.data.train_batch_size, training_steps=steps, critic_warmup=cfg.trainer.critic_warmup,
-        seed=cfg.trainer.seed, ref_use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
+        seed=cfg.trainer.seed, data=data_spec(cfg), trainer=trainer_spec(cfg), sft=sft_spec(cfg),
+        ref_use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
         ref_max_token_len_per_device=(cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_device
                                       if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz else None))

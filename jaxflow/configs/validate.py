@@ -196,8 +196,6 @@ def _check_enums(c: _Checker) -> None:
     # run something else than asked.
     c.check(c.cfg.data.reward_fn_key == "data_source", "data.reward_fn_key",
             "rule-based rewards are dispatched by the data_source column only")
-    c.check(not c.cfg.jaxflow.reward.partial_credit, "jaxflow.reward.partial_credit",
-            "partial credit for the built-in tasks is not wired into the trainer yet; use a custom reward function")
     for name in c.cfg.trainer.logger:
         c.check(name in LOGGERS, "trainer.logger",
                 f"unknown logger {name!r}; loggers are {', '.join(LOGGERS)}{suggest(name, LOGGERS)}")

@@ -8,7 +8,8 @@ A `Batch` holds three things:
 * ``non_tensors``: host-side NumPy columns with the same leading dimension B, usually
   ``dtype=object`` (strings, dicts, ragged lists): ``data_source``, ``ground_truth``, raw
   prompt text, ``uid`` (the group id shared by the n responses of one prompt).
-* ``meta``: values that are not per sample (``temperature``, ``global_step``, ...).
+* ``meta``: provenance that is not per sample (e.g. the rollout's ``temperature``); what a
+  worker computes is decided by its arguments, never by ``meta``.
 
 Column conventions. Names follow verl where one exists so that verl users recognise them:
 

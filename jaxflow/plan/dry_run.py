@@ -13,8 +13,9 @@ What it reports, per device (the most loaded device of each mesh):
 
 1. **The plan**: pools (device ranges, roles), each role's meshes per phase (the actor:
    train and generate), its model's shape and parameter count.
-2. **Analytic memory** per role: parameters; optimizer state, ``2 * params`` in
-   ``jaxflow.optim.state_dtype`` (Adam's moments, sharded like the parameters); gradients
+2. **Analytic memory** per role: parameters; optimizer state, as the workers create it
+   (`jaxflow.workers.abstract_train_state`: Adam's two moments in ``jaxflow.optim.state_dtype``,
+   sharded like the parameters); gradients
    (parameter dtype; twice that with micro-batch accumulation: the running sum and the
    micro-batch's); an activation estimate (below); for the actor, the generation copy of
    the weights and the paged KV pool of the rollout engine (`jaxflow.sampling.engine_shape`:
@@ -25,15 +26,17 @@ What it reports, per device (the most loaded device of each mesh):
 3. **Compiled memory** of every program of an RL step, lowered on ``jax.ShapeDtypeStruct``
    inputs through the workers' own program builders and compiled for the role's mesh
    (:mod:`jaxflow.plan.lowering`): the actor and critic optimizer steps (one
-   mini-batch, micro-batched as configured), the actor's generate program (chunked prefill +
-   continuous decode over ``max_num_seqs`` slots per generation replica, one call), its
-   train -> generate reshard,
-   the reference log-probs and the reward (and cost) model scores. From XLA's
+   mini-batch, micro-batched as configured or packed with remove padding; the actor's
+   on-policy step when the run takes it), the actor's generate program (chunked prefill +
+   continuous decode over ``max_num_seqs`` slots per generation replica, one call; ReMax also
+   its greedy baseline rollout), its train -> generate reshard, the reference log-probs and
+   the reward (and cost) model scores (padded or packed, as the workers run them). From XLA's
    ``memory_analysis()``: argument, output, alias (outputs written over donated inputs),
    temp and generated-code bytes; ``peak = argument + output - alias + temp``. A program
    fits when its peak plus the persistent state of its pool that is *not* among its
-   arguments (e.g. the actor's training state and the reference weights while the actor
-   generates) is within the budget.
+   arguments (e.g. the actor's optimizer state and the reference weights while the actor
+   generates: its training weights are donated into the generation copy,
+   `jaxflow.reshard.HybridEngine.generation_swap`) is within the budget.
 
 Activation estimate (``b`` rows per device, ``T = P + R``, ``D`` width, ``F`` MLP width,
 ``H``/``N`` query/kv heads of ``K`` dims, ``V`` vocabulary, ``c`` compute bytes, each
@@ -72,13 +75,14 @@ from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
 from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.plan import lowering as progs
+from jaxflow.programs import select_algorithm
 from jaxflow.sampling import EngineShape, engine_shape
 
 GiB = 1024**3
 TRAINING_ROLES = ("actor", "critic")
 # Programs compiled by default (those of roles the config runs), in the order of a step.
-DEFAULT_PROGRAMS = ("actor/generate", "actor/reshard", "ref/log_probs", "reward/scores", "cost/scores",
-                    "critic/train_step", "actor/train_step")
+DEFAULT_PROGRAMS = ("actor/generate", "actor/generate_greedy", "actor/reshard", "ref/log_probs", "reward/scores",
+                    "cost/scores", "critic/train_step", "actor/train_step")
 # Also available: the actor's old-log-prob forward and the critic's value forward.
 OPTIONAL_PROGRAMS = ("actor/log_probs", "critic/values")
 
@@ -127,8 +131,8 @@ class RolePlan:
         for phase, act in self.activation_bytes.items():
             if phase == "train":
                 out[phase] = self.gradient_bytes + act
-            elif phase == "generate":
-                out[phase] = self.generate_param_bytes + self.kv_cache_bytes + act
+            elif phase == "generate":  # the training weights are donated into the generation copy
+                out[phase] = self.generate_param_bytes - self.param_bytes + self.kv_cache_bytes + act
             else:
                 out[phase] = act
         return out
@@ -274,10 +278,8 @@ def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules,
     return int(max(prefill, decode) + 2 * shape.rows * shape.response_len * 4)
 
 
-def _params_bytes(state: Any, rules: Rules, mesh: Mesh, dtype: Any = None) -> int:
+def _params_bytes(state: Any, rules: Rules, mesh: Mesh) -> int:
     leaves = jax.tree.leaves(state)
-    if dtype is not None:
-        leaves = [jax.ShapeDtypeStruct(x.shape, dtype) for x in leaves]
     shardings = jax.tree.leaves(state_shardings(state, rules, mesh), is_leaf=lambda x: isinstance(x, NamedSharding))
     return shard_bytes(leaves, shardings)
 
@@ -381,7 +383,7 @@ def _check_devices(cfg: Any) -> None:
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before jax is imported)")
 
 
-def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: Any, moment_dtype: Any,
+def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: Any,
                wanted: Sequence[str], specs: dict[str, progs.ProgramSpec], notes: list[str]) -> RolePlan:
     """A role's analytic plan; adds the role's wanted programs to ``specs``."""
     placement = run.placement
@@ -395,11 +397,11 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
                   meshes={main: dict(mesh.shape)}, param_bytes=_params_bytes(state, rules, mesh))
     dp = progs.batch_axis_size(rules, mesh)
     if role in TRAINING_ROLES:
-        rp.optimizer_bytes = 2 * _params_bytes(state, rules, mesh, moment_dtype)
+        tx, _ = progs.optimizer(run, role)
+        rp.optimizer_bytes = progs.tree_bytes_per_device(progs.abstract_role_state(state, rules, mesh, tx)[0].opt_state)
         rows, k = progs.train_micro_batches(run, role, rules, mesh)
         if f"{role}/train_step" in wanted:
-            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules,
-                                                                      moment_dtype)
+            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules)
         rp.micro_batches[f"{role}/train_step"] = k
         rp.gradient_bytes = rp.param_bytes * (2 if k > 1 else 1)
         rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
@@ -412,7 +414,7 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
     if role != "actor":
         return rp
     # The actor also generates, in the 3D-HybridEngine's generation layout.
-    engine = HybridEngine(mesh, rules, spec.gen_tp)
+    engine = HybridEngine(mesh, rules, spec.gen_tp, gen_rules=placement.rules(role, "generate"))  # as the worker's
     gmesh, grules = engine.gen_mesh, engine.gen_rules
     if dict(gmesh.shape) != dict(placement.mesh(role, "generate").shape):
         notes.append(f"the hybrid engine's generation mesh {dict(gmesh.shape)} differs from the placement's "
@@ -425,6 +427,8 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
         specs["actor/generate"], _ = progs.generate_program(run, mc, graphdef, state, engine)
+    if "actor/generate_greedy" in wanted and select_algorithm(run.algorithm) == "remax":  # its baseline rollout
+        specs["actor/generate_greedy"], _ = progs.generate_program(run, mc, graphdef, state, engine, "greedy")
     if "actor/reshard" in wanted:
         specs["actor/reshard"] = progs.reshard_program(engine, state)
     return rp
@@ -444,8 +448,7 @@ def _pool_plans(placement: Any, role_plans: dict[str, RolePlan], budget: int) ->
     return pools
 
 
-def _platform_notes(run: RunSpec, moment_dtype: Any, platform: str, role_plans: dict[str, RolePlan],
-                    states: dict[str, Any]) -> list[str]:
+def _platform_notes(platform: str, role_plans: dict[str, RolePlan]) -> list[str]:
     notes = []
     low = sorted({r.model["dtype"] for r in role_plans.values() if r.model["dtype"] in ("bfloat16", "float16")})
     if platform == "cpu" and low:
@@ -456,20 +459,14 @@ def _platform_notes(run: RunSpec, moment_dtype: Any, platform: str, role_plans: 
         if "actor" in role_plans and role_plans["actor"].model["param_dtype"] in ("bfloat16", "float16"):
             notes.append("XLA:CPU all-gathers bf16 as f32 (convert, gather, convert back): the reshard's received "
                          "bytes are twice an accelerator's")
-    for role in TRAINING_ROLES:
-        if role in role_plans:
-            tx, _ = progs.optimizer(run, role)
-            dtypes = {jnp.dtype(x.dtype).name for x in jax.tree.leaves(jax.eval_shape(tx.init, states[role]))
-                      if jnp.issubdtype(x.dtype, jnp.floating)}
-            if dtypes != {moment_dtype.name}:
-                notes.append(f"{role}: optimizer moments are planned and compiled in {moment_dtype.name} "
-                             f"(jaxflow.optim.state_dtype), but workers.optim.make_optimizer would create them in "
-                             f"{'/'.join(sorted(dtypes))}")
     return notes
 
 
-def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
-    """The analytic plan and the programs to compile (not compiled yet), in step order."""
+def plan(cfg: Any, program_names: Sequence[str] | None = None, *,
+         num_train_prompts: int | None = None) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
+    """The analytic plan and the programs to compile (not compiled yet), in step order.
+    ``num_train_prompts``: the training set's size, which sizes the learning-rate schedules
+    (and so the train steps' constants) when ``trainer.total_training_steps`` is unset."""
     if cfg.jaxflow.job != "rl":
         raise ValueError(f"the dry run plans RL jobs; jaxflow.job is {cfg.jaxflow.job!r}")
     unknown = sorted(set(program_names or ()) - set(DEFAULT_PROGRAMS) - set(OPTIONAL_PROGRAMS))
@@ -480,27 +477,26 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None) -> tuple[DryRunRe
         raise ConfigError("jaxflow.placement.type", "is 'auto': the dry run plans a resolved placement; resolve it "
                           "first with jaxflow.automap.resolve_placement(cfg) (python -m jaxflow.run --dry_run does)")
     tokenizer = build_tokenizer(cfg)
-    run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                       num_train_prompts=num_train_prompts)
     roles = run.roles
-    moment_dtype = jnp.dtype(cfg.jaxflow.optim.state_dtype)
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
     budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
     role_plans: dict[str, RolePlan] = {}
-    states: dict[str, Any] = {}
     specs: dict[str, progs.ProgramSpec] = {}
     notes: list[str] = []
     for role in roles:
         mc = run.models[role].config
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
-        graphdef, states[role] = progs.abstract_model(mc, HEADS[role])
-        role_plans[role] = _role_plan(run, role, mc, states[role], graphdef, moment_dtype, wanted, specs, notes)
+        graphdef, state = progs.abstract_model(mc, HEADS[role])
+        role_plans[role] = _role_plan(run, role, mc, state, graphdef, wanted, specs, notes)
     platform = jax.devices()[0].platform
     report = DryRunReport(
-        config=cfg.trainer.experiment_name, num_devices=cfg.jaxflow.num_devices, platform=platform,
+        config=run.name, num_devices=run.num_devices, platform=platform,
         device_memory_bytes=budget, placement=cfg.jaxflow.placement.type,
         pools=_pool_plans(run.placement, role_plans, budget), roles=[role_plans[r] for r in roles],
-        notes=notes + _platform_notes(run, moment_dtype, platform, role_plans, states))
+        notes=notes + _platform_notes(platform, role_plans))
     return report, [specs[p] for p in wanted if p in specs]
 
 
@@ -529,20 +525,21 @@ def compile_program(report: DryRunReport, spec: progs.ProgramSpec) -> ProgramRep
 
 
 def dry_run(cfg: Any, *, out: TextIO | None = sys.stdout, json_path: str | None = None,
-            programs: Sequence[str] | None = None) -> DryRunReport:
+            programs: Sequence[str] | None = None, num_train_prompts: int | None = None) -> DryRunReport:
     """Plan ``cfg`` (a validated experiment config) and compile its programs ahead of time on
     ``jaxflow.num_devices`` devices (simulated on CPU), printing the plan, then each program
     as it compiles, then the verdict, to ``out`` (None: silent). ``json_path``: also write
     :meth:`DryRunReport.to_json` there. ``programs``: which to compile (default
     :data:`DEFAULT_PROGRAMS`; :data:`OPTIONAL_PROGRAMS` adds the actor's and the critic's
-    forwards). Allocates no model, optimizer state or batch."""
+    forwards). ``num_train_prompts``: as for :func:`plan`. Allocates no model, optimizer
+    state or batch."""
     t0 = time.perf_counter()
 
     def say(text: str) -> None:
         if out is not None:
             print(text, file=out, flush=True)
 
-    report, specs = plan(cfg, programs)
+    report, specs = plan(cfg, programs, num_train_prompts=num_train_prompts)
     say(format_plan(report))
     say(format_program_header(report))
     for spec in specs:

@@ -2,9 +2,13 @@
 
 Each role's model is built with ``nnx.eval_shape`` (shapes only), given the shardings its
 mesh and rules ask for, and handed to the *same* program builders the workers use
-(`make_train_step`, `row_program`, `lower_generate`, `HybridEngine.report`) as
-``jax.ShapeDtypeStruct`` leaves carrying those shardings. Nothing is allocated: not the
-weights, not the optimizer state, not a batch.
+(`actor_train_step` / `critic_train_step`, the padded forwards' `log_probs_program`,
+`values_program`, `scores_program`, the packed forwards' `packed_program`, `lower_generate`,
+`HybridEngine.lowered`), with the same settings (the `RunSpec`), as ``jax.ShapeDtypeStruct``
+leaves carrying those shardings. Nothing is allocated: not the weights, not the optimizer
+state, not a batch. Data-dependent shapes take their worst case: with remove padding every
+row is full length (`full_length_rows`). ``tests/test_shared_programs.py`` checks that a real
+step calls exactly these programs.
 
 :class:`ProgramSpec` is one program: ``lower()`` gives a ``jax.stages.Lowered``, and
 :meth:`ProgramSpec.compile` its per-device memory from XLA's buffer assignment
@@ -44,15 +48,17 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
+from jaxflow.programs import rollout_scores_old_log_probs
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import engine_shape, lower_generate
-from jaxflow.workers.actor import actor_train_step, log_probs_program
-from jaxflow.workers.base import RoleLayout, num_micro_batches
-from jaxflow.workers.critic import CriticConfig, critic_train_step, values_program
+from jaxflow.workers.actor import actor_train_step, log_probs_fn, log_probs_program
+from jaxflow.workers.base import RoleLayout, num_micro_batches, pack_forward_inputs, packed_program
+from jaxflow.workers.critic import CriticConfig, critic_train_step, values_fn, values_program
 from jaxflow.workers.forward import PROMPT_KEYS
 from jaxflow.workers.optim import make_optimizer
-from jaxflow.workers.reward import scores_program
-from jaxflow.workers.train_state import TrainState, batch_sharding, train_state_shardings
+from jaxflow.workers.packing import pack_minibatch
+from jaxflow.workers.reward import scores_fn, scores_program
+from jaxflow.workers.train_state import TrainState, abstract_train_state, batch_sharding
 
 # See the module docstring: cheap machine code (it never runs), and no hoisting of XLA:CPU's
 # whole-weight f32 converts out of loops.
@@ -101,17 +107,10 @@ def abstract_params(state: Any, rules: Rules, mesh: Mesh) -> Any:
     return with_shardings(state_shardings(state, rules, mesh), state)
 
 
-def abstract_train_state(state: Any, rules: Rules, mesh: Mesh, tx: Any,
-                         moment_dtype: Any) -> tuple[TrainState, TrainState]:
-    """``(abstract TrainState, its shardings)`` as `create_train_state` would build it, with
-    the optimizer's per-parameter buffers in ``moment_dtype`` (``jaxflow.optim.state_dtype``)."""
-    param_shardings = state_shardings(state, rules, mesh)
-    shardings = train_state_shardings(state, param_shardings, tx, mesh)
-    params = with_shardings(param_shardings, state)
-    moments_like = with_shardings(param_shardings, state, moment_dtype)
-    opt_state = with_shardings(shardings.opt_state, jax.eval_shape(tx.init, moments_like))
-    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=shardings.step)
-    return TrainState(params=params, opt_state=opt_state, step=step), shardings
+def abstract_role_state(state: Any, rules: Rules, mesh: Mesh, tx: Any) -> tuple[TrainState, TrainState]:
+    """``(abstract TrainState, its shardings)`` of a training role, from the workers' own
+    `abstract_train_state` (the optimizer's moments in ``tx``'s dtype)."""
+    return abstract_train_state(state, state_shardings(state, rules, mesh), tx, mesh)
 
 
 def tree_bytes_per_device(tree: Any) -> int:
@@ -131,17 +130,27 @@ def batch_axis_size(rules: Rules, mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def abstract_columns(columns: Mapping[str, tuple[tuple[int, ...], Any]], rules: Rules, mesh: Mesh) -> dict:
-    """Batch columns ``name -> (shape, dtype)`` as ShapeDtypeStructs, rows over the batch axes."""
+def abstract_columns(columns: Mapping[str, tuple[tuple[int, ...], Any]], rules: Rules, mesh: Mesh,
+                     presplit: bool = False) -> dict:
+    """Batch columns ``name -> (shape, dtype)`` as ShapeDtypeStructs, rows over the batch axes
+    (``presplit``: columns cut into micro-batches ``[k, rows, ...]``, dimension 1 over them)."""
     ba = batch_axes(rules, mesh)
-    return {n: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, ba, len(shape)))
+    return {n: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, ba, len(shape), leading=int(presplit)))
             for n, (shape, dtype) in columns.items()}
 
 
-def prompt_columns(rows: int, prompt_len: int, response_len: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """The ``[prompt | response]`` columns (`PROMPT_KEYS`) every forward / update reads."""
-    lengths = dict(prompt_ids=prompt_len, prompt_mask=prompt_len, responses=response_len, response_mask=response_len)
-    return {name: ((rows, lengths[name]), jnp.int32) for name in PROMPT_KEYS}
+def shapes_of(host: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    return {name: (x.shape, x.dtype) for name, x in host.items()}
+
+
+def full_length_rows(rows: int, prompt_len: int, response_len: int,
+                     floats: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Host columns of ``rows`` rows whose every prompt and response token is real (the
+    `PROMPT_KEYS`, int32, plus float32 ``floats``): the packed layouts' worst case (one row
+    per bin of ``P + R`` slots; packing shorter rows takes fewer bins)."""
+    out = {name: np.ones((rows, prompt_len if name.startswith("prompt") else response_len), np.int32)
+           for name in PROMPT_KEYS}
+    return out | {name: np.zeros((rows, response_len), np.float32) for name in floats}
 
 
 # --- compiled programs -------------------------------------------------------------------------
@@ -185,6 +194,11 @@ class ProgramSpec:
     args_hold: tuple[str, ...]
     lower: Callable[[], Any] | None = None
     measure: Callable[[], CompiledMemory] | None = None  # for programs that are not one jit
+    lowered_parts: Callable[[], list[Any]] | None = None  # ... and their distinct jitted programs, lowered
+
+    def lowered(self) -> list[Any]:
+        """The distinct jitted programs this step runs, lowered (``jax.stages.Lowered``)."""
+        return self.lowered_parts() if self.lowered_parts is not None else [self.lower()]
 
     def compile(self) -> CompiledMemory:
         if self.measure is not None:
@@ -211,79 +225,152 @@ def layout(graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules) -> Role
 
 
 def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> tuple[int, int]:
-    """``(rows, micro-batches)`` of one PPO mini-batch of the actor or the critic."""
+    """``(rows, micro-batches)`` of one PPO mini-batch of the actor or the critic, as the
+    worker compiles it (remove padding: 1, the packed mini-batch carries its micro-batches)."""
     conf = spec.actor if role == "actor" else spec.critic
     rows = conf.ppo_mini_batch_size
+    if conf.use_remove_padding:
+        return rows, 1
     k = num_micro_batches(rows, conf.ppo_micro_batch_size_per_device, batch_axis_size(rules, mesh),
                           f"{role} mini-batch")
     return rows, k
 
 
-def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules,
-                       moment_dtype: Any) -> tuple[ProgramSpec, int]:
+def actor_on_policy(spec: RunSpec) -> bool:
+    """Whether the actor's update runs on-policy (no ``old_log_probs`` column: the step's own
+    forward, detached): the program's rollout does not score them
+    (`jaxflow.programs.rollout_scores_old_log_probs`) and one optimizer step covers the
+    rollout (`ActorConfig.is_on_policy`), exactly as `ActorWorker.update` decides."""
+    return not rollout_scores_old_log_probs(spec.algorithm) and spec.actor.is_on_policy(spec.rollout_rows)
+
+
+def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
+                       rules: Rules) -> tuple[ProgramSpec, int]:
     """The actor's or critic's optimizer step on one PPO mini-batch, micro-batched as
-    configured, from the workers' own builder (`actor_train_step` / `critic_train_step`).
+    configured (remove padding: packed micro-batches of the all-full-length worst case,
+    `full_length_rows`), from the workers' own builder (`actor_train_step` /
+    `critic_train_step`); the actor's on-policy step when the run takes it (`actor_on_policy`).
     Returns the spec and the number of micro-batches."""
     P, R = spec.prompt_length, spec.response_length
     tx, schedule = optimizer(spec, role)
     rows, k = train_micro_batches(spec, role, rules, mesh)
-    abstract_state, shardings = abstract_train_state(state, rules, mesh, tx, moment_dtype)
+    abstract_state, shardings = abstract_role_state(state, rules, mesh, tx)
     role_layout = layout(graphdef, state, mesh, rules)
     if role == "actor":
-        step = actor_train_step(role_layout, tx, schedule, spec.actor, shardings, k)
-        keys, scalar_names = spec.actor.update_keys(), ("temperature",)
+        conf, on_policy = spec.actor, actor_on_policy(spec)
+        step = actor_train_step(role_layout, tx, schedule, conf, shardings, k, on_policy=on_policy)
+        keys, scalar_names = conf.update_keys(on_policy), ("temperature",)
     else:
-        step = critic_train_step(role_layout, tx, schedule, spec.critic, shardings, k)
+        conf, on_policy = spec.critic, False
+        step = critic_train_step(role_layout, tx, schedule, conf, shardings, k)
         keys, scalar_names = CriticConfig.UPDATE_KEYS, ()
-    columns = prompt_columns(rows, P, R) | {c: ((rows, R), jnp.float32) for c in keys if c not in PROMPT_KEYS}
-    batch = abstract_columns(columns, rules, mesh)
+    host = full_length_rows(rows, P, R, tuple(c for c in keys if c not in PROMPT_KEYS))
+    if conf.use_remove_padding:
+        packed = pack_minibatch(host, ranks=batch_axis_size(rules, mesh),
+                                max_token_len=conf.ppo_max_token_len_per_device if conf.use_dynamic_bsz else None,
+                                rows_per_micro=conf.ppo_micro_batch_size_per_device)
+        batch = abstract_columns(shapes_of(packed), rules, mesh, presplit=True)
+        k = next(iter(packed.values())).shape[0]
+        what = f"packed into {k} micro-batch{'es' if k > 1 else ''} (all rows full length)"
+    else:
+        batch = abstract_columns(shapes_of(host), rules, mesh)
+        what = f"{k} micro-batch{'es' if k > 1 else ''} of {rows // k}"
     replicated = NamedSharding(mesh, PartitionSpec())
     scalars = {s: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated) for s in scalar_names}
-    micro = rows // k
     program = ProgramSpec(
         name=f"{role}/train_step", role=role, phase="train", mesh=mesh,
-        description=f"1 mini-batch of {rows} x {P}+{R} tokens, {k} micro-batch{'es' if k > 1 else ''} of {micro}",
+        description=f"1 mini-batch of {rows} x {P}+{R} tokens{', on-policy' if on_policy else ''}, {what}",
         analytic_argument_bytes=tree_bytes_per_device((abstract_state, batch, scalars)),
         args_hold=("params", "optim"),
         lower=lambda: step.lower(abstract_state, batch, scalars))
     return program, k
 
 
-# program name -> (role, the workers' builder of it, its micro-batch per device in the RunSpec)
-FORWARDS: dict[str, tuple[str, Callable[[RoleLayout, int], Any], Callable[[RunSpec], int | None]]] = {
-    "actor/log_probs": ("actor", lambda lo, k: log_probs_program(lo, k),
-                        lambda s: s.actor.log_prob_micro_batch_size_per_device),
-    "ref/log_probs": ("ref", lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
-                      lambda s: s.ref_micro_batch_size_per_device),
-    "critic/values": ("critic", values_program, lambda s: s.critic.forward_micro_batch_size_per_device),
-    "reward/scores": ("reward", scores_program, lambda s: s.reward.micro_batch_size_per_device),
-    "cost/scores": ("cost", lambda lo, k: scores_program(lo, k, "token_level_cost"),
-                    lambda s: s.reward.micro_batch_size_per_device),
-}
+@dataclasses.dataclass(frozen=True)
+class Forward:
+    """A role's forward over the whole rollout as its worker runs it: ``padded(layout, k)``
+    builds the padded-rows program (``k`` micro-batches), ``fn`` is the body of the packed
+    one (`packed_program`); ``scalars`` its runtime scalars; ``micro_batch_size_per_device``
+    rows per data-parallel rank per pass; ``packed``: remove padding, then micro-batches of
+    at most ``max_token_len_per_device`` tokens (None: by rows)."""
+
+    role: str
+    padded: Callable[[RoleLayout, int], Any]
+    fn: Callable[[Any, dict, dict], dict]
+    scalars: tuple[str, ...]
+    micro_batch_size_per_device: int | None
+    packed: bool
+    max_token_len_per_device: int | None
+
+
+FORWARD_PROGRAMS = ("actor/log_probs", "ref/log_probs", "critic/values", "reward/scores", "cost/scores")
+
+
+def forward_of(spec: RunSpec, name: str) -> Forward:
+    """The `Forward` of program ``name`` (one of `FORWARD_PROGRAMS`), from the workers' own
+    builders and bodies and the `RunSpec` settings the workers are built with."""
+    if name == "actor/log_probs":
+        a = spec.actor
+        return Forward("actor", lambda lo, k: log_probs_program(lo, k, with_entropy=a.log_prob_entropy),
+                       log_probs_fn(with_entropy=a.log_prob_entropy), ("temperature",),
+                       a.log_prob_micro_batch_size_per_device, a.use_remove_padding,
+                       a.log_prob_max_token_len_per_device if a.log_prob_use_dynamic_bsz else None)
+    if name == "ref/log_probs":
+        return Forward("ref", lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
+                       log_probs_fn("ref_log_prob"), ("temperature",), spec.ref_micro_batch_size_per_device,
+                       spec.ref_use_remove_padding, spec.ref_max_token_len_per_device)
+    if name == "critic/values":
+        c = spec.critic
+        return Forward("critic", values_program, values_fn, (), c.forward_micro_batch_size_per_device,
+                       c.use_remove_padding, c.forward_max_token_len_per_device if c.use_dynamic_bsz else None)
+    if name in ("reward/scores", "cost/scores"):
+        role = name.split("/")[0]
+        key = "token_level_cost" if role == "cost" else "token_level_scores"
+        return Forward(role, lambda lo, k: scores_program(lo, k, key), scores_fn(key), (),
+                       spec.reward.micro_batch_size_per_device, spec.reward.use_remove_padding, None)
+    raise KeyError(f"unknown forward program {name!r}; forwards: {FORWARD_PROGRAMS}")
 
 
 def forward_micro_batches(spec: RunSpec, name: str, rules: Rules, mesh: Mesh) -> tuple[int, int]:
-    """``(rows, micro-batches)`` of a forward over the whole rollout."""
-    rows = spec.rollout_rows
-    k = num_micro_batches(rows, FORWARDS[name][2](spec), batch_axis_size(rules, mesh), name)
-    return rows, k
+    """``(rows, micro-batches)`` of a forward over the whole rollout (remove padding: those of
+    the all-full-length packed layout)."""
+    f, rows = forward_of(spec, name), spec.rollout_rows
+    if f.packed:
+        return rows, packed_forward_inputs(spec, f, rules, mesh)[0].num_micro
+    return rows, num_micro_batches(rows, f.micro_batch_size_per_device, batch_axis_size(rules, mesh), name)
+
+
+def packed_forward_inputs(spec: RunSpec, f: Forward, rules: Rules, mesh: Mesh) -> tuple[Any, dict[str, np.ndarray]]:
+    """``(layout, host inputs)`` of a packed forward over the rollout's rows at full length
+    (`full_length_rows`), as `jaxflow.workers.base.packed_forward` packs them."""
+    host = full_length_rows(spec.rollout_rows, spec.prompt_length, spec.response_length)
+    return pack_forward_inputs(host, ranks=batch_axis_size(rules, mesh), max_token_len=f.max_token_len_per_device,
+                               rows_per_micro=f.micro_batch_size_per_device)
 
 
 def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
                     rules: Rules) -> tuple[ProgramSpec, int]:
-    """A forward over the whole rollout (``train_batch_size * n`` rows) in micro-batches, from
-    the workers' own builder (`FORWARDS`)."""
-    role, build, _ = FORWARDS[name]
+    """A forward over the whole rollout (``train_batch_size * n`` rows) as the worker runs it
+    (`forward_of`): padded rows in micro-batches, or packed micro-batches of the
+    all-full-length worst case."""
+    f = forward_of(spec, name)
     P, R = spec.prompt_length, spec.response_length
     rows, k = forward_micro_batches(spec, name, rules, mesh)
     params = abstract_params(state, rules, mesh)
-    tensors = abstract_columns(prompt_columns(rows, P, R), rules, mesh)
+    role_layout = layout(graphdef, state, mesh, rules)
+    if f.packed:
+        tensors = abstract_columns(shapes_of(packed_forward_inputs(spec, f, rules, mesh)[1]), rules, mesh,
+                                   presplit=True)
+        program = packed_program(role_layout, f.fn)
+        what = f"packed into {k} micro-batch{'es' if k > 1 else ''} (all rows full length)"
+    else:
+        tensors = abstract_columns(shapes_of(full_length_rows(rows, P, R)), rules, mesh)
+        program = f.padded(role_layout, k)
+        what = f"{k} micro-batch{'es' if k > 1 else ''} of {rows // k}"
     replicated = NamedSharding(mesh, PartitionSpec())
-    scalars = {"temperature": jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)} if "log_probs" in name else {}
-    program = build(layout(graphdef, state, mesh, rules), k)
+    scalars = {s: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated) for s in f.scalars}
     out = ProgramSpec(
-        name=name, role=role, phase="infer", mesh=mesh,
-        description=f"{rows} x {P}+{R} tokens, {k} micro-batch{'es' if k > 1 else ''} of {rows // k}",
+        name=name, role=f.role, phase="infer", mesh=mesh, description=f"{rows} x {P}+{R} tokens, {what}",
         analytic_argument_bytes=tree_bytes_per_device((params, tensors, scalars)),
         args_hold=("params",),
         lower=lambda: program.lower(params, tensors, scalars))
@@ -298,13 +385,14 @@ def generation_slots(spec: RunSpec) -> int | None:
 
 
 def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any,
-                     engine: HybridEngine) -> tuple[ProgramSpec, int]:
+                     engine: HybridEngine, sampling: str = "train") -> tuple[ProgramSpec, int]:
     """The actor's rollout program (chunked prefill + continuous decode over
     :func:`generation_slots` slots per replica) in the generation layout, for the whole
-    rollout in one call, with the training `SamplingParams`. Returns the spec and the
-    prompts per call."""
+    rollout in one call, with the ``sampling`` parameters (`RolloutConfig.resolve`:
+    ``"train"``, or ``"greedy"``, ReMax's baseline rollout, ``actor/generate_greedy``).
+    Returns the spec and the prompts per call."""
     mesh, rules = engine.gen_mesh, engine.gen_rules
-    sp = spec.rollout.train
+    sp = spec.rollout.resolve(sampling)
     n, P = sp.n, spec.prompt_length
     gen_dp = batch_axis_size(rules, mesh)
     prompts = spec.train_batch_size
@@ -313,14 +401,17 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
     shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots)
     out = ProgramSpec(
-        name="actor/generate", role="actor", phase="generate", mesh=mesh,
+        name="actor/generate" if sampling == "train" else f"actor/generate_{sampling}", role="actor",
+        phase="generate", mesh=mesh,
         description=(f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
                      f"({shape.rows} per generation replica through {shape.slots} decode slots, "
                      f"prefill chunks of {shape.prefill_rows}x{shape.prefill_len})"),
         # + each replica's prompts (ids [prompts, P], lengths) and row limits, int32
         analytic_argument_bytes=tree_bytes_per_device(params) + 4 * (shape.prompts * (shape.prompt_len + 1)
                                                                      + shape.rows + 2),
-        args_hold=(),  # a generation copy of the weights: the training state stays resident
+        # The training weights are donated into this generation copy (`HybridEngine.generation_swap`):
+        # the actor's optimizer state stays resident, its training weights do not.
+        args_hold=("params",),
         lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots))
     return out, prompts
 
@@ -351,4 +442,5 @@ def reshard_program(engine: HybridEngine, state: Any) -> ProgramSpec:
         name="actor/reshard", role="actor", phase="reshard", mesh=engine.train_mesh,
         description=f"-> generate {_mesh_text(engine.gen_mesh)} ({engine.strategy}, {len(engine.micro_dp_groups)} "
                     f"micro-DP groups of {len(engine.micro_dp_groups[0])})",
-        analytic_argument_bytes=train_bytes, args_hold=("params",), measure=measure)
+        analytic_argument_bytes=train_bytes, args_hold=("params",), measure=measure,
+        lowered_parts=lambda: engine.lowered(state))

@@ -25,6 +25,7 @@ from jaxflow.programs.registry import (
     algorithm_names,
     get_algorithm,
     register_algorithm,
+    rollout_scores_old_log_probs,
     select_algorithm,
 )
 from jaxflow.programs.remax import greedy_baseline, remax_iteration
@@ -56,6 +57,7 @@ __all__ = [
     "ppo_iteration",
     "register_algorithm",
     "remax_iteration",
+    "rollout_scores_old_log_probs",
     "rule_costs",
     "safe_rlhf_iteration",
     "select_algorithm",

@@ -116,7 +116,8 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     """verl's rollout statistics: ``critic/score/{mean,max,min}`` (per-sequence sums of
     ``token_level_scores``), ``critic/rewards/mean``, ``critic/advantages/mean``,
     ``critic/returns/mean``, ``critic/values/mean`` (token means over the response mask),
-    ``response_length/{mean,max,min}``, and the rule scorer's metrics (``reward/...``)."""
+    ``response_length/{mean,max,min}``. (The rule scorer's ``reward/...`` metrics come from
+    the rollout, `jaxflow.programs.steps.rollout`.)"""
     mask = _host(batch, "response_mask")
     out: dict[str, float] = {}
     if "token_level_scores" in batch:
@@ -131,6 +132,4 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     lengths = (mask > 0).sum(-1)
     out.update({"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
                 "response_length/min": float(lengths.min())})
-    for k, v in dict(batch.meta.get("reward_metrics", {})).items():
-        out[k] = float(v)
     return out

@@ -35,7 +35,7 @@ from jaxflow.algos.advantages import ADV_ESTIMATOR_REGISTRY
 from jaxflow.algos.registry import Registry, UnknownNameError
 from jaxflow.algos.settings import AlgorithmSettings
 from jaxflow.data.batch import Batch
-from jaxflow.programs.ppo import ppo_iteration
+from jaxflow.programs.ppo import needs_old_log_probs, ppo_iteration
 from jaxflow.programs.remax import remax_iteration
 from jaxflow.programs.safe_rlhf import safe_rlhf_iteration
 from jaxflow.programs.state import AlgoState
@@ -89,6 +89,15 @@ def select_algorithm(settings: AlgorithmSettings) -> str:
         return "ppo"
     raise UnknownNameError(f"unknown advantage estimator {estimator!r}; valid names: "
                            f"{', '.join(ADV_ESTIMATOR_REGISTRY.names())}")
+
+
+def rollout_scores_old_log_probs(settings: AlgorithmSettings) -> bool:
+    """Whether the program of ``settings`` (`select_algorithm`) scores ``old_log_probs`` in
+    its rollout: the PPO family only when its advantages or in-reward KL read them
+    (`needs_old_log_probs`), ReMax and Safe-RLHF always. Otherwise the actor's update takes
+    them from its own forward when it is on-policy (`jaxflow.workers.ActorConfig.is_on_policy`)
+    or computes them itself. Planners read this to lower the train step the run calls."""
+    return select_algorithm(settings) in ("remax", "safe_rlhf") or needs_old_log_probs(settings.algorithm)
 
 
 def _shared(name: str, w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState,

@@ -64,14 +64,15 @@ def remax_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, sta
     kl_ctrl = state.kl_controller(algo)
     prompts = with_uid(prompts)
     timer = steps.StepTimer()
-    batch = steps.rollout(w, prompts, timer, step=step)
+    batch, metrics = steps.rollout(w, prompts, timer, step=step)
     with timer("gen_max"):
         baseline_B, greedy = greedy_baseline(w, prompts, step)
     n, rest = divmod(len(batch), len(prompts))
     if rest or not np.array_equal(np.asarray(batch["uid"])[::n], np.asarray(greedy["uid"])):
         raise ValueError("the sampled rollout is not n interleaved responses per prompt in prompt order")
     batch = batch.update(tensors={"reward_baselines": np.repeat(baseline_B, n).astype(np.float32)})
-    batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
+    batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)
+    metrics |= kl
     batch = steps.advantages(batch, algo, timer)
     metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
     state.store(kl_ctrl=kl_ctrl)

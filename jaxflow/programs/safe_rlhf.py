@@ -125,10 +125,11 @@ def safe_rlhf_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings,
     kl_ctrl = state.kl_controller(algo)
     multiplier = state.lagrange(safe)
     timer = steps.StepTimer()
-    batch = steps.rollout(w, prompts, timer, step=step)
+    batch, metrics = steps.rollout(w, prompts, timer, step=step)
     with timer("cost"):
         batch |= compute_costs(w, batch, safe)
-    batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
+    batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)
+    metrics |= kl
     batch = steps.advantages(batch, algo, timer)
     lam = multiplier.value
     with timer("adv"):

@@ -3,10 +3,10 @@
 An iteration of any program in :mod:`jaxflow.programs` reads::
 
     timer = StepTimer()
-    batch = rollout(w, prompts, timer, step=step)       # gen, old_log_prob, ref, values, reward
-    batch, metrics = kl_in_reward(batch, settings.algorithm, kl_ctrl)
+    batch, metrics = rollout(w, prompts, timer, step=step)   # gen, old_log_prob, ref, values, reward
+    batch, kl = kl_in_reward(batch, settings.algorithm, kl_ctrl)
     batch = advantages(batch, settings.algorithm, timer)  # adv
-    metrics |= update(w, batch, timer, step=step, update_actor=update_actor)
+    metrics |= kl | update(w, batch, timer, step=step, update_actor=update_actor)
     return metrics | compute_data_metrics(batch) | timer.metrics()
 
 plus each algorithm's own steps (ReMax's greedy baseline, Safe-RLHF's costs and multiplier).
@@ -30,6 +30,7 @@ from jaxflow.data.batch import Batch
 from jaxflow.programs.balance import balance_batch
 from jaxflow.programs.batch_ops import apply_kl_penalty_to_batch, compute_advantage
 from jaxflow.workers.group import Workers
+from jaxflow.workers.reward import score_batch
 
 KLController = FixedKLController | AdaptiveKLController
 
@@ -64,7 +65,7 @@ def ready(batch: Batch) -> Batch:
 
 
 def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, old_log_probs: bool = True,
-            balance: bool = False) -> Batch:
+            balance: bool = False) -> tuple[Batch, dict[str, float]]:
     """Generation and everything scored on it: ``responses`` (``gen``), ``old_log_probs``
     (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
     takes them from its own forward when on-policy, or computes them itself),
@@ -72,12 +73,14 @@ def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = 
     ``token_level_scores`` (``reward``). ``step`` seeds the rollout (the actor's training
     sampling parameters). ``balance``: right after generation the rows are reordered so the
     actor's data-parallel ranks get about the same number of tokens
-    (`jaxflow.programs.balance`; its metrics in ``meta["balance_metrics"]``)."""
+    (`jaxflow.programs.balance`). Returns the batch and the rollout's metrics: the balance's
+    ``global_seqlen/*`` and the rule scorer's ``reward/*``."""
+    metrics: dict[str, float] = {}
     with timer("gen"):
         batch = ready(w.actor.generate(prompts, step=step))
     if balance:
         batch, balance_metrics = balance_batch(batch, w.actor.info.dp_size)
-        batch = batch.update(meta={"balance_metrics": balance_metrics})
+        metrics |= balance_metrics
     with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
         if old_log_probs:
             batch |= ready(w.actor.log_probs(batch))
@@ -90,8 +93,9 @@ def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = 
     if w.reward is None:
         raise ValueError("the program needs a reward (w.reward: a reward model and/or a rule scorer)")
     with timer("reward"):
-        batch |= ready(w.reward(batch))
-    return batch
+        scores, reward_metrics = score_batch(w.reward, batch)
+        batch |= ready(scores)
+    return batch, metrics | reward_metrics
 
 
 def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:

@@ -370,7 +370,9 @@ class HybridEngine:
             chunks = 1
         else:
             need = -(-leaf_bytes // bucket)
-            chunks = next(k for k in range(need, shape[0] + 1) if shape[0] % k == 0)
+            # the fewest chunks that split the leading dimension evenly and fit the bucket, else
+            # one row each (e.g. a few stacked layers: the leading dimension is the layer count)
+            chunks = next((k for k in range(need, shape[0] + 1) if shape[0] % k == 0), shape[0])
         return shape[0] // chunks
 
     # --- the transition ----------------------------------------------------------------------
@@ -566,8 +568,14 @@ class HybridEngine:
                 x.delete()
         return statistics.median(times)
 
-    def compiled_texts(self, state: Any, reverse: bool = False) -> list[str]:
-        """The optimised HLO of every distinct program of the transition."""
+    def lowered(self, state: Any, reverse: bool = False) -> list[Any]:
+        """Every distinct program of the transition, in the order they first run, lowered on
+        abstract arguments (``state`` may be abstract): the programs `to_generation` /
+        `to_training` call."""
         _, steps, _, _ = self._plan(state, reverse)
         keys = list(dict.fromkeys(step.key for step in steps))
-        return [self._build(k).lower(*self._abstract_args(k)).compile().as_text() for k in keys]
+        return [self._build(k).lower(*self._abstract_args(k)) for k in keys]
+
+    def compiled_texts(self, state: Any, reverse: bool = False) -> list[str]:
+        """The optimised HLO of every distinct program of the transition."""
+        return [lowered.compile().as_text() for lowered in self.lowered(state, reverse)]

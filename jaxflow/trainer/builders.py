@@ -10,21 +10,18 @@ from typing import Any
 import jax
 from flax import nnx
 from jax.sharding import Mesh
-from ml_collections import ConfigDict
 
 import jaxflow.models as models
 from jaxflow.configs.overrides import ConfigError
-from jaxflow.configs.run_spec import ModelSpec, RunSpec
-from jaxflow.data.dataset import PromptDataset
+from jaxflow.configs.run_spec import DataSpec, ModelSpec, RunSpec
+from jaxflow.data.dataset import PromptDataLoader, PromptDataset
 from jaxflow.data.tasks import Task, get_task, make_mixed_examples
 from jaxflow.mesh import Rules, state_shardings
 
 
-def builtin_task(cfg: ConfigDict) -> Task:
+def builtin_task(data: DataSpec) -> Task:
     """The built-in task ``jaxflow.data.builtin_task`` with its configured parameters."""
-    name = cfg.jaxflow.data.builtin_task
-    params = {"digits": cfg.jaxflow.data.addition_digits} if name in ("addition", "jaxflow/addition") else {}
-    return get_task(name, **params)
+    return get_task(data.builtin_task, **dict(data.task_params))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,26 +40,39 @@ class BuiltinSplit:
 DataSource = list[str] | BuiltinSplit
 
 
-def dataset_sources(cfg: ConfigDict) -> tuple[DataSource, DataSource]:
+def dataset_sources(data: DataSpec) -> tuple[DataSource, DataSource]:
     """``(train, val)``: the configured files, or for an empty key the built-in task's split
     (``jaxflow.data.builtin_task``), generated deterministically in memory."""
-    train = [f for f in cfg.data.train_files.split(",") if f]
-    val = [f for f in cfg.data.val_files.split(",") if f]
-    d = cfg.jaxflow.data
+    train: DataSource = list(data.train_files)
+    val: DataSource = list(data.val_files)
     if not train:
-        train = BuiltinSplit(builtin_task(cfg), "train", d.num_train_examples, cfg.data.seed)
+        train = BuiltinSplit(builtin_task(data), "train", data.num_train_examples, data.seed)
     if not val:
-        val = BuiltinSplit(builtin_task(cfg), "test", d.num_val_examples, cfg.data.seed)
+        val = BuiltinSplit(builtin_task(data), "test", data.num_val_examples, data.seed)
     return train, val
 
 
-def build_dataset(cfg: ConfigDict, source: DataSource, tokenizer: Any) -> PromptDataset:
-    kwargs = dict(prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
-                  truncation=cfg.data.truncation)
+def build_dataset(data: DataSpec, source: DataSource, tokenizer: Any) -> PromptDataset:
+    kwargs = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation)
     if isinstance(source, BuiltinSplit):
         return PromptDataset(f"built-in {source.task.name} {source.split} split", tokenizer, rows=source.rows(),
                              **kwargs)
     return PromptDataset(source, tokenizer, **kwargs)
+
+
+def train_loader(spec: RunSpec, dataset: PromptDataset) -> PromptDataLoader:
+    """The training prompts in batches of ``data.train_batch_size`` (the last partial batch of
+    an epoch dropped), shuffled per epoch as ``data.shuffle`` / ``data.seed`` say."""
+    return PromptDataLoader(dataset, spec.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed,
+                            drop_last=True)
+
+
+def count_train_prompts(data: DataSpec, tokenizer: Any) -> int | None:
+    """Prompts of the configured training files that the run keeps (after
+    ``data.truncation=filter``), which size an epoch-mode run's schedules; None for the
+    built-in task (its size is ``jaxflow.data.num_train_examples``)."""
+    train, _ = dataset_sources(data)
+    return None if isinstance(train, BuiltinSplit) else len(build_dataset(data, train, tokenizer))
 
 
 def describe_source(source: DataSource, dataset: PromptDataset) -> str:
@@ -87,13 +97,21 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
     return init_sharded(spec.config, spec.head, spec.seed, mesh, rules)
 
 
-def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
-    """A preset model initialised directly in its shardings: one jitted init whose output
-    shardings come from the abstract model (``nnx.eval_shape``) under ``rules``, so no device
-    (and not the host) ever holds the whole model."""
+def init_program(config: models.ModelConfig, head: str, seed: int, mesh: Mesh,
+                 rules: Rules) -> tuple[nnx.GraphDef, Any]:
+    """``(graphdef, jitted init)``: the preset model's initialisation as one jitted program
+    (no arguments) whose output shardings come from the abstract model (``nnx.eval_shape``)
+    under ``rules`` on ``mesh``, so each device computes only its own shard."""
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.init_model(config, head=head, seed=seed)))
     shardings = state_shardings(abstract, rules, mesh)
-    init = jax.jit(lambda: nnx.split(models.init_model(config, head=head, seed=seed))[1], out_shardings=shardings)
+    return graphdef, jax.jit(lambda: nnx.split(models.init_model(config, head=head, seed=seed))[1],
+                             out_shardings=shardings)
+
+
+def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
+    """A preset model initialised directly in its shardings (`init_program`, run once): no
+    device (and not the host) ever holds the whole model."""
+    graphdef, init = init_program(config, head, seed, mesh, rules)
     return graphdef, init()
 
 

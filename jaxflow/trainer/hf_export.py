@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from ml_collections import ConfigDict
 
@@ -42,8 +41,7 @@ from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
 from jaxflow.trainer.checkpoint import SKIP, CheckpointManager
 from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
-from jaxflow.workers import TrainState, make_optimizer
-from jaxflow.workers.train_state import train_state_shardings
+from jaxflow.workers import TrainState, make_optimizer, train_state
 
 ROLES = {"actor": "lm", "critic": "value"}
 HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run
@@ -214,10 +212,8 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
     mesh, rules = spec.placement.mesh(role, "train"), spec.placement.rules(role, "train")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: models.HEADS[ROLES[role]](mcfg, rngs=nnx.Rngs(0))))
     tx, _ = make_optimizer((spec.actor if role == "actor" else spec.critic).optim)
-    shardings = train_state_shardings(params, state_shardings(params, rules, mesh), tx, mesh)
-    init = jax.jit(lambda p: TrainState(params=p, opt_state=tx.init(p), step=jnp.zeros((), jnp.int32)),
-                   out_shardings=shardings)
-    return graphdef, init.eval_shape(params)  # leaves: jax.ShapeDtypeStruct with their shardings
+    state, _ = train_state.abstract_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
+    return graphdef, state  # leaves: jax.ShapeDtypeStruct with their shardings
 
 
 def export_checkpoint(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,

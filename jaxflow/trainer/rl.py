@@ -27,11 +27,18 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxflow.automap.auto import resolve_placement
-from jaxflow.configs import ConfigError, checkpoint_dir
+from jaxflow.configs import ConfigError
 from jaxflow.configs.resolve import ray_config, ray_devices
-from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
+from jaxflow.configs.run_spec import (
+    RewardSpec,
+    RunSpec,
+    build_tokenizer,
+    data_spec,
+    describe_run,
+    reward_spec,
+    trainer_spec,
+)
 from jaxflow.configs.validate import warn_ignored_under_auto
-from jaxflow.data.dataset import PromptDataLoader
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer.builders import (
@@ -41,6 +48,7 @@ from jaxflow.trainer.builders import (
     dataset_sources,
     describe_source,
     load_model,
+    train_loader,
 )
 from jaxflow.trainer import interrupt
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
@@ -70,12 +78,6 @@ CONSOLE_KEYS = {
     "timing_s/step": "step_s",
     "perf/throughput": "tok/s",
 }
-
-
-def _keep(*limits: int | None) -> int | None:
-    """Actor and critic share each checkpoint: keep what the stricter limit asks."""
-    given = [k for k in limits if k is not None]
-    return min(given) if given else None
 
 
 def _mean(value: Any) -> float:
@@ -108,14 +110,16 @@ class RLTrainer:
             raise
 
     def _setup(self, cfg: ConfigDict, actor_params: Any) -> None:
-        self.cfg, t = cfg, cfg.trainer
-        self.run_dir = checkpoint_dir(cfg)
+        self.cfg = cfg
+        # The run's settings that do not depend on the placement (the rest: self.spec, below).
+        t, reward, data = trainer_spec(cfg), reward_spec(cfg), data_spec(cfg)
+        self.run_dir = t.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         # First, before anything is built or written: the directory's lock (another run there is
         # refused), and a fresh run refuses a directory that holds checkpoints (it never deletes them).
         try:
             self.ckpt = CheckpointManager(
-                self.run_dir, max_to_keep=_keep(t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep),
+                self.run_dir, max_to_keep=t.max_ckpt_to_keep,
                 save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
                 resume_mode=t.resume_mode, resume_path=t.resume_from_path)
         except FileExistsError as e:
@@ -125,14 +129,14 @@ class RLTrainer:
                               "trainer.default_local_dir to another directory") from e
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
-        self.scorer = self._build_scorer()
+        self.scorer = self._build_scorer(reward)
         self.tokenizer = build_tokenizer(cfg)
-        train, val = dataset_sources(cfg)
-        self.train_data = build_dataset(cfg, train, self.tokenizer)
-        self.val_data = build_dataset(cfg, val, self.tokenizer)
-        if not cfg.custom_reward_function.path:  # the built-in scorers compare one string or number
-            for data in (self.train_data, self.val_data):
-                data.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
+        train, val = dataset_sources(data)
+        self.train_data = build_dataset(data, train, self.tokenizer)
+        self.val_data = build_dataset(data, val, self.tokenizer)
+        if not reward.custom_function_path:  # the built-in scorers compare one string or number
+            for dataset in (self.train_data, self.val_data):
+                dataset.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
                                          "with one string or number; fix the data or use a custom reward function "
                                          "(custom_reward_function.path)")
         print(f"data: train = {describe_source(train, self.train_data)}; "
@@ -148,11 +152,9 @@ class RLTrainer:
         if actor_params is None:
             cfg, actor_params = warm_start(cfg, resuming=resuming)
         self.cfg = cfg
-        self.loader = PromptDataLoader(self.train_data, cfg.data.train_batch_size, shuffle=cfg.data.shuffle,
-                                       seed=cfg.data.seed, drop_last=True)
         self.backend = None
         devices = None
-        if cfg.jaxflow.backend == "ray":  # Ray is imported only on this path
+        if t.backend == "ray":  # Ray is imported only on this path
             from jaxflow.workers.ray_backend import RayBackend
 
             self.backend = RayBackend(ray_config(cfg))
@@ -161,6 +163,7 @@ class RLTrainer:
                                           pad_token_id=self.tokenizer.pad_token_id,
                                           num_train_prompts=len(self.train_data))
         check_vocab(self.spec, self.tokenizer)
+        self.loader = train_loader(self.spec, self.train_data)
         self.total_steps = self.spec.training_steps
         self.placement = self.spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
@@ -169,17 +172,17 @@ class RLTrainer:
         self.algorithm_name = select_algorithm(self.spec.algorithm)
         self.algorithm = get_algorithm(self.algorithm_name)
         self.algo_state = AlgoState.initial(self.spec.algorithm)
-        self.guard = NonFiniteGuard(cfg.jaxflow.trainer.max_nonfinite_steps)
+        self.guard = NonFiniteGuard(self.spec.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
 
     # ------------------------------------------------------------------ construction
 
-    def _build_scorer(self) -> RewardScorer:
-        fn, r = self.cfg.custom_reward_function, self.cfg.jaxflow.reward
+    @staticmethod
+    def _build_scorer(r: RewardSpec) -> RewardScorer:
         try:
-            return RewardScorer(custom_reward_path=fn.path, custom_reward_name=fn.name, timeout_s=r.timeout_s,
-                                batch_timeout_s=r.batch_timeout_s, load_timeout_s=r.load_timeout_s,
-                                max_failure_fraction=r.max_failure_fraction)
+            return RewardScorer(custom_reward_path=r.custom_function_path, custom_reward_name=r.custom_function_name,
+                                timeout_s=r.timeout_s, batch_timeout_s=r.batch_timeout_s,
+                                load_timeout_s=r.load_timeout_s, max_failure_fraction=r.max_failure_fraction)
         except (RewardFunctionError, ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
 
@@ -235,7 +238,7 @@ class RLTrainer:
                          extra={"step": step, "algo_state": self.algo_state.state_dict(),
                                 "guard": self.guard.state_dict()})
         self.ckpt.save(step, states, host, force=True)
-        if self.cfg.trainer.save_hf:
+        if self.spec.trainer.save_hf:
             self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
 
     def export_actor(self, out_dir: str | os.PathLike) -> str:
@@ -274,15 +277,15 @@ class RLTrainer:
         response_tokens = metrics.get("response_length/mean", 0.0) * len(prompts) * n
         metrics["perf/total_num_tokens"] = prompt_tokens + response_tokens
         # verl's perf/throughput: tokens per second per device.
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed / self.cfg.jaxflow.num_devices
+        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed / self.spec.num_devices
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
         return metrics
 
     def validate(self) -> dict[str, float]:
         """Greedy (``rollout.val_kwargs``) rollouts on the validation prompts: ``val/...``."""
-        cfg = self.cfg
-        size = cfg.data.val_batch_size or len(self.val_data)
+        t = self.spec.trainer
+        size = self.spec.data.val_batch_size or len(self.val_data)
         scores, lengths, by_source = [], [], {}
         progress = ProgressBar(len(self.val_data), desc="validate", unit="prompt", leave=False)
         for start in range(0, len(self.val_data), size):
@@ -297,7 +300,7 @@ class RLTrainer:
             for src, s in zip(out["data_source"], seq):
                 by_source.setdefault(src, []).append(s)
             shown = sum(len(x) for x in scores) - len(seq)
-            for i in range(max(0, min(len(seq), cfg.trainer.log_val_generations - shown))):
+            for i in range(max(0, min(len(seq), t.log_val_generations - shown))):
                 progress.write(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
                                f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", file=sys.stdout)
             progress.update_to(start + len(seq))
@@ -324,7 +327,7 @@ class RLTrainer:
                     self._fit_attempt(history)
                     break
                 except WorkerGroupError as e:
-                    if restarts >= self.cfg.jaxflow.ray.max_restarts:
+                    if restarts >= self.spec.trainer.max_restarts:
                         raise
                     restarts += 1
                     self._restart(e, restarts)
@@ -332,7 +335,7 @@ class RLTrainer:
         finally:
             self.ckpt.close()
             self.close()
-        t = self.cfg.trainer
+        t = self.spec.trainer
         outputs = {"metrics": None, "plot": None, "tensorboard": None,
                    "checkpoints": str(self.run_dir) if t.save_freq > 0 else None, "HF export": hf_dir}
         if "jsonl" in t.logger:
@@ -347,7 +350,7 @@ class RLTrainer:
     def _restart(self, error: Exception, restarts: int) -> None:
         step = self.ckpt.latest_step()
         where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
-        print(f"worker failure: {error}\nrestart {restarts}/{self.cfg.jaxflow.ray.max_restarts}: fresh worker "
+        print(f"worker failure: {error}\nrestart {restarts}/{self.spec.trainer.max_restarts}: fresh worker "
               f"processes, resuming from {where}", flush=True)
         self.close()
         self.workers = self._build_workers(self._restart_actor_params)
@@ -359,7 +362,7 @@ class RLTrainer:
             self.guard.load_state_dict(guard)
 
     def _fit_attempt(self, history: list[dict[str, float]]) -> None:
-        cfg, t = self.cfg, self.cfg.trainer
+        cfg, t = self.cfg, self.spec.trainer
         start_step = self.resume()
         history[:] = [h for h in history if h["step"] <= start_step]
         logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
@@ -369,8 +372,8 @@ class RLTrainer:
             where = f"{jax.devices()[0].platform} devices; run dir {self.run_dir}\n{self.placement.describe()}"
         else:
             where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
-        print(f"jaxflow: {self.algorithm_name} ({cfg.algorithm.adv_estimator}) for {self.total_steps} steps on "
-              f"{cfg.jaxflow.num_devices} {where}", flush=True)
+        print(f"jaxflow: {self.algorithm_name} ({self.spec.algorithm.algorithm.adv_estimator}) for {self.total_steps} "
+              f"steps on {self.spec.num_devices} {where}", flush=True)
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
                 val = self.validate()

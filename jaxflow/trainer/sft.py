@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxflow.configs.run_spec import build_tokenizer, describe_run
+from jaxflow.configs.run_spec import build_tokenizer, describe_run, sft_spec
 from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
 from jaxflow.sampling import SamplingParams, generate_from_state
@@ -75,8 +75,7 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
     untouched. The log directory (``<output_dir>_run``) is locked for the job's lifetime, and an
     earlier job's logs there are moved aside (``previous-<time>/``)."""
     started = time.perf_counter()
-    s = cfg.jaxflow.sft
-    check_export_target(s.output_dir)
+    check_export_target(sft_spec(cfg).output_dir)
     run_dir = sft_run_dir(cfg)
     with RunDirLock(run_dir):
         set_aside_previous_outputs(run_dir)
@@ -84,14 +83,14 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
 
 
 def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str, float], nnx.GraphDef, Any]:
-    s = cfg.jaxflow.sft
     tokenizer = build_tokenizer(cfg)
-    task = builtin_task(cfg)
-    rows = task.make_sft_examples(cfg.jaxflow.data.num_train_examples, seed=cfg.data.seed, split="train")
-    data = tokenize_sft_examples(rows, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
-
     spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     check_vocab(spec, tokenizer)
+    s = spec.sft
+    task = builtin_task(spec.data)
+    rows = task.make_sft_examples(spec.data.num_train_examples, seed=spec.data.seed, split="train")
+    data = tokenize_sft_examples(rows, tokenizer, spec.prompt_length, spec.response_length)
+
     mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
     graphdef, params = load_model(spec.models["actor"], mesh, rules)
     tx, schedule = make_optimizer(OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps,
@@ -102,12 +101,12 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
     step_fn = make_train_step(graphdef, tx, schedule, sft_loss, mesh=mesh, rules=rules, state_shardings=shardings,
                               batch_ndims={key: 2 for key in PROMPT_KEYS}, num_micro=k)
 
-    t = cfg.trainer
+    t = spec.trainer
     logger = MetricsLogger(run_dir, backends=tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
                            config=cfg.to_dict(), console_keys={"sft/loss": "loss", "sft/val_accuracy": "val_acc",
                                                                "timing_s/step": "step_s"},
                            total_steps=s.steps)
-    rng = np.random.default_rng(cfg.trainer.seed)
+    rng = np.random.default_rng(spec.seed)
     history: list[dict[str, float]] = []
     metrics: dict[str, float] = {}
     try:
@@ -150,7 +149,7 @@ def warm_start(cfg: ConfigDict, *, resuming: bool = False) -> tuple[ConfigDict, 
     A run that ``resuming`` from its checkpoints reads that directory back instead of training
     again (weights ``None``: the role builders load it); SFT runs again only if it is gone.
     Without a warm start: ``(cfg, None)``."""
-    steps = cfg.jaxflow.sft.warm_start_steps
+    steps = sft_spec(cfg).warm_start_steps
     if steps <= 0 or cfg.actor_rollout_ref.model.path:
         return cfg, None
     from jaxflow.configs import checkpoint_dir

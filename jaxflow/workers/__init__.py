@@ -19,7 +19,7 @@ from jaxflow.workers.protocols import (
 )
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker
-from jaxflow.workers.train_state import TrainState, create_train_state, make_train_step
+from jaxflow.workers.train_state import TrainState, abstract_train_state, create_train_state, make_train_step
 
 __all__ = [
     "ALL_TO_ALL",
@@ -45,6 +45,7 @@ __all__ = [
     "WorkerGroup",
     "WorkerGroupInfo",
     "Workers",
+    "abstract_train_state",
     "actor_loss",
     "build_local_workers",
     "create_train_state",

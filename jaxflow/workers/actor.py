@@ -7,8 +7,9 @@ Losses (one optimizer step per mini-batch, gradients accumulated over micro-batc
         - entropy_coeff * agg(H(pi(. | s_t)))
         + kl_loss_coef * agg(kl(log_probs, ref_log_prob; kl_loss_type))    if use_kl_loss
 
-``log_probs = log_softmax(logits / T)[response]`` on ``[prompt | response]`` (T: the rollout
-temperature, read from the batch's ``meta["temperature"]`` when set), ``agg`` is
+``log_probs = log_softmax(logits / T)[response]`` on ``[prompt | response]`` (T: the training
+rollouts' temperature, `RolloutConfig.temperature`, unless a call passes ``temperature``;
+never read from the batch, whose ``meta`` is provenance only), ``agg`` is
 `jaxflow.algos.agg_loss` with the mini-batch's normalisers. Metrics (verl's names):
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
 ``actor/entropy``, ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL loss),
@@ -55,6 +56,12 @@ class RolloutConfig:
     train: SamplingParams = SamplingParams(max_new_tokens=32)
     val: SamplingParams = SamplingParams(max_new_tokens=32, greedy=True)
     max_num_seqs: int = 0
+
+    @property
+    def temperature(self) -> float:
+        """T of the training rollouts, which their log-probs and the update use: the sampling
+        temperature (1 for greedy rollouts, whose log-probs are the model's own)."""
+        return 1.0 if self.train.greedy else float(self.train.temperature)
 
     def resolve(self, sampling: SamplingParams | str) -> SamplingParams:
         """``"train"``, ``"val"``, ``"greedy"`` (the training parameters, argmax, one response
@@ -294,11 +301,12 @@ class ActorWorker(TrainableWorker):
 
     # ------------------------------------------------------------------ log-probs
     @register(DP_COMPUTE)
-    def log_probs(self, batch: Batch) -> Batch:
+    def log_probs(self, batch: Batch, *, temperature: float | None = None) -> Batch:
         """``old_log_probs`` [B, R] (0 on padding) of the responses under the current policy
-        (and ``entropys`` with ``config.log_prob_entropy``)."""
+        (and ``entropys`` with ``config.log_prob_entropy``) at ``temperature`` (None: the
+        training rollouts', `RolloutConfig.temperature`)."""
         cfg = self.config
-        temperature = np.float32(batch.meta.get("temperature", self.rollout.train.temperature))
+        temperature = np.float32(self.rollout.temperature if temperature is None else temperature)
         if cfg.use_remove_padding:
             return packed_forward(
                 self, "log_probs", batch, log_probs_fn(with_entropy=cfg.log_prob_entropy), {"temperature": temperature},
@@ -335,24 +343,27 @@ class ActorWorker(TrainableWorker):
             rows_per_micro=cfg.ppo_micro_batch_size_per_device))
 
     @register(DP_TRAIN)
-    def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
+    def update(self, batch: Batch, *, step: int | None = None,
+               temperature: float | None = None) -> dict[str, np.ndarray]:
         """PPO epochs over shuffled mini-batches, one optimizer step each. Needs ``advantages``
         (and ``ref_log_prob`` with the KL loss) and ``old_log_probs``; without them an
         on-policy update (`ActorConfig.is_on_policy`) takes them from its own forward
         (detached), any other computes them first. ``step``: the training step, which seeds
-        the shuffle (None: this worker's call count). Returns each metric's values, one per
-        step."""
+        the shuffle (None: this worker's call count). ``temperature``: the log-probs' T (None:
+        the training rollouts', `RolloutConfig.temperature`). Returns each metric's values, one
+        per step."""
         cfg = self.config
+        temperature = self.rollout.temperature if temperature is None else temperature
         on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
         if "old_log_probs" not in batch and not on_policy and "response_mask" in batch:
-            batch = batch | self.log_probs(batch).select(["old_log_probs"])
+            batch = batch | self.log_probs(batch, temperature=temperature).select(["old_log_probs"])
         keys = cfg.update_keys(on_policy)
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"ActorWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
         host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
         train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
-        scalars = {"temperature": np.float32(batch.meta.get("temperature", self.rollout.train.temperature))}
+        scalars = {"temperature": np.float32(temperature)}
         index = step
         if index is None:
             index = self._num_updates
@@ -375,7 +386,7 @@ class ActorWorker(TrainableWorker):
         keys = cfg.update_keys()
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
-        t = self.rollout.train.temperature if temperature is None else temperature
+        t = self.rollout.temperature if temperature is None else temperature
         host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
         self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {"temperature": np.float32(t)})
         return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -33,7 +33,7 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules, get_rules, logical_to_spec, sharding_rules, state_shardings
 from jaxflow.models import HEADS, from_pretrained
 from jaxflow.workers.forward import PROMPT_KEYS, map_micro
-from jaxflow.workers.packing import gather_rows, pack_inputs, plan_packing, scatter_rows
+from jaxflow.workers.packing import PackedLayout, gather_rows, pack_inputs, plan_packing, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
 from jaxflow.workers.train_state import TrainState, create_train_state
 
@@ -236,16 +236,25 @@ def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict]):
     return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)
 
 
+def pack_forward_inputs(host: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None,
+                        rows_per_micro: int | None) -> tuple[PackedLayout, dict[str, np.ndarray]]:
+    """``(layout, inputs)`` of a packed forward over the padded rows ``host`` (`PROMPT_KEYS`):
+    the packed model inputs (`pack_inputs`) and the ``response_mask`` laid out by rows."""
+    layout = plan_packing(host["prompt_mask"], host["response_mask"], ranks=ranks, max_token_len=max_token_len,
+                          rows_per_micro=rows_per_micro)
+    tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
+    tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
+    return layout, tensors
+
+
 def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Mapping[str, Any], *,
                    max_token_len: int | None, rows_per_micro: int | None) -> Batch:
     """``fn(model, micro, scalars) -> {column: [b, R]}`` over ``batch`` packed without padding
     (micro-batches of at most ``max_token_len`` tokens per device, or ``rows_per_micro`` rows
     per device), the outputs scattered back to the batch's row order (host arrays)."""
     host = {k: np.asarray(jax.device_get(batch[k])) for k in PROMPT_KEYS}
-    layout = plan_packing(host["prompt_mask"], host["response_mask"], ranks=worker.dp_size,
-                          max_token_len=max_token_len, rows_per_micro=rows_per_micro)
-    tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
-    tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
+    layout, tensors = pack_forward_inputs(host, ranks=worker.dp_size, max_token_len=max_token_len,
+                                          rows_per_micro=rows_per_micro)
     program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
     return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})

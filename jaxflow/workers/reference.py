@@ -19,7 +19,8 @@ class ReferenceWorker(RoleWorker):
     Args:
       model: the reference policy (usually the actor's initial checkpoint).
       mesh, rules: its mesh and (inference) rules.
-      temperature: used when the batch carries no ``meta["temperature"]``.
+      temperature: T of the log-probs (the training rollouts', `RolloutConfig.temperature`)
+        unless a call passes its own.
       micro_batch_size_per_device: micro-batch of the forward (memory).
       use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
       max_token_len_per_device: with remove padding, micro-batches of at most this many
@@ -38,10 +39,10 @@ class ReferenceWorker(RoleWorker):
         self.max_token_len_per_device = max_token_len_per_device
 
     @register(DP_COMPUTE)
-    def log_probs(self, batch: Batch) -> Batch:
+    def log_probs(self, batch: Batch, *, temperature: float | None = None) -> Batch:
         """``ref_log_prob`` [B, R] (0 on padding): ``log_softmax(logits / T)`` of the responses
-        under the reference policy, T = ``batch.meta["temperature"]`` (the rollout's)."""
-        temperature = np.float32(batch.meta.get("temperature", self.temperature))
+        under the reference policy, T = ``temperature`` (None: the worker's)."""
+        temperature = np.float32(self.temperature if temperature is None else temperature)
         if self.use_remove_padding:
             return packed_forward(self, "log_probs", batch, log_probs_fn("ref_log_prob"), {"temperature": temperature},
                                   max_token_len=self.max_token_len_per_device,

@@ -19,7 +19,7 @@ from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.rewards import RewardScorer, token_level_scores
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
-from jaxflow.workers.protocols import DP_COMPUTE, register
+from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 
 
 def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_level_scores"):
@@ -99,10 +99,12 @@ class RuleRewardWorker:
         rows = [r[m > 0].tolist() for r, m in zip(responses, response_mask)]
         return list(self.tokenizer.batch_decode(rows, skip_special_tokens=True))
 
-    @register(DP_COMPUTE)
-    def scores(self, batch: Batch) -> Batch:
-        """``output_key`` [B, R] (host), the decoded ``response_text`` and the scorer's
-        metrics in ``meta["reward_metrics"]``."""
+    @register(ONE_TO_ALL)
+    def scores(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``(scores, metrics)``: ``output_key`` [B, R] (host) with the decoded
+        ``response_text``, and the scorer's metrics (``reward/mean``, ``reward/num_errors``,
+        ...; `jaxflow.rewards.RewardResult`). A host-side group of one rank: the group call
+        returns a list holding this one pair."""
         responses = np.asarray(jax.device_get(batch["responses"]))
         mask = np.asarray(jax.device_get(batch["response_mask"]))
         texts = self.decode(responses, mask)
@@ -111,16 +113,14 @@ class RuleRewardWorker:
             list(batch["data_source"]), texts, list(batch["ground_truth"]),
             None if extra is None else list(extra),
         )
-        return Batch.from_dict(
-            {self.output_key: token_level_scores(result.scores, mask)},
-            {"response_text": texts},
-            {"reward_metrics": dict(result.metrics)},
-        )
+        out = Batch.from_dict({self.output_key: token_level_scores(result.scores, mask)}, {"response_text": texts})
+        return out, dict(result.metrics)
 
 
 class RewardFn:
     """``w.reward``: ``Batch -> Batch`` with ``token_level_scores`` from a reward-model group
     and/or a rule scorer group; when both are given their scores add up (each weighted).
+    `score` also returns the rule scorer's metrics.
 
     Args:
       model: a worker group of a `RewardModelWorker` (or None).
@@ -135,13 +135,25 @@ class RewardFn:
         self.weights = tuple(float(w) for w in weights)
 
     def __call__(self, batch: Batch) -> Batch:
-        parts, non_tensors, meta = [], {}, {}
+        return self.score(batch)[0]
+
+    def score(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
+        """``(token_level_scores [B, R] (+ the rule scorer's response_text), its metrics)``."""
+        parts, non_tensors, metrics = [], {}, {}
         if self.model is not None:
             out = self.model.scores(batch)
             parts.append(self.weights[0] * np.asarray(jax.device_get(out["token_level_scores"])))
         if self.rule is not None:
-            out = self.rule.scores(batch)
+            [(out, metrics)] = self.rule.scores(batch)
             parts.append(self.weights[1] * np.asarray(jax.device_get(out["token_level_scores"])))
-            non_tensors, meta = out.non_tensors, out.meta
+            non_tensors = out.non_tensors
         scores = parts[0] if len(parts) == 1 else parts[0] + parts[1]
-        return Batch.from_dict({"token_level_scores": scores.astype(np.float32)}, non_tensors, meta)
+        return Batch.from_dict({"token_level_scores": scores.astype(np.float32)}, non_tensors), metrics
+
+
+def score_batch(reward: Any, batch: Batch) -> tuple[Batch, dict[str, float]]:
+    """``(scores, metrics)`` from ``w.reward``: a `RewardFn` reports its rule scorer's
+    metrics; any other ``Batch -> Batch`` callable none."""
+    if isinstance(reward, RewardFn):
+        return reward.score(batch)
+    return reward(batch), {}

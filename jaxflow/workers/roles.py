@@ -58,7 +58,7 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
                            gen_rules=gen_rules, strategy=settings.strategy)
     if role == "ref":
         return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
-                               temperature=settings.rollout.train.temperature,
+                               temperature=settings.rollout.temperature,
                                micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
                                use_remove_padding=settings.ref_use_remove_padding,
                                max_token_len_per_device=settings.ref_max_token_len_per_device)

@@ -76,18 +76,36 @@ def train_state_shardings(params: Any, param_shardings: Any, tx: optax.GradientT
     return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated)
 
 
-def create_train_state(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
-                       mesh: Mesh) -> tuple[TrainState, TrainState]:
-    """``(state, shardings)``: fresh copies of ``params`` placed by ``param_shardings`` (never
-    aliasing the caller's buffers, since the train step donates them) and a sharded
-    optimizer state."""
+def _init_program(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
+                  mesh: Mesh) -> tuple[Any, TrainState]:
+    """``(jitted init, shardings)``: ``params -> TrainState`` (fresh copies of the parameters,
+    ``tx.init`` of them, step 0) with the state's shardings as output shardings."""
     shardings = train_state_shardings(params, param_shardings, tx, mesh)
 
     def init(p):
         p = jax.tree.map(jnp.copy, p)
         return TrainState(params=p, opt_state=tx.init(p), step=jnp.zeros((), jnp.int32))
 
-    return jax.jit(init, out_shardings=shardings)(params), shardings
+    return jax.jit(init, out_shardings=shardings), shardings
+
+
+def create_train_state(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
+                       mesh: Mesh) -> tuple[TrainState, TrainState]:
+    """``(state, shardings)``: fresh copies of ``params`` placed by ``param_shardings`` (never
+    aliasing the caller's buffers, since the train step donates them) and a sharded
+    optimizer state."""
+    init, shardings = _init_program(params, param_shardings, tx, mesh)
+    return init(params), shardings
+
+
+def abstract_train_state(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
+                         mesh: Mesh) -> tuple[TrainState, TrainState]:
+    """``(state, shardings)`` as `create_train_state` builds them, with ``jax.ShapeDtypeStruct``
+    leaves carrying their shardings (``params`` may be abstract): the same init program,
+    traced and never run. What planners lower the train step on and checkpoints restore
+    into; the optimizer's dtypes are ``tx``'s own (`jaxflow.workers.optim.OptimConfig.state_dtype`)."""
+    init, shardings = _init_program(params, param_shardings, tx, mesh)
+    return init.eval_shape(params), shardings
 
 
 def batch_sharding(mesh: Mesh, batch_axes: Any, ndim: int, leading: int = 0) -> NamedSharding:
