@@ -1,7 +1,12 @@
 """The rollout engine's paged cache and continuous batching: paged attention == dense attention
-(NumPy), slot reuse (a finished row's slot produces HF's sequence), prefix sharing (n samples ==
-n separate prompts under the same keys), per-row limits, stop strings, and no recompilation
-across calls with different length mixes."""
+(NumPy), the pallas kernels' paths == the pure-JAX one on the same pages (the GPU kernel in
+interpret mode, the TPU kernel's layout and arguments through its reference), slot reuse (a
+finished row's slot produces HF's sequence), a pool smaller than the worst case (rows wait for
+pages) == an unconstrained one, prefix sharing (n samples == n separate prompts under the same
+keys, with fewer pages at the peak), per-row limits, stop strings matched on the device (==
+decoding the prefixes), and no recompilation across calls with different length mixes."""
+
+import dataclasses
 
 import jax
 import jax.monitoring
@@ -9,18 +14,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+    dynamic_validate_inputs,
+    ref_ragged_paged_attention,
+)
 
 from jaxflow.data.char_tokenizer import CharTokenizer
+from jaxflow.data.tokenizer import Tokenizer
 from jaxflow.models import from_pretrained
 from jaxflow.sampling import (
+    PoolLayout,
     SamplingParams,
+    StopStrings,
+    engine_shape,
     generate,
     paged_attention,
     sample_tokens,
-    stop_length,
     trace_count,
 )
 from jaxflow.sampling.logits_processing import argmax
+from jaxflow.sampling.paged import ragged_arguments, slot_address
 from tests.hf_reference import random_hf_model
 
 VOCAB = 100  # the character tokenizer's ids
@@ -88,6 +101,43 @@ def test_paged_attention_matches_dense():
                     np.testing.assert_allclose(got[b, t, h], want, atol=1e-5)
 
 
+def test_kernel_paths_equal_pure_jax():
+    """The same pages and queries through each layout's write and attention: the GPU pallas
+    kernel (interpret mode on CPU) on decode queries, and the TPU layout (interleaved k/v
+    heads) with `ragged_arguments` through the ragged kernel's own reference (the kernel
+    itself needs a TPU), for decode and for a prefill chunk, equal the pure-JAX attention."""
+    rng = np.random.default_rng(1)
+    N, G, K, T, M, B = 2, 3, 16, 4, 6, 3
+    pages = 1 + B * M
+    k_pages, v_pages = (jnp.asarray(rng.normal(size=(N, pages, T, K)), jnp.float32) for _ in range(2))
+    table = (1 + rng.permutation(B * M)).reshape(B, M).astype(np.int32)
+    decode = np.array([[7], [20], [-1]], np.int32)
+    chunk = np.array([[8, 9, 10, -1], [0, 1, 2, 3], [-1, -1, -1, -1]], np.int32)
+    for positions in (decode, chunk):
+        L = positions.shape[1]
+        q = rng.normal(size=(B, L, N * G, K)).astype(np.float32)
+        k_new, v_new = (rng.normal(size=(B, L, N, K)).astype(np.float32) for _ in range(2))
+        page, offset = slot_address(table, positions, T)
+        pool = PoolLayout("jax").write((k_pages, v_pages), page, offset, k_new, v_new)
+        want = np.asarray(jax.jit(paged_attention)(q, *pool, table, positions))
+        real = positions >= 0
+        tpu = PoolLayout("tpu")
+        kv_pool = tpu.write(tpu.from_heads_major(k_pages, v_pages), page, offset, k_new, v_new)
+        for got_pool, want_pool in zip(tpu.to_heads_major(kv_pool), pool):
+            np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
+        args = [np.asarray(a) for a in ragged_arguments(table, positions)]
+        flat_q = q.reshape(B * L, N * G, K)
+        dynamic_validate_inputs(flat_q, kv_pool, *args, sm_scale=K ** -0.5)
+        # the reference loops over the sequences in Python: jitted with its int arguments fixed
+        got = jax.jit(lambda q, kv, args=args: ref_ragged_paged_attention(q, kv, *args, sm_scale=K ** -0.5))(
+            flat_q, kv_pool)
+        np.testing.assert_allclose(np.asarray(got).reshape(q.shape)[real], want[real], atol=1e-5)
+        if L == 1:
+            gpu = jax.jit(lambda q, pool, positions: PoolLayout("gpu", interpret=True).attend(
+                q, pool, table, positions, sliding_window=None, pages_per_block=8))(q, pool, positions)
+            np.testing.assert_allclose(np.asarray(gpu), want, atol=1e-5)
+
+
 def test_argmax_matches_numpy():
     """The two-level argmax is numpy's (first index of the maximum), ties and a vocabulary
     that is not a multiple of the block included."""
@@ -124,24 +174,54 @@ def test_slot_reuse_matches_hf(llama):
     assert 0 < int(np.max(out2.stats["peak_pages"])) <= out2.stats["pages_per_replica"] - 1
 
 
+def test_small_pool_equals_unconstrained(llama):
+    """Greedy and sampled rollouts through a page pool far below the worst case (rows wait
+    for pages: the measured waits are > 0) give exactly the tokens, lengths and log-probs of
+    the worst-case pool (where nobody waits) under the same keys. The default pool of a
+    rollout with EOS ids is below the worst case too."""
+    _, model = llama
+    ids, mask = _prompts()
+    limits = np.array([5, NEW, 9, 17, 3, 11, NEW, 2, 20, 14, 8, NEW])
+    for params in (SamplingParams(max_new_tokens=NEW, greedy=True, n=2, eos_token_ids=()),
+                   SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.9, n=2, eos_token_ids=(7, 11),
+                                  seed=4)):
+        shape = engine_shape(model.cfg, len(ids), ids.shape[1], NEW, n=2, slots=6, page_size=4)
+        big = generate(model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4,
+                       kv_tokens=shape.worst_case_pages * 4)
+        small = generate(model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4, kv_tokens=4 * 44)
+        assert big.stats["pages_per_replica"] == shape.worst_case_pages and int(big.stats["waits"][0]) == 0
+        assert small.stats["pages_per_replica"] == 45 < shape.worst_case_pages
+        assert int(small.stats["waits"][0]) > 0 and int(small.stats["peak_pages"][0]) <= 44
+        for name in ("responses", "lengths", "response_mask"):
+            np.testing.assert_array_equal(np.asarray(getattr(small, name)), np.asarray(getattr(big, name)))
+        np.testing.assert_allclose(np.asarray(small.log_probs), np.asarray(big.log_probs), atol=1e-5)
+    assert engine_shape(model.cfg, 64, 16, 512, n=8).pages < engine_shape(model.cfg, 64, 16, 512, n=8).worst_case_pages / 3
+    with pytest.raises(ValueError, match="kv_tokens=40 is below the smallest pool"):
+        generate(model, ids, mask, params, slots=6, page_size=4, kv_tokens=40)
+
+
 def test_prefix_sharing_equals_separate_prompts(llama):
     """n = 4 sampled responses per prompt (the prompt prefilled once, its pages shared, page
     size 4 so that prompts end inside a shared page) equal the responses of the prompts
-    repeated 4 times with n = 1: same rows, same keys, same tokens and log-probs."""
+    repeated 4 times with n = 1: same rows, same keys, same tokens and log-probs. With the
+    same slots, sharing holds fewer pages at the peak (measured)."""
     _, model = llama
     ids, mask = _prompts(seed=1)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, n=4, eos_token_ids=(7, 11), seed=5)
-    shared = generate(model, ids, mask, params, slots=5, page_size=4)
+    kw = dict(slots=8, page_size=4, kv_tokens=4 * 1000)  # more than the worst case: nobody waits
+    shared = generate(model, ids, mask, params, **kw)
     separate = generate(model, np.repeat(ids, 4, 0), np.repeat(mask, 4, 0),
                         SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, eos_token_ids=(7, 11), seed=5),
-                        slots=7, page_size=4)
+                        **kw)
     np.testing.assert_array_equal(np.asarray(shared.responses), np.asarray(separate.responses))
     np.testing.assert_array_equal(np.asarray(shared.lengths), np.asarray(separate.lengths))
     np.testing.assert_allclose(np.asarray(shared.log_probs), np.asarray(separate.log_probs), atol=1e-5)
     tokens = np.asarray(shared.responses)
     assert sum((tokens[4 * i] != tokens[4 * i + 1]).any() for i in range(len(ids))) >= 4  # real draws
-    # the shared run's prompt pages: one set per prompt, not per sample
-    assert shared.stats["pages_per_replica"] < separate.stats["pages_per_replica"]
+    assert int(shared.stats["waits"][0]) == int(separate.stats["waits"][0]) == 0
+    # 8 slots hold the samples of 2 prompts (shared) or 8 copies of prompts (separate), whose
+    # prompt pages (up to 4 of 4 tokens) are held once per copy
+    assert int(shared.stats["peak_pages"][0]) + 8 <= int(separate.stats["peak_pages"][0])
 
 
 def test_per_row_limits_and_bad_limits(llama):
@@ -163,35 +243,82 @@ def test_per_row_limits_and_bad_limits(llama):
         generate(model, ids, mask, params, max_new_tokens=NEW + 1)
 
 
-def _reference_stop(text_of, tokens, stops):
+def _reference_stop(tokenizer, tokens, stops):
+    """The number of tokens to keep: the first k whose decoded prefix holds a stop string."""
     for k in range(1, len(tokens) + 1):
-        if any(s in text_of(tokens[:k]) for s in stops):
+        if any(s in tokenizer.decode([int(t) for t in tokens[:k]]) for s in stops):
             return k
     return len(tokens)
 
 
 def test_stop_strings(llama):
-    """Rows end after the token that completes a stop string, found through the tokenizer's
-    decode (a linear scan over prefixes as the reference)."""
+    """Rows end on the device after the token that completes a stop string: lengths equal a
+    scan over the decoded prefixes of the free-running rows, tokens equal up to there. A cut
+    row frees its slot at once: through 3 slots the run takes exactly the steps (and gives
+    the tokens) of a run whose per-row limits are those lengths, fewer than the free run."""
     _, model = llama
     tok = CharTokenizer()
     ids, mask = _prompts()
     params = SamplingParams(max_new_tokens=NEW, n=2, eos_token_ids=(), seed=2)
-    free = generate(model, ids, mask, params)
+    kw = dict(slots=3, kv_tokens=1 << 20)  # the worst-case pool (no waits) whatever the stops
+    free = generate(model, ids, mask, params, **kw)
     texts = [tok.decode([int(t) for t in row]) for row in np.asarray(free.responses)]
-    stops = (texts[0][5:7], texts[3][2:5])  # strings that occur mid-response in rows 0 and 3
-    out = generate(model, ids, mask, SamplingParams(max_new_tokens=NEW, n=2, eos_token_ids=(), seed=2, stop=stops),
-                   tokenizer=tok)
+    stops = tuple(texts[r][r % 5 + 2:r % 5 + 4] for r in range(0, 12, 2))  # strings that occur mid-response
+    out = generate(model, ids, mask, dataclasses.replace(params, stop=stops), tokenizer=tok, **kw)
     lengths = np.asarray(out.lengths)
     for row, full_row in enumerate(np.asarray(free.responses)):
-        want = _reference_stop(lambda t: tok.decode([int(x) for x in t]), full_row, stops)
-        assert lengths[row] == want == stop_length(full_row, stops, tok)
+        want = _reference_stop(tok, full_row, stops)
+        assert lengths[row] == want
         np.testing.assert_array_equal(np.asarray(out.responses)[row, :want], full_row[:want])
         assert (np.asarray(out.responses)[row, want:] == PAD).all()
         assert (np.asarray(out.response_mask)[row] == (np.arange(NEW) < want)).all()
-    assert lengths[0] < NEW and lengths[3] < NEW  # both rows were cut
+    assert (lengths[::2] < NEW).all()
+    limited = generate(model, ids, mask, params, max_new_tokens=lengths, **kw)
+    np.testing.assert_array_equal(np.asarray(limited.responses), np.asarray(out.responses))
+    assert int(out.num_steps) == int(limited.num_steps) < int(free.num_steps)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         generate(model, ids, mask, SamplingParams(max_new_tokens=4, stop=("a",)))
+
+
+def _bpe_tokenizer() -> Tokenizer:
+    """A byte-level BPE (multi-character tokens) trained on a few words."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    rng = np.random.default_rng(0)
+    words = ["the", "answer", "is", "</answer>", "<answer>", "foo", "bar", "\n", "42", "and"]
+    backend = tokenizers.Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.train_from_iterator([" ".join(rng.choice(words, size=20)) for _ in range(200)], trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    return Tokenizer(backend)
+
+
+def test_stop_tables_match_decoded_text():
+    """`StopStrings` tables run over token ids (a NumPy walk of the automaton) stop exactly
+    where the decoded prefix first holds a stop string, for a byte-level BPE whose tokens
+    span several characters and parts of stop strings, on sequences that contain them."""
+    tok = _bpe_tokenizer()
+    stops = ("</answer>", "\n\n", "r a", "42")
+    tables = StopStrings.build(stops, tok, tok.vocab_size)
+    assert tables is StopStrings.build(stops, tok, tok.vocab_size)  # cached
+    assert tables.next_state_SxC.shape[1] < tok.vocab_size // 4  # classes, not ids
+    rng = np.random.default_rng(1)
+    words = ["the", "answer", "is", "</", "answer>", "fo", "o", "bar", "\n", "4", "2", "and", " "]
+    stopped = 0
+    for _ in range(300):
+        ids = tok.encode("".join(rng.choice(words, size=12)), add_special_tokens=False)
+        state, keep = 0, len(ids)
+        for k, t in enumerate(ids):
+            c = tables.token_class_V[t]
+            if tables.hit_SxC[state, c]:
+                keep = k + 1
+                break
+            state = tables.next_state_SxC[state, c]
+        assert keep == _reference_stop(tok, ids, stops), ids
+        stopped += keep < len(ids)
+    assert stopped > 40  # 53 of 300 sequences hold a stop string
 
 
 class _CompileCounter:
