@@ -14,13 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
     dynamic_validate_inputs,
     ref_ragged_paged_attention,
 )
+from jax.sharding import Mesh
 
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import Tokenizer
+from jaxflow.mesh import GENERATE_RULES, state_shardings
 from jaxflow.models import from_pretrained
 from jaxflow.sampling import (
     PoolLayout,
@@ -28,6 +31,7 @@ from jaxflow.sampling import (
     StopStrings,
     engine_shape,
     generate,
+    generate_from_state,
     paged_attention,
     sample_tokens,
     trace_count,
@@ -172,6 +176,27 @@ def test_slot_reuse_matches_hf(llama):
     out2 = generate(model, ids, mask, params, max_new_tokens=limits, slots=2, page_size=4)
     assert int(out2.num_steps) >= limits.sum() / 2
     assert 0 < int(np.max(out2.stats["peak_pages"])) <= out2.stats["pages_per_replica"] - 1
+
+
+def test_gpu_kernel_in_the_engine(llama):
+    """The engine with the GPU pallas kernel (interpret mode on CPU) on a (dp=4, tp=2) mesh,
+    the kernel run per kv-head shard under shard_map: HF's greedy tokens, and the
+    pure-JAX path's log-probs."""
+    hf, model = llama
+    ids, mask = _prompts(LENGTHS[:4])  # one prompt per replica: every replica runs NEW steps
+    want = _hf_greedy(hf, ids, mask)
+    params = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, GENERATE_RULES, mesh))
+    out = generate_from_state(graphdef, state, ids, mask, params, mesh=mesh, attention="gpu")
+    assert out.stats["attention"] == "gpu"
+    np.testing.assert_array_equal(np.asarray(out.responses), want)
+    plain = generate(model, ids, mask, params)
+    assert plain.stats["attention"] == "jax"  # CPU: the pure-JAX attention by default
+    np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(plain.log_probs), atol=1e-5)
+    with pytest.raises(ValueError, match="runs on TPU only"):
+        generate(model, ids, mask, params, attention="tpu")
 
 
 def test_small_pool_equals_unconstrained(llama):
