@@ -21,9 +21,11 @@ from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
 )
 from jax.sharding import Mesh
 
+from jaxflow.configs import describe_run, load_config
+from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import Tokenizer
-from jaxflow.mesh import GENERATE_RULES, state_shardings
+from jaxflow.mesh import GENERATE_RULES, MeshSpec, state_shardings
 from jaxflow.models import from_pretrained
 from jaxflow.sampling import (
     PoolLayout,
@@ -38,6 +40,7 @@ from jaxflow.sampling import (
 )
 from jaxflow.sampling.logits_processing import argmax
 from jaxflow.sampling.paged import ragged_arguments, slot_address
+from jaxflow.workers import ActorWorker
 from tests.hf_reference import random_hf_model
 
 VOCAB = 100  # the character tokenizer's ids
@@ -303,6 +306,44 @@ def test_stop_strings(llama):
     assert int(out.num_steps) == int(limited.num_steps) < int(free.num_steps)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         generate(model, ids, mask, SamplingParams(max_new_tokens=4, stop=("a",)))
+
+
+def test_worker_generate_with_configured_stops_and_limits(llama):
+    """Through the run description and the actor worker: ``rollout.stop`` strings,
+    ``rollout.stop_token_ids`` and a per-prompt ``max_new_tokens`` column end each row where
+    a scan of the free-running row (the same keys, no stops) says: the first of its limit,
+    EOS / stop id, or stop string (decoded prefixes)."""
+    _, model = llama
+    tok = CharTokenizer()
+    keys = ["data.max_response_length=24", "actor_rollout_ref.rollout.n=2", "jaxflow.placement.type=colocated",
+            "actor_rollout_ref.rollout.max_total_tokens=2048"]
+
+    def worker(*overrides):
+        spec = describe_run(load_config("grpo_tiny", keys + list(overrides)), eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+        mesh = MeshSpec(fsdp=2).build(jax.devices()[:2])
+        return spec, ActorWorker(nnx.split(model), mesh, "train", rollout=spec.rollout)
+
+    ids, mask = _prompts(LENGTHS[:4])
+    spec, free_worker = worker()
+    assert spec.rollout.train.stop == () and spec.rollout.tokenizer is None
+    free = np.asarray(free_worker.generate(Batch.from_dict({"prompt_ids": ids, "prompt_mask": mask}), step=3)["responses"])
+    texts = [tok.decode([int(t) for t in row]) for row in free]
+    stops, stop_id = (texts[1][4:6], texts[4][7:9]), int(free[6, 10])
+    spec, actor = worker(f"actor_rollout_ref.rollout.stop={list(stops)!r}",
+                         f"actor_rollout_ref.rollout.stop_token_ids=[{stop_id}]")
+    assert spec.rollout.train.stop == stops and stop_id in spec.rollout.train.eos_token_ids
+    limits = np.array([24, 24, 5, 24], np.int32)
+    out = actor.generate(Batch.from_dict({"prompt_ids": ids, "prompt_mask": mask, "max_new_tokens": limits}), step=3)
+    tokens, response_mask = np.asarray(out["responses"]), np.asarray(out["response_mask"])
+    ends = set(spec.rollout.train.eos_token_ids)
+    for row, full in enumerate(free):
+        want = min(np.repeat(limits, 2)[row], _reference_stop(tok, full, stops),
+                   next((k + 1 for k, t in enumerate(full) if int(t) in ends), len(full)))
+        assert response_mask[row].sum() == want, row
+        np.testing.assert_array_equal(tokens[row, :want], full[:want])
+    assert response_mask[1].sum() < 24 and response_mask[4].sum() < 24 and response_mask[6].sum() <= 11
+    assert response_mask[4:6].sum(1).max() <= 5
 
 
 def _bpe_tokenizer() -> Tokenizer:

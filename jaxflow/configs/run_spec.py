@@ -226,18 +226,24 @@ def sampling_params(cfg: ConfigDict, section: ConfigDict, eos_token_id: int | No
     r = cfg.actor_rollout_ref.rollout
     greedy = not section.do_sample or section.temperature == 0
     eos = () if r.ignore_eos or eos_token_id is None else (eos_token_id,)
+    eos += tuple(t for t in r.stop_token_ids if t not in eos)
     return SamplingParams(
         max_new_tokens=cfg.data.max_response_length, greedy=greedy, temperature=1.0 if greedy else section.temperature,
         top_k=max(0, section.top_k), top_p=section.top_p, n=section.n, eos_token_ids=eos, seed=cfg.trainer.seed,
-        pad_token_id=pad_token_id)
+        pad_token_id=pad_token_id, stop=tuple(r.stop))
 
 
-def rollout_config(cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None) -> RolloutConfig:
-    """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``)."""
+def rollout_config(cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None,
+                   tokenizer: Any = None) -> RolloutConfig:
+    """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``),
+    with the run's tokenizer (built here when stop strings need one and none is given)."""
     r = cfg.actor_rollout_ref.rollout
+    if r.stop and tokenizer is None:
+        tokenizer = build_tokenizer(cfg)
     return RolloutConfig(train=sampling_params(cfg, r, eos_token_id, pad_token_id),
                          val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
-                         max_num_seqs=r.max_num_seqs)
+                         max_num_seqs=r.max_num_seqs, max_total_tokens=r.max_total_tokens,
+                         tokenizer=tokenizer if r.stop else None)
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
@@ -268,13 +274,15 @@ def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
 
 
 def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None, num_train_prompts: int | None = None) -> RunSpec:
+                 pad_token_id: int | None = None, num_train_prompts: int | None = None,
+                 tokenizer: Any = None) -> RunSpec:
     """The `RunSpec` of a validated config.
 
     ``devices``: those of the placement (default: the first ``jaxflow.num_devices``).
     ``eos_token_id`` / ``pad_token_id``: the tokenizer's (stop tokens of the rollouts, and the
     ids of a preset model). ``num_train_prompts``: the training set's size, which sizes the
     schedules when ``trainer.total_training_steps`` is unset (default: the built-in task's).
+    ``tokenizer``: the run's (for ``rollout.stop``; default: built from the config when needed).
     """
     steps = training_steps(cfg, num_train_prompts)
     roles = active_roles(cfg)
@@ -283,7 +291,7 @@ def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_t
         placement=build_placement(cfg, devices), roles=roles,
         models={r: model_spec(cfg, r, eos_token_id, pad_token_id) for r in roles},
         actor=actor_config(cfg, steps),
-        rollout=rollout_config(cfg, eos_token_id, pad_token_id),
+        rollout=rollout_config(cfg, eos_token_id, pad_token_id, tokenizer),
         ref_micro_batch_size_per_device=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_device,
         critic=critic_config(cfg, steps) if "critic" in roles else None,
         reward=RewardSpec(model="reward" in roles, micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,

@@ -297,6 +297,12 @@ def generation_slots(spec: RunSpec) -> int | None:
     return m if m > 0 else None
 
 
+def generation_kv_tokens(spec: RunSpec) -> int | None:
+    """The KV-cache budget per generation replica: ``max_total_tokens`` when set (None: the
+    engine's default)."""
+    return spec.rollout.max_total_tokens or None
+
+
 def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any,
                      engine: HybridEngine) -> tuple[ProgramSpec, int]:
     """The actor's rollout program (chunked prefill + continuous decode over
@@ -308,10 +314,10 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
     n, P = sp.n, spec.prompt_length
     gen_dp = batch_axis_size(rules, mesh)
     prompts = spec.train_batch_size
-    slots = generation_slots(spec)
+    slots, kv_tokens = generation_slots(spec), generation_kv_tokens(spec)
     params = abstract_params(state, rules, mesh)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
-    shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots)
+    shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots, kv_tokens=kv_tokens)
     out = ProgramSpec(
         name="actor/generate", role="actor", phase="generate", mesh=mesh,
         description=(f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
@@ -321,7 +327,8 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
         analytic_argument_bytes=tree_bytes_per_device(params) + 4 * (shape.prompts * (shape.prompt_len + 1)
                                                                      + shape.rows + 2),
         args_hold=(),  # a generation copy of the weights: the training state stays resident
-        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots))
+        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots,
+                                     kv_tokens=kv_tokens))
     return out, prompts
 
 

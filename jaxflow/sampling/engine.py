@@ -169,8 +169,12 @@ def _batch_spec(rules: Rules, mesh: Mesh | None, *names: str | None) -> Partitio
 
 
 def _replica_rules(rules: Rules) -> Rules:
-    """Inside one replica the batch is not split (the replica axis carries the dp axes)."""
-    return tuple((name, None if name == "batch" else axes) for name, axes in rules)
+    """Inside one replica the batch is not split (the replica axis carries the batch's mesh
+    axes), and nothing else is split over those axes either (e.g. ``embed`` over fsdp when
+    generating in a training layout: those axes are manual inside the replica)."""
+    batch = set(_axes_of(dict(rules).get("batch")))
+    return tuple((name, None if name == "batch" else tuple(a for a in _axes_of(axes) if a not in batch) or None)
+                 for name, axes in rules)
 
 
 def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng,
