@@ -221,7 +221,8 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
             _, out = model.model(tok_GxC, None, pos_GxC, cache(pools, table, pos_GxC))
             return constrain_pools(out.pools)
 
-        pools = jax.lax.fori_loop(0, chunks, chunk, c["pools"])
+        with jax.named_scope("prefill"):
+            pools = jax.lax.fori_loop(0, chunks, chunk, c["pools"])
         return dict(c, pools=pools, prefilled=first + Gr, top=c["top"] - Gr * Mp,
                     prompt_table=jax.lax.dynamic_update_slice_in_dim(c["prompt_table"], pages_GxMp, first, axis=0),
                     alive=jax.lax.dynamic_update_slice_in_dim(c["alive"], jnp.ones(Gr, bool), first, axis=0))
@@ -289,11 +290,15 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
         run = c["active"] & ~wait
         positions = jnp.where(run, c["pos"], -1)[:, None]
         hidden, kv = model.model(c["tok"][:, None], None, positions, cache(c["pools"], c["table"], positions))
-        logits_SxV = model.logits(hidden)[:, 0]
-        keys = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(rng, row_offset + r), j))(c["row"], c["gen"])
-        tok = sample_tokens(keys, logits_SxV, greedy=static.greedy, temperature=temperature, top_k=static.top_k,
-                            top_p=top_p, use_top_p=static.use_top_p)
-        logp = token_log_probs(logits_SxV, tok, temperature)
+        with jax.named_scope("lm_head"):
+            logits_SxV = model.logits(hidden)[:, 0]
+        with jax.named_scope("sample"):  # the scopes name the ops in profiles (experiments/bench_sampling.py)
+            keys = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(rng, row_offset + r), j))(
+                c["row"], c["gen"])
+            tok = sample_tokens(keys, logits_SxV, greedy=static.greedy, temperature=temperature, top_k=static.top_k,
+                                top_p=top_p, use_top_p=static.use_top_p)
+        with jax.named_scope("log_prob"):
+            logp = token_log_probs(logits_SxV, tok, temperature)
         row_w = jnp.where(run, c["row"], N)  # idle and waiting slots write nowhere
         gen = c["gen"] + run
         stop = jnp.any(tok[:, None] == eos[None, :], axis=-1)

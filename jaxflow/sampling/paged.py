@@ -228,10 +228,11 @@ class PagedKVCache:
 
     def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, pool):
         """Write this call's keys/values into one layer's pool, then attend over the pages."""
-        page_BxL, offset_BxL = slot_address(self.page_table_BxM, self.positions_BxL, self.layout.page_size(pool))
-        pool = self.layout.write(pool, page_BxL, offset_BxL, k_BxLxNxK, v_BxLxNxK)
-        out = self.layout.attend(q_BxLxHxK, pool, self.page_table_BxM, self.positions_BxL,
-                                 sliding_window=self.sliding_window, pages_per_block=self.pages_per_block)
+        with jax.named_scope("paged_attention"):
+            page_BxL, offset_BxL = slot_address(self.page_table_BxM, self.positions_BxL, self.layout.page_size(pool))
+            pool = self.layout.write(pool, page_BxL, offset_BxL, k_BxLxNxK, v_BxLxNxK)
+            out = self.layout.attend(q_BxLxHxK, pool, self.page_table_BxM, self.positions_BxL,
+                                     sliding_window=self.sliding_window, pages_per_block=self.pages_per_block)
         return out, pool
 
 
