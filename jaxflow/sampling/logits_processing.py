@@ -183,8 +183,9 @@ def _categorical(keys_B: jax.Array, logits_BxC: jax.Array) -> jax.Array:
         """Smallest i with cumsum(weights)[i] > u * sum(weights), over positive weights."""
         cdf = jnp.cumsum(weights_BxM, axis=-1)
         i = jnp.sum(cdf <= u_B[:, None] * cdf[:, -1:], axis=-1)
-        # Rounding can put u * total at the total: fall back to the last positive weight.
-        last = weights_BxM.shape[-1] - 1 - jnp.argmax(weights_BxM[:, ::-1] > 0, axis=-1)
+        # Rounding can put u * total at the total: fall back to the last positive weight (a
+        # max over indices, not a reversed copy: no data movement when the entries are sharded)
+        last = jnp.max(jnp.where(weights_BxM > 0, jnp.arange(weights_BxM.shape[-1]), 0), axis=-1)
         return jnp.minimum(i, last)
 
     block_B = pick(jnp.sum(w_BxNxW, axis=-1), u_Bx2[:, 0])
