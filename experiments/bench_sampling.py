@@ -222,6 +222,9 @@ def profile_decode_step(model, ids: np.ndarray, mask: np.ndarray, params: Sampli
         out.responses.block_until_ready()
         jax.profiler.stop_trace()
         data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])
+    ops: dict[str, int] = {}
+    for op_name in op_of.values():
+        ops[_part(op_name)] = ops.get(_part(op_name), 0) + 1
     parts: dict[str, float] = {}
     for plane in data.planes:
         for line in plane.lines:
@@ -230,12 +233,13 @@ def profile_decode_step(model, ids: np.ndarray, mask: np.ndarray, params: Sampli
                     part = _part(op_of[event.name])
                     parts[part] = parts.get(part, 0.0) + event.duration_ns * 1e-9
     steps = int(out.num_steps)
-    return dict(steps=steps, thread_s_per_step={k: v / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])})
+    return dict(steps=steps, thread_s_per_step={k: v / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+                hlo_ops=ops)
 
 
 def bench_decode_step(args) -> dict:
-    """Greedy vs T=1 sampling in this process: `decode_step_seconds` alternated over
-    ``--rounds``, then `profile_decode_step` per mode."""
+    """Greedy vs T=1 sampling in this process: `decode_step_seconds` and
+    `profile_decode_step` per mode, alternated over ``--rounds``."""
     cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
                       num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                       head_dim=args.hidden // args.heads, max_position_embeddings=4096)
@@ -244,15 +248,19 @@ def bench_decode_step(args) -> dict:
     modes = {"greedy": SamplingParams(max_new_tokens=args.new_tokens, greedy=True, eos_token_ids=()),
              "sample T=1": SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(), seed=0)}
     steps: dict[str, list[dict]] = {m: [] for m in modes}
-    for _ in range(args.rounds):
-        for name, params in modes.items():
-            steps[name].append(decode_step_seconds(model, ids, mask, params, short=args.short, long=args.new_tokens,
-                                                   reps=args.reps))
+    profiles: dict[str, list[dict]] = {m: [] for m in modes}
+    for r in range(args.rounds):  # the order flips every round, so that neither mode always goes first
+        for name in list(modes)[::-1 if r % 2 else 1]:
+            steps[name].append(decode_step_seconds(model, ids, mask, modes[name], short=args.short,
+                                                   long=args.new_tokens, reps=args.reps))
+            profiles[name].append(profile_decode_step(model, ids, mask, modes[name], args.new_tokens))
     result = {name: dict(step_ms_rounds=[r["step_s"] * 1e3 for r in rs],
                          step_ms_median=statistics.median(r["step_s"] for r in rs) * 1e3,
                          slots=rs[-1]["slots"], waits=rs[-1]["waits"]) for name, rs in steps.items()}
-    for name, params in modes.items():
-        result[name]["profile"] = profile_decode_step(model, ids, mask, params, args.new_tokens)
+    for name, ps in profiles.items():  # the least time of each part over the rounds (the least disturbed)
+        parts = {k for p in ps for k in p["thread_s_per_step"]}
+        result[name]["profile"] = dict(ps[-1], thread_s_per_step={
+            k: min(p["thread_s_per_step"].get(k, 0.0) for p in ps) for k in parts})
     result["ratio_greedy_over_sample_step_time"] = (result["greedy"]["step_ms_median"]
                                                     / result["sample T=1"]["step_ms_median"])
     return result
@@ -295,10 +303,11 @@ def main(argv=None) -> dict:
         print("profile (measured: XLA:CPU thread ms per decode step, summed over worker threads)")
         parts = list(result["greedy"]["profile"]["thread_s_per_step"])
         parts += [p for p in result["sample T=1"]["profile"]["thread_s_per_step"] if p not in parts]
-        print(f"  {'part':<32}{'greedy':>10}{'sample T=1':>12}")
+        print(f"  {'part':<32}{'greedy':>10}{'sample T=1':>12}   HLO ops (greedy, sample T=1)")
         for part in parts:
             g, t = (result[m]["profile"]["thread_s_per_step"].get(part, 0.0) * 1e3 for m in ("greedy", "sample T=1"))
-            print(f"  {part:<32}{g:>10.3f}{t:>12.3f}")
+            n = [result[m]["profile"]["hlo_ops"].get(part, 0) for m in ("greedy", "sample T=1")]
+            print(f"  {part:<32}{g:>10.3f}{t:>12.3f}   {n[0]}, {n[1]}")
         return result
     if args._worker:  # child process: one engine, one JSON line
         ids, mask = _prompts(args)
