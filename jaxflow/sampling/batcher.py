@@ -159,14 +159,15 @@ def layout(static: Static, prompt_len: int) -> dict[str, int]:
 
 
 def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows, rng, temperature, top_p,
-            stop_tables, static: Static, pool_layout: PoolLayout):
+            stop_tables, static: Static, pool_layout: PoolLayout, vocab_shards: int = 1):
     """One replica's rollout. ``prompt_ids_BxP`` right-padded (row i's tokens in columns
     [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``num_rows``
     the rows to generate (later rows are bucket padding), ``row_offset`` this replica's first
     global row id, ``stop_tables`` the `stops.StopStrings` arrays (token_class_V,
-    next_state_SxC, hit_SxC; unused without ``static.use_stops``). Returns bucket-sized
-    outputs and statistics (``peak_pages`` and ``waits``: slot-steps spent waiting for a
-    page, both measured)."""
+    next_state_SxC, hit_SxC; unused without ``static.use_stops``), ``vocab_shards`` the
+    devices the logits' vocabulary is split over inside the replica (the sampler's blocks
+    then tile the shards). Returns bucket-sized outputs and statistics (``peak_pages`` and
+    ``waits``: slot-steps spent waiting for a page, both measured)."""
     cfg: ModelConfig = model.cfg
     B, P = prompt_ids_BxP.shape
     N, R, S, T, n = B * static.n, static.response_len, static.slots, static.page_size, static.n
@@ -296,7 +297,7 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
             keys = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(rng, row_offset + r), j))(
                 c["row"], c["gen"])
             tok = sample_tokens(keys, logits_SxV, greedy=static.greedy, temperature=temperature, top_k=static.top_k,
-                                top_p=top_p, use_top_p=static.use_top_p)
+                                top_p=top_p, use_top_p=static.use_top_p, vocab_shards=vocab_shards)
         with jax.named_scope("log_prob"):
             logp = token_log_probs(logits_SxV, tok, temperature)
         row_w = jnp.where(run, c["row"], N)  # idle and waiting slots write nowhere

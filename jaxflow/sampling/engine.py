@@ -2,8 +2,9 @@
 prompt prefixes shared by the n samples, per-row limits and stops; one compiled program.
 
 ``generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=..., rules=...,
-max_new_tokens=..., slots=..., page_size=...)`` runs, per generation replica (one per data-
-parallel group of the mesh, ``vmap``-ed over the mesh's batch axes), `batcher.rollout`:
+max_new_tokens=..., slots=..., page_size=..., kv_tokens=...)`` runs, per generation replica
+(one per data-parallel group of the mesh, under ``shard_map`` over the mesh's batch axes),
+`batcher.rollout`:
 
 1. **Chunked prefill.** The prompts (their first p_i - 1 tokens) are written into pages of a
    paged KV cache (`paged`), ``PREFILL_ROWS`` prompts x ``PREFILL_LEN`` tokens per chunk, once
@@ -20,10 +21,13 @@ one of the ``SamplingParams.stop`` strings (matched on the device, `stops`; the 
 gives each token's text). A finished row frees its slot and pages at once. Later positions
 hold the pad id (``cfg.pad_token_id`` or 0) with mask 0 and log-prob 0.
 
-Memory. The page pool is sized from a token budget (``kv_tokens`` per replica; default: the
-prompts that can be alive and a quarter of every slot's response buffer, `batcher.pool_pages`),
-not for the worst case; a row that finds no free page waits for one (`batcher`), which never
-changes what it samples. ``stats`` reports the pages allocated and the most in use (measured).
+Memory. The page pool is sized from a token budget (``kv_tokens`` per replica), not for the
+worst case. Default: the prompts that can be alive and a quarter of every slot's response
+buffer (`batcher.pool_pages`); for rows that can only stop at their limits (no EOS ids, no
+stop strings) every token is known, and the default is the peak of the schedule in which no
+row waits (`batcher.no_wait_peak_pages`, rounded up to a power of two pages). A row that
+finds no free page waits for one (`batcher`), which never changes what it samples. ``stats``
+reports the pages allocated, the most in use and the waits (measured).
 
 Attention. On GPU and TPU the pallas paged-attention kernels of the jax wheel run the decode
 (TPU: and prefill) attention, with the pools in their layouts; elsewhere the pure-JAX
@@ -32,9 +36,9 @@ attention (`paged`). ``attention=`` overrides the choice.
 Buckets. The prompt batch is rounded to ``dp * 2^k`` prompts (extra prompts copy prompt 0
 and are never admitted), the prompt length to a power of two >= 16 and the response buffer R
 to a power of two >= 16 (>= ``SamplingParams.max_new_tokens``). Per-row limits, the number
-of rows, temperature,
-top-p and the PRNG key are runtime values, so calls with any mix of lengths reuse the
-program. The arrays returned are cut to [B * n, SamplingParams.max_new_tokens] (per-row
+of rows, temperature, top-p, the PRNG key and the stop-string tables are runtime values, so
+calls with any mix of lengths reuse the program (rows without EOS: while the default pool
+stays in its power-of-two bucket). The arrays returned are cut to [B * n, SamplingParams.max_new_tokens] (per-row
 limits are at most that).
 
 Sharding. With a ``mesh``, every replica's prompts, slots and page pool live on its dp group
@@ -187,6 +191,8 @@ def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offs
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
+    vocab_shards = 1 if mesh is None else math.prod(
+        mesh.shape[a] for a in _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0]))
 
     def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables):
         """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
@@ -199,7 +205,7 @@ def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offs
         ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
         with ctx:
             out = rollout(model, ids[0], plen[0], limits[0], offset[0], num_rows[0], rng, temperature, top_p,
-                          stop_tables, static, pool_layout)
+                          stop_tables, static, pool_layout, vocab_shards)
         return jax.tree.map(lambda x: x[None], out)
 
     args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p, stop_tables)
