@@ -15,7 +15,7 @@ import re
 import sys
 from typing import Any
 
-from jaxflow.mesh.devices import simulate_devices
+from jaxflow.mesh.devices import enable_compilation_cache, simulate_devices
 
 LOG_FILE = "jaxflow.log"
 INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
@@ -34,19 +34,6 @@ README's table, or `python -m jaxflow.configs.docs`.
 
 named configs:
 """
-
-
-def enable_compilation_cache() -> str:
-    """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run loads its
-    compiled programs instead of compiling them again. Returns the directory."""
-    import jax
-
-    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax")
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
-    return path
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:

@@ -1,14 +1,32 @@
 """Runs use JAX's persistent compilation cache by default: a second process finds the first
-one's compiled program on disk instead of compiling it again."""
+one's compiled program on disk instead of compiling it again, whether it turned the cache on
+as a library user does (``jaxflow.mesh.enable_compilation_cache``) or is a Ray backend worker
+process (``HostProcess.init_world``, the same code path the Ray actors run)."""
 
 import os
 import subprocess
 import sys
 
-PROGRAM = """
-import jax, jax.numpy as jnp, jax.monitoring
-from jaxflow.run import enable_compilation_cache
+import pytest
+
+LIBRARY = """
+from jaxflow.mesh import enable_compilation_cache
 print("dir", enable_compilation_cache())
+"""
+
+RAY_WORKER = """
+import socket
+from jaxflow.workers.ray_host import HostProcess
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+HostProcess("actor", 0, 1, 1, "cpu").init_world(f"127.0.0.1:{port}", timeout_s=60)
+import jax
+print("dir", jax.config.jax_compilation_cache_dir)
+"""
+
+COMPILE = """
+import jax, jax.numpy as jnp, jax.monitoring
 hits = []
 jax.monitoring.register_event_listener(lambda e, **kw: hits.append(e) if e == "/jax/compilation_cache/cache_hits" else None)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this tiny program compiles in ms
@@ -17,11 +35,13 @@ print("hits", len(hits))
 """
 
 
-def test_second_process_loads_the_compiled_program(tmp_path):
+@pytest.mark.parametrize("setup", [LIBRARY, RAY_WORKER], ids=["library", "ray_worker"])
+def test_second_process_loads_the_compiled_program(tmp_path, setup):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    runs = [subprocess.run([sys.executable, "-c", PROGRAM], env=env, capture_output=True, text=True, timeout=300)
-            for _ in range(2)]
+    env.pop("XLA_FLAGS", None)
+    runs = [subprocess.run([sys.executable, "-c", setup + COMPILE], env=env, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     cache_dir = tmp_path / "jaxflow" / "jax"

@@ -148,9 +148,10 @@ def test_paper_config_in_a_subprocess(tmp_path):
     assert actor["num_params"] > 6.5e9 and actor["model"]["num_layers"] == 32
     assert actor["param_bytes"] == pytest.approx(actor["num_params"] * 2 / 8, rel=0.03)  # bf16 over fsdp*tp = 8
     # per generation replica (1024 prompts / dp 4): 32 decode slots (max_num_seqs), 16-token pages;
-    # trash + 40 prompts alive (32 slots + a prefill group of 8) x 1024/16 pages + 32 slots x (1024/16 + 1)
-    # pages, x 16 tokens x 32 layers x k,v x 32/2 heads x 128 x bf16
-    assert actor["kv_cache_bytes"] == (1 + 40 * 64 + 32 * 65) * 16 * 32 * 2 * 16 * 128 * 2
+    # the engine's default budget: trash + 40 prompts alive (32 slots + a prefill group of 8) x 1024/16
+    # pages + 32 slots x (a quarter of the 1024-token response: 16 pages, + the private copy of the
+    # prompt's last page), x 16 tokens x 32 layers x k,v x 32/2 heads x 128 x bf16
+    assert actor["kv_cache_bytes"] == (1 + 40 * 64 + 32 * 17) * 16 * 32 * 2 * 16 * 128 * 2
     model_bytes = actor["num_params"] * jnp.dtype(jnp.bfloat16).itemsize
     assert data["max_rss_bytes"] < min(3 * 2**30, model_bytes / 4)
     assert math.isfinite(data["wall_seconds"])

@@ -21,13 +21,13 @@ from jaxflow.sampling import (
     DEFAULT_SLOTS,
     SamplingParams,
     bucket_size,
+    engine_shape,
     generate,
     generate_from_state,
     lower_generate,
     trace_count,
 )
-from jaxflow.sampling.batcher import Static, layout
-from jaxflow.sampling.engine import DEFAULT_PAGE_SIZE, RESPONSE_BUCKET_MIN
+from jaxflow.sampling.engine import DEFAULT_PAGE_SIZE
 from tests.hf_reference import random_hf_model
 
 VOCAB = 128
@@ -240,12 +240,10 @@ def test_sharded_equals_unsharded(llama):
     assert out.responses.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("dp", None)), 2)
 
     cfg = model.cfg
-    P = bucket_size(max(PROMPT_LENGTHS), minimum=16)
-    R = bucket_size(NEW, minimum=RESPONSE_BUCKET_MIN)
-    static = Static(greedy=True, top_k=0, use_top_p=False, n=1, eos_token_ids=(), pad_token_id=PAD, response_len=R,
-                    slots=1, page_size=DEFAULT_PAGE_SIZE, prefill_rows=1, prefill_len=P, return_logits=False)
-    pages, T, N, K = layout(static, 1, P)["num_pages"], DEFAULT_PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim
-    assert out.stats["pages_per_replica"] == pages and out.stats["replicas"] == 4
+    pages, T, N, K = out.stats["pages_per_replica"], DEFAULT_PAGE_SIZE, cfg.num_kv_heads, cfg.head_dim
+    shape = engine_shape(cfg, len(ids), ids.shape[1], NEW, replicas=4)
+    assert shape.prompts == 1 and pages <= shape.worst_case_pages
+    assert out.stats["replicas"] == 4
     pool_spec = NamedSharding(mesh, PartitionSpec("dp", None, "tp", None, None, None))
     for pool in out.cache:
         assert pool.shape == (4, cfg.num_layers, N, pages, T, K)

@@ -17,6 +17,7 @@ from jaxflow.sampling import (
     top_k_mask,
     top_p_mask,
 )
+from jaxflow.sampling.logits_processing import _block_width, argmax
 
 
 def _softmax(z):
@@ -152,3 +153,26 @@ def test_greedy_and_log_probs():
     for t in (1.0, 0.7):
         want = (z / t - np.log(np.exp(z / t).sum(-1, keepdims=True)))[np.arange(6), tokens]
         np.testing.assert_allclose(jax.jit(token_log_probs)(logits, tokens, t), want, atol=1e-5)
+
+
+def test_blocks_that_tile_vocabulary_shards():
+    """With the vocabulary split over devices the sampler's blocks tile each shard
+    (`_block_width`): argmax is still numpy's (ties, a width that does not tile: the whole
+    rows), and the two-level draw still follows softmax(logits) (chi-square), whatever the
+    number of shards."""
+    assert [_block_width(151936, s) for s in (1, 2, 4, 8)] == [128, 64, 32, 16]
+    assert _block_width(100, 2) == 128  # 50 per shard: no power of two >= 8 tiles it
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(6, 1536)).astype(np.float32)
+    x[1, 7] = x[1, 1400] = 10.0  # a tie: the first wins
+    for shards in (1, 2, 3, 8, 7):
+        np.testing.assert_array_equal(np.asarray(jax.jit(argmax, static_argnums=1)(x, shards)), np.argmax(x, -1))
+    logits = rng.normal(size=48).astype(np.float32)
+    target = _softmax(logits.astype(np.float64))
+    for shards, width in ((2, 8), (3, 16)):  # 24 or 16 entries per shard: 6 or 3 blocks, not one block of 48
+        assert _block_width(48, shards) == width
+        keys = jax.random.split(jax.random.key(shards), DRAWS)
+        tokens = jax.jit(functools.partial(sample_tokens, vocab_shards=shards, use_top_p=False))(
+            keys, np.broadcast_to(logits, (DRAWS, 48)))
+        counts = np.bincount(np.asarray(tokens), minlength=48)
+        assert stats.chisquare(counts, DRAWS * target).pvalue > 1e-3

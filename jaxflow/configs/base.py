@@ -135,8 +135,17 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("actor_rollout_ref.rollout.ignore_eos", False,
      "Keep generating past EOS to the full response length (throughput benchmarks)."),
     ("actor_rollout_ref.rollout.max_num_seqs", 0,
-     "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled "
-     "(bounds the paged KV cache); 0 = the engine's default (every row, at most 256)."),
+     "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled; "
+     "0 = the engine's default (every row, at most 256)."),
+    ("actor_rollout_ref.rollout.max_total_tokens", 0,
+     "KV-cache budget per generation data-parallel group, in tokens (sglang's max_total_tokens): the page pool's "
+     "size; a sequence that finds no free page waits for one; 0 = the engine's default (the prompts alive and a "
+     "quarter of every slot's response length)."),
+    ("actor_rollout_ref.rollout.stop", [],
+     "Stop strings (vLLM's stop): a response ends after the token that completes one (kept, like EOS); matched "
+     "on the device through the tokenizer. Training and validation rollouts."),
+    ("actor_rollout_ref.rollout.stop_token_ids", [],
+     "Token ids that end a response like EOS (vLLM's stop_token_ids), besides the tokenizer's EOS."),
     ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device", 16,
      "Responses per data-parallel rank per old-log-prob forward pass of the actor."),
     ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", False,

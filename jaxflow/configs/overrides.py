@@ -19,6 +19,8 @@ ELEMENT_TYPES = {
     "jaxflow.placement.pool_sizes": int,
     "actor_rollout_ref.actor.optim.betas": float,
     "critic.optim.betas": float,
+    "actor_rollout_ref.rollout.stop": str,
+    "actor_rollout_ref.rollout.stop_token_ids": int,
 }
 
 

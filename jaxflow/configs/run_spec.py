@@ -297,18 +297,24 @@ def sampling_params(cfg: ConfigDict, section: ConfigDict, eos_token_id: int | No
     r = cfg.actor_rollout_ref.rollout
     greedy = not section.do_sample or section.temperature == 0
     eos = () if r.ignore_eos or eos_token_id is None else (eos_token_id,)
+    eos += tuple(t for t in r.stop_token_ids if t not in eos)
     return SamplingParams(
         max_new_tokens=cfg.data.max_response_length, greedy=greedy, temperature=1.0 if greedy else section.temperature,
         top_k=max(0, section.top_k), top_p=section.top_p, n=section.n, eos_token_ids=eos, seed=cfg.trainer.seed,
-        pad_token_id=pad_token_id)
+        pad_token_id=pad_token_id, stop=tuple(r.stop))
 
 
-def rollout_config(cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None) -> RolloutConfig:
-    """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``)."""
+def rollout_config(cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None,
+                   tokenizer: Any = None) -> RolloutConfig:
+    """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``),
+    with the run's tokenizer (built here when stop strings need one and none is given)."""
     r = cfg.actor_rollout_ref.rollout
+    if r.stop and tokenizer is None:
+        tokenizer = build_tokenizer(cfg)
     return RolloutConfig(train=sampling_params(cfg, r, eos_token_id, pad_token_id),
                          val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
-                         max_num_seqs=r.max_num_seqs)
+                         max_num_seqs=r.max_num_seqs, max_total_tokens=r.max_total_tokens,
+                         tokenizer=tokenizer if r.stop else None)
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
@@ -385,7 +391,7 @@ def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
 
 def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_token_id: int | None = None,
                  pad_token_id: int | None = None, num_train_prompts: int | None = None,
-                 with_placement: bool = True) -> RunSpec:
+                 with_placement: bool = True, tokenizer: Any = None) -> RunSpec:
     """The `RunSpec` of a validated config.
 
     ``devices``: those of the placement (default: the first ``jaxflow.num_devices``).
@@ -394,10 +400,11 @@ def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_t
     schedules when ``trainer.total_training_steps`` is unset (default: the built-in task's).
     ``with_placement=False``: no placement (``placement`` is None), for a config whose
     placement is still ``auto``: the auto-mapper describes the run before it places it.
+    ``tokenizer``: the run's (for ``rollout.stop``; default: built from the config when needed).
     """
     steps = training_steps(cfg, num_train_prompts)
     roles = active_roles(cfg)
-    rollout = rollout_config(cfg, eos_token_id, pad_token_id)
+    rollout = rollout_config(cfg, eos_token_id, pad_token_id, tokenizer)
     n = rollout.train.n  # rollout.n, read once
     return RunSpec(
         name=cfg.trainer.experiment_name, job=cfg.jaxflow.job, num_devices=cfg.jaxflow.num_devices,

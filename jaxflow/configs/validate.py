@@ -199,6 +199,10 @@ def _check_enums(c: _Checker) -> None:
     for name in c.cfg.trainer.logger:
         c.check(name in LOGGERS, "trainer.logger",
                 f"unknown logger {name!r}; loggers are {', '.join(LOGGERS)}{suggest(name, LOGGERS)}")
+    rollout = c.cfg.actor_rollout_ref.rollout
+    c.check("" not in rollout.stop, f"{ROLLOUT}.stop", f"stop strings must not be empty, got {list(rollout.stop)!r}")
+    c.check(all(not isinstance(t, int) or t >= 0 for t in rollout.stop_token_ids), f"{ROLLOUT}.stop_token_ids",
+            f"must be token ids >= 0, got {list(rollout.stop_token_ids)!r}")
 
 
 def _check_ranges(c: _Checker) -> None:
@@ -213,7 +217,7 @@ def _check_ranges(c: _Checker) -> None:
         "jaxflow.data.num_val_examples",
     ):
         c.at_least(key)
-    for key in (f"{ROLLOUT}.max_num_seqs", "trainer.log_val_generations", "trainer.critic_warmup",
+    for key in (f"{ROLLOUT}.max_num_seqs", f"{ROLLOUT}.max_total_tokens", "trainer.log_val_generations", "trainer.critic_warmup",
                 "jaxflow.ray.max_restarts",
                 "jaxflow.trainer.max_nonfinite_steps", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"):
         c.at_least(key, 0)

@@ -1,6 +1,6 @@
 """Meshes, resource pools, and the logical-axis rules that map model names to mesh axes."""
 
-from jaxflow.mesh.devices import simulate_devices
+from jaxflow.mesh.devices import enable_compilation_cache, simulate_devices
 from jaxflow.mesh.placement import (
     DEFAULT_ROLE_RULES,
     PHASES,
@@ -54,6 +54,7 @@ __all__ = [
     "TRAIN_RULES",
     "check_model_fits",
     "constrain",
+    "enable_compilation_cache",
     "generation_mesh",
     "get_rules",
     "hybrid_rules",

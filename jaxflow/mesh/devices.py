@@ -1,4 +1,5 @@
-"""The number of devices a process sees when they are simulated on the host CPU."""
+"""Process-wide JAX setup: the number of devices a process sees when they are simulated on the
+host CPU, and the persistent compilation cache."""
 
 from __future__ import annotations
 
@@ -10,3 +11,19 @@ def simulate_devices(n: int) -> None:
     starts, so call it before JAX first touches a device. Other XLA flags are kept."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
+
+
+def enable_compilation_cache() -> str:
+    """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run (or a
+    worker process started again) loads its compiled programs instead of compiling them
+    again; programs that compile in under a second are not stored. The ``jaxflow.run`` CLI
+    and the Ray backend's worker processes call it; a library user calls it once, before
+    the first compilation. Returns the directory."""
+    import jax
+
+    path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax")
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    return path

@@ -5,7 +5,6 @@ from jaxflow.models.config import ModelConfig, RopeScaling
 from jaxflow.models.decoder import (
     HEADS,
     CausalLM,
-    KVCache,
     RewardModel,
     ValueModel,
     init_model,
@@ -19,7 +18,6 @@ __all__ = [
     "PRESETS",
     "CausalLM",
     "CheckpointError",
-    "KVCache",
     "ModelConfig",
     "RewardModel",
     "RopeScaling",

@@ -11,7 +11,6 @@ tokens as the unpadded row. Real tokens of a row must be contiguous.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -37,54 +36,6 @@ def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
 _normal = jax.nn.initializers.normal(_INIT_STD)
 _zeros = jax.nn.initializers.zeros
 _ones = jax.nn.initializers.ones
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class KVCache:
-    """Keys and values of every layer, laid out for single-query decoding:
-    ``k`` [layers, B, kv_heads, head_dim, S] and ``v`` [layers, B, kv_heads, S, head_dim].
-
-    Both attention products are then batched over (B, kv_heads) with the cache operand in
-    matmul order, scores = q [G, K] @ k [K, S] and out = p [G, S] @ v [S, K]: no transpose of
-    the cache at any step, and XLA:CPU runs them about 2x faster than over a [B, S, N, K]
-    cache. Writing a step's keys touches one column of ``k``.
-
-    With unrolled layers the cache may also be held per layer (``split_layers()``: tuples of
-    one array per layer, without the leading ``layers``). A decode loop should carry that
-    form: each layer's buffer is then updated in place, where the stacked form is sliced and
-    re-stacked (the whole cache copied) at every step.
-    """
-
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
-
-    K_AXES = ("layers", "batch", "kv_heads", "head_dim", "cache_length")
-    V_AXES = ("layers", "batch", "kv_heads", "cache_length", "head_dim")
-
-    @classmethod
-    def zeros(cls, cfg: ModelConfig, batch: int, length: int, dtype=None) -> KVCache:
-        L, N, K = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        dtype = dtype or cfg.dtype
-        return cls(jnp.zeros((L, batch, N, K, length), dtype), jnp.zeros((L, batch, N, length, K), dtype))
-
-    @property
-    def per_layer(self) -> bool:
-        return isinstance(self.k, tuple)
-
-    @property
-    def length(self) -> int:
-        """The number of cache slots S."""
-        return (self.k[0] if self.per_layer else self.k).shape[-1]
-
-    def replace_kv(self, k, v) -> KVCache:
-        return KVCache(k, v)
-
-    def split_layers(self) -> KVCache:
-        return self if self.per_layer else KVCache(tuple(self.k), tuple(self.v))
-
-    def stack_layers(self) -> KVCache:
-        return KVCache(jnp.stack(self.k), jnp.stack(self.v)) if self.per_layer else self
 
 
 def positions_from_mask(attention_mask_BxL: jax.Array) -> jax.Array:
@@ -124,8 +75,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, axes=("head_dim",))
             self.k_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, axes=("head_dim",))
 
-    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxS, kv: tuple[jax.Array, jax.Array] | None = None,
-                 cache_index: jax.Array | None = None):
+    def __call__(self, x_BxLxD, positions_BxL, mask_BxLxS, cache: Any = None, pool: Any = None):
+        """y [B, L, D] and, with an external KV ``cache`` (see `Decoder.__call__`), this
+        layer's updated ``pool``; without one, attention over this call's tokens under
+        ``mask_BxLxS``."""
         cfg = self.cfg
         dt = cfg.dtype
         x = x_BxLxD.astype(dt)
@@ -142,27 +95,19 @@ class Attention(nnx.Module):
         q = constrain(apply_rope(q, positions_BxL, inv_freq), ("batch", "length", "heads", "head_dim"))
         k = constrain(apply_rope(k, positions_BxL, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-        if callable(mask_BxLxS):  # an external KV store (the rollout engine's paged cache) attends
-            out, new_kv = mask_BxLxS(q, k, v, kv)
-            out = constrain(out, ("batch", "length", "heads", "head_dim"))
-            return jnp.einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt)), new_kv
-        k_BxNxKxL, v_BxNxLxK = k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3)
-        new_kv = None
-        if kv is not None:
-            cache_k, cache_v = kv
-            cache_k = jax.lax.dynamic_update_slice(cache_k, k_BxNxKxL.astype(cache_k.dtype), (0, 0, 0, cache_index))
-            cache_v = jax.lax.dynamic_update_slice(cache_v, v_BxNxLxK.astype(cache_v.dtype), (0, 0, cache_index, 0))
-            new_kv = (cache_k, cache_v)
-            k_BxNxKxL, v_BxNxLxK = cache_k.astype(dt), cache_v.astype(dt)
-        out = dot_product_attention(q, k_BxNxKxL, v_BxNxLxK, mask_BxLxS)
+        if cache is not None:  # the external KV store (the rollout engine's paged cache) writes and attends
+            out, pool = cache.attend(q, k, v, pool)
+        else:
+            out = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_BxLxS)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        y = jnp.einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt))
-        return y, new_kv
+        return jnp.einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt)), pool
 
 
 def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Array:
     """softmax(q k / sqrt(K) + mask) v with G = H / N query heads per kv head (keys given
-    [B, N, K, S], values [B, N, S, K], as `KVCache` holds them); the softmax runs in float32.
+    [B, N, K, S], values [B, N, S, K]: both products batched over (B, N) with operands in
+    matmul order, which XLA:CPU runs about 2x faster than over [B, S, N, K]); the softmax
+    runs in float32.
     Fully masked rows (padding queries) stay finite."""
     B, L, H, K = q_BxLxHxK.shape
     N, S = k_BxNxKxS.shape[1], k_BxNxKxS.shape[-1]
@@ -205,11 +150,11 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
         self.mlp = MLP(cfg, rngs)
 
-    def __call__(self, x, positions, mask, kv=None, cache_index=None):
-        attn, new_kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, cache_index)
+    def __call__(self, x, positions, mask, cache=None, pool=None):
+        attn, pool = self.self_attn(self.input_layernorm(x), positions, mask, cache, pool)
         h = x + attn.astype(x.dtype)
         y = h + self.mlp(self.post_attention_layernorm(h)).astype(x.dtype)
-        return constrain(y, ("batch", "length", "embed")), new_kv
+        return constrain(y, ("batch", "length", "embed")), pool
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> Block:
@@ -237,97 +182,82 @@ class Decoder(nnx.Module):
             self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
 
-    def __call__(self, input_ids_BxL, attention_mask_BxL=None, positions_BxL=None,
-                 cache: KVCache | None = None, cache_index=None, kv_mask_BxS=None, inputs_embeds_BxLxD=None,
-                 segment_ids_BxL=None):
+    def __call__(self, input_ids_BxL, attention_mask_BxL=None, positions_BxL=None, cache: Any = None,
+                 inputs_embeds_BxLxD=None, segment_ids_BxL=None):
         """Hidden states [B, L, D] after the final norm, and the updated cache (or None).
 
         Without a cache, tokens attend causally to the real tokens of their row. With
         ``segment_ids_BxL`` (packed rows, `jaxflow.workers.packing`: 0 = empty slot) a token
         attends only to earlier tokens of its own segment; ``attention_mask_BxL`` is then
-        ``segment_ids > 0`` and ``positions_BxL`` must be given (per segment). With a cache
-        of S slots, the L new tokens are written at slots [cache_index, cache_index + L) and
-        attend to every slot j <= their own whose ``kv_mask_BxS`` is set (the caller marks
-        the new slots real before calling). ``inputs_embeds_BxLxD``, when given, replaces the
-        embedding lookup (``input_ids_BxL`` then only supplies the shape).
+        ``segment_ids > 0`` and ``positions_BxL`` must be given (per segment).
+        ``inputs_embeds_BxLxD``, when given, replaces the embedding lookup (``input_ids_BxL``
+        then only supplies the shape).
 
-        ``cache`` may also be an external KV store (anything with ``k``, ``v`` (stacked or
-        per layer, like `KVCache`), ``replace_kv(k, v)`` and ``attend(q_BxLxHxK, k_BxLxNxK,
-        v_BxLxNxK, (k_layer, v_layer)) -> (out_BxLxHxK, (k_layer, v_layer))``, e.g. the rollout
-        engine's paged cache): it writes and attends for every layer, with ``positions_BxL``
-        given by the caller.
+        ``cache`` is an external KV store (the rollout engine's
+        `jaxflow.sampling.PagedKVCache`): anything with ``pools`` (one layer's pool with a
+        leading ``layers`` dimension on every array, or a tuple of one pool per layer),
+        ``replace_pools(pools)`` and ``attend(q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, pool) ->
+        (out_BxLxHxK, pool)``. It writes and attends for every layer, at the caller's
+        ``positions_BxL``.
         """
         cfg = self.cfg
         B, L = input_ids_BxL.shape
-        if cache is not None and not isinstance(cache, KVCache):
+        if cache is not None:
+            if segment_ids_BxL is not None or positions_BxL is None:
+                raise ValueError("a KV cache takes the caller's positions and no packed segments")
             x = jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0).astype(cfg.dtype)
             x = constrain(x, ("batch", "length", "embed"))
-            x, cache = self._run_layers(x, positions_BxL, cache.attend, cache, None)
-            return self.norm(x), cache
+            x, pools = self._run_layers(x, positions_BxL, None, cache, cache.pools)
+            return self.norm(x), cache.replace_pools(pools)
         if segment_ids_BxL is not None:
-            if cache is not None or positions_BxL is None:
-                raise ValueError("packed segments need per-segment positions and no KV cache")
+            if positions_BxL is None:
+                raise ValueError("packed segments need per-segment positions")
             attention_mask_BxL = segment_ids_BxL > 0
         if attention_mask_BxL is None:
             attention_mask_BxL = jnp.ones((B, L), jnp.int32)
         if positions_BxL is None:
             positions_BxL = positions_from_mask(attention_mask_BxL)
-        if cache is None:
-            q_slots, k_slots, key_valid = jnp.arange(L), jnp.arange(L), attention_mask_BxL
-        else:
-            q_slots = cache_index + jnp.arange(L)
-            k_slots = jnp.arange(cache.length)
-            key_valid = kv_mask_BxS
-        allowed_LxS = k_slots[None, :] <= q_slots[:, None]
+        slots = jnp.arange(L)
+        allowed_LxL = slots[None, :] <= slots[:, None]
         if cfg.sliding_window is not None:
-            allowed_LxS &= q_slots[:, None] - k_slots[None, :] < cfg.sliding_window
-        mask_BxLxS = allowed_LxS[None, :, :] & key_valid.astype(bool)[:, None, :]
+            allowed_LxL &= slots[:, None] - slots[None, :] < cfg.sliding_window
+        mask_BxLxL = allowed_LxL[None, :, :] & attention_mask_BxL.astype(bool)[:, None, :]
         if segment_ids_BxL is not None:
-            mask_BxLxS &= segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
+            mask_BxLxL &= segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
 
         if inputs_embeds_BxLxD is None:
             inputs_embeds_BxLxD = jnp.take(self.embed_tokens[...], input_ids_BxL, axis=0)
         x = inputs_embeds_BxLxD.astype(cfg.dtype)
         x = constrain(x, ("batch", "length", "embed"))
-        x, cache = self._run_layers(x, positions_BxL, mask_BxLxS, cache, cache_index)
-        return self.norm(x), cache
+        x, _ = self._run_layers(x, positions_BxL, mask_BxLxL, None, None)
+        return self.norm(x), None
 
-    def _run_layers(self, x, positions, mask, cache, cache_index):
+    def _run_layers(self, x, positions, mask, cache, pools):
+        """x through every block; with a cache, each block's pool in and out (``pools`` as
+        `__call__` describes them)."""
         cfg = self.cfg
 
-        def apply_block(graphdef, state, x, kv):
-            return nnx.merge(graphdef, state)(x, positions, mask, kv, cache_index)
+        def apply_block(graphdef, state, x, pool):
+            return nnx.merge(graphdef, state)(x, positions, mask, cache, pool)
 
         if cfg.remat_policy != "none":
             apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[cfg.remat_policy], static_argnums=(0,))
 
         if cfg.scan_layers:
-            if cache is not None and isinstance(cache.k, tuple):
-                raise ValueError("scanned layers take a stacked KVCache (see KVCache.stack_layers)")
             graphdef, state = nnx.split(self.layers)
 
             def body(x, layer):
-                state_l, kv_l = layer
-                y, new_kv = apply_block(graphdef, state_l, x, kv_l)
-                return y, new_kv
+                state_l, pool_l = layer
+                return apply_block(graphdef, state_l, x, pool_l)
 
-            kvs = None if cache is None else (cache.k, cache.v)
-            x, new_kvs = jax.lax.scan(body, x, (state, kvs))
-            return x, None if cache is None else cache.replace_kv(*new_kvs)
+            return jax.lax.scan(body, x, (state, pools))
 
-        new_k, new_v = [], []
+        new_pools = []
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
-            kv = None if cache is None else (cache.k[i], cache.v[i])
-            x, new_kv = apply_block(graphdef, state, x, kv)
-            if cache is not None:
-                new_k.append(new_kv[0])
-                new_v.append(new_kv[1])
-        if cache is None:
-            return x, None
-        if isinstance(cache.k, tuple):
-            return x, cache.replace_kv(tuple(new_k), tuple(new_v))
-        return x, cache.replace_kv(jnp.stack(new_k), jnp.stack(new_v))
+            x, pool = apply_block(graphdef, state, x, None if pools is None else pools[i])
+            new_pools.append(pool)
+        return x, None if pools is None else tuple(new_pools)
 
 
 class CausalLM(nnx.Module):
@@ -353,11 +283,6 @@ class CausalLM(nnx.Module):
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         return self.logits(hidden)
-
-    def forward_with_cache(self, input_ids_BxL, positions_BxL, kv_mask_BxS, cache: KVCache, cache_index):
-        """Logits [B, L, V] for L new tokens written into ``cache`` at ``cache_index``."""
-        hidden, cache = self.model(input_ids_BxL, None, positions_BxL, cache, cache_index, kv_mask_BxS)
-        return self.logits(hidden), cache
 
 
 class ValueModel(nnx.Module):

@@ -421,7 +421,8 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
                      f"{dict(placement.mesh(role, 'generate').shape)}")
     rp.meshes["generate"] = dict(gmesh.shape)
     gen_dp = progs.batch_axis_size(grules, gmesh)
-    shape = engine_shape(mc, run.train_batch_size, P, R, n=n, replicas=gen_dp, slots=progs.generation_slots(run))
+    shape = engine_shape(mc, run.train_batch_size, P, R, n=n, replicas=gen_dp, slots=progs.generation_slots(run),
+                         kv_tokens=progs.generation_kv_tokens(run))
     rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
     rp.kv_cache_bytes = kv_pool_bytes(mc, shape, grules, gmesh)
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)

@@ -384,6 +384,12 @@ def generation_slots(spec: RunSpec) -> int | None:
     return m if m > 0 else None
 
 
+def generation_kv_tokens(spec: RunSpec) -> int | None:
+    """The KV-cache budget per generation replica: ``max_total_tokens`` when set (None: the
+    engine's default)."""
+    return spec.rollout.max_total_tokens or None
+
+
 def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any,
                      engine: HybridEngine, sampling: str = "train") -> tuple[ProgramSpec, int]:
     """The actor's rollout program (chunked prefill + continuous decode over
@@ -396,10 +402,10 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
     n, P = sp.n, spec.prompt_length
     gen_dp = batch_axis_size(rules, mesh)
     prompts = spec.train_batch_size
-    slots = generation_slots(spec)
+    slots, kv_tokens = generation_slots(spec), generation_kv_tokens(spec)
     params = abstract_params(state, rules, mesh)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
-    shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots)
+    shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots, kv_tokens=kv_tokens)
     out = ProgramSpec(
         name="actor/generate" if sampling == "train" else f"actor/generate_{sampling}", role="actor",
         phase="generate", mesh=mesh,
@@ -412,7 +418,8 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
         # The training weights are donated into this generation copy (`HybridEngine.generation_swap`):
         # the actor's optimizer state stays resident, its training weights do not.
         args_hold=("params",),
-        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots))
+        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots,
+                                     kv_tokens=kv_tokens))
     return out, prompts
 
 

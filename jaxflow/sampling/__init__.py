@@ -1,6 +1,7 @@
-"""The rollout engine: a paged KV cache, continuous batching with shared prompt prefixes and
-per-row limits and stops, compiled as one program; and the logits processing (temperature,
-top-k, top-p) it samples with."""
+"""The rollout engine: a paged KV cache sized from a token budget (pallas paged-attention kernels
+on GPU and TPU), continuous batching with shared prompt prefixes and per-row limits, EOS and
+stop strings matched on the device, compiled as one program; and the logits processing
+(temperature, top-k, top-p) it samples with."""
 
 from jaxflow.sampling.engine import (
     DEFAULT_PAGE_SIZE,
@@ -24,8 +25,13 @@ from jaxflow.sampling.logits_processing import (
     top_k_mask,
     top_p_mask,
 )
-from jaxflow.sampling.paged import PagedKVCache, paged_attention
-from jaxflow.sampling.stops import stop_length
+from jaxflow.sampling.paged import (
+    PagedKVCache,
+    PoolLayout,
+    choose_kernel,
+    paged_attention,
+)
+from jaxflow.sampling.stops import StopStrings
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
@@ -33,9 +39,12 @@ __all__ = [
     "EngineShape",
     "GenerateOutput",
     "PagedKVCache",
+    "PoolLayout",
     "SamplingParams",
+    "StopStrings",
     "apply_temperature",
     "bucket_size",
+    "choose_kernel",
     "engine_shape",
     "generate",
     "generate_from_state",
@@ -44,7 +53,6 @@ __all__ = [
     "process_logits",
     "sample_tokens",
     "sampling_probs",
-    "stop_length",
     "token_log_probs",
     "top_k_mask",
     "top_p_mask",

@@ -2,8 +2,9 @@
 prompt prefixes shared by the n samples, per-row limits and stops; one compiled program.
 
 ``generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=..., rules=...,
-max_new_tokens=..., slots=..., page_size=...)`` runs, per generation replica (one per data-
-parallel group of the mesh, ``vmap``-ed over the mesh's batch axes), `batcher.rollout`:
+max_new_tokens=..., slots=..., page_size=..., kv_tokens=...)`` runs, per generation replica
+(one per data-parallel group of the mesh, under ``shard_map`` over the mesh's batch axes),
+`batcher.rollout`:
 
 1. **Chunked prefill.** The prompts (their first p_i - 1 tokens) are written into pages of a
    paged KV cache (`paged`), ``PREFILL_ROWS`` prompts x ``PREFILL_LEN`` tokens per chunk, once
@@ -14,18 +15,30 @@ parallel group of the mesh, ``vmap``-ed over the mesh's batch axes), `batcher.ro
    verl's ``repeat(interleave=True)``). The loop ends when every row has finished.
 
 Stopping. A row finishes on any of ``eos_token_ids`` (the EOS token is part of the response
-and is masked in, as in verl) or at its own ``max_new_tokens`` (an int, or an array of one
-limit per row or per prompt, as vLLM's per-request limit). ``SamplingParams.stop`` strings
-are matched on the host after the program, through the tokenizer's ``decode``: a row is cut
-after the token that completes the first stop string. Later positions hold the pad id
-(``cfg.pad_token_id`` or 0) with mask 0 and log-prob 0.
+and is masked in, as in verl), at its own ``max_new_tokens`` (an int, or an array of one
+limit per row or per prompt, as vLLM's per-request limit), or after the token that completes
+one of the ``SamplingParams.stop`` strings (matched on the device, `stops`; the tokenizer
+gives each token's text). A finished row frees its slot and pages at once. Later positions
+hold the pad id (``cfg.pad_token_id`` or 0) with mask 0 and log-prob 0.
+
+Memory. The page pool is sized from a token budget (``kv_tokens`` per replica), not for the
+worst case. Default: the prompts that can be alive and a quarter of every slot's response
+buffer (`batcher.pool_pages`); for rows that can only stop at their limits (no EOS ids, no
+stop strings) every token is known, and the default is the peak of the schedule in which no
+row waits (`batcher.no_wait_peak_pages`, rounded up to a power of two pages). A row that
+finds no free page waits for one (`batcher`), which never changes what it samples. ``stats``
+reports the pages allocated, the most in use and the waits (measured).
+
+Attention. On GPU and TPU the pallas paged-attention kernels of the jax wheel run the decode
+(TPU: and prefill) attention, with the pools in their layouts; elsewhere the pure-JAX
+attention (`paged`). ``attention=`` overrides the choice.
 
 Buckets. The prompt batch is rounded to ``dp * 2^k`` prompts (extra prompts copy prompt 0
 and are never admitted), the prompt length to a power of two >= 16 and the response buffer R
 to a power of two >= 16 (>= ``SamplingParams.max_new_tokens``). Per-row limits, the number
-of rows, temperature,
-top-p and the PRNG key are runtime values, so calls with any mix of lengths reuse the
-program. The arrays returned are cut to [B * n, SamplingParams.max_new_tokens] (per-row
+of rows, temperature, top-p, the PRNG key and the stop-string tables are runtime values, so
+calls with any mix of lengths reuse the program (rows without EOS: while the default pool
+stays in its power-of-two bucket). The arrays returned are cut to [B * n, SamplingParams.max_new_tokens] (per-row
 limits are at most that).
 
 Sharding. With a ``mesh``, every replica's prompts, slots and page pool live on its dp group
@@ -50,8 +63,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.mesh import GENERATE_RULES, Rules, logical_to_spec, sharding_rules
 from jaxflow.models import ModelConfig
-from jaxflow.sampling.batcher import Static, layout, pool_pages, rollout
-from jaxflow.sampling.stops import cut_at_stop_strings
+from jaxflow.sampling.batcher import (
+    Static,
+    no_wait_peak_pages,
+    pool_bounds,
+    pool_pages,
+    reserve_pages,
+    rollout,
+)
+from jaxflow.sampling.paged import KERNELS, PoolLayout, choose_kernel
+from jaxflow.sampling.stops import StopStrings
 
 PROMPT_BUCKET_MIN = 16
 RESPONSE_BUCKET_MIN = 16
@@ -111,10 +132,12 @@ class GenerateOutput:
     ``response_mask`` int32 (1 on generated tokens, EOS included); ``log_probs`` float32,
     ``log_softmax(logits / T)`` of each sampled token (0 on padding); ``lengths`` int32
     [B*n]; ``num_steps`` (int32 scalar): decode iterations of the longest-running replica.
-    ``stats``: the engine's shape (``replicas``, ``slots``, ``page_size``,
-    ``pages_per_replica``, ``kv_pool_bytes`` allocated for keys and values, ``page_bytes``)
-    and ``peak_pages`` [replicas] (measured: the most pages in use at once, prompts
-    included). ``logits`` (raw model logits [B*n, max_new_tokens, V] used at each step) and
+    ``stats``: the engine's shape (``replicas``, ``slots``, ``page_size``, ``attention``
+    (the kernel), ``pages_per_replica`` allocated (trash page included), ``kv_pool_bytes``
+    allocated for keys and values over all replicas, ``page_bytes``) and, measured in the
+    program, ``peak_pages`` [replicas] (the most pages in use at once, prompts included),
+    ``peak_kv_bytes`` (their bytes, summed over replicas) and ``waits`` [replicas] (slot-steps
+    in which an active row waited for a page). ``logits`` (raw model logits [B*n, max_new_tokens, V] used at each step) and
     ``cache`` (the final page pools (k, v), [replicas, layers, kv_heads, pages, page_size,
     head_dim]) are debug outputs, None unless requested.
     """
@@ -150,12 +173,16 @@ def _batch_spec(rules: Rules, mesh: Mesh | None, *names: str | None) -> Partitio
 
 
 def _replica_rules(rules: Rules) -> Rules:
-    """Inside one replica the batch is not split (the replica axis carries the dp axes)."""
-    return tuple((name, None if name == "batch" else axes) for name, axes in rules)
+    """Inside one replica the batch is not split (the replica axis carries the batch's mesh
+    axes), and nothing else is split over those axes either (e.g. ``embed`` over fsdp when
+    generating in a training layout: those axes are manual inside the replica)."""
+    batch = set(_axes_of(dict(rules).get("batch")))
+    return tuple((name, None if name == "batch" else tuple(a for a in _axes_of(axes) if a not in batch) or None)
+                 for name, axes in rules)
 
 
 def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng,
-                      temperature, top_p, *, static: Static, mesh: Mesh | None, rules: Rules):
+                      temperature, top_p, stop_tables, *, static: Static, mesh: Mesh | None, rules: Rules):
     """The traced program: every replica's `batcher.rollout`, each on its own dp group
     (``shard_map`` manual over the mesh's batch axes, the rest of the mesh left to the
     compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes selects over the
@@ -163,29 +190,41 @@ def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offs
     Returns rows flattened to [replicas * rows, ...]."""
     global _TRACE_COUNT
     _TRACE_COUNT += 1
+    kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
+    vocab_shards = 1 if mesh is None else math.prod(
+        mesh.shape[a] for a in _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0]))
 
-    def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p):
+    def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables):
         """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
         model = nnx.merge(graphdef, state)
-        # inside shard_map, constraints name the context's (partly manual) mesh
-        ctx = sharding_rules(_replica_rules(rules), jax.sharding.get_abstract_mesh() if manual else mesh) if (
-            mesh is not None) else contextlib.nullcontext()
+        # inside shard_map, constraints (and the kernels' shard_map) name the context's
+        # (partly manual) mesh
+        here = jax.sharding.get_abstract_mesh() if manual else mesh
+        pool_layout = PoolLayout(static.kernel, kv_axes, here if kv_axes else None,
+                                 interpret=static.kernel == "gpu" and _platform(mesh) != "gpu")
+        ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
         with ctx:
-            out = rollout(model, ids[0], plen[0], limits[0], offset[0], num_rows[0], rng, temperature, top_p, static)
+            out = rollout(model, ids[0], plen[0], limits[0], offset[0], num_rows[0], rng, temperature, top_p,
+                          stop_tables, static, pool_layout, vocab_shards)
         return jax.tree.map(lambda x: x[None], out)
 
-    args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p)
+    args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p, stop_tables)
     axes = () if mesh is None else _axes_of(_batch_spec(rules, mesh)[0])
     manual = bool(axes) and ids_RxBxP.shape[0] > 1
     if not manual:
         out = local(*args)
     else:
         rep, rows = PartitionSpec(), PartitionSpec(axes)
-        out = jax.shard_map(local, mesh=mesh, in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep),
+        out = jax.shard_map(local, mesh=mesh, in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep, rep),
                             out_specs=rows, axis_names=set(axes), check_vma=False)(*args)
     flat = {k: v.reshape((-1,) + v.shape[2:]) for k, v in out.items()
             if k in ("responses", "response_mask", "log_probs", "lengths", "logits")}
     return dict(out, **flat, num_steps=jnp.max(out["num_steps"]))
+
+
+def _platform(mesh: Mesh | None) -> str:
+    """The platform the program runs on (``cpu``, ``gpu``, ``tpu``)."""
+    return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -202,7 +241,8 @@ def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules)
     rows2 = NamedSharding(mesh, _batch_spec(rules, mesh, None))
     rows1 = NamedSharding(mesh, _batch_spec(rules, mesh))
     out_shardings: dict[str, Any] = dict(responses=rows2, response_mask=rows2, log_probs=rows2, lengths=rows1,
-                                         num_steps=NamedSharding(mesh, PartitionSpec()), peak_pages=rows1)
+                                         num_steps=NamedSharding(mesh, PartitionSpec()), peak_pages=rows1,
+                                         waits=rows1)
     if static.return_logits:
         out_shardings["logits"] = NamedSharding(mesh, _batch_spec(rules, mesh, None, None))
     if static.return_cache:
@@ -268,8 +308,24 @@ def _row_limits(params: SamplingParams, max_new_tokens, B: int) -> np.ndarray:
     return limits.astype(np.int32)
 
 
+def _kernel(cfg: ModelConfig, mesh: Mesh | None, rules: Rules, attention: str | None) -> str:
+    """The attention kernel: ``attention`` when given, else `paged.choose_kernel` for the
+    platform (the pure-JAX attention when the mesh splits head_dim)."""
+    platform = _platform(mesh)
+    if attention is None:
+        split = mesh is not None and math.prod(
+            mesh.shape[a] for a in _axes_of(logical_to_spec(("head_dim",), rules, mesh)[0])) > 1
+        return choose_kernel(cfg, platform, head_dim_split=split)
+    if attention not in KERNELS:
+        raise ValueError(f"attention must be one of {KERNELS} (or None: by platform), got {attention!r}")
+    if attention == "tpu" and platform != "tpu":
+        raise ValueError(f"attention='tpu' (the ragged paged-attention kernel) runs on TPU only, not {platform}")
+    return attention
+
+
 def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, mesh, rules, rng,
              max_new_tokens=None, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+             kv_tokens: int | None = None, attention: str | None = None, stop_strings: StopStrings | None = None,
              return_logits: bool = False, return_cache: bool = False, place: bool = True) -> _Call:
     cfg = _config_of(graphdef, state)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
@@ -285,6 +341,11 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
+    if kv_tokens is not None and kv_tokens < 1:
+        raise ValueError(f"kv_tokens must be >= 1 (or None: the default budget), got {kv_tokens}")
+    if params.stop and (stop_strings is None or stop_strings.strings != params.stop):
+        raise ValueError(f"SamplingParams.stop {params.stop!r} needs its tables: pass tokenizer=... (or "
+                         f"stop_strings=StopStrings.build(stop, tokenizer, vocab_size))")
 
     replicas = _batch_axis_size(rules, mesh)
     Bb = bucket_size(B, multiple=replicas)
@@ -309,11 +370,23 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
             arrays = [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
         else:  # lowering only: shapes and shardings, no device buffers
             arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(arrays, shardings)]
+    if stop_strings is None or not params.stop:
+        stop_tables = (np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1), bool))
+    else:
+        if stop_strings.token_class_V.shape[0] != cfg.vocab_size:
+            raise ValueError(f"stop_strings were built for {stop_strings.token_class_V.shape[0]} token ids, the model "
+                             f"has {cfg.vocab_size}")
+        stop_tables = (stop_strings.token_class_V, stop_strings.next_state_SxC, stop_strings.hit_SxC)
 
     if rng is None:
         rng = jax.random.key(params.seed) if place else jax.eval_shape(jax.random.key, params.seed)
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng)
+    if kv_tokens is None and not eos and not params.stop:
+        kv_tokens = _expected_kv_tokens(cfg, plen.reshape(replicas, Br), limits.reshape(replicas, Nr), num_rows, L,
+                                        params, replicas, slots, page_size)
+    shape = engine_shape(cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size,
+                         kv_tokens=kv_tokens)
     static = Static(
         greedy=params.greedy,
         top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
@@ -322,23 +395,38 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
         eos_token_ids=tuple(eos),
         pad_token_id=int(pad),
         response_len=R,
-        slots=min(slots or DEFAULT_SLOTS, Nr),
+        slots=shape.slots,
         page_size=page_size,
-        prefill_rows=min(Br, PREFILL_ROWS),
-        prefill_len=min(P, PREFILL_LEN),
+        num_pages=shape.pages,
+        prefill_rows=shape.prefill_rows,
+        prefill_len=shape.prefill_len,
         return_logits=return_logits,
         return_cache=return_cache,
+        use_stops=bool(params.stop),
+        kernel=_kernel(cfg, mesh, rules, attention),
     )
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
-    args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p))
-    lay = layout(static, Br, P)
-    page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    stats = dict(replicas=replicas, slots=static.slots, page_size=page_size, pages_per_replica=lay["num_pages"],
-                 pad_token_id=int(pad),
-                 kv_pool_bytes=replicas * lay["num_pages"] * page_bytes, page_bytes=page_bytes)
+    args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p), stop_tables)
+    page_bytes = shape.pool_bytes // shape.pages
+    stats = dict(replicas=replicas, slots=static.slots, page_size=page_size, attention=static.kernel,
+                 pages_per_replica=shape.pages, pad_token_id=int(pad), kv_pool_bytes=replicas * shape.pool_bytes,
+                 page_bytes=page_bytes)
     return _Call(program, args, B * n, params.max_new_tokens, stats)
 
 
+def _expected_kv_tokens(cfg, plen_RxB, limits_RxN, num_rows_R, prompt_len, params, replicas, slots, page_size):
+    """The budget of a rollout whose rows can only stop at their limits (no EOS, no stop
+    strings): every token is known, so the pool is the peak of the schedule in which no row
+    waits (`batcher.no_wait_peak_pages`) plus the priority reserve Rp, rounded up to a power
+    of two pages (calls with other limits mostly reuse the program)."""
+    shape = engine_shape(cfg, len(plen_RxB.reshape(-1)), prompt_len, params.max_new_tokens, n=params.n,
+                         replicas=replicas, slots=slots, page_size=page_size)
+    peak = max(no_wait_peak_pages(plen, limits[:rows], params.n, shape.slots, shape.prefill_rows, page_size)
+               for plen, limits, rows in zip(plen_RxB, limits_RxN, num_rows_R) if rows > 0)
+    least, _ = pool_bounds(shape.prompts, shape.prompt_len, shape.response_len, shape.slots, shape.prefill_rows,
+                           page_size)
+    pages = bucket_size(max(1 + peak + reserve_pages(shape.response_len, page_size), least))
+    return (pages - 1) * page_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -346,7 +434,9 @@ class EngineShape:
     """What one generate call allocates per replica (analytic, from the engine's buckets):
     ``prompts`` and ``rows`` per replica, ``slots``, the prompt / response buckets, the
     prefill chunk (``prefill_rows`` x ``prefill_len``), ``pages`` in the pool (trash page
-    included) and ``pool_bytes`` (keys and values, all kv heads, ``dtype`` of the cache)."""
+    included, `batcher.pool_pages`), ``worst_case_pages`` (the pool in which no row ever
+    waits) and ``pool_bytes`` (keys and values of ``pages``, all kv heads, ``dtype`` of the
+    cache)."""
 
     prompts: int
     rows: int
@@ -357,22 +447,27 @@ class EngineShape:
     prefill_len: int
     page_size: int
     pages: int
+    worst_case_pages: int
     pool_bytes: int
 
 
 def engine_shape(cfg: ModelConfig, prompts: int, prompt_len: int, max_new_tokens: int, *, n: int = 1,
-                 replicas: int = 1, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE) -> EngineShape:
+                 replicas: int = 1, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
+                 kv_tokens: int | None = None) -> EngineShape:
     """The `EngineShape` of a call with ``prompts`` prompts of at most ``prompt_len`` tokens
-    over ``replicas`` generation replicas (what `_prepare` does, without arrays)."""
+    over ``replicas`` generation replicas with a budget of ``kv_tokens`` cached tokens per
+    replica (None: the default; what `_prepare` does, without arrays)."""
     Br = bucket_size(prompts, multiple=replicas) // replicas
     P = bucket_size(prompt_len, minimum=PROMPT_BUCKET_MIN)
     R = bucket_size(max_new_tokens, minimum=RESPONSE_BUCKET_MIN)
     S = min(slots or DEFAULT_SLOTS, Br * n)
     T = page_size
-    pages = pool_pages(Br, P, R, S, min(Br, PREFILL_ROWS), T)
+    Gr = min(Br, PREFILL_ROWS)
+    pages = pool_pages(Br, P, R, S, Gr, T, kv_tokens)
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * T * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    return EngineShape(prompts=Br, rows=Br * n, slots=S, prompt_len=P, response_len=R,
-                       prefill_rows=min(Br, PREFILL_ROWS), prefill_len=min(P, PREFILL_LEN), page_size=T, pages=pages,
+    return EngineShape(prompts=Br, rows=Br * n, slots=S, prompt_len=P, response_len=R, prefill_rows=Gr,
+                       prefill_len=min(P, PREFILL_LEN), page_size=T, pages=pages,
+                       worst_case_pages=pool_bounds(Br, P, R, S, Gr, T)[1],
                        pool_bytes=pages * page_bytes)
 
 
@@ -389,7 +484,10 @@ def generate_from_state(
     max_new_tokens=None,
     slots: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
+    kv_tokens: int | None = None,
+    attention: str | None = None,
     tokenizer: Any = None,
+    stop_strings: StopStrings | None = None,
     return_logits: bool = False,
     return_cache: bool = False,
 ) -> GenerateOutput:
@@ -400,48 +498,54 @@ def generate_from_state(
     (NumPy or jax; every row ends with a real token). ``max_new_tokens`` (an int or an
     integer array [B * n] or [B], each <= ``params.max_new_tokens``) limits each row. ``slots``:
     decode slots per replica (default: the replica's rows, at most `DEFAULT_SLOTS`);
-    ``page_size``: tokens per KV page. ``tokenizer`` (anything with ``decode(ids)``) is
-    needed for ``params.stop``. With ``mesh``, prompts, slots and pages are split over the
-    ``batch`` axes of ``rules``. The compiled program is cached per (graphdef, static
-    settings, mesh, rules, bucket shapes), so repeated calls compile nothing. ``rng`` (a
-    PRNG key) overrides ``params.seed``. ``return_logits`` / ``return_cache`` add debug
-    outputs (separate programs; for tests).
+    ``page_size``: tokens per KV page; ``kv_tokens``: the page pool's budget of cached tokens
+    per replica (None: the default of `batcher.pool_pages`; too small a budget for one
+    prompt group and one response is an error); ``attention``: ``"jax"``, ``"gpu"`` or
+    ``"tpu"`` (None: by platform, `paged.choose_kernel`; ``"gpu"`` off a GPU runs the kernel
+    in interpret mode). ``params.stop`` needs ``tokenizer`` (anything with ``decode(ids)``),
+    or its prebuilt ``stop_strings`` (`StopStrings.build`). With ``mesh``, prompts, slots and
+    pages are split over the ``batch`` axes of ``rules``. The compiled program is cached per
+    (graphdef, static settings, mesh, rules, bucket shapes), so repeated calls compile
+    nothing. ``rng`` (a PRNG key) overrides ``params.seed``. ``return_logits`` /
+    ``return_cache`` add debug outputs (separate programs; for tests).
     """
-    if params.stop and tokenizer is None:
-        raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
+    if params.stop and stop_strings is None:
+        if tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
+        stop_strings = StopStrings.build(params.stop, tokenizer, _config_of(graphdef, state).vocab_size)
     call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, rng, max_new_tokens, slots,
-                    page_size, return_logits, return_cache)
+                    page_size, kv_tokens, attention, stop_strings, return_logits, return_cache)
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols
 
     def cut(x):  # bucket -> the caller's shape (no op when the bucket fits exactly)
         return x if x.shape[:2] == (rows, cols) else x[:rows, :cols]
 
-    result = GenerateOutput(
+    peak = out["peak_pages"]
+    return GenerateOutput(
         responses=cut(out["responses"]),
         response_mask=cut(out["response_mask"]),
         log_probs=cut(out["log_probs"]),
         lengths=out["lengths"] if out["lengths"].shape[0] == rows else out["lengths"][:rows],
         num_steps=out["num_steps"],
-        stats=dict(call.stats, peak_pages=out["peak_pages"]),
+        stats=dict(call.stats, peak_pages=peak, peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"],
+                   waits=out["waits"]),
         logits=cut(out["logits"]) if return_logits else None,
         cache=(out["k_pages"], out["v_pages"]) if return_cache else None,
     )
-    if params.stop:
-        result = cut_at_stop_strings(result, params.stop, tokenizer, call.stats["pad_token_id"])
-    return result
 
 
 def lower_generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_ids, prompt_mask, params: SamplingParams,
                    *, mesh: Mesh | None = None, rules: Rules = GENERATE_RULES, max_new_tokens=None,
-                   slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, return_logits: bool = False,
-                   return_cache: bool = False) -> jax.stages.Lowered:
+                   slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, kv_tokens: int | None = None,
+                   attention: str | None = None, stop_strings: StopStrings | None = None,
+                   return_logits: bool = False, return_cache: bool = False) -> jax.stages.Lowered:
     """The program `generate_from_state` runs for these arguments, lowered but not run:
     ``.compile()`` gives its HLO (``as_text()``), ``memory_analysis()`` and
     ``cost_analysis()``. ``state`` may be abstract (``jax.ShapeDtypeStruct`` leaves carrying
     shardings); the prompts only need the intended shapes (e.g. ones)."""
     call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, None, max_new_tokens, slots,
-                    page_size, return_logits, return_cache, place=False)
+                    page_size, kv_tokens, attention, stop_strings, return_logits, return_cache, place=False)
     return call.program.lower(*call.args)
 
 

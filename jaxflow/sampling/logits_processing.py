@@ -32,6 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxflow.mesh import constrain
+
 NEG_INF = -jnp.inf
 
 
@@ -112,17 +114,19 @@ def sample_tokens(
     top_k: int = 0,
     top_p=1.0,
     use_top_p: bool | None = None,
+    vocab_shards: int = 1,
 ) -> jax.Array:
     """One token per row (int32 [B]) from ``softmax(process_logits(...))``, or the argmax
     when ``greedy``.
 
-    ``greedy``, ``top_k`` and ``use_top_p`` are static; ``temperature`` and ``top_p`` may be
-    traced (scalars or per-row [B]). ``use_top_p`` (default: ``top_p < 1`` when ``top_p`` is
-    a Python number) says whether the nucleus step runs at all. ``keys_B`` is one PRNG key
-    per row (typed key array [B]).
+    ``greedy``, ``top_k``, ``use_top_p`` and ``vocab_shards`` are static; ``temperature`` and
+    ``top_p`` may be traced (scalars or per-row [B]). ``use_top_p`` (default: ``top_p < 1``
+    when ``top_p`` is a Python number) says whether the nucleus step runs at all. ``keys_B``
+    is one PRNG key per row (typed key array [B]). ``vocab_shards``: the devices the
+    vocabulary of the logits is split over (`_block_width`).
     """
     if greedy:
-        return argmax(logits_BxV)
+        return argmax(logits_BxV, vocab_shards)
     if use_top_p is None:
         if not isinstance(top_p, (int, float)):
             raise ValueError("pass use_top_p=True/False when top_p is an array")
@@ -134,7 +138,7 @@ def sample_tokens(
         z, ids_BxC = jax.lax.top_k(z, top_k)  # the k candidates
     if use_top_p:
         z = _nucleus(z, top_p)
-    choice_B = _categorical(keys_B, z)
+    choice_B = _categorical(keys_B, z, 1 if ids_BxC is not None else vocab_shards)
     if ids_BxC is None:
         return choice_B
     return jnp.take_along_axis(ids_BxC, choice_B[:, None], axis=-1)[:, 0].astype(jnp.int32)
@@ -143,37 +147,66 @@ def sample_tokens(
 _BLOCK = 128
 
 
-def argmax(logits_BxV: jax.Array) -> jax.Array:
+def _block_width(size: int, shards: int = 1) -> int:
+    """Entries per block of the two-level argmax and draw: 128, or with the entries split
+    over ``shards`` devices the largest power of two (>= 8) that tiles each shard, so that no
+    block straddles two devices. A straddling block makes XLA all-gather the whole row at
+    every step (measured in the compiled HLO: [slots, 151936] float32 per decode step for
+    Qwen2.5's vocabulary over tp=2, where 75968 entries per shard are not a multiple of 128)."""
+    if shards > 1 and size % shards == 0:
+        width = _BLOCK
+        while width > 8 and (size // shards) % width:
+            width //= 2
+        if (size // shards) % width == 0:
+            return width
+    return _BLOCK
+
+
+def _whole_rows_if_straddling(z_BxV: jax.Array, width: int, shards: int) -> jax.Array:
+    """``z`` gathered whole on every device of its row when blocks of ``width`` entries would
+    straddle its ``shards`` (one all-gather, instead of the shifts that padding and
+    reshaping a split vocabulary take; a collective-permute inside a decode loop whose
+    replicas run different step counts can hang XLA:CPU, which rendezvouses every device for
+    it)."""
+    V = z_BxV.shape[-1]
+    straddles = V % shards != 0 or width >= V or (V // shards) % width != 0
+    return constrain(z_BxV, ("batch", None)) if shards > 1 and straddles else z_BxV
+
+
+def argmax(logits_BxV: jax.Array, vocab_shards: int = 1) -> jax.Array:
     """``jnp.argmax(logits, -1)`` (the first index of the maximum), int32 [B], in two levels:
-    the maxima of blocks of 128 entries, the first block holding the row's maximum, then the
-    first maximum inside that block. XLA:CPU runs a vocabulary-wide argmax as a scalar
-    (value, index) reduction, 20-40x slower than a plain max (22 ms vs 0.6 ms for
-    [64, 32000], measured); this was why greedy decoding ran slower than sampling."""
+    the maxima of blocks of `_block_width` entries, the first block holding the row's
+    maximum, then the first maximum inside that block. XLA:CPU runs a vocabulary-wide argmax
+    as a scalar (value, index) reduction, 20-40x slower than a plain max (22 ms vs 0.6 ms
+    for [64, 32000], measured); this was why greedy decoding ran slower than sampling."""
     B, V = logits_BxV.shape
-    nblocks = -(-V // _BLOCK)
-    z = logits_BxV
-    if nblocks * _BLOCK != V:
-        z = jnp.pad(z, ((0, 0), (0, nblocks * _BLOCK - V)), constant_values=NEG_INF)
-    z_BxNxW = z.reshape(B, nblocks, _BLOCK)
+    width = _block_width(V, vocab_shards)
+    nblocks = -(-V // width)
+    z = _whole_rows_if_straddling(logits_BxV, width, vocab_shards)
+    if nblocks * width != V:
+        z = jnp.pad(z, ((0, 0), (0, nblocks * width - V)), constant_values=NEG_INF)
+    z_BxNxW = z.reshape(B, nblocks, width)
     block_B = jnp.argmax(jnp.max(z_BxNxW, axis=-1), axis=-1)
     in_block_BxW = jnp.take_along_axis(z_BxNxW, block_B[:, None, None], axis=1)[:, 0]
-    return (block_B * _BLOCK + jnp.argmax(in_block_BxW, axis=-1)).astype(jnp.int32)
+    return (block_B * width + jnp.argmax(in_block_BxW, axis=-1)).astype(jnp.int32)
 
 
-def _categorical(keys_B: jax.Array, logits_BxC: jax.Array) -> jax.Array:
+def _categorical(keys_B: jax.Array, logits_BxC: jax.Array, shards: int = 1) -> jax.Array:
     """Draw index i of each row with probability softmax(logits)[i] (-inf never drawn).
 
-    Two-level inverse-CDF sampling with two uniforms per row: pick a block of 128 entries
-    with probability equal to its mass, then an entry within the block in proportion to its
-    probability. Exact in distribution, and the cumulative sums run over at most
-    ``C / 128`` block masses or 128 entries, so float32 rounding stays at the level of the
-    block masses. It needs 2 random numbers per row where Gumbel-max needs C, which makes
-    it several times cheaper for a 32k-152k vocabulary on CPU.
+    Two-level inverse-CDF sampling with two uniforms per row: pick a block of
+    `_block_width` entries (``shards``: the devices the C entries are split over) with
+    probability equal to its mass, then an entry within the block in proportion to its
+    probability. Exact in distribution, and the cumulative sums run over the block masses
+    or one block's entries, so float32 rounding stays at the level of the block masses. It
+    needs 2 random numbers per row where Gumbel-max needs C, which makes it several times
+    cheaper for a 32k-152k vocabulary on CPU.
     """
     B, C = logits_BxC.shape
-    nblocks = -(-C // _BLOCK)
-    width = _BLOCK if nblocks > 1 else C
-    z = logits_BxC.astype(jnp.float32)
+    width = _block_width(C, shards)
+    nblocks = -(-C // width)
+    width = width if nblocks > 1 else C
+    z = _whole_rows_if_straddling(logits_BxC.astype(jnp.float32), width, shards)
     if nblocks * width != C:
         z = jnp.pad(z, ((0, 0), (0, nblocks * width - C)), constant_values=NEG_INF)
     w_BxNxW = jnp.exp(z - jnp.max(z, axis=-1, keepdims=True)).reshape(B, nblocks, width)
@@ -182,12 +215,16 @@ def _categorical(keys_B: jax.Array, logits_BxC: jax.Array) -> jax.Array:
     def pick(weights_BxM, u_B):
         """Smallest i with cumsum(weights)[i] > u * sum(weights), over positive weights."""
         cdf = jnp.cumsum(weights_BxM, axis=-1)
-        i = jnp.sum(cdf <= u_B[:, None] * cdf[:, -1:], axis=-1)
-        # Rounding can put u * total at the total: fall back to the last positive weight.
-        last = weights_BxM.shape[-1] - 1 - jnp.argmax(weights_BxM[:, ::-1] > 0, axis=-1)
+        total = jnp.sum(weights_BxM, axis=-1, keepdims=True)  # a reduction, not the last entry of a sharded cdf
+        i = jnp.sum(cdf <= u_B[:, None] * total, axis=-1)
+        # Rounding can put u * total at the total: fall back to the last positive weight (a
+        # max over indices, not a reversed copy: no data movement when the entries are sharded)
+        last = jnp.max(jnp.where(weights_BxM > 0, jnp.arange(weights_BxM.shape[-1]), 0), axis=-1)
         return jnp.minimum(i, last)
 
-    block_B = pick(jnp.sum(w_BxNxW, axis=-1), u_Bx2[:, 0])
+    # the block masses, whole on every device of the row (a small gather): their prefix sum
+    # then needs no collective-permute between the vocabulary shards
+    block_B = pick(constrain(jnp.sum(w_BxNxW, axis=-1), ("batch", None)), u_Bx2[:, 0])
     in_block_BxW = jnp.take_along_axis(w_BxNxW, block_B[:, None, None], axis=1)[:, 0]
     return (block_B * width + pick(in_block_BxW, u_Bx2[:, 1])).astype(jnp.int32)
 

@@ -1,31 +1,199 @@
-"""A paged KV cache and attention over it, in the layout of the paged-attention kernels that ship
-with jax (``jax.experimental.pallas.ops.{gpu,tpu}.paged_attention``).
+"""A paged KV cache and attention over it, in the layouts of the paged-attention kernels that ship
+in the jax wheel, with a pure-JAX attention for every other case.
 
-Per layer, keys and values live in pools of pages, ``k_pages`` / ``v_pages``
-[kv_heads, num_pages, page_size, head_dim]. A sequence owns a row of the page table
-[max_pages] (page ids); its token at position t sits in page ``table[t // page_size]`` at
-offset ``t % page_size`` (position == cache slot, as the kernels assume: a sequence's keys
-are slots [0, length)). Page 0 is the trash page: rows and tokens that must not write
-anything (idle decode slots, prefill padding) write there, and no live table entry points
-at it, so what it holds is never read.
+Pages. A sequence owns a row of the page table [max_pages] (page ids); its token at position t
+sits in page ``table[t // page_size]`` at offset ``t % page_size`` (position == cache slot, as
+the kernels assume: a sequence's keys are slots [0, length)). Page 0 is the trash page: rows
+and tokens that must not write anything (idle decode slots, prefill padding) write there, and
+no live table entry points at it, so what it holds is never read.
 
-`paged_attention` is the pure-JAX attention over that layout (any backend). It reads pages in
-blocks of ``pages_per_block`` with an online softmax, for as many blocks as the longest query
-position needs (a dynamic trip count): the work follows the tokens alive, not the table's
-capacity.
+Layouts (`PoolLayout`, one per attention kernel, chosen once per program):
+
+- ``"jax"`` and ``"gpu"``: per layer a key pool and a value pool [kv_heads, pages, page_size,
+  head_dim], the layout of ``jax.experimental.pallas.ops.gpu.paged_attention``. ``"gpu"``
+  decodes (one query per sequence, no sliding window) with that Triton kernel; prefill
+  chunks use the pure-JAX `paged_attention` on the same pools.
+- ``"tpu"``: per layer one pool [pages, page_size, 2 * kv_heads, head_dim] with keys and
+  values interleaved (key head h at 2h, value head h at 2h + 1), the layout of
+  ``jax.experimental.pallas.ops.tpu.ragged_paged_attention``, which does prefill chunks and
+  decode steps alike.
+
+Converting one layout into the other would copy the whole pool at every step, so the pools are
+allocated in the kernel's layout and only the write (a scatter of this call's keys/values) and
+the attention call differ. `choose_kernel` picks ``"gpu"`` / ``"tpu"`` by platform when the
+kernel supports the model (GPU: no sliding window; TPU: head_dim a multiple of 128, which its
+Mosaic lowering needs) and the mesh leaves head_dim whole; ``"jax"`` everywhere else (CPU
+included). With kv heads split over mesh axes (tp), the kernel runs per shard under
+``shard_map`` over those axes.
+
+`paged_attention` is the pure-JAX attention over the ``"jax"`` layout (any backend). It reads
+pages in blocks of ``pages_per_block`` with an online softmax, for as many blocks as the
+longest query position needs (a dynamic trip count): the work follows the tokens alive, not
+the table's capacity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from jaxflow.models import ModelConfig
 
 TRASH_PAGE = 0
+KERNELS = ("jax", "gpu", "tpu")
 _MASKED = float(jnp.finfo(jnp.float32).min)
+
+
+def choose_kernel(cfg: ModelConfig, platform: str, head_dim_split: bool = False) -> str:
+    """The attention kernel for ``platform`` (``jax.devices()[0].platform``): the pallas kernel
+    of the platform where it supports the model, else the pure-JAX attention."""
+    if head_dim_split:  # a kernel needs each head's whole dot product on one device
+        return "jax"
+    if platform == "gpu" and cfg.sliding_window is None and cfg.head_dim % 16 == 0:
+        return "gpu"
+    if platform == "tpu" and cfg.head_dim % 128 == 0:
+        return "tpu"
+    return "jax"
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+    """How one layer's pages are held for ``kernel`` (see the module docstring). A layer's pool
+    is ``(k, v)`` for ``"jax"`` / ``"gpu"`` and one interleaved array for ``"tpu"``.
+
+    ``kv_axes``/``mesh``: the mesh axes the kv heads are split over and the mesh to run a
+    pallas kernel per shard on (``shard_map``); empty / None when unsplit. ``interpret`` runs
+    the pallas kernel in interpret mode (set off its platform: the GPU kernel on CPU, for
+    tests)."""
+
+    kernel: str = "jax"
+    kv_axes: tuple[str, ...] = ()
+    mesh: Any = None
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"attention kernel must be one of {KERNELS}, got {self.kernel!r}")
+
+    @property
+    def page_axis(self) -> int:
+        """The pages dimension of one layer's array(s)."""
+        return 0 if self.kernel == "tpu" else 1
+
+    @property
+    def logical_axes(self) -> tuple[str | None, ...]:
+        """Logical names of one layer's array(s) (pinned with `jaxflow.mesh.constrain`)."""
+        if self.kernel == "tpu":
+            return (None, None, "kv_heads", "head_dim")
+        return ("kv_heads", None, None, "head_dim")
+
+    def page_size(self, pool) -> int:
+        """Tokens per page of a pool (any leading dims)."""
+        return jax.tree.leaves(pool)[0].shape[-3 if self.kernel == "tpu" else -2]
+
+    def zeros(self, cfg: ModelConfig, num_pages: int, page_size: int, dtype=None):
+        """One layer's zeroed pool."""
+        N, K, dtype = cfg.num_kv_heads, cfg.head_dim, dtype or cfg.dtype
+        if self.kernel == "tpu":
+            return jnp.zeros((num_pages, page_size, 2 * N, K), dtype)
+        shape = (N, num_pages, page_size, K)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    def to_heads_major(self, pool) -> tuple[jax.Array, jax.Array]:
+        """(k, v) [..., kv_heads, pages, page_size, head_dim] of a pool (any leading dims)."""
+        if self.kernel != "tpu":
+            return pool
+        kv = jnp.moveaxis(pool, -2, -4)  # [..., 2N, pages, T, K]
+        return kv[..., 0::2, :, :, :], kv[..., 1::2, :, :, :]
+
+    def from_heads_major(self, k, v):
+        """The pool holding keys ``k`` and values ``v`` [kv_heads, pages, page_size, head_dim]."""
+        if self.kernel != "tpu":
+            return k, v
+        N, pages, T, K = k.shape
+        return jnp.stack([k, v], axis=1).reshape(2 * N, pages, T, K).transpose(1, 2, 0, 3)
+
+    def write(self, pool, page_BxL, offset_BxL, k_BxLxNxK, v_BxLxNxK):
+        """The pool with this call's keys/values at (page, offset)."""
+        if self.kernel == "tpu":
+            B, L, N, K = k_BxLxNxK.shape
+            kv = jnp.stack([k_BxLxNxK, v_BxLxNxK], axis=-2).reshape(B, L, 2 * N, K)
+            return pool.at[page_BxL, offset_BxL].set(kv.astype(pool.dtype))
+        k_pages, v_pages = pool
+        k_pages = k_pages.at[:, page_BxL, offset_BxL].set(k_BxLxNxK.transpose(2, 0, 1, 3).astype(k_pages.dtype))
+        v_pages = v_pages.at[:, page_BxL, offset_BxL].set(v_BxLxNxK.transpose(2, 0, 1, 3).astype(v_pages.dtype))
+        return k_pages, v_pages
+
+    def attend(self, q_BxLxHxK, pool, page_table_BxM, positions_BxL, *, sliding_window, pages_per_block):
+        """Attention of this call's queries over the pool (keys already written)."""
+        if self.kernel == "tpu":
+            fn, specs = _tpu_attention, (PartitionSpec(None, None, self.kv_axes or None, None),)
+            args = (pool,)
+        elif self.kernel == "gpu" and q_BxLxHxK.shape[1] == 1 and sliding_window is None:
+            fn, args = _gpu_decode_attention, pool
+            specs = (PartitionSpec(self.kv_axes or None, None, None, None),) * 2
+        else:
+            return paged_attention(q_BxLxHxK, *pool, page_table_BxM, positions_BxL, sliding_window=sliding_window,
+                                   pages_per_block=pages_per_block)
+        fn = functools.partial(fn, sliding_window=sliding_window, interpret=self.interpret)
+        if not self.kv_axes:
+            return fn(q_BxLxHxK, *args, page_table_BxM, positions_BxL)
+        heads = PartitionSpec(None, None, self.kv_axes, None)
+        return jax.shard_map(fn, mesh=self.mesh, in_specs=(heads, *specs, PartitionSpec(), PartitionSpec()),
+                             out_specs=heads, axis_names=set(self.kv_axes), check_vma=False)(
+            q_BxLxHxK, *args, page_table_BxM, positions_BxL)
+
+
+def _gpu_decode_attention(q_BxLxHxK, k_pages, v_pages, page_table_BxM, positions_BxL, *, sliding_window,
+                          interpret):
+    """One query per sequence through ``pallas.ops.gpu.paged_attention``: the kernel does not
+    scale the scores, so q carries 1/sqrt(K); it attends to slots [0, length) with length =
+    position + 1 (0 for idle rows, whose output is 0). Its page table is split in
+    ``k_splits`` partitions of ``pages_per_compute_block`` blocks, both dividing M."""
+    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
+
+    del sliding_window  # not supported by the kernel; `PoolLayout.attend` routes those models elsewhere
+    K = q_BxLxHxK.shape[-1]
+    M = page_table_BxM.shape[1]
+    k_splits = max(d for d in range(1, 17) if M % d == 0)
+    per_block = max(d for d in range(1, 9) if (M // k_splits) % d == 0)
+    q_BxHxK = (q_BxLxHxK[:, 0].astype(jnp.float32) * K ** -0.5).astype(k_pages.dtype)
+    lengths_B = (positions_BxL[:, 0] + 1).astype(jnp.int32)
+    out = gpu_kernel.paged_attention(q_BxHxK, k_pages, v_pages, page_table_BxM.astype(jnp.int32), lengths_B,
+                                     k_splits=k_splits, pages_per_compute_block=per_block, interpret=interpret)
+    return out[:, None].astype(q_BxLxHxK.dtype)
+
+
+def ragged_arguments(page_table_BxM, positions_BxL):
+    """The ragged kernel's sequence description of one call: every row is a sequence whose L
+    queries are its last L tokens, ``kv_lens`` = first position + L (rows without a real
+    token, position -1 throughout, read L slots of their table and are ignored), query
+    offsets ``cu_q_lens`` = [0, L, 2L, ...], all B rows live. A row's real tokens are a
+    prefix of its L, at consecutive positions (decode steps and prefill chunks are)."""
+    B, L = positions_BxL.shape
+    first_B = jnp.where(positions_BxL[:, 0] >= 0, positions_BxL[:, 0], 0)
+    kv_lens_B = (first_B + L).astype(jnp.int32)
+    cu_q_lens = (jnp.arange(B + 1) * L).astype(jnp.int32)
+    return kv_lens_B, page_table_BxM.astype(jnp.int32), cu_q_lens, jnp.array([B], jnp.int32)
+
+
+def _tpu_attention(q_BxLxHxK, kv_pages, page_table_BxM, positions_BxL, *, sliding_window, interpret):
+    """``pallas.ops.tpu.ragged_paged_attention`` over the interleaved pool (`ragged_arguments`)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+        ragged_paged_attention,
+    )
+
+    del interpret  # the kernel has no interpret switch; it runs on TPU only
+    B, L, H, K = q_BxLxHxK.shape
+    out = ragged_paged_attention(q_BxLxHxK.reshape(B * L, H, K).astype(kv_pages.dtype), kv_pages,
+                                 *ragged_arguments(page_table_BxM, positions_BxL), sm_scale=K ** -0.5,
+                                 sliding_window=sliding_window)
+    return out.reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
 @jax.tree_util.register_dataclass
@@ -33,42 +201,39 @@ _MASKED = float(jnp.finfo(jnp.float32).min)
 class PagedKVCache:
     """Page pools of every layer plus what one model call needs to write and read them.
 
-    ``k``/``v``: stacked [layers, kv_heads, num_pages, page_size, head_dim] or a tuple of one
-    pool per layer. ``page_table_BxM`` (int32): the pages of each of the B sequences of this
-    call; ``positions_BxL`` (int32): the position (== slot) of each of the L new tokens, -1
-    for tokens that write nothing and whose output is ignored. New keys are written before
-    attending, so token t sees slots [0, t] of its row (and the sliding window, if any).
+    ``pools``: one layer's pool (`PoolLayout`) with a leading ``layers`` dimension on every
+    array (scanned layers), or a tuple of one pool per layer. ``page_table_BxM`` (int32): the
+    pages of each of the B sequences of this call; ``positions_BxL`` (int32): the position
+    (== slot) of each of the L new tokens, -1 for tokens that write nothing and whose output
+    is ignored. New keys are written before attending, so token t sees slots [0, t] of its
+    row (and the sliding window, if any).
     """
 
-    k: jax.Array | tuple[jax.Array, ...]
-    v: jax.Array | tuple[jax.Array, ...]
+    pools: Any
     page_table_BxM: jax.Array
     positions_BxL: jax.Array
+    layout: PoolLayout = dataclasses.field(default=PoolLayout(), metadata=dict(static=True))
     sliding_window: int | None = dataclasses.field(default=None, metadata=dict(static=True))
     pages_per_block: int = dataclasses.field(default=8, metadata=dict(static=True))
 
-    @classmethod
-    def pools(cls, cfg: ModelConfig, num_pages: int, page_size: int, per_layer: bool, dtype=None):
-        """Zeroed (k, v) pools, stacked or one per layer."""
-        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        dtype = dtype or cfg.dtype
-        if per_layer:
-            return (tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                    tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
-        return jnp.zeros((cfg.num_layers,) + shape, dtype), jnp.zeros((cfg.num_layers,) + shape, dtype)
+    @staticmethod
+    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, per_layer: bool, layout: PoolLayout = PoolLayout(),
+              dtype=None):
+        """Zeroed pools of every layer: a tuple of per-layer pools, or one stacked pool."""
+        layers = tuple(layout.zeros(cfg, num_pages, page_size, dtype) for _ in range(cfg.num_layers))
+        return layers if per_layer else jax.tree.map(lambda *x: jnp.stack(x), *layers)
 
-    def replace_kv(self, k, v) -> PagedKVCache:
-        return dataclasses.replace(self, k=k, v=v)
+    def replace_pools(self, pools) -> PagedKVCache:
+        return dataclasses.replace(self, pools=pools)
 
-    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, kv_layer):
-        """Write this call's keys/values into one layer's pools, then attend over the pages."""
-        k_pages, v_pages = kv_layer
-        page_BxL, offset_BxL = slot_address(self.page_table_BxM, self.positions_BxL, k_pages.shape[2])
-        k_pages = k_pages.at[:, page_BxL, offset_BxL].set(k_BxLxNxK.transpose(2, 0, 1, 3).astype(k_pages.dtype))
-        v_pages = v_pages.at[:, page_BxL, offset_BxL].set(v_BxLxNxK.transpose(2, 0, 1, 3).astype(v_pages.dtype))
-        out = paged_attention(q_BxLxHxK, k_pages, v_pages, self.page_table_BxM, self.positions_BxL,
-                              sliding_window=self.sliding_window, pages_per_block=self.pages_per_block)
-        return out, (k_pages, v_pages)
+    def attend(self, q_BxLxHxK, k_BxLxNxK, v_BxLxNxK, pool):
+        """Write this call's keys/values into one layer's pool, then attend over the pages."""
+        with jax.named_scope("paged_attention"):
+            page_BxL, offset_BxL = slot_address(self.page_table_BxM, self.positions_BxL, self.layout.page_size(pool))
+            pool = self.layout.write(pool, page_BxL, offset_BxL, k_BxLxNxK, v_BxLxNxK)
+            out = self.layout.attend(q_BxLxHxK, pool, self.page_table_BxM, self.positions_BxL,
+                                     sliding_window=self.sliding_window, pages_per_block=self.pages_per_block)
+        return out, pool
 
 
 def slot_address(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size: int):
@@ -129,4 +294,5 @@ def paged_attention(q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, page_table_BxM,
     return out.reshape(N, B, G, L, K).transpose(1, 3, 0, 2, 4).reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
-__all__ = ["TRASH_PAGE", "PagedKVCache", "paged_attention", "slot_address"]
+__all__ = ["KERNELS", "TRASH_PAGE", "PagedKVCache", "PoolLayout", "choose_kernel", "paged_attention",
+           "ragged_arguments", "slot_address"]

@@ -51,11 +51,17 @@ class RolloutConfig:
     (``n`` responses per prompt, ``seed`` seeding the whole run: each call folds in its step)
     and the validation rollouts' (``rollout.val_kwargs``) side by side; ``max_num_seqs`` > 0
     decodes at most that many sequences per generation replica at once (the engine's decode
-    slots: a finished sequence's slot is refilled); 0: the engine's default."""
+    slots: a finished sequence's slot is refilled); 0: the engine's default.
+    ``max_total_tokens`` > 0: the KV-cache budget per generation replica in tokens (the page
+    pool; sequences wait for pages when it runs short); 0: the engine's default.
+    ``tokenizer`` (anything with ``decode(ids)``) gives the tokens' text for the stop strings
+    of the sampling parameters (``SamplingParams.stop``)."""
 
     train: SamplingParams = SamplingParams(max_new_tokens=32)
     val: SamplingParams = SamplingParams(max_new_tokens=32, greedy=True)
     max_num_seqs: int = 0
+    max_total_tokens: int = 0
+    tokenizer: Any = dataclasses.field(default=None, compare=False)
 
     @property
     def temperature(self) -> float:
@@ -268,9 +274,12 @@ class ActorWorker(TrainableWorker):
         samples what the uninterrupted run would have (None: this worker's call count).
         Returns the prompts repeated ``n`` times (interleaved, with a ``uid`` per prompt: its
         samples share it) plus ``responses``, ``response_mask``, ``rollout_log_probs`` (the
-        sampler's log-probs) and the provenance ``meta["temperature"]``."""
+        sampler's log-probs) and the provenance ``meta["temperature"]``. An optional integer
+        column ``max_new_tokens`` [B] limits each prompt's responses (vLLM's per-request
+        ``max_tokens``; at most the sampling parameters' ``max_new_tokens``)."""
         ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
         mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
+        limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
         params = self.rollout.resolve(sampling)
         index = step
         if index is None:
@@ -279,7 +288,9 @@ class ActorWorker(TrainableWorker):
         rng = jax.random.fold_in(jax.random.key(params.seed), index)
         if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
-        slots = self.rollout.max_num_seqs if self.rollout.max_num_seqs > 0 else None
+        r = self.rollout
+        options = dict(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None, max_new_tokens=limits,
+                      tokenizer=r.tokenizer)
         with contextlib.ExitStack() as stack:
             if self.engine is None:
                 gen_params, mesh, rules = self.params, self.mesh, self.rules
@@ -287,7 +298,7 @@ class ActorWorker(TrainableWorker):
                 gen_params = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
                 mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
             out = generate_from_state(self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng,
-                                      slots=slots)
+                                      **options)
             responses, response_mask, log_probs = jax.block_until_ready(
                 (out.responses, out.response_mask, out.log_probs))
         rows = prompts.repeat(params.n, interleave=True)

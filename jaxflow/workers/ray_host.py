@@ -5,7 +5,8 @@ life:
 
 1. ``free_address()`` (rank 0 only): an ``ip:port`` for the group's JAX coordinator.
 2. ``init_world(address, ...)``: ``jax.distributed.initialize`` with this rank, before
-   anything touches a device. On CPU, ``devices_per_process`` simulated devices and the gloo
+   anything touches a device, with the persistent compilation cache on (a restarted worker
+   loads its programs from disk). On CPU, ``devices_per_process`` simulated devices and the gloo
    cross-process collectives. From then on ``jax.devices()`` are the group's global devices.
 3. ``build(role, ...)``: builds a role worker inside this process, the same class with the
    same arguments as the local backend (``jaxflow.workers.roles.make_role_worker`` for
@@ -66,9 +67,13 @@ class HostProcess:
         return f"{ip}:{port}"
 
     def init_world(self, address: str, timeout_s: float) -> dict[str, Any]:
-        """Joins the group's JAX world; returns what this process sees of it."""
+        """Joins the group's JAX world; returns what this process sees of it. The persistent
+        compilation cache is on, so a restarted worker loads its programs from disk."""
         import jax
 
+        from jaxflow.mesh import enable_compilation_cache
+
+        enable_compilation_cache()
         if self.platform == "cpu":
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", self.devices_per_process)
