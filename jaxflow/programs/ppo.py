@@ -48,12 +48,12 @@ def ppo_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, kl_ct
         kl_ctrl = get_kl_controller(algo.kl_ctrl)
     timer = steps.StepTimer()
     # gen, old_log_prob (only when the advantages need it: the update gets it itself), ref, values, reward
-    batch = steps.rollout(w, prompts, timer, step=step, old_log_probs=needs_old_log_probs(algo),
-                          balance=settings.balance_batch)
+    batch = steps.rollout(w, prompts, timer, step=step, old_log_probs=needs_old_log_probs(algo))
     batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
-    metrics |= batch.meta.get("balance_metrics", {})
+    if not settings.balance_batch:  # verl logs its balance metrics only with trainer.balance_batch
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("global_seqlen/")}
     return metrics | compute_data_metrics(batch) | timer.metrics()
 
 
