@@ -121,17 +121,18 @@ def test_plan_places_every_real_token_once(ranks, budget, rows_per_micro):
 
 
 def test_bucket_sizes_and_micro_grid():
-    assert [bucket(n) for n in (1, 2, 3, 4, 5, 6, 7, 9, 13, 17, 25, 33)] == [1, 2, 3, 4, 6, 6, 8, 12, 16, 24, 32, 48]
-    assert len({bucket(n) for n in range(1, 4097)}) <= 24
-    # (k, n): both buckets (or n = the budget's), hold the bins, least slots k * n, then least k
+    assert [bucket(n) for n in (1, 2, 7, 8, 9, 11, 13, 16, 17, 21, 33, 100)] == [1, 2, 7, 8, 10, 12, 14, 16, 20, 24, 40, 112]
+    assert len({bucket(n) for n in range(1, 4097)}) == 44
+    assert all(bucket(n) >= n and bucket(n) - n < bucket(n) / 5 for n in range(1, 5000))
+    # (k, n): buckets (n may be the budget's bins), holding the bins, within the budget
     for max_bins in (1, 3, 5, 16):
         for bins in range(1, 200):
             k, n = micro_grid(bins, max_bins)
             assert k * n >= bins and n <= max_bins and k == bucket(k) and n in (bucket(n), max_bins)
-            assert k * n <= 1.5 * (bins + max_bins)  # bucket(x) < 1.5 x: at most a third of the slots idle
-        # a whole run of lengths lands on a handful of grid points
-        assert len({micro_grid(bins, max_bins) for bins in range(1, 200)}) <= 16
-    assert micro_grid(7, None) == (1, 8)
+            assert k * n <= 1.25 * (bins + max_bins)  # under a fifth idle, plus the last micro-batch's rounding
+        # a run whose bins vary by +-30% lands on a handful of shapes
+        assert len({micro_grid(bins, max_bins) for bins in range(70, 131)}) <= 5
+    assert micro_grid(9, None) == (1, 10)
 
 
 def test_balanced_partitions():
@@ -357,7 +358,7 @@ def test_packed_programs_compile_once_per_shape_bucket(model):
                                            np.asarray(rm_padded.scores(batch)["token_level_scores"]),
                                            atol=1e-5, rtol=1e-5)
     for name in budgets:
-        assert compiles.of(name) == len(buckets[name]) <= 3, (name, compiles.counts, buckets[name])
+        assert compiles.of(name) == len(buckets[name]) <= 4, (name, compiles.counts, buckets[name])
         assert len(raw[name]) > len(buckets[name]), (name, raw[name], buckets[name])
 
 

@@ -22,14 +22,15 @@ slots and ``D * b`` rows (``D`` data-parallel ranks, rank ``d`` owning bins and 
 ``d``). Rows are dealt to ranks balanced by tokens (`balanced_partitions`: equal row counts,
 longest first to the lightest rank, so each rank computes about the same number of real
 tokens in every pass: verl's ``balance_batch``, done per pass where the rows meet the ranks),
-each rank's rows packed into bins first-fit by decreasing length, ``n`` consecutive bins per
+each rank's rows packed into bins first-fit by decreasing length, at most ``n`` bins per
 micro-batch. Micro-batches hold at most ``budget // C`` bins per rank (a token budget per
 device), or the bins of at most ``rows_per_micro`` rows per rank, or everything.
 
 Shape buckets, so that a run whose lengths vary compiles a handful of programs, not one per
-step: ``b`` is the rows per rank (or ``rows_per_micro``), a constant of the run; ``(k, n)``
-come from `micro_grid`: ``n`` a `bucket` value or the budget's ``budget // C``, ``k`` a
-`bucket` value, so a run visits a few values of ``k`` and, below one micro-batch, of ``n``.
+step: ``(k, n)`` come from `micro_grid` (``n`` a `bucket` value or the budget's ``budget //
+C``, ``k`` a `bucket` value: a run visits a few values of ``k`` and, below one micro-batch,
+of ``n``); the bins are spread over the micro-batches evenly by rows (`spread_bins`), so
+``b = bucket(most rows in a micro-batch)`` stays near ``rows per rank / k``.
 """
 
 from __future__ import annotations
@@ -45,12 +46,12 @@ PACKED_KEYS = ("packed_ids", "packed_positions", "packed_segments", "packed_targ
 
 
 def bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) that is
-    >= ``n``: at most 1/3 of a padded dimension is waste, and sizes 1..4096 map onto 24 values."""
-    if n <= 4:
-        return max(int(n), 1)
-    p = 1 << (int(n) - 1).bit_length()  # power of two >= n
-    return p * 3 // 4 if p * 3 // 4 >= n else p
+    """``n`` rounded up to three significant bits: 1..8, then 4 values per octave (10, 12, 14,
+    16, 20, 24, 28, 32, 40, ...). Less than a fifth of a bucketed dimension is ever idle, and
+    sizes 1..4096 map onto 44 values (a run whose sizes vary by +-30% visits two or three)."""
+    n = max(int(n), 1)
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
 
 
 def real_lengths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -92,14 +93,29 @@ def micro_grid(bins: int, max_bins: int | None) -> tuple[int, int]:
     """``(k, n)``: ``k`` micro-batches of ``n`` bins per rank that hold ``bins`` bins. Under a
     budget of ``max_bins`` bins: ``(1, bucket(bins))`` while that fits the budget, ``(1,
     max_bins)`` while the bins do, else ``(bucket(ceil(bins / max_bins)), max_bins)``; so a
-    run's shapes are a few buckets of ``k`` (at most a third of the micro-batches idle, plus
-    the last one's rounding). Without a budget: ``(1, bucket(bins))``."""
+    run's shapes are a few buckets of ``k`` (less than a fifth of the micro-batches idle,
+    plus the last one's rounding). Without a budget: ``(1, bucket(bins))``."""
     bins = max(int(bins), 1)
     if max_bins is None or bucket(bins) <= max_bins:
         return 1, bucket(bins)
     if bins <= max_bins:
         return 1, max_bins
     return bucket(math.ceil(bins / max_bins)), max_bins
+
+
+def spread_bins(bins: list[list[int]], k: int, n: int) -> list[list[list[int]]]:
+    """``bins`` dealt to ``k`` micro-batches of at most ``n`` bins each: the bins with the most
+    rows first, each to the micro-batch with the fewest rows, so every micro-batch holds about
+    ``rows / k`` rows and the row dimension ``b`` stays near that."""
+    if len(bins) > k * n:
+        raise ValueError(f"{len(bins)} bins do not fit {k} micro-batches of {n}")
+    out: list[list[list[int]]] = [[] for _ in range(k)]
+    load = [0] * k
+    for q in sorted(range(len(bins)), key=lambda q: (-len(bins[q]), q)):
+        j = min((j for j in range(k) if len(out[j]) < n), key=lambda j: (load[j], len(out[j]), j))
+        out[j].append(bins[q])
+        load[j] += len(bins[q])
+    return out
 
 
 def first_fit(rows: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -179,11 +195,9 @@ def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: i
     if rows_per_micro is not None and rows_per_micro < 1:
         raise ValueError(f"rows_per_micro must be >= 1, got {rows_per_micro}")
     dealt = balanced_partitions(lengths, ranks)
-    b = max(len(rows) for rows in dealt)  # row slots per rank and micro-batch: a constant of the run
     if rows_per_micro is not None and max_token_len is None:
-        # groups of rows_per_micro rows per rank; n buckets the bins of a group
-        k = max(1, math.ceil(b / rows_per_micro))
-        b = min(b, rows_per_micro)
+        # k is fixed by the (balanced, equal) rows per rank; n buckets the bins of a group
+        k = max(1, max(math.ceil(len(rows) / rows_per_micro) for rows in dealt))
         micro_bins = [[first_fit(rows[j * rows_per_micro:(j + 1) * rows_per_micro], lengths, C) for j in range(k)]
                       for rows in dealt]
         n = bucket(max(len(bins) for groups in micro_bins for bins in groups))
@@ -191,7 +205,8 @@ def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: i
         per_rank = [first_fit(rows, lengths, C) for rows in dealt]
         k, n = micro_grid(max(len(bins) for bins in per_rank),
                           None if max_token_len is None else max_token_len // C)
-        micro_bins = [[bins[j * n:(j + 1) * n] for j in range(k)] for bins in per_rank]
+        micro_bins = [spread_bins(bins, k, n) for bins in per_rank]
+    b = bucket(max(sum(len(x) for x in micro_bins[d][j]) for d in range(ranks) for j in range(k)))
     rows_out = np.full((k, ranks * b), -1, np.int64)
     slots = np.full((k, ranks * n, C), -1, np.int64)
     starts = np.zeros(len(lengths), np.int64)
