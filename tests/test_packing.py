@@ -369,7 +369,8 @@ def test_every_rank_gets_balanced_tokens_in_log_prob_and_update(model, monkeypat
     pass and in every mini-batch of a shuffled two-epoch update, though the batch order's
     contiguous blocks are far apart; the update logs verl's ``global_seqlen/*`` of it."""
     actor = ActorWorker(model, mesh("dp=2,fsdp=2"), "train", dataclasses.replace(
-        DYNAMIC, ppo_mini_batch_size=8, ppo_epochs=2, shuffle=True, ppo_micro_batch_size_per_device=None),
+        DYNAMIC, ppo_mini_batch_size=8, ppo_epochs=2, shuffle=True, ppo_micro_batch_size_per_device=None,
+        log_balance=True),
         RolloutConfig())
     batch = make_batch(7, rows=16, tail=0.25)
     b = host(batch)

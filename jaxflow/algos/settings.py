@@ -64,4 +64,3 @@ class AlgorithmSettings:
 
     algorithm: AlgorithmConfig = AlgorithmConfig()
     safe_rlhf: SafeRLHFConfig = SafeRLHFConfig()
-    balance_batch: bool = False  # verl's trainer.balance_batch: log the actor's global_seqlen/* balance metrics

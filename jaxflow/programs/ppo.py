@@ -52,8 +52,6 @@ def ppo_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, kl_ct
     batch, metrics = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
-    if not settings.balance_batch:  # verl logs its balance metrics only with trainer.balance_batch
-        metrics = {k: v for k, v in metrics.items() if not k.startswith("global_seqlen/")}
     return metrics | compute_data_metrics(batch) | timer.metrics()
 
 

@@ -93,6 +93,9 @@ class ActorConfig:
         ``ppo_max_token_len_per_device`` tokens per device instead of a fixed row count;
         ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_device``: the same for
         the log-prob forward.
+      log_balance: with remove padding, `update` also reports verl's ``global_seqlen/*``
+        (``trainer.balance_batch``): real tokens per data-parallel rank of each step, as dealt
+        (balanced, always) and as contiguous blocks would have given them.
       optim: optimizer and schedule (read when the worker is built).
     """
 
@@ -119,6 +122,7 @@ class ActorConfig:
     ppo_max_token_len_per_device: int = 16384
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_device: int = 16384
+    log_balance: bool = False
     optim: OptimConfig = OptimConfig()
 
     def loss_key(self) -> tuple:
@@ -344,9 +348,10 @@ class ActorWorker(TrainableWorker):
         on-policy update (`ActorConfig.is_on_policy`) takes them from its own forward
         (detached), any other computes them first. ``step``: the training step, which seeds
         the shuffle (None: this worker's call count). Returns each metric's values, one per
-        step; with remove padding also verl's ``global_seqlen/*`` balance metrics of each
-        step's mini-batch (`jaxflow.workers.packing.balance_metrics`: real tokens per
-        data-parallel rank as dealt, balanced, and as contiguous blocks would be)."""
+        step; with remove padding and ``config.log_balance`` also verl's ``global_seqlen/*``
+        balance metrics of each step's mini-batch (`jaxflow.workers.packing.balance_metrics`:
+        real tokens per data-parallel rank as dealt, balanced, and as contiguous blocks would
+        be)."""
         cfg = self.config
         on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
         if "old_log_probs" not in batch and not on_policy and "response_mask" in batch:
@@ -368,7 +373,7 @@ class ActorWorker(TrainableWorker):
             inputs, layout = self.place_minibatch(host, idx)
             self.state, metrics = train_step(self.state, inputs, scalars)
             per_step.append(metrics)
-            if layout is not None:
+            if layout is not None and cfg.log_balance:
                 balance.append(balance_metrics(layout))
         per_step = jax.device_get(per_step)
         out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
