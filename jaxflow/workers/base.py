@@ -256,7 +256,7 @@ def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Map
     return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})
 
 
-def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1, name: str = "forward"):
+def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1, *, name: str):
     """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, tensors, scalars)``
     over the role's mesh: parameters in their layout, rows of every column and every output
     over the data-parallel axes, ``num_micro`` micro-batches one after the other (to bound

@@ -48,7 +48,7 @@ PACKED_KEYS = ("packed_ids", "packed_positions", "packed_segments", "packed_targ
 def bucket(n: int) -> int:
     """``n`` rounded up to three significant bits: 1..8, then 4 values per octave (10, 12, 14,
     16, 20, 24, 28, 32, 40, ...). Less than a fifth of a bucketed dimension is ever idle, and
-    sizes 1..4096 map onto 44 values (a run whose sizes vary by +-30% visits two or three)."""
+    sizes 1..4096 map onto 44 values (a run whose sizes vary by +-30% visits a few)."""
     n = max(int(n), 1)
     step = 1 << max(n.bit_length() - 3, 0)
     return -(-n // step) * step
@@ -293,7 +293,7 @@ def pack_minibatch(columns: Mapping[str, np.ndarray], *, ranks: int, max_token_l
     return out, layout
 
 
-def balance_metrics(layout: PackedLayout, prefix: str = "global_seqlen") -> dict[str, float]:
+def balance_metrics(layout: PackedLayout) -> dict[str, float]:
     """verl's ``balance_batch`` metrics of one packed pass: real tokens per data-parallel rank
     if the rows went to the ranks in contiguous blocks of the batch order (``min``, ``max``,
     ``minmax_diff``: what the ranks get without balancing) and as this layout deals them
@@ -301,7 +301,7 @@ def balance_metrics(layout: PackedLayout, prefix: str = "global_seqlen") -> dict
     lengths = layout.prompt_len + layout.response_len
     before = np.asarray([x.sum() for x in np.array_split(lengths, layout.ranks)])
     after = layout.rank_tokens()
-    return {f"{prefix}/min": float(before.min()), f"{prefix}/max": float(before.max()),
-            f"{prefix}/minmax_diff": float(before.max() - before.min()),
-            f"{prefix}/balanced_min": float(after.min()), f"{prefix}/balanced_max": float(after.max()),
-            f"{prefix}/mean": float(after.mean())}
+    return {"global_seqlen/min": float(before.min()), "global_seqlen/max": float(before.max()),
+            "global_seqlen/minmax_diff": float(before.max() - before.min()),
+            "global_seqlen/balanced_min": float(after.min()), "global_seqlen/balanced_max": float(after.max()),
+            "global_seqlen/mean": float(after.mean())}
