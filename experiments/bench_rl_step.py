@@ -7,9 +7,12 @@ The workload (both systems, fp32, random weights, the same 64-token prompts):
 * 8 prompts x 4 samples, prompt 64 tokens, responses of exactly 128 tokens (jaxflow:
   ``rollout.ignore_eos``; TRL: ``min_new_tokens``), temperature 1;
 * GRPO with a reference model and a KL loss of 0.04 (k3 / ``low_var_kl``), one optimizer
-  step per rollout (the mini-batch is the whole batch); jaxflow's PPO (GAE, a critic of the
-  same shape) is timed beside it;
+  step per rollout (the mini-batch is the whole batch, so jaxflow's update takes the old
+  log-probs from its own forward);
 * reward: the fraction of ``a`` characters in the response (host side, both systems).
+
+jaxflow's PPO (GAE, a critic of the same shape) is timed beside it. TRL runs GRPO only, so
+PPO's step time is printed on its own, never as a ratio to TRL's GRPO.
 
 Each system runs in its own child process, the systems alternating ``--rounds`` times (the
 machine is shared: report median and best). In every child the first ``--warmup`` steps
@@ -18,24 +21,35 @@ machine is shared: report median and best). In every child the first ``--warmup`
 Phases (seconds per step, measured): ``gen`` (rollout), ``old_log_prob`` (a separate
 old-log-prob pass; none with the on-policy shortcut), ``ref``, ``values`` (PPO), ``reward``,
 ``adv``, ``update_critic``, ``update_actor``, ``step`` (the whole step). For TRL the same
-phases are read by wrapping its generation, reference forward and ``training_step``.
+phases are read by wrapping its generation, reward, reference forward and
+``training_step``: private methods of ``GRPOTrainer`` (`TRL_HOOKS`); a TRL without them is
+refused with one line naming the missing ones and the installed version.
 
-FLOP/s of the actor update (``train_gflops``): the analytic FLOPs of one forward and backward
-(3 x the forward's matmul FLOPs, attention included, over every token of the
-``[prompt | response]`` rows) divided by the measured ``update_actor`` seconds, against
-``matmul_gflops``: a 2048^3 fp32 matmul timed in the same child right before its steps.
+FLOP/s of the actor update, two ways: the analytic FLOPs of one forward and backward (3 x the
+forward's matmul FLOPs, attention included, over every token of the ``[prompt | response]``
+rows) divided by (a) the measured device time of the compiled train step alone
+(``train_step_device_s``: inputs already on the device, best of 3 runs after the timed steps)
+and (b) the ``update_actor`` phase (wall clock: host packing, transfers and the step),
+against ``matmul_gflops``: a 2048^3 fp32 matmul timed in the same child right before its
+steps.
 
-``--longtail`` instead times jaxflow's log-prob and update phases on one synthetic batch
-whose response lengths are drawn from a long-tailed distribution (median about a quarter of
-the cap), padded path vs packed path with token-budget micro-batches, alternating.
+``--longtail`` instead times jaxflow's log-prob and update phases together on one synthetic
+batch whose response lengths are drawn from a long-tailed distribution (lognormal, median a
+quarter of the cap), the padded path vs remove padding + token-budget micro-batches,
+alternating in one process, and prints the speed-up.
+
+``--tiny`` shrinks every size (a smoke test of the script, seconds per system).
 
     python experiments/bench_rl_step.py --rounds 3          # GRPO + PPO vs TRL, a table
     python experiments/bench_rl_step.py --longtail --json   # packing speed-up
+    python experiments/bench_rl_step.py --tiny --rounds 1 --steps 1 --systems jaxflow_grpo,jaxflow_ppo
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import os
 import statistics
@@ -46,10 +60,35 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-HIDDEN, MLP, LAYERS, HEADS, KV_HEADS, VOCAB = 512, 1408, 8, 8, 2, 256
-PROMPTS, SAMPLES, PROMPT_LEN, RESPONSE_LEN = 8, 4, 64, 128
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """The model and batch shapes both systems run."""
+
+    hidden: int = 512
+    mlp: int = 1408
+    layers: int = 8
+    heads: int = 8
+    kv_heads: int = 2
+    vocab: int = 256
+    prompts: int = 8
+    samples: int = 4
+    prompt_len: int = 64
+    response_len: int = 128
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.samples
+
+
+FULL = Workload()
+TINY = Workload(hidden=64, mlp=128, layers=2, heads=4, kv_heads=2, prompts=2, samples=2, prompt_len=8, response_len=16)
 KL_COEF, LR = 0.04, 1e-6
 PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic", "update_actor", "step")
+# GRPOTrainer's private methods the TRL child wraps to time its phases, and the first
+# parameter each must take (the reference-forward hook tells the reference model by it).
+TRL_HOOKS = {"_generate": None, "_calculate_rewards": None, "_generate_and_score_completions": None,
+             "_get_per_token_logps_and_entropies": "model", "training_step": "model"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--before_tree", default="",
                    help="a checkout to time as before_grpo / before_ppo (this script copied into it, padded path)")
     p.add_argument("--longtail", action="store_true", help="packed vs padded log-prob + update, long-tailed lengths")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test of the script")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--_child", help=argparse.SUPPRESS)
     p.add_argument("--_dir", help=argparse.SUPPRESS)
@@ -73,16 +113,16 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------ analytic FLOPs
 
 
-def forward_flops(rows: int, length: int, logit_positions: int) -> float:
+def forward_flops(wl: Workload, rows: int, length: int, logit_positions: int) -> float:
     """Analytic matmul FLOPs of one forward over ``rows`` x ``length`` tokens (attention
     scores and values over all ``length`` keys, as computed), LM head on ``logit_positions``
     per row."""
-    head_dim, tokens = HIDDEN // HEADS, rows * length
-    attn_proj = 2 * HIDDEN * (2 * HEADS * head_dim + 2 * KV_HEADS * head_dim)
-    mlp = 2 * 3 * HIDDEN * MLP
-    attn_scores = 2 * 2 * length * HEADS * head_dim
+    head_dim, tokens = wl.hidden // wl.heads, rows * length
+    attn_proj = 2 * wl.hidden * (2 * wl.heads * head_dim + 2 * wl.kv_heads * head_dim)
+    mlp = 2 * 3 * wl.hidden * wl.mlp
+    attn_scores = 2 * 2 * length * wl.heads * head_dim
     per_layer = tokens * (attn_proj + mlp + attn_scores)
-    return LAYERS * per_layer + rows * logit_positions * 2 * HIDDEN * VOCAB
+    return wl.layers * per_layer + rows * logit_positions * 2 * wl.hidden * wl.vocab
 
 
 def matmul_gflops(reps: int = 5, n: int = 2048) -> float:
@@ -105,13 +145,13 @@ def matmul_gflops(reps: int = 5, n: int = 2048) -> float:
 # ------------------------------------------------------------------------ shared workload
 
 
-def prompt_texts() -> list[str]:
-    """``PROMPTS`` prompts of exactly ``PROMPT_LEN`` tokens: ``<bos>`` + random letters."""
+def prompt_texts(wl: Workload) -> list[str]:
+    """``wl.prompts`` prompts of exactly ``wl.prompt_len`` tokens: ``<bos>`` + random letters."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     letters = "abcdefghijklmnopqrstuvwxyz "
-    return ["<bos>" + "".join(rng.choice(list(letters), PROMPT_LEN - 1)) for _ in range(PROMPTS)]
+    return ["<bos>" + "".join(rng.choice(list(letters), wl.prompt_len - 1)) for _ in range(wl.prompts)]
 
 
 def reward_of_text(text: str) -> float:
@@ -121,7 +161,7 @@ def reward_of_text(text: str) -> float:
 # ------------------------------------------------------------------------ jaxflow
 
 
-def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
+def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool, wl: Workload) -> dict:
     import jax
     import numpy as np
 
@@ -130,19 +170,21 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
     import jaxflow.programs as programs
     from jaxflow.data.batch import Batch
     from jaxflow.data.char_tokenizer import CharTokenizer
+    from jaxflow.programs.ppo import needs_old_log_probs
     from jaxflow.sampling import SamplingParams
     from jaxflow.workers import (ActorConfig, ActorWorker, CriticConfig, CriticWorker, LocalWorkerGroup,
                                  OptimConfig, ReferenceWorker, RolloutConfig, Workers)
 
     tok = CharTokenizer()
-    cfg = models.get_preset("tiny_llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
-                            num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS,
-                            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    rows = PROMPTS * SAMPLES
+    cfg = models.get_preset("tiny_llama", vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp,
+                            num_layers=wl.layers, num_heads=wl.heads, num_kv_heads=wl.kv_heads,
+                            head_dim=wl.hidden // wl.heads, eos_token_id=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id)
+    rows = wl.rows
     extra = {"use_remove_padding": True, "use_dynamic_bsz": True} if packing else {}
     actor_cfg = ActorConfig(ppo_mini_batch_size=rows, use_kl_loss=algo == "grpo", kl_loss_coef=KL_COEF,
                             kl_loss_type="low_var_kl", optim=OptimConfig(lr=LR), **extra)
-    rollout = RolloutConfig(train=SamplingParams(n=SAMPLES, max_new_tokens=RESPONSE_LEN, eos_token_ids=(),
+    rollout = RolloutConfig(train=SamplingParams(n=wl.samples, max_new_tokens=wl.response_len, eos_token_ids=(),
                                                  pad_token_id=tok.pad_token_id))
     policy = models.init_model(cfg, "lm", seed=0)
     mesh, rules = "fsdp=1", "train"
@@ -152,11 +194,9 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
         w.ref = LocalWorkerGroup(ReferenceWorker, name="ref", model=policy, mesh=mesh, rules=rules, **(
             {"use_remove_padding": True} if packing else {}))
     else:
-        critic_extra = {"use_remove_padding": True, "use_dynamic_bsz": True} if packing else {}
         w.critic = LocalWorkerGroup(CriticWorker, name="critic", model=models.init_model(cfg, "value", seed=1),
                                     mesh=mesh, rules=rules,
-                                    config=CriticConfig(ppo_mini_batch_size=rows, optim=OptimConfig(lr=LR),
-                                                        **critic_extra))
+                                    config=CriticConfig(ppo_mini_batch_size=rows, optim=OptimConfig(lr=LR), **extra))
     a_id = tok.encode("a", add_special_tokens=False)[0]
 
     def reward(batch: Batch) -> Batch:
@@ -169,24 +209,82 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool) -> dict:
         return Batch.from_dict({"token_level_scores": scores})
 
     w.reward = reward
-    ids = np.array([tok.encode(t, add_special_tokens=False) for t in prompt_texts()], np.int32)
-    assert ids.shape == (PROMPTS, PROMPT_LEN), ids.shape
+    ids = np.array([tok.encode(t, add_special_tokens=False) for t in prompt_texts(wl)], np.int32)
+    assert ids.shape == (wl.prompts, wl.prompt_len), ids.shape
     prompts = programs.batch_from_prompts({"prompt_ids": ids, "prompt_mask": np.ones_like(ids)})
-    settings = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator=algo if algo == "grpo" else "gae"))
+    algo_cfg = algos.AlgorithmConfig(adv_estimator=algo if algo == "grpo" else "gae")
+    settings = algos.AlgorithmSettings(algo_cfg)
     matmul = matmul_gflops()
     timings = []
     for step in range(warmup + steps):
         metrics = programs.ppo_iteration(w, prompts, settings, step=step)
         if step >= warmup:
             timings.append({k[len("timing_s/"):]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")})
-    train_flops = 3 * forward_flops(rows, PROMPT_LEN + RESPONSE_LEN, RESPONSE_LEN)
-    return {"timings": timings, "matmul_gflops": matmul, "train_gflop": train_flops / 1e9}
+    on_policy = not needs_old_log_probs(algo_cfg)
+    device_s = train_step_device_seconds(w.actor.worker, wl, on_policy=on_policy)
+    train_flops = 3 * forward_flops(wl, rows, wl.prompt_len + wl.response_len, wl.response_len)
+    return {"timings": timings, "matmul_gflops": matmul, "train_gflop": train_flops / 1e9,
+            "train_step_device_s": device_s}
+
+
+def train_step_device_seconds(actor, wl: Workload, *, on_policy: bool, reps: int = 3) -> float:
+    """Best of ``reps`` runs of the actor's compiled train step on one mini-batch of the
+    workload's shape (full prompts and responses, as the rollouts with ``ignore_eos``), its
+    inputs placed on the device beforehand: the step's device time, no host work."""
+    import jax
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rows, P, R = wl.rows, wl.prompt_len, wl.response_len
+    host = {"prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
+            "prompt_mask": np.ones((rows, P), np.int32),
+            "responses": rng.integers(4, wl.vocab, (rows, R)).astype(np.int32),
+            "response_mask": np.ones((rows, R), np.int32),
+            "advantages": rng.normal(size=(rows, R)).astype(np.float32),
+            "old_log_probs": np.full((rows, R), -np.log(wl.vocab), np.float32),
+            "ref_log_prob": np.full((rows, R), -np.log(wl.vocab), np.float32)}
+    keys = actor.config.update_keys(on_policy)
+    inputs, _ = actor.place_minibatch({k: host[k] for k in keys}, np.arange(rows))
+    step = actor.train_program(rows, on_policy)
+    scalars = {"temperature": np.float32(1.0)}
+    seconds = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        actor.state, metrics = step(actor.state, inputs, scalars)
+        jax.block_until_ready(metrics)
+        seconds.append(time.perf_counter() - t0)
+    return min(seconds[1:])  # the first run may still compile (this mini-batch's shape bucket)
 
 
 # ------------------------------------------------------------------------ TRL
 
 
-def trl_child(steps: int, warmup: int, workdir: str) -> dict:
+def check_trl():
+    """The installed TRL's ``GRPOTrainer``, once every method `TRL_HOOKS` wraps is there and
+    takes the expected first parameter; otherwise one clear error naming what is missing."""
+    try:
+        import trl
+        from trl import GRPOTrainer
+    except ImportError as e:
+        raise SystemExit(f"bench_rl_step: trl_grpo needs TRL, in the `bench` extra (pip install -e '.[bench]'): {e}")
+    problems = []
+    for name, first in TRL_HOOKS.items():
+        fn = getattr(GRPOTrainer, name, None)
+        if not callable(fn):
+            problems.append(f"{name} is missing")
+            continue
+        params = [q for q in inspect.signature(fn).parameters if q != "self"]
+        if first is not None and (not params or params[0] != first):
+            problems.append(f"{name}'s first parameter is {params[:1]}, not {first!r}")
+    if problems:
+        raise SystemExit(f"bench_rl_step: TRL {trl.__version__}'s GRPOTrainer does not have the private methods this "
+                         f"benchmark times its phases with ({'; '.join(problems)}); install a TRL that does (the "
+                         f"`bench` extra) or update TRL_HOOKS and trl_child")
+    return trl.__version__
+
+
+def trl_child(steps: int, warmup: int, workdir: str, wl: Workload) -> dict:
+    trl_version = check_trl()
     import torch
     import transformers
     from datasets import Dataset
@@ -199,23 +297,23 @@ def trl_child(steps: int, warmup: int, workdir: str) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
     tokenizer.padding_side = "left"
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
-        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=512,
+        vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp, num_hidden_layers=wl.layers,
+        num_attention_heads=wl.heads, num_key_value_heads=wl.kv_heads, max_position_embeddings=512,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(0)
     model_dir = os.path.join(workdir, "trl_model")  # TRL builds its reference model from a path
     transformers.LlamaForCausalLM(config).float().save_pretrained(model_dir)
-    texts = prompt_texts()
-    assert all(len(tokenizer(t, add_special_tokens=False)["input_ids"]) == PROMPT_LEN for t in texts)
+    texts = prompt_texts(wl)
+    assert all(len(tokenizer(t, add_special_tokens=False)["input_ids"]) == wl.prompt_len for t in texts)
     dataset = Dataset.from_dict({"prompt": texts * (warmup + steps)})
 
     def reward(completions, **_):
         return [reward_of_text(c) for c in completions]
 
     args = GRPOConfig(
-        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=PROMPTS * SAMPLES,
-        num_generations=SAMPLES, max_completion_length=RESPONSE_LEN, beta=KL_COEF, learning_rate=LR,
-        temperature=1.0, generation_kwargs={"min_new_tokens": RESPONSE_LEN}, max_steps=warmup + steps,
+        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=wl.rows,
+        num_generations=wl.samples, max_completion_length=wl.response_len, beta=KL_COEF, learning_rate=LR,
+        temperature=1.0, generation_kwargs={"min_new_tokens": wl.response_len}, max_steps=warmup + steps,
         use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, shuffle_dataset=False,
         loss_type="dapo", disable_dropout=True, model_init_kwargs={"dtype": torch.float32})
     trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
@@ -256,18 +354,17 @@ def trl_child(steps: int, warmup: int, workdir: str) -> dict:
 
     trainer.training_step = training_step
     trainer.train()
-    lengths = None
-    return {"timings": timings[warmup:], "torch_threads": torch.get_num_threads(), "lengths": lengths}
+    return {"timings": timings[warmup:], "torch_threads": torch.get_num_threads(), "trl_version": trl_version}
 
 
 # ------------------------------------------------------------------------ long-tailed lengths
 
 
-def longtail_child(steps: int, warmup: int) -> dict:
-    """Log-probs + one update of the actor on one batch (``PROMPTS x SAMPLES`` rows, full
-    prompts, response lengths ~ lognormal with median ``RESPONSE_LEN / 4``, capped at
-    ``RESPONSE_LEN``): the padded path vs remove padding + dynamic micro-batches, alternating
-    within this process, ``warmup`` rounds dropped."""
+def longtail_child(steps: int, warmup: int, wl: Workload) -> dict:
+    """Log-probs + one update of the actor on one batch (``wl.rows`` rows, full prompts,
+    response lengths ~ lognormal with median ``wl.response_len / 4``, capped at
+    ``wl.response_len``): the padded path vs remove padding + dynamic micro-batches,
+    alternating within this process, ``warmup`` rounds dropped."""
     import dataclasses
 
     import jax
@@ -278,18 +375,19 @@ def longtail_child(steps: int, warmup: int) -> dict:
     from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, RolloutConfig
     from jaxflow.workers.packing import plan_packing
 
-    cfg = models.get_preset("tiny_llama", vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
-                            num_layers=LAYERS, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HIDDEN // HEADS)
-    rows = PROMPTS * SAMPLES
+    cfg = models.get_preset("tiny_llama", vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp,
+                            num_layers=wl.layers, num_heads=wl.heads, num_kv_heads=wl.kv_heads,
+                            head_dim=wl.hidden // wl.heads)
+    rows, P, R = wl.rows, wl.prompt_len, wl.response_len
     rng = np.random.default_rng(0)
-    lengths = np.clip(np.round(rng.lognormal(np.log(RESPONSE_LEN / 4), 1.0, rows)), 1, RESPONSE_LEN).astype(int)
-    rm = (np.arange(RESPONSE_LEN)[None] < lengths[:, None]).astype(np.int32)
+    lengths = np.clip(np.round(rng.lognormal(np.log(R / 4), 1.0, rows)), 1, R).astype(int)
+    rm = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
     batch = Batch.from_dict({
-        "prompt_ids": rng.integers(4, VOCAB, (rows, PROMPT_LEN)).astype(np.int32),
-        "prompt_mask": np.ones((rows, PROMPT_LEN), np.int32),
-        "responses": (rng.integers(4, VOCAB, (rows, RESPONSE_LEN)) * rm).astype(np.int32), "response_mask": rm,
-        "advantages": (rng.normal(size=(rows, RESPONSE_LEN)) * rm).astype(np.float32),
-        "ref_log_prob": (-5.5 * rm).astype(np.float32),
+        "prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
+        "prompt_mask": np.ones((rows, P), np.int32),
+        "responses": (rng.integers(4, wl.vocab, (rows, R)) * rm).astype(np.int32), "response_mask": rm,
+        "advantages": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
+        "ref_log_prob": (-np.log(wl.vocab) * rm).astype(np.float32),
     })
     base = ActorConfig(ppo_mini_batch_size=rows, use_kl_loss=True, kl_loss_coef=KL_COEF, optim=OptimConfig(lr=LR))
     configs = {"padded": base, "packed": dataclasses.replace(
@@ -307,11 +405,10 @@ def longtail_child(steps: int, warmup: int) -> dict:
             t2 = time.perf_counter()
             if round_ >= warmup:
                 times[name].append({"log_prob": t1 - t0, "update": t2 - t1, "both": t2 - t0})
-    layout = plan_packing(np.asarray(batch["prompt_mask"]), rm, max_token_len=16384)
+    layout = plan_packing(np.asarray(batch["prompt_mask"]), rm, max_token_len=base.ppo_max_token_len_per_device)
     return {"times": times, "response_lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
-                                                 "max": int(lengths.max()), "cap": RESPONSE_LEN},
-            "slots": {"padded": rows * (PROMPT_LEN + RESPONSE_LEN), "packed": layout.slots(),
-                      "real_tokens": layout.real_tokens()}}
+                                                 "max": int(lengths.max()), "cap": R},
+            "slots": {"padded": rows * (P + R), "packed": layout.slots(), "real_tokens": layout.real_tokens()}}
 
 
 # ------------------------------------------------------------------------ driver
@@ -323,7 +420,8 @@ def run_child(system: str, args: argparse.Namespace, workdir: str) -> dict:
         script, packing, child = os.path.join(args.before_tree, "experiments", "bench_rl_step.py"), "off", \
             "jaxflow_" + system[len("before_"):]
     cmd = [sys.executable, script, "--_child", child, "--_dir", workdir,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--packing", packing]
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--packing", packing] + (
+        ["--tiny"] if args.tiny else [])
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(script)))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
@@ -332,6 +430,9 @@ def run_child(system: str, args: argparse.Namespace, workdir: str) -> dict:
 
 
 def summarise(results: dict[str, list[dict]]) -> dict:
+    """Median / best per phase; for jaxflow the update's FLOP/s (device time of the train step,
+    and the update phase's wall clock) against the same-run matmul; GRPO systems' speed-up
+    over TRL's GRPO (PPO gets none: TRL has no PPO here)."""
     summary = {}
     for system, runs in results.items():
         steps = [t for r in runs for t in r["timings"]]
@@ -341,27 +442,31 @@ def summarise(results: dict[str, list[dict]]) -> dict:
             if any(vals):
                 phases[name] = {"median": statistics.median(vals), "best": min(vals)}
         s = {"phases": phases, "n_steps": len(steps)}
+        if "trl_version" in runs[0]:
+            s["trl_version"] = runs[0]["trl_version"]
         if "matmul_gflops" in runs[0]:
-            mm = [r["matmul_gflops"] for r in runs]
-            upd = [t["update_actor"] for t in steps]
+            mm = statistics.median(r["matmul_gflops"] for r in runs)
             gflop = runs[0]["train_gflop"]
-            s.update(matmul_gflops={"median": statistics.median(mm), "best": max(mm)},
-                     train_gflops={"median": gflop / statistics.median(upd), "best": gflop / min(upd)},
-                     train_gflop_analytic=gflop)
-            s["train_fraction_of_matmul"] = s["train_gflops"]["median"] / s["matmul_gflops"]["median"]
+            device = statistics.median(r["train_step_device_s"] for r in runs)
+            wall = phases["update_actor"]["median"]
+            s.update(matmul_gflops=mm, train_gflop_analytic=gflop, train_step_device_s=device,
+                     train_gflops_device=gflop / device, train_gflops_update_wall=gflop / wall,
+                     train_fraction_of_matmul_device=gflop / device / mm,
+                     train_fraction_of_matmul_update_wall=gflop / wall / mm)
         summary[system] = s
     if "trl_grpo" in summary:
         trl = summary["trl_grpo"]["phases"]["step"]
         for system in summary:
-            if system != "trl_grpo":
+            if system.endswith("_grpo") and system != "trl_grpo":
                 me = summary[system]["phases"]["step"]
-                summary[system]["speedup_vs_trl"] = {"median": trl["median"] / me["median"],
-                                                     "best": trl["best"] / me["best"]}
+                summary[system]["speedup_vs_trl_grpo"] = {"median": trl["median"] / me["median"],
+                                                          "best": trl["best"] / me["best"]}
     return summary
 
 
 def summarise_longtail(runs: list[dict]) -> dict:
-    """Median / best seconds of log-prob + update per path, and the packed speed-up."""
+    """Median / best seconds of log-prob, update and both per path, and the packed speed-up
+    of log-prob + update together (medians over all rounds of one process, alternating)."""
     out = {"response_lengths": runs[0]["response_lengths"], "slots": runs[0]["slots"]}
     for name in ("padded", "packed"):
         for phase in ("log_prob", "update", "both"):
@@ -384,27 +489,51 @@ def print_table(summary: dict, load: str) -> None:
         print(f"{name:<15}" + "".join(f"{c:>22}" for c in cells))
     for s in systems:
         x = summary[s]
-        if "speedup_vs_trl" in x:
-            print(f"{s}: {x['speedup_vs_trl']['median']:.2f}x TRL's step (median), {x['speedup_vs_trl']['best']:.2f}x (best)")
-        if "train_gflops" in x:
-            print(f"{s}: update_actor {x['train_gflops']['median']:.0f} GFLOP/s (analytic FLOPs / measured s) vs "
-                  f"{x['matmul_gflops']['median']:.0f} GFLOP/s fp32 matmul in the same run "
-                  f"({100 * x['train_fraction_of_matmul']:.0f}%)")
+        if "speedup_vs_trl_grpo" in x:
+            v = x["speedup_vs_trl_grpo"]
+            print(f"{s}: {v['median']:.2f}x TRL {summary['trl_grpo'].get('trl_version', '')} GRPO's step (median), "
+                  f"{v['best']:.2f}x (best)")
+        elif s.endswith("_ppo"):
+            print(f"{s}: {x['phases']['step']['median']:.2f} s per PPO step (median; actor + critic; TRL runs GRPO "
+                  f"only, so no ratio)")
+        if "train_gflops_device" in x:
+            print(f"{s}: actor train step {x['train_gflops_device']:.0f} GFLOP/s on its device time "
+                  f"({x['train_step_device_s']:.2f} s; {100 * x['train_fraction_of_matmul_device']:.0f}% of the "
+                  f"{x['matmul_gflops']:.0f} GFLOP/s fp32 matmul in the same run), {x['train_gflops_update_wall']:.0f} "
+                  f"GFLOP/s on the update phase's wall clock ({100 * x['train_fraction_of_matmul_update_wall']:.0f}%; "
+                  f"host packing and transfers included); FLOPs analytic, seconds measured")
+
+
+def print_longtail(summary: dict, load: str) -> None:
+    lengths, slots = summary["response_lengths"], summary["slots"]
+    print(f"long-tailed responses (median {lengths['median']:.0f}, mean {lengths['mean']:.1f}, max {lengths['max']} "
+          f"of cap {lengths['cap']}); slots computed: padded {slots['padded']}, packed {slots['packed']} "
+          f"({slots['real_tokens']} real tokens); load: {load}")
+    print(f"{'seconds (median / best)':<26}{'log_prob':>18}{'update':>18}{'log_prob + update':>20}")
+    for name in ("padded", "packed"):
+        cells = [summary[f"{name}/{phase}_s"] for phase in ("log_prob", "update", "both")]
+        print(f"{name:<26}" + "".join(f"{c['median']:>11.3f} / {c['best']:.3f}" for c in cells))
+    v = summary["speedup_log_prob_plus_update"]
+    print(f"packing + dynamic micro-batches vs padded, log-prob + update together: {v['median']:.2f}x (median), "
+          f"{v['best']:.2f}x (best), measured in one process, alternating")
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    wl = TINY if args.tiny else FULL
     if args._child:
         if args._child == "trl_grpo":
-            result = trl_child(args.steps, args.warmup, args._dir)
+            result = trl_child(args.steps, args.warmup, args._dir, wl)
         elif args._child == "longtail":
-            result = longtail_child(args.steps, args.warmup)
+            result = longtail_child(args.steps, args.warmup, wl)
         else:
-            result = jaxflow_child(args._child.split("_")[1], args.steps, args.warmup, args.packing == "on")
+            result = jaxflow_child(args._child.split("_")[1], args.steps, args.warmup, args.packing == "on", wl)
         print(json.dumps(result))
         return
-    load_before = os.getloadavg()
     systems = ["longtail"] if args.longtail else args.systems.split(",")
+    if "trl_grpo" in systems:
+        check_trl()  # one clear line before any child runs
+    load_before = os.getloadavg()
     results: dict[str, list[dict]] = {s: [] for s in systems}
     with tempfile.TemporaryDirectory() as workdir:
         for r in range(args.rounds):
@@ -413,18 +542,13 @@ def main(argv=None) -> None:
                 # each child's raw result as it lands (a long run on a loaded machine keeps its partial data)
                 print(f"round {r + 1}: {system} {json.dumps(results[system][-1])}", file=sys.stderr, flush=True)
     load = f"loadavg before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
-    if args.longtail:
-        summary = summarise_longtail(results["longtail"])
-        summary["load"] = load
-        print(json.dumps(summary, indent=1) if args.json else "\n".join(
-            f"{k}: {v}" for k, v in summary.items()))
-        return
-    summary = summarise(results)
-    summary["load"] = load
+    summary = summarise_longtail(results["longtail"]) if args.longtail else summarise(results)
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(json.dumps(summary | {"load": load, "workload": dataclasses.asdict(wl)}, indent=1))
+    elif args.longtail:
+        print_longtail(summary, load)
     else:
-        print_table({k: v for k, v in summary.items() if k != "load"}, load)
+        print_table(summary, load)
 
 
 if __name__ == "__main__":

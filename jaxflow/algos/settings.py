@@ -64,4 +64,3 @@ class AlgorithmSettings:
 
     algorithm: AlgorithmConfig = AlgorithmConfig()
     safe_rlhf: SafeRLHFConfig = SafeRLHFConfig()
-    balance_batch: bool = False  # verl's trainer.balance_batch: equal tokens per actor dp rank

@@ -221,7 +221,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
     ("trainer.val_before_train", True, "Validate once before the first step."),
     ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
     ("trainer.balance_batch", False,
-     "Reorder each rollout so the actor's data-parallel ranks get about equal tokens; logs global_seqlen/*."),
+     "Log verl's global_seqlen/* metrics: real tokens per actor data-parallel rank in the packed update, as "
+     "contiguous blocks would give them and as dealt. Packed passes (use_remove_padding) always deal rows to ranks "
+     "balanced by tokens, per pass; padded passes compute the same padded rows on every rank."),
     ("trainer.resume_mode", "auto",
      "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (resume_from_path)."),
     ("trainer.resume_from_path", _opt(str), "Checkpoint directory to resume from when resume_mode is resume_path."),

@@ -271,6 +271,7 @@ def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
         ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
         log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
         log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
+        log_balance=cfg.trainer.balance_batch,
         optim=_optim(a, optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
                      cfg.jaxflow.optim.state_dtype))
 
@@ -329,8 +330,7 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
         safe_rlhf=SafeRLHFConfig(
             enable=s.enable, cost_model_path=s.cost_model_path, cost_rule=s.cost_rule,
             forbidden_chars=s.forbidden_chars, cost_threshold=s.cost_threshold, lambda_init=s.lambda_init,
-            lambda_lr=s.lambda_lr, lambda_update_scale=s.lambda_update_scale, lambda_max=s.lambda_max),
-        balance_batch=cfg.trainer.balance_batch)
+            lambda_lr=s.lambda_lr, lambda_update_scale=s.lambda_update_scale, lambda_max=s.lambda_max))
 
 
 def reward_spec(cfg: ConfigDict) -> RewardSpec:

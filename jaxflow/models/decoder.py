@@ -29,6 +29,12 @@ _REMAT_POLICIES = {
 }
 
 
+def wide(dtype) -> Any:
+    """The dtype of the numerically sensitive parts (norms, softmax, logits, heads): at least
+    float32, float64 for a float64 model (so a float64 model is float64 end to end)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype) -> nnx.Param:
     return nnx.Param(init(rngs.params(), shape, dtype), logical_axes=tuple(axes))
 
@@ -44,16 +50,16 @@ def positions_from_mask(attention_mask_BxL: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale, computed in float32."""
+    """y = x / sqrt(mean(x^2) + eps) * scale, computed in at least float32."""
 
     def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs, axes=("norm",)):
         self.eps = eps
         self.weight = _param(rngs, _ones, (dim,), axes, param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
+        x32 = x.astype(wide(x.dtype))
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        scale = self.weight[...].astype(jnp.float32).reshape((1,) * (x.ndim - 1) + (-1,))
+        scale = self.weight[...].astype(x32.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
         return (y * scale).astype(x.dtype)
 
 
@@ -107,16 +113,17 @@ def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Ar
     """softmax(q k / sqrt(K) + mask) v with G = H / N query heads per kv head (keys given
     [B, N, K, S], values [B, N, S, K]: both products batched over (B, N) with operands in
     matmul order, which XLA:CPU runs about 2x faster than over [B, S, N, K]); the softmax
-    runs in float32.
+    runs in at least float32.
     Fully masked rows (padding queries) stay finite."""
     B, L, H, K = q_BxLxHxK.shape
     N, S = k_BxNxKxS.shape[1], k_BxNxKxS.shape[-1]
     G = H // N
     # Rows M = (G, L) of one matmul per (batch, kv head), both operands in matmul order.
     q_BxNxMxK = q_BxLxHxK.reshape(B, L, N, G, K).transpose(0, 2, 3, 1, 4).reshape(B, N, G * L, K)
-    scores = jnp.einsum("BNMK,BNKS->BNMS", q_BxNxMxK, k_BxNxKxS).astype(jnp.float32) * (K ** -0.5)
+    sdt = wide(q_BxLxHxK.dtype)
+    scores = jnp.einsum("BNMK,BNKS->BNMS", q_BxNxMxK, k_BxNxKxS).astype(sdt) * (K ** -0.5)
     scores = scores.reshape(B, N, G, L, S)
-    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(sdt).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
     out_BxNxMxK = jnp.einsum("BNMS,BNSK->BNMK", probs, v_BxNxSxK)
     return out_BxNxMxK.reshape(B, N, G, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
@@ -263,7 +270,8 @@ class Decoder(nnx.Module):
 class CausalLM(nnx.Module):
     """Decoder + LM head (tied to the embedding when the config says so).
 
-    ``model(input_ids, attention_mask=mask)`` -> logits [B, L, V] in float32.
+    ``model(input_ids, attention_mask=mask)`` -> logits [B, L, V] in float32 (float64 for a
+    float64 model).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -278,7 +286,7 @@ class CausalLM(nnx.Module):
             logits = jnp.einsum("BLD,VD->BLV", hidden_BxLxD.astype(dt), self.model.embed_tokens[...].astype(dt))
         else:
             logits = jnp.einsum("BLD,DV->BLV", hidden_BxLxD.astype(dt), self.lm_head[...].astype(dt))
-        return constrain(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        return constrain(logits.astype(wide(dt)), ("batch", "length", "vocab"))
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
@@ -300,8 +308,9 @@ class ValueModel(nnx.Module):
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
-        values = jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.score[...].astype(jnp.float32))
-        return values[..., 0] + self.score_bias[...].astype(jnp.float32)[0]
+        dt = wide(hidden.dtype)
+        values = jnp.einsum("BLD,DO->BLO", hidden.astype(dt), self.score[...].astype(dt))
+        return values[..., 0] + self.score_bias[...].astype(dt)[0]
 
 
 class RewardModel(nnx.Module):
@@ -315,7 +324,8 @@ class RewardModel(nnx.Module):
 
     def token_scores(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
-        return jnp.einsum("BLD,DO->BLO", hidden.astype(jnp.float32), self.score[...].astype(jnp.float32))[..., 0]
+        dt = wide(hidden.dtype)
+        return jnp.einsum("BLD,DO->BLO", hidden.astype(dt), self.score[...].astype(dt))[..., 0]
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:
         B, L = input_ids_BxL.shape

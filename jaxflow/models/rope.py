@@ -39,11 +39,13 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
 
 
 def apply_rope(x_BxLxHxK: jnp.ndarray, positions_BxL: jnp.ndarray, inv_freq: np.ndarray) -> jnp.ndarray:
-    """Rotate pairs (x_i, x_{i+K/2}) by angle position * inv_freq_i, in float32."""
-    angles_BxLxK2 = positions_BxL[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)[None, None, :]
+    """Rotate pairs (x_i, x_{i+K/2}) by angle position * inv_freq_i, in at least float32
+    (float64 inputs rotate in float64)."""
+    dt = jnp.promote_types(x_BxLxHxK.dtype, jnp.float32)
+    angles_BxLxK2 = positions_BxL[..., None].astype(dt) * jnp.asarray(inv_freq, dt)[None, None, :]
     cos = jnp.cos(angles_BxLxK2)[:, :, None, :]
     sin = jnp.sin(angles_BxLxK2)[:, :, None, :]
-    x = x_BxLxHxK.astype(jnp.float32)
+    x = x_BxLxHxK.astype(dt)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)

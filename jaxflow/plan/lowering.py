@@ -292,7 +292,8 @@ class Forward:
     builds the padded-rows program (``k`` micro-batches), ``fn`` is the body of the packed
     one (`packed_program`); ``scalars`` its runtime scalars; ``micro_batch_size_per_device``
     rows per data-parallel rank per pass; ``packed``: remove padding, then micro-batches of
-    at most ``max_token_len_per_device`` tokens (None: by rows)."""
+    at most ``max_token_len_per_device`` tokens (None: by rows); ``packed_name``: the name the
+    worker gives its packed program (`jaxflow.workers.base.packed_forward`)."""
 
     role: str
     padded: Callable[[RoleLayout, int], Any]
@@ -301,6 +302,7 @@ class Forward:
     micro_batch_size_per_device: int | None
     packed: bool
     max_token_len_per_device: int | None
+    packed_name: str
 
 
 FORWARD_PROGRAMS = ("actor/log_probs", "ref/log_probs", "critic/values", "reward/scores", "cost/scores")
@@ -314,20 +316,21 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
         return Forward("actor", lambda lo, k: log_probs_program(lo, k, with_entropy=a.log_prob_entropy),
                        log_probs_fn(with_entropy=a.log_prob_entropy), ("temperature",),
                        a.log_prob_micro_batch_size_per_device, a.use_remove_padding,
-                       a.log_prob_max_token_len_per_device if a.log_prob_use_dynamic_bsz else None)
+                       a.log_prob_max_token_len_per_device if a.log_prob_use_dynamic_bsz else None, "old_log_probs")
     if name == "ref/log_probs":
         return Forward("ref", lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
                        log_probs_fn("ref_log_prob"), ("temperature",), spec.ref_micro_batch_size_per_device,
-                       spec.ref_use_remove_padding, spec.ref_max_token_len_per_device)
+                       spec.ref_use_remove_padding, spec.ref_max_token_len_per_device, "ref_log_prob")
     if name == "critic/values":
         c = spec.critic
         return Forward("critic", values_program, values_fn, (), c.forward_micro_batch_size_per_device,
-                       c.use_remove_padding, c.forward_max_token_len_per_device if c.use_dynamic_bsz else None)
+                       c.use_remove_padding, c.forward_max_token_len_per_device if c.use_dynamic_bsz else None,
+                       "values")
     if name in ("reward/scores", "cost/scores"):
         role = name.split("/")[0]
         key = "token_level_cost" if role == "cost" else "token_level_scores"
         return Forward(role, lambda lo, k: scores_program(lo, k, key), scores_fn(key), (),
-                       spec.reward.micro_batch_size_per_device, spec.reward.use_remove_padding, None)
+                       spec.reward.micro_batch_size_per_device, spec.reward.use_remove_padding, None, key)
     raise KeyError(f"unknown forward program {name!r}; forwards: {FORWARD_PROGRAMS}")
 
 
@@ -361,7 +364,7 @@ def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any
     if f.packed:
         tensors = abstract_columns(shapes_of(packed_forward_inputs(spec, f, rules, mesh)[1]), rules, mesh,
                                    presplit=True)
-        program = packed_program(role_layout, f.fn)
+        program = packed_program(role_layout, f.fn, f.packed_name)
         what = f"packed into {k} micro-batch{'es' if k > 1 else ''} (all rows full length)"
     else:
         tensors = abstract_columns(shapes_of(full_length_rows(rows, P, R)), rules, mesh)

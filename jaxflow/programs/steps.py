@@ -27,7 +27,6 @@ import jax
 from jaxflow.algos.kl import AdaptiveKLController, FixedKLController
 from jaxflow.algos.settings import AlgorithmConfig
 from jaxflow.data.batch import Batch
-from jaxflow.programs.balance import balance_batch
 from jaxflow.programs.batch_ops import apply_kl_penalty_to_batch, compute_advantage
 from jaxflow.workers.group import Workers
 from jaxflow.workers.reward import score_batch
@@ -64,23 +63,18 @@ def ready(batch: Batch) -> Batch:
     return batch
 
 
-def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, old_log_probs: bool = True,
-            balance: bool = False) -> tuple[Batch, dict[str, float]]:
+def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None,
+            old_log_probs: bool = True) -> tuple[Batch, dict[str, float]]:
     """Generation and everything scored on it: ``responses`` (``gen``), ``old_log_probs``
     (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
     takes them from its own forward when on-policy, or computes them itself),
     ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when ``w.critic`` (``values``),
     ``token_level_scores`` (``reward``). ``step`` seeds the rollout (the actor's training
-    sampling parameters). ``balance``: right after generation the rows are reordered so the
-    actor's data-parallel ranks get about the same number of tokens
-    (`jaxflow.programs.balance`). Returns the batch and the rollout's metrics: the balance's
-    ``global_seqlen/*`` and the rule scorer's ``reward/*``."""
-    metrics: dict[str, float] = {}
+    sampling parameters). No reordering for data-parallel balance here: every packed pass
+    deals its rows to its own mesh's data-parallel ranks balanced by tokens
+    (`jaxflow.workers.packing`). Returns the batch and the rule scorer's ``reward/*`` metrics."""
     with timer("gen"):
         batch = ready(w.actor.generate(prompts, step=step))
-    if balance:
-        batch, balance_metrics = balance_batch(batch, w.actor.info.dp_size)
-        metrics |= balance_metrics
     with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
         if old_log_probs:
             batch |= ready(w.actor.log_probs(batch))
@@ -95,7 +89,7 @@ def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = 
     with timer("reward"):
         scores, reward_metrics = score_batch(w.reward, batch)
         batch |= ready(scores)
-    return batch, metrics | reward_metrics
+    return batch, reward_metrics
 
 
 def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:

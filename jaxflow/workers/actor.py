@@ -38,7 +38,7 @@ from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward,
                                   row_program)
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
-from jaxflow.workers.packing import PACKED_KEYS, pack_minibatch
+from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
 from jaxflow.workers.protocols import DP_COMPUTE, register
@@ -106,6 +106,9 @@ class ActorConfig:
         ``ppo_max_token_len_per_device`` tokens per device instead of a fixed row count;
         ``log_prob_use_dynamic_bsz`` / ``log_prob_max_token_len_per_device``: the same for
         the log-prob forward.
+      log_balance: with remove padding, `update` also reports verl's ``global_seqlen/*``
+        (``trainer.balance_batch``): real tokens per data-parallel rank of each step, as dealt
+        (balanced, always) and as contiguous blocks would have given them.
       optim: optimizer and schedule (read when the worker is built).
     """
 
@@ -132,6 +135,7 @@ class ActorConfig:
     ppo_max_token_len_per_device: int = 16384
     log_prob_use_dynamic_bsz: bool = False
     log_prob_max_token_len_per_device: int = 16384
+    log_balance: bool = False
     optim: OptimConfig = OptimConfig()
 
     def loss_key(self) -> tuple:
@@ -220,7 +224,7 @@ def log_probs_program(layout: RoleLayout, num_micro: int, *, output_key: str = "
                       with_entropy: bool = False):
     """`log_probs_fn` over padded rows in ``num_micro`` micro-batches (`row_program`): the
     actor's old log-probs and the reference's ``ref_log_prob``."""
-    return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro)
+    return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro, name=output_key)
 
 
 def actor_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: ActorConfig, state_shardings: Any,
@@ -233,7 +237,7 @@ def actor_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: ActorCo
         layout.graphdef, tx, schedule, actor_loss(config), mesh=layout.mesh, rules=layout.rules,
         state_shardings=state_shardings, batch_ndims=config.train_columns(on_policy),
         scalar_names=("temperature",), num_micro=1 if packed else num_micro,
-        loss_scale_factor=config.loss_scale_factor, presplit=packed)
+        loss_scale_factor=config.loss_scale_factor, presplit=packed, name="actor_train_step")
 
 
 class ActorWorker(TrainableWorker):
@@ -320,7 +324,7 @@ class ActorWorker(TrainableWorker):
         temperature = np.float32(self.rollout.temperature if temperature is None else temperature)
         if cfg.use_remove_padding:
             return packed_forward(
-                self, "log_probs", batch, log_probs_fn(with_entropy=cfg.log_prob_entropy), {"temperature": temperature},
+                self, "old_log_probs", batch, log_probs_fn(with_entropy=cfg.log_prob_entropy), {"temperature": temperature},
                 max_token_len=cfg.log_prob_max_token_len_per_device if cfg.log_prob_use_dynamic_bsz else None,
                 rows_per_micro=cfg.log_prob_micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
@@ -343,15 +347,18 @@ class ActorWorker(TrainableWorker):
         return self._compiled(("update", k, on_policy, cfg.loss_key()), lambda: actor_train_step(
             self.layout, self.tx, self.schedule, cfg, self.state_shardings, k, on_policy=on_policy))
 
-    def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
-        """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
+    def place_minibatch(self, host: Mapping[str, np.ndarray],
+                        idx: np.ndarray) -> tuple[dict[str, jax.Array], PackedLayout | None]:
+        """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
+        or packed micro-batches (remove padding) and their layout."""
         cfg = self.config
         rows = {n: v[idx] for n, v in host.items()}
         if not cfg.use_remove_padding:
-            return self.put(rows)
-        return self.put_presplit(pack_minibatch(
+            return self.put(rows), None
+        tensors, layout = pack_minibatch(
             rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-            rows_per_micro=cfg.ppo_micro_batch_size_per_device))
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device)
+        return self.put_presplit(tensors), layout
 
     @register(DP_TRAIN)
     def update(self, batch: Batch, *, step: int | None = None,
@@ -362,7 +369,10 @@ class ActorWorker(TrainableWorker):
         (detached), any other computes them first. ``step``: the training step, which seeds
         the shuffle (None: this worker's call count). ``temperature``: the log-probs' T (None:
         the training rollouts', `RolloutConfig.temperature`). Returns each metric's values, one
-        per step."""
+        per step; with remove padding and ``config.log_balance`` also verl's ``global_seqlen/*``
+        balance metrics of each step's mini-batch (`jaxflow.workers.packing.balance_metrics`:
+        real tokens per data-parallel rank as dealt, balanced, and as contiguous blocks would
+        be)."""
         cfg = self.config
         temperature = self.rollout.temperature if temperature is None else temperature
         on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
@@ -380,12 +390,17 @@ class ActorWorker(TrainableWorker):
             index = self._num_updates
             self._num_updates += 1
         rng = np.random.default_rng([cfg.seed, index])
-        per_step = []
+        per_step, balance = [], []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = train_step(self.state, self._minibatch(host, idx), scalars)
+            inputs, layout = self.place_minibatch(host, idx)
+            self.state, metrics = train_step(self.state, inputs, scalars)
             per_step.append(metrics)
+            if layout is not None and cfg.log_balance:
+                balance.append(balance_metrics(layout))
         per_step = jax.device_get(per_step)
         out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
+        if balance:
+            out |= {name: np.asarray([m[name] for m in balance]) for name in balance[0]}
         if cfg.use_kl_loss:
             out["actor/kl_coef"] = np.full(len(per_step), cfg.kl_loss_coef)
         return out
@@ -399,5 +414,6 @@ class ActorWorker(TrainableWorker):
         step = self.train_program(rows)
         t = self.rollout.temperature if temperature is None else temperature
         host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
-        self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {"temperature": np.float32(t)})
+        inputs, _ = self.place_minibatch(host, np.arange(rows))
+        self.state, metrics = step(self.state, inputs, {"temperature": np.float32(t)})
         return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules, get_rules, logical_to_spec, sharding_rules, state_shardings
 from jaxflow.models import HEADS, from_pretrained
-from jaxflow.workers.forward import PROMPT_KEYS, map_micro
+from jaxflow.workers.forward import PROMPT_KEYS, map_micro, named
 from jaxflow.workers.packing import PackedLayout, gather_rows, pack_inputs, plan_packing, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
 from jaxflow.workers.train_state import TrainState, create_train_state
@@ -220,20 +220,23 @@ def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str
     return rows // size
 
 
-def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict]):
+def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], name: str):
     """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, micro, scalars)`` over
     the ``k`` micro-batches of a packed batch (every column ``[k, ...]``, dimension 1 over the
     data-parallel axes; `jaxflow.workers.packing`), one after the other. One compile per
-    shape bucket."""
+    shape bucket; the program is named ``packed_<name>``."""
     rows = NamedSharding(layout.mesh, PartitionSpec(None, layout.batch_axes))
     graphdef, mesh, rules = layout.graphdef, layout.mesh, layout.rules
 
     def run(params, tensors, scalars):
         with sharding_rules(rules, mesh):
             model = nnx.merge(graphdef, params)
+            if tensors["response_mask"].shape[0] == 1:  # one micro-batch: no loop
+                return jax.tree.map(lambda x: x[None], fn(model, jax.tree.map(lambda x: x[0], tensors), scalars))
             return jax.lax.map(lambda t: fn(model, t, scalars), tensors)
 
-    return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)
+    return jax.jit(named(run, f"packed_{name}"), in_shardings=(layout.param_shardings, rows, layout.replicated),
+                   out_shardings=rows)
 
 
 def pack_forward_inputs(host: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None,
@@ -251,21 +254,23 @@ def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Map
                    max_token_len: int | None, rows_per_micro: int | None) -> Batch:
     """``fn(model, micro, scalars) -> {column: [b, R]}`` over ``batch`` packed without padding
     (micro-batches of at most ``max_token_len`` tokens per device, or ``rows_per_micro`` rows
-    per device), the outputs scattered back to the batch's row order (host arrays)."""
+    per device; rows dealt to the data-parallel ranks balanced by tokens), the outputs
+    scattered back to the batch's row order (host arrays). ``name``: the program's
+    (`packed_program`)."""
     host = {k: np.asarray(jax.device_get(batch[k])) for k in PROMPT_KEYS}
     layout, tensors = pack_forward_inputs(host, ranks=worker.dp_size, max_token_len=max_token_len,
                                           rows_per_micro=rows_per_micro)
-    program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn))
+    program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn, name))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
     return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})
 
 
-def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1):
+def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1, *, name: str):
     """``jit(params, tensors, scalars) -> outputs`` running ``fn(model, tensors, scalars)``
     over the role's mesh: parameters in their layout, rows of every column and every output
     over the data-parallel axes, ``num_micro`` micro-batches one after the other (to bound
-    activation memory). Compiled once per column set and shapes. The role builders
-    (`jaxflow.workers.actor.log_probs_program`, ...) are this with their ``fn``."""
+    activation memory). Compiled once per column set and shapes; named ``name``. The role
+    builders (`jaxflow.workers.actor.log_probs_program`, ...) are this with their ``fn``."""
     rows = NamedSharding(layout.mesh, PartitionSpec(layout.batch_axes))
     graphdef, mesh, rules, batch_axes = layout.graphdef, layout.mesh, layout.rules, layout.batch_axes
 
@@ -274,4 +279,4 @@ def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_m
             model = nnx.merge(graphdef, params)
             return map_micro(lambda t: fn(model, t, scalars), tensors, num_micro, mesh, batch_axes)
 
-    return jax.jit(run, in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)
+    return jax.jit(named(run, name), in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows)

@@ -30,7 +30,7 @@ from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_mic
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
-from jaxflow.workers.packing import PACKED_KEYS, pack_minibatch
+from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, pack_minibatch
 from jaxflow.workers.protocols import DP_COMPUTE, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
 
@@ -101,7 +101,7 @@ def values_fn(model, t, _):
 
 def values_program(layout: RoleLayout, num_micro: int):
     """``jit(params, tensors, {}) -> {"values": [B, R]}`` in ``num_micro`` micro-batches."""
-    return row_program(layout, values_fn, num_micro)
+    return row_program(layout, values_fn, num_micro, name="values")
 
 
 def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any,
@@ -115,7 +115,7 @@ def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: Critic
     return make_train_step(
         layout.graphdef, tx, schedule, critic_loss(config), mesh=layout.mesh, rules=layout.rules,
         state_shardings=state_shardings, batch_ndims=ndims, num_micro=1 if packed else num_micro,
-        loss_scale_factor=config.loss_scale_factor, presplit=packed)
+        loss_scale_factor=config.loss_scale_factor, presplit=packed, name="critic_train_step")
 
 
 class CriticWorker(TrainableWorker):
@@ -183,20 +183,23 @@ class CriticWorker(TrainableWorker):
         rng = np.random.default_rng([cfg.seed, index])
         per_step = []
         for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = train_step(self.state, self._minibatch(host, idx), {})
+            self.state, metrics = train_step(self.state, self.place_minibatch(host, idx)[0], {})
             per_step.append(metrics)
         per_step = jax.device_get(per_step)
         return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
 
-    def _minibatch(self, host: Mapping[str, np.ndarray], idx: np.ndarray) -> dict[str, jax.Array]:
-        """One mini-batch on the mesh: padded rows, or packed micro-batches (remove padding)."""
+    def place_minibatch(self, host: Mapping[str, np.ndarray],
+                        idx: np.ndarray) -> tuple[dict[str, jax.Array], PackedLayout | None]:
+        """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
+        or packed micro-batches (remove padding) and their layout."""
         cfg = self.config
         rows = {n: v[idx] for n, v in host.items()}
         if not cfg.use_remove_padding:
-            return self.put(rows)
-        return self.put_presplit(pack_minibatch(
+            return self.put(rows), None
+        tensors, layout = pack_minibatch(
             rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-            rows_per_micro=cfg.ppo_micro_batch_size_per_device))
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device)
+        return self.put_presplit(tensors), layout
 
     def train_step(self, minibatch: Mapping[str, Any]) -> dict[str, float]:
         """One optimizer step on one mini-batch (all rows, in order)."""
@@ -204,5 +207,5 @@ class CriticWorker(TrainableWorker):
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
         host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
-        self.state, metrics = step(self.state, self._minibatch(host, np.arange(rows)), {})
+        self.state, metrics = step(self.state, self.place_minibatch(host, np.arange(rows))[0], {})
         return {f"critic/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -55,7 +55,8 @@ def response_logits(model: Any, tensors: Mapping[str, Array], temperature: Any) 
         logits_BxRxV = model.logits(jax.lax.slice_in_dim(hidden_BxLxD, P - 1, P - 1 + R, axis=1))
     else:
         logits_BxRxV = jax.lax.slice_in_dim(model(ids, attention_mask=mask), P - 1, P - 1 + R, axis=1)
-    return logits_BxRxV.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    logits_BxRxV = logits_BxRxV.astype(jnp.promote_types(logits_BxRxV.dtype, jnp.float32))
+    return logits_BxRxV / jnp.asarray(temperature, logits_BxRxV.dtype)
 
 
 def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array) -> Array:
@@ -92,7 +93,8 @@ def log_probs_and_entropy(model: Any, tensors: Mapping[str, Array], temperature:
     """Response log-probs ``[B, R]`` and token entropies ``[B, R]`` (or None) at temperature T,
     from padded rows or from a packed micro-batch (same values on the real tokens)."""
     if is_packed(tensors):
-        logits_NxCxV = model.logits(packed_outputs(model, tensors)) / jnp.asarray(temperature, jnp.float32)
+        logits_NxCxV = model.logits(packed_outputs(model, tensors))
+        logits_NxCxV = logits_NxCxV / jnp.asarray(temperature, logits_NxCxV.dtype)
         index = tensors["response_index"]
         log_probs = read_responses(token_log_probs(logits_NxCxV, tensors["packed_targets"]), index)
         entropy = read_responses(compute_entropy_from_logits(logits_NxCxV), index) if with_entropy else None
@@ -139,6 +141,13 @@ def scores_on_last_token(scores_B: Array, response_mask_BxR: Array) -> Array:
     last_B = jnp.max(jnp.where(m > 0, jnp.arange(R, dtype=jnp.int32)[None, :], -1), axis=1)
     onehot_BxR = (jnp.arange(R, dtype=jnp.int32)[None, :] == last_B[:, None]).astype(jnp.float32)
     return onehot_BxR * scores_B.astype(jnp.float32)[:, None]
+
+
+def named(fn: Callable, name: str) -> Callable:
+    """``fn`` renamed: `jax.jit` names its program after the function (XLA module
+    ``jit_<name>``, profiles, the ``fun_name`` of ``jax.monitoring``'s compile events)."""
+    fn.__name__ = fn.__qualname__ = name
+    return fn
 
 
 # ------------------------------------------------------------------ micro-batches

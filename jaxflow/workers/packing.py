@@ -19,16 +19,24 @@ so everything downstream (losses, advantages) keeps the ``[B, R]`` layout of the
 
 Layout of a packed batch (`PackedLayout`): ``k`` micro-batches, each ``D * n`` bins of ``C``
 slots and ``D * b`` rows (``D`` data-parallel ranks, rank ``d`` owning bins and rows of block
-``d``). Rows are dealt to ranks by tokens (greedy longest-first to the least-loaded rank),
-bins filled first-fit by decreasing length, bins grouped into micro-batches of at most
-``budget // C`` bins per rank (token budget per device) or, without a budget, of the given
-rows per rank. ``n`` and ``b`` are rounded up to `bucket` sizes and ``k`` follows from them,
-so a run with varying lengths compiles a handful of programs, not one per step.
+``d``). Rows are dealt to ranks balanced by tokens (`balanced_partitions`: equal row counts,
+longest first to the lightest rank, so each rank computes about the same number of real
+tokens in every pass: verl's ``balance_batch``, done per pass where the rows meet the ranks),
+each rank's rows packed into bins first-fit by decreasing length, at most ``n`` bins per
+micro-batch. Micro-batches hold at most ``budget // C`` bins per rank (a token budget per
+device), or the bins of at most ``rows_per_micro`` rows per rank, or everything.
+
+Shape buckets, so that a run whose lengths vary compiles a handful of programs, not one per
+step: ``(k, n)`` come from `micro_grid` (``n`` a `bucket` value or the budget's ``budget //
+C``, ``k`` a `bucket` value: a run visits a few values of ``k`` and, below one micro-batch,
+of ``n``); the bins are spread over the micro-batches evenly by rows (`spread_bins`), so
+``b = bucket(most rows in a micro-batch)`` stays near ``rows per rank / k``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 from collections.abc import Mapping
 
@@ -38,12 +46,12 @@ PACKED_KEYS = ("packed_ids", "packed_positions", "packed_segments", "packed_targ
 
 
 def bucket(n: int) -> int:
-    """The smallest of 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 1.5x them) that is
-    >= ``n``: at most 1/3 of a padded dimension is waste, and sizes 1..4096 map onto 24 values."""
-    if n <= 4:
-        return max(int(n), 1)
-    p = 1 << (int(n) - 1).bit_length()  # power of two >= n
-    return p * 3 // 4 if p * 3 // 4 >= n else p
+    """``n`` rounded up to three significant bits: 1..8, then 4 values per octave (10, 12, 14,
+    16, 20, 24, 28, 32, 40, ...). Less than a fifth of a bucketed dimension is ever idle, and
+    sizes 1..4096 map onto 44 values (a run whose sizes vary by +-30% visits a few)."""
+    n = max(int(n), 1)
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
 
 
 def real_lengths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -60,18 +68,54 @@ def real_lengths(prompt_mask: np.ndarray, response_mask: np.ndarray) -> tuple[np
     return p.astype(np.int64), r.astype(np.int64)
 
 
-def deal_to_ranks(lengths: np.ndarray, ranks: int) -> list[np.ndarray]:
-    """Row indices per data-parallel rank, longest first to the rank with the fewest tokens
-    (ties: fewer rows). Each rank's rows come back in ascending order."""
-    load = np.zeros(ranks, np.int64)
-    count = np.zeros(ranks, np.int64)
-    out: list[list[int]] = [[] for _ in range(ranks)]
+def balanced_partitions(lengths: np.ndarray, parts: int) -> list[np.ndarray]:
+    """``parts`` sets of row indices (each ascending) whose sizes differ by at most one and
+    whose length sums are near equal: rows longest first, each to the lightest set that still
+    has room (ties: fewer rows, then the lower set). The heaviest set exceeds the mean by at
+    most one row's length."""
+    lengths = np.asarray(lengths)
+    if parts < 1:
+        raise ValueError(f"balanced_partitions: {parts} parts")
+    n = len(lengths)
+    room = [n // parts + (d < n % parts) for d in range(parts)]
+    heap = [(0, 0, d) for d in range(parts) if room[d]]
+    heapq.heapify(heap)
+    members: list[list[int]] = [[] for _ in range(parts)]
     for i in np.argsort(-lengths, kind="stable"):
-        d = int(np.lexsort((count, load))[0])
-        out[d].append(int(i))
-        load[d] += lengths[i]
-        count[d] += 1
-    return [np.asarray(sorted(rows), np.int64) for rows in out]
+        load, count, d = heapq.heappop(heap)
+        members[d].append(int(i))
+        if count + 1 < room[d]:
+            heapq.heappush(heap, (load + int(lengths[i]), count + 1, d))
+    return [np.asarray(sorted(m), np.int64) for m in members]
+
+
+def micro_grid(bins: int, max_bins: int | None) -> tuple[int, int]:
+    """``(k, n)``: ``k`` micro-batches of ``n`` bins per rank that hold ``bins`` bins. Under a
+    budget of ``max_bins`` bins: ``(1, bucket(bins))`` while that fits the budget, ``(1,
+    max_bins)`` while the bins do, else ``(bucket(ceil(bins / max_bins)), max_bins)``; so a
+    run's shapes are a few buckets of ``k`` (less than a fifth of the micro-batches idle,
+    plus the last one's rounding). Without a budget: ``(1, bucket(bins))``."""
+    bins = max(int(bins), 1)
+    if max_bins is None or bucket(bins) <= max_bins:
+        return 1, bucket(bins)
+    if bins <= max_bins:
+        return 1, max_bins
+    return bucket(math.ceil(bins / max_bins)), max_bins
+
+
+def spread_bins(bins: list[list[int]], k: int, n: int) -> list[list[list[int]]]:
+    """``bins`` dealt to ``k`` micro-batches of at most ``n`` bins each: the bins with the most
+    rows first, each to the micro-batch with the fewest rows, so every micro-batch holds about
+    ``rows / k`` rows and the row dimension ``b`` stays near that."""
+    if len(bins) > k * n:
+        raise ValueError(f"{len(bins)} bins do not fit {k} micro-batches of {n}")
+    out: list[list[list[int]]] = [[] for _ in range(k)]
+    load = [0] * k
+    for q in sorted(range(len(bins)), key=lambda q: (-len(bins[q]), q)):
+        j = min((j for j in range(k) if len(out[j]) < n), key=lambda j: (load[j], len(out[j]), j))
+        out[j].append(bins[q])
+        load[j] += len(bins[q])
+    return out
 
 
 def first_fit(rows: np.ndarray, lengths: np.ndarray, capacity: int) -> list[list[int]]:
@@ -117,42 +161,51 @@ class PackedLayout:
     def num_micro(self) -> int:
         return self.rows.shape[0]
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """``(k, n, b)``: micro-batches, bins and rows per rank per micro-batch (the shape
+        bucket: one compiled program per distinct value)."""
+        k, N, _ = self.bins.shape
+        return k, N // self.ranks, self.rows.shape[1] // self.ranks
+
     def real_tokens(self) -> int:
         return int((self.prompt_len + self.response_len).sum())
 
     def slots(self) -> int:
         return int(self.bins.size)
 
+    def rank_tokens(self) -> np.ndarray:
+        """``[D]`` real tokens each data-parallel rank computes, over all micro-batches."""
+        k, N, C = self.bins.shape
+        return (self.bins.reshape(k, self.ranks, N // self.ranks, C) >= 0).sum(axis=(0, 2, 3))
+
 
 def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: int = 1,
                  max_token_len: int | None = None, rows_per_micro: int | None = None) -> PackedLayout:
-    """A `PackedLayout` for the rows: dealt to ``ranks`` by tokens, packed into bins of ``C =
-    P + R`` slots, grouped into micro-batches of at most ``max_token_len // C`` bins per rank
-    (a token budget per device), or of at most ``rows_per_micro`` rows per rank, or one."""
+    """A `PackedLayout` for the rows: dealt to ``ranks`` balanced by tokens, packed into bins
+    of ``C = P + R`` slots, grouped into micro-batches of at most ``max_token_len // C`` bins
+    per rank (a token budget per device), or of the bins of at most ``rows_per_micro`` rows
+    per rank, or one; every dimension bucketed (see the module docstring)."""
     P, R = prompt_mask.shape[1], response_mask.shape[1]
     C = P + R
     p, r = real_lengths(prompt_mask, response_mask)
     lengths = p + r
     if max_token_len is not None and max_token_len < C:
         raise ValueError(f"max_token_len {max_token_len} is shorter than one padded row (P + R = {C} tokens)")
-    per_rank = []
-    for rank_rows in deal_to_ranks(lengths, ranks):
-        if rows_per_micro is not None and max_token_len is None:
-            groups = [rank_rows[i:i + rows_per_micro] for i in range(0, len(rank_rows), rows_per_micro)] or [rank_rows]
-            per_rank.append([first_fit(g, lengths, C) for g in groups])
-        else:
-            per_rank.append(first_fit(rank_rows, lengths, C))
+    if rows_per_micro is not None and rows_per_micro < 1:
+        raise ValueError(f"rows_per_micro must be >= 1, got {rows_per_micro}")
+    dealt = balanced_partitions(lengths, ranks)
     if rows_per_micro is not None and max_token_len is None:
-        k = max(len(g) for g in per_rank)
-        n = bucket(max(len(bins) for groups in per_rank for bins in groups))
-        micro_bins = [[groups[j] if j < len(groups) else [] for j in range(k)] for groups in per_rank]
+        # k is fixed by the (balanced, equal) rows per rank; n buckets the bins of a group
+        k = max(1, max(math.ceil(len(rows) / rows_per_micro) for rows in dealt))
+        micro_bins = [[first_fit(rows[j * rows_per_micro:(j + 1) * rows_per_micro], lengths, C) for j in range(k)]
+                      for rows in dealt]
+        n = bucket(max(len(bins) for groups in micro_bins for bins in groups))
     else:
-        total = max(len(bins) for bins in per_rank)
-        n_max = total if max_token_len is None else max(1, max_token_len // C)
-        k = max(1, math.ceil(total / n_max))
-        n = min(bucket(math.ceil(total / k)), n_max)
-        k = max(1, math.ceil(total / n))
-        micro_bins = [[bins[j * n:(j + 1) * n] for j in range(k)] for bins in per_rank]
+        per_rank = [first_fit(rows, lengths, C) for rows in dealt]
+        k, n = micro_grid(max(len(bins) for bins in per_rank),
+                          None if max_token_len is None else max_token_len // C)
+        micro_bins = [spread_bins(bins, k, n) for bins in per_rank]
     b = bucket(max(sum(len(x) for x in micro_bins[d][j]) for d in range(ranks) for j in range(k)))
     rows_out = np.full((k, ranks * b), -1, np.int64)
     slots = np.full((k, ranks * n, C), -1, np.int64)
@@ -160,14 +213,12 @@ def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: i
     micro = np.zeros(len(lengths), np.int64)
     for d in range(ranks):
         for j in range(k):
-            bins = micro_bins[d][j]
             members = []
-            for q, members_q in enumerate(bins):
+            for q, members_q in enumerate(micro_bins[d][j]):
                 offset = 0
                 for i in members_q:
-                    slot0 = (d * n + q) * C + offset
                     slots[j, d * n + q, offset:offset + lengths[i]] = i
-                    starts[i], micro[i] = slot0, j
+                    starts[i], micro[i] = (d * n + q) * C + offset, j
                     offset += int(lengths[i])
                     members.append(i)
             rows_out[j, d * b:d * b + len(members)] = sorted(members)
@@ -232,17 +283,25 @@ def scatter_rows(layout: PackedLayout, y: np.ndarray, num_rows: int) -> np.ndarr
 
 
 def pack_minibatch(columns: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None,
-                   rows_per_micro: int | None) -> dict[str, np.ndarray]:
+                   rows_per_micro: int | None) -> tuple[dict[str, np.ndarray], PackedLayout]:
     """A training mini-batch (padded row columns, host) as packed micro-batches: the model
-    inputs of `pack_inputs` plus every other column laid out by `gather_rows`."""
+    inputs of `pack_inputs` plus every other column laid out by `gather_rows`; and the layout."""
     layout = plan_packing(columns["prompt_mask"], columns["response_mask"], ranks=ranks,
                           max_token_len=max_token_len, rows_per_micro=rows_per_micro)
     out = pack_inputs(layout, columns["prompt_ids"], columns["prompt_mask"], columns["responses"])
     out |= gather_rows(layout, {k: v for k, v in columns.items() if k not in ("prompt_ids", "prompt_mask", "responses")})
-    return out
+    return out, layout
 
 
-def packing_metrics(layout: PackedLayout, padded_tokens: int) -> dict[str, float]:
-    """Slots computed vs the padded path: real tokens / packed slots / padded slots."""
-    return {"real_tokens": float(layout.real_tokens()), "packed_slots": float(layout.slots()),
-            "padded_slots": float(padded_tokens)}
+def balance_metrics(layout: PackedLayout) -> dict[str, float]:
+    """verl's ``balance_batch`` metrics of one packed pass: real tokens per data-parallel rank
+    if the rows went to the ranks in contiguous blocks of the batch order (``min``, ``max``,
+    ``minmax_diff``: what the ranks get without balancing) and as this layout deals them
+    (``balanced_min``, ``balanced_max``; ``mean``)."""
+    lengths = layout.prompt_len + layout.response_len
+    before = np.asarray([x.sum() for x in np.array_split(lengths, layout.ranks)])
+    after = layout.rank_tokens()
+    return {"global_seqlen/min": float(before.min()), "global_seqlen/max": float(before.max()),
+            "global_seqlen/minmax_diff": float(before.max() - before.min()),
+            "global_seqlen/balanced_min": float(after.min()), "global_seqlen/balanced_max": float(after.max()),
+            "global_seqlen/mean": float(after.mean())}

@@ -44,7 +44,7 @@ class ReferenceWorker(RoleWorker):
         under the reference policy, T = ``temperature`` (None: the worker's)."""
         temperature = np.float32(self.temperature if temperature is None else temperature)
         if self.use_remove_padding:
-            return packed_forward(self, "log_probs", batch, log_probs_fn("ref_log_prob"), {"temperature": temperature},
+            return packed_forward(self, "ref_log_prob", batch, log_probs_fn("ref_log_prob"), {"temperature": temperature},
                                   max_token_len=self.max_token_len_per_device,
                                   rows_per_micro=self.micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)

@@ -26,7 +26,7 @@ def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_
     """``jit(params, tensors, {}) -> {output_key: [B, R]}``: each row's score on its last
     response token, in ``num_micro`` micro-batches."""
 
-    return row_program(layout, scores_fn(output_key), num_micro)
+    return row_program(layout, scores_fn(output_key), num_micro, name=output_key)
 
 
 def scores_fn(output_key: str = "token_level_scores"):
@@ -49,23 +49,27 @@ class RewardModelWorker(RoleWorker):
       output_key: the ``[B, R]`` column written.
       micro_batch_size_per_device: micro-batch of the forward (memory).
       use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
+      max_token_len_per_device: with remove padding, micro-batches of at most this many
+        tokens per device (verl's ``reward_model.use_dynamic_bsz``); None = by rows.
     """
 
     head = "reward"
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
                  output_key: str = "token_level_scores", micro_batch_size_per_device: int | None = None,
-                 use_remove_padding: bool = False):
+                 use_remove_padding: bool = False, max_token_len_per_device: int | None = None):
         super().__init__(model, mesh, rules)
         self.output_key = output_key
         self.micro_batch_size_per_device = micro_batch_size_per_device
         self.use_remove_padding = use_remove_padding
+        self.max_token_len_per_device = max_token_len_per_device
 
     @register(DP_COMPUTE)
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
         if self.use_remove_padding:
-            return packed_forward(self, "scores", batch, scores_fn(self.output_key), {}, max_token_len=None,
+            return packed_forward(self, self.output_key, batch, scores_fn(self.output_key), {},
+                                  max_token_len=self.max_token_len_per_device,
                                   rows_per_micro=self.micro_batch_size_per_device)
         tensors = self.put(batch, PROMPT_KEYS)
         return Batch(self.scores_program(len(batch))(self.params, tensors, {}))

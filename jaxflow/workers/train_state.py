@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.algos import global_batch_info
 from jaxflow.mesh import Rules, logical_to_spec, sharding_rules
-from jaxflow.workers.forward import split_micro
+from jaxflow.workers.forward import named, split_micro
 
 Array = jax.Array
 LossFn = Callable[[Any, dict, dict, dict], tuple[Array, dict]]
@@ -127,6 +127,7 @@ def make_train_step(
     num_micro: int = 1,
     loss_scale_factor: Any = None,
     presplit: bool = False,
+    name: str = "train_step",
 ) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict]]:
     """The jitted ``step(state, batch, scalars) -> (state, metrics)`` (see the module doc).
 
@@ -135,7 +136,8 @@ def make_train_step(
     plus ``grad_norm``, ``lr`` (the learning rate this step used) and ``update_skipped``.
     ``presplit``: every column arrives as ``[k, ...]``, already cut into its ``k``
     micro-batches (packed batches, `jaxflow.workers.packing`; ``num_micro`` is then unused),
-    dimension 1 split over the data-parallel axes.
+    dimension 1 split over the data-parallel axes. ``name``: the program's (`jax.jit` names it
+    after the function: profiles, compile events).
     """
     batch_axes = _batch_axes(rules, mesh)
     batch_shardings = {k: batch_sharding(mesh, batch_axes, n, leading=int(presplit)) for k, n in batch_ndims.items()}
@@ -150,10 +152,10 @@ def make_train_step(
                 return loss_fn(nnx.merge(graphdef, params), micro, gbi, scalars)
 
             grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
-            if num_micro == 1 and not presplit:
-                (loss, aux), grads = grad_fn(state.params, batch)
+            micros = batch if presplit else split_micro(batch, num_micro, mesh, batch_axes) if num_micro > 1 else None
+            if micros is None or micros["response_mask"].shape[0] == 1:  # one micro-batch: no loop, no accumulators
+                (loss, aux), grads = grad_fn(state.params, batch if micros is None else jax.tree.map(lambda x: x[0], micros))
             else:
-                micros = batch if presplit else split_micro(batch, num_micro, mesh, batch_axes)
 
                 def body(acc, micro):
                     (l, a), g = grad_fn(state.params, micro)
@@ -187,7 +189,7 @@ def make_train_step(
             return new_state, metrics
 
     return jax.jit(
-        step,
+        named(step, name),
         in_shardings=(state_shardings, batch_shardings, {k: replicated for k in scalar_names}),
         out_shardings=(state_shardings, replicated),
         donate_argnames=("state",),
