@@ -18,9 +18,8 @@ import pytest
 import ray
 
 from jaxflow import configs
-from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.data.batch import Batch
-from jaxflow.workers import LocalWorkerGroup, WorkerGroupInfo
+from jaxflow.workers import WorkerGroupInfo
 from jaxflow.workers.ray_backend import (
     DeadlineExceeded,
     ProcessGroup,
@@ -28,7 +27,6 @@ from jaxflow.workers.ray_backend import (
     RayConfig,
     Unschedulable,
     WorkerDied,
-    describe_hosts,
 )
 from tests.ray_toy import Toy
 
@@ -38,19 +36,16 @@ CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=120, step_deadline_s=6
 
 
 @pytest.fixture(scope="module")
-def backend():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+def backend(ray_session):
     b = RayBackend(CONFIG)
     yield b
     b.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def toy_groups(backend):
     processes = backend.process_group("toy", 4)
-    return {"local": LocalWorkerGroup(Toy, name="toy", mesh="dp=4,tp=2"),
-            "ray": backend.group(processes, Toy, name="toy", mesh="dp=4,tp=2")}
+    return {"ray": backend.group(processes, Toy, name="toy", mesh="dp=4,tp=2")}
 
 
 def _alive(pid: int) -> bool:
@@ -66,30 +61,6 @@ def _wait_gone(pids, timeout_s: float = 30.0) -> list[int]:
     while time.monotonic() < end and any(_alive(p) for p in pids):
         time.sleep(0.2)
     return [p for p in pids if _alive(p)]
-
-
-@pytest.mark.parametrize("kind", ["local", "ray"])
-def test_protocols_on_both_backends(toy_groups, kind):
-    """The same calls give the same results on one process and on 4 processes x 2 devices."""
-    group = toy_groups[kind]
-    assert group.methods() == ["busy", "double", "fail", "hello", "rollout", "rows_seen", "stats", "train",
-                               "whoami"]
-    with pytest.raises(AttributeError, match="no registered method 'not_registered'"):
-        group.not_registered()
-    batch = Batch.from_dict({"x": np.arange(6, dtype=np.float32)}, {"uid": list("abcdef")}, {"step": 3})
-    out = group.double(batch)  # 6 rows padded to 8 for dp=4, one program over the mesh, unpadded
-    assert group.rows_seen() == [[8]]
-    np.testing.assert_array_equal(np.asarray(out["y"]), 2 * np.arange(6))
-    assert list(out["uid"]) == list("abcdef") and out.meta == {"step": 3}
-    assert group.hello("you") == ["hi you"]
-    with pytest.raises(ValueError, match="does not split evenly"):
-        group.train(batch)  # 6 rows on 4 shards: a training step never trains on padding copies
-    assert group.train(Batch.from_dict({"x": np.arange(8.0)})) == {"rows": 8.0}
-    assert group.stats(batch) == {"mean_x": pytest.approx(np.mean([0, 1, 2, 3, 4, 5, 0, 1]))}
-    rolled = group.rollout(batch)  # n outputs per input row: the padding rows' outputs are removed
-    assert len(rolled) == 18
-    np.testing.assert_array_equal(rolled["uid"], np.repeat(list("abcdef"), 3))
-    np.testing.assert_array_equal(rolled["sample"], np.tile(np.arange(3), 6))
 
 
 def test_ray_group_is_one_jax_world_per_group(toy_groups):
@@ -192,17 +163,67 @@ def test_local_path_never_imports_ray():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
 
 
-def test_ppo_70b_per_host_plan_without_a_cluster():
-    cfg = configs.load_config("ppo_70b", ["jaxflow.backend=ray", "jaxflow.ray.accelerator=gpu"])
-    plan = describe_hosts(configs.build_placement(cfg, ray_devices(cfg)), ray_config(cfg)).splitlines()
-    assert plan[0].startswith("ray backend: 16 hosts x 8 gpu devices")
-    assert plan[1] == ("group 'actor': hosts 0..7 (8 processes, ranks 0..7), placement group of 8 x "
-                       "{'CPU': 1.0, 'GPU': 8} (STRICT_SPREAD)")
-    assert plan[2].startswith("  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a "
-                              "dp=1,fsdp=1,tp=8 block of it; generate: replica=1,tp=8,dp=8")
-    assert plan[3].startswith("  ref: mesh dp=1,fsdp=64,tp=1") and "dp=1,fsdp=8,tp=1 block" in plan[3]
-    assert plan[4].startswith("group 'critic': hosts 8..15 (8 processes")
-    assert [line.split(":")[0] for line in plan[5:]] == ["  critic", "  reward"]
+PPO_70B_PLAN = [
+    "ray backend: 16 hosts x 8 gpu devices; one process per host per worker group, each group its own "
+    "jax.distributed world",
+    "group 'actor': hosts 0..7 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+    "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)",
+    "  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it; "
+    "generate: replica=1,tp=8,dp=8",
+    "  ref: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
+    "group 'critic': hosts 8..15 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+    "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)",
+    "  critic: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it",
+    "  reward: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
+]
+
+
+def test_ppo_70b_dry_run_prints_the_16_host_plan_without_a_cluster():
+    """Exactly ``python -m jaxflow.run --config=ppo_70b --config.jaxflow.backend=ray --dry_run``:
+    the per-host plan comes first (no Ray is started); the test stops the command once the plan
+    is out, before the 70B programs compile (about a minute; tests/test_dry_run.py compiles a
+    paper config through the CLI)."""
+    cmd = [sys.executable, "-m", "jaxflow.run", "--config=ppo_70b", "--config.jaxflow.backend=ray", "--dry_run"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while len(lines) < len(PPO_70B_PLAN) + 1:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert lines[:len(PPO_70B_PLAN)] == PPO_70B_PLAN, err[-2000:]
+    assert lines[len(PPO_70B_PLAN)].startswith("jaxflow dry run: ppo_70b on 128 ")  # then the compile plan
+    assert "Started a local Ray instance" not in err  # the plan needs no cluster
+
+
+def test_pool_reservations():
+    """What each pool asks Ray for: CPU hosts packed into one placement group; GPU hosts as
+    verl (a STRICT_PACK placement group per node); TPU hosts as whole slices via ray.util.tpu,
+    or one bundle per VM (STRICT_SPREAD) without a topology."""
+    cpu = RayConfig(devices_per_host=2, cpus_per_host=2).reservation(3)
+    assert cpu.placement_groups == ((({"CPU": 2.0},) * 3, "PACK"),)
+    assert [cpu.slot(r) for r in range(3)] == [(0, 0), (0, 1), (0, 2)] and cpu.num_hosts == 3
+    gpu = RayConfig(devices_per_host=8, accelerator="gpu").reservation(2)
+    assert gpu.placement_groups == ((({"CPU": 1.0, "GPU": 8},), "STRICT_PACK"),) * 2
+    assert [gpu.slot(r) for r in range(2)] == [(0, 0), (1, 0)] and gpu.num_hosts == 2
+    tpu_vms = RayConfig(devices_per_host=4, accelerator="tpu").reservation(4)
+    assert tpu_vms.placement_groups == ((({"CPU": 1.0, "TPU": 4},) * 4, "STRICT_SPREAD"),)
+    tpu = RayConfig(devices_per_host=4, accelerator="tpu", tpu_topology="4x4", tpu_version="v5p").reservation(8)
+    assert tpu.placement_groups == () and tpu.num_hosts == 8 and tpu.slot(5) == (0, 5)
+    assert tpu.tpu_slice == {"topology": "4x4", "accelerator_version": "v5p", "num_slices": 2,
+                             "resources_per_bundle": {"CPU": 1.0, "TPU": 4}}
+    assert tpu.describe() == "2 TPU slice(s) v5p 4x4 via ray.util.tpu, 8 x {'CPU': 1.0, 'TPU': 4}"
+    assert tpu.fallback() == RayConfig(devices_per_host=4, accelerator="tpu").reservation(8)
+    with pytest.raises(ValueError, match=r"a pool of 6 TPU hosts is not a whole number of slices of topology 4x4 "
+                                         r"\(4 hosts each"):
+        RayConfig(devices_per_host=4, accelerator="tpu", tpu_topology="4x4", tpu_version="v5p").reservation(6)
+    with pytest.raises(ValueError, match="needs the form AxB"):
+        RayConfig(accelerator="tpu", tpu_topology="4by4", tpu_version="v5p")
 
 
 @pytest.mark.parametrize("overrides, key, message", [
@@ -211,6 +232,8 @@ def test_ppo_70b_per_host_plan_without_a_cluster():
      "jaxflow.placement.pool_sizes", "every pool takes whole hosts of 4 devices"),
     (["jaxflow.ray.accelerator=npu"], "jaxflow.ray.accelerator", "must be one of cpu, gpu, tpu"),
     (["jaxflow.ray.step_deadline_s=0"], "jaxflow.ray.step_deadline_s", "must be > 0"),
+    (["jaxflow.ray.tpu_topology=4by4"], "jaxflow.ray.tpu_topology", "is not a TPU topology"),
+    (["jaxflow.ray.tpu_topology=4x4"], "jaxflow.ray.tpu_version", "must name the TPU generation"),
 ])
 def test_ray_settings_are_validated(overrides, key, message):
     with pytest.raises(configs.ConfigError, match=message) as e:

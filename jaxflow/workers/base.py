@@ -203,6 +203,17 @@ class TrainableWorker(RoleWorker):
         self.state = jax.device_put(state, self.state_shardings)
 
 
+def host_array(x: Any) -> np.ndarray:
+    """``x`` whole, on this host: a host or fully addressable array as it is; a global array of
+    a multi-process world gathered from every process (``process_allgather``: a collective,
+    so every process of the world calls it, in the same order, as it does every method)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str) -> int:
     """How many micro-batches of ``per_device * dp_size`` rows make ``rows`` (1 if None, or if
     the rows are fewer than one micro-batch: a micro-batch size bounds memory, it is no
@@ -241,14 +252,14 @@ def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Map
     """``fn(model, micro, scalars) -> {column: [b, R]}`` over ``batch`` packed without padding
     (micro-batches of at most ``max_token_len`` tokens per device, or ``rows_per_micro`` rows
     per device), the outputs scattered back to the batch's row order (host arrays)."""
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in PROMPT_KEYS}
+    host = {k: host_array(batch[k]) for k in PROMPT_KEYS}  # the plan balances tokens over every rank
     layout = plan_packing(host["prompt_mask"], host["response_mask"], ranks=worker.dp_size,
                           max_token_len=max_token_len, rows_per_micro=rows_per_micro)
     tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
     tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
     program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
-    return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})
+    return Batch({k: scatter_rows(layout, host_array(v), len(batch)) for k, v in out.items()})
 
 
 def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1):

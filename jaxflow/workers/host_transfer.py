@@ -1,5 +1,13 @@
-"""Results of a multi-process SPMD call, moved to the driver from the processes that hold them.
+"""Batches and results of a multi-process SPMD call, moved between the driver and the processes
+that hold them.
 
+Inputs (`RowSplit`). A data-parallel method's batch is padded to a multiple of the role's
+data-parallel size and cut into its ``dp_size`` shards on the driver; each process receives
+only the tensor rows of the shards its devices hold and builds the global arrays from them
+(``jax.make_array_from_process_local_data``: `rows_to_global`). Host columns (strings, ids)
+and meta are small and travel once for all processes.
+
+Results.
 In a multi-process JAX world (one process per host, `jax.distributed`), a worker method
 returns global ``jax.Array``s of which each process holds only its addressable shards. To
 bring one to the driver without a collective and without sending any byte twice, every
@@ -102,6 +110,94 @@ def to_host_local(tree: Any) -> Any:
         return x
 
     return jax.tree.map(convert, tree, is_leaf=lambda x: isinstance(x, Batch))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """How a role's batch rows fall on the processes of its world.
+
+    The rows of a batch are split into ``dp_size`` consecutive shards (shard ``d`` is what
+    ``NamedSharding(mesh, P(dp_axes))`` puts on the devices at position ``d`` of the
+    data-parallel axes); ``process_shards[p]`` are the shards that the devices of process ``p``
+    hold, ascending (several processes hold the same shard when a model axis spans processes).
+    """
+
+    dp_size: int
+    process_shards: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_mesh(cls, mesh: jax.sharding.Mesh, dp_axes: Sequence[str], num_processes: int) -> RowSplit:
+        from jaxflow.workers.protocols import WorkerGroupInfo
+
+        info = WorkerGroupInfo.from_mesh(mesh, dp_axes)
+        shards: list[set[int]] = [set() for _ in range(num_processes)]
+        for rank, device in enumerate(mesh.devices.flat):
+            shards[device.process_index].add(info.dp_rank_of[rank])
+        return cls(info.dp_size, tuple(tuple(sorted(s)) for s in shards))
+
+    def split(self, batch: Batch) -> list[dict[str, np.ndarray]]:
+        """Per process, the tensor columns of the rows it holds (its shards, in order). The
+        row count must be a multiple of ``dp_size``."""
+        if len(batch) % self.dp_size:
+            raise ValueError(f"{len(batch)} rows do not split into {self.dp_size} data-parallel shards")
+        per = len(batch) // self.dp_size
+        tensors = {k: np.asarray(v) for k, v in batch.tensors.items()}
+
+        def rows(shards: tuple[int, ...]) -> np.ndarray:
+            return np.concatenate([np.arange(d * per, (d + 1) * per) for d in shards]) if shards else np.zeros(0, int)
+
+        out = []
+        for shards in self.process_shards:
+            idx = rows(shards)
+            contiguous = len(idx) and idx[-1] - idx[0] == len(idx) - 1
+            out.append({k: v[idx[0]:idx[-1] + 1] if contiguous else v[idx] for k, v in tensors.items()})
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRows:
+    """Stands for a `Batch` argument in a call whose tensor rows travel by process: the host
+    columns and meta (shared by every process) and the global row count; the tensors are the
+    ``slot``-th entry of each process's own rows."""
+
+    slot: int
+    num_rows: int
+    non_tensors: dict[str, np.ndarray]
+    meta: dict[str, Any]
+
+
+def split_rows(split: RowSplit, args: tuple, kwargs: dict) -> tuple[tuple, dict, list[list[dict[str, np.ndarray]]]]:
+    """``(args, kwargs)`` with every Batch replaced by a `LocalRows`, and for each process the
+    list of its rows of those Batches (by slot)."""
+    per_process: list[list[dict[str, np.ndarray]]] = [[] for _ in split.process_shards]
+
+    def replace(x: Any) -> Any:
+        if not isinstance(x, Batch):
+            return x
+        for rows, mine in zip(split.split(x), per_process):
+            mine.append(rows)
+        return LocalRows(len(per_process[0]) - 1, len(x), dict(x.non_tensors), dict(x.meta))
+
+    return tuple(replace(a) for a in args), {k: replace(v) for k, v in kwargs.items()}, per_process
+
+
+def rows_to_global(args: tuple, kwargs: dict, rows: Sequence[dict[str, np.ndarray]], mesh: jax.sharding.Mesh,
+                   dp_axes: Sequence[str]) -> tuple[tuple, dict]:
+    """On a process: every `LocalRows` back to a `Batch` whose tensors are global arrays (rows
+    over ``dp_axes``) built from this process's rows."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    axes = tuple(dp_axes) or None
+
+    def rebuild(x: Any) -> Any:
+        if not isinstance(x, LocalRows):
+            return x
+        tensors = {k: jax.make_array_from_process_local_data(
+            NamedSharding(mesh, PartitionSpec(axes, *([None] * (v.ndim - 1)))), v, (x.num_rows, *v.shape[1:]))
+            for k, v in rows[x.slot].items()}
+        return Batch(tensors, x.non_tensors, x.meta)
+
+    return tuple(rebuild(a) for a in args), {k: rebuild(v) for k, v in kwargs.items()}
 
 
 def _is_piece_leaf(x: Any) -> bool:

@@ -15,7 +15,9 @@ life:
    one at a time in order), so every process enters the same compiled programs in the same
    order. A method with a single-program form runs it (`call_spmd`) over the global mesh
    and returns its share of the result (`jaxflow.workers.host_transfer.to_pieces`);
-   a per-rank method (ALL_TO_ALL) returns its own value.
+   a per-rank method (ALL_TO_ALL) returns its own value. ``call_rows(role, method, shared,
+   rows)`` is the same for a data-parallel method whose batch tensors arrive by process: this
+   process's rows become global arrays (`jaxflow.workers.host_transfer.rows_to_global`).
 
 Nothing here imports Ray: the class is turned into an actor by the driver.
 """
@@ -50,6 +52,11 @@ class HostProcess:
         self.devices_per_process, self.platform = devices_per_process, platform
         self.roles: dict[str, Any] = {}
         self.infos: dict[str, Any] = {}
+        self.io = {"row_bytes": 0}  # measured: tensor bytes received by data-parallel calls (their rows)
+
+    def io_stats(self) -> dict[str, int]:
+        """What this process has received so far (`io`)."""
+        return dict(self.io)
 
     # ------------------------------------------------------------------ world
     def pid(self) -> int:
@@ -83,13 +90,15 @@ class HostProcess:
                 "local_device_ids": [d.id for d in local], "pid": os.getpid()}
 
     # ------------------------------------------------------------------ roles
-    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> float:
+    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
         """Builds ``worker_cls(**kwargs)`` as ``role`` (``worker_cls == "placement"``: the
         placement role ``role`` from ``kwargs = {placement, pool, model, settings}``).
         A callable ``model`` is called here (``model(mesh, rules)``) so that each process
-        reads or initialises only what it needs. Returns the seconds it took."""
+        reads or initialises only what it needs. Returns the seconds it took and, for a
+        worker with a mesh, how its batch rows fall on the processes (a `RowSplit`)."""
         import jax
 
+        from jaxflow.workers.host_transfer import RowSplit
         from jaxflow.workers.protocols import WorkerGroupInfo
         from jaxflow.workers.roles import make_role_worker, pool_placement
 
@@ -111,7 +120,8 @@ class HostProcess:
         self.roles[role] = worker
         self.infos[role] = (WorkerGroupInfo(world_size=1, dp_size=1) if mesh is None
                             else WorkerGroupInfo.from_mesh(mesh, worker.dp_axes))
-        return time.perf_counter() - start
+        rows = None if mesh is None else RowSplit.from_mesh(mesh, worker.dp_axes, self.num_processes)
+        return {"seconds": time.perf_counter() - start, "rows": rows}
 
     def call(self, role: str, method: str, payload: tuple[tuple, dict]) -> Any:
         """Runs ``role.method`` on this process's part of the group (module docstring)."""
@@ -128,3 +138,14 @@ class HostProcess:
         if protocol.spmd is None:
             return to_host_local(bound(*args, **kwargs))
         return to_pieces(call_spmd(self.infos[role], protocol, bound, *args, **kwargs), jax.process_index())
+
+    def call_rows(self, role: str, method: str, shared: tuple[tuple, dict], rows: list[dict[str, Any]]) -> Any:
+        """`call` of a data-parallel method whose Batch arguments arrived as `LocalRows` (host
+        columns, shared) and ``rows`` (this process's tensor rows, already padded to the
+        data-parallel size by the driver)."""
+        from jaxflow.workers.host_transfer import rows_to_global
+
+        worker = self.roles[role]
+        self.io["row_bytes"] += sum(v.nbytes for r in rows for v in r.values())
+        args, kwargs = rows_to_global(*shared, rows, worker.mesh, worker.dp_axes)
+        return self.call(role, method, (args, kwargs))
