@@ -87,3 +87,28 @@ class Toy:
 
     def not_registered(self):
         return 0
+
+
+class Loaded:
+    """A model read from an HF directory onto its mesh (``fsdp=4,tp=2`` over 4 processes x 2
+    devices: each process holds a quarter of every sharded matrix), with what the reader read."""
+
+    def __init__(self, path, mesh, scan_layers=False):
+        from jaxflow.mesh import TRAIN_RULES
+        from jaxflow.models import from_pretrained
+
+        self.mesh, self.dp_axes = resolve_mesh(mesh), ("fsdp",)
+        self.read = {}
+        self.model = from_pretrained(path, mesh=self.mesh, rules=TRAIN_RULES, scan_layers=scan_layers,
+                                     read_stats=self.read)
+
+    @register(ALL_TO_ALL)
+    def read_stats(self, _):
+        return dict(self.read)
+
+    @register(ONE_TO_ALL)
+    def params(self):
+        """The parameters as a nested dict (brought to the driver from the processes' shards)."""
+        from flax import nnx
+
+        return nnx.to_pure_dict(nnx.state(self.model))

@@ -7,28 +7,36 @@ One local Ray instance for the module; groups of 4 processes x 2 simulated CPU d
 the cost is process start-up, not compilation.
 """
 
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 import ray
+from flax import nnx
+
+import jaxflow.models as models
 
 from jaxflow import configs
 from jaxflow.data.batch import Batch
+from jaxflow.mesh import Placement
 from jaxflow.workers import WorkerGroupInfo
 from jaxflow.workers.ray_backend import (
     DeadlineExceeded,
     ProcessGroup,
     RayBackend,
     RayConfig,
+    RayWorkerGroup,
     Unschedulable,
     WorkerDied,
 )
-from tests.ray_toy import Toy
+from jaxflow.workers.roles import RoleSettings, role_class
+from tests.ray_toy import Loaded, Toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120,
@@ -127,7 +135,8 @@ def test_unschedulable_group_is_reported(backend):
 ORPHAN_DRIVER = """
 import sys, time, ray
 from jaxflow.workers.ray_backend import RayBackend, RayConfig
-from tests.ray_toy import Toy
+from jaxflow.workers.roles import RoleSettings, role_class
+from tests.ray_toy import Loaded, Toy
 ray.init(address=sys.argv[1], log_to_driver=False)
 backend = RayBackend(RayConfig(devices_per_host=2))
 processes = backend.process_group("orphans", 2)
@@ -239,3 +248,80 @@ def test_ray_settings_are_validated(overrides, key, message):
     with pytest.raises(configs.ConfigError, match=message) as e:
         configs.load_config("ppo_tiny", ["jaxflow.backend=ray", *overrides])
     assert key in str(e.value)
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """tiny_llama in HF format, and its parameters in jaxflow's (unrolled) layout."""
+    model = models.init_model(models.get_preset("tiny_llama"), seed=3)
+    path = tmp_path_factory.mktemp("tiny_hf")
+    models.save_pretrained(model, path)
+    return path, nnx.to_pure_dict(nnx.state(model))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
+    """4 processes x 2 devices read the HF checkpoint onto an fsdp=4,tp=2 mesh: each process
+    reads (measured by the reader) a quarter of every sharded matrix and the replicated norms,
+    never more than one device's shard of a matrix at once, and the model they hold is the model."""
+    path, expected = tiny_hf
+    name = f"reader_{int(scan_layers)}"
+    processes = backend.process_group(name, 4)
+    try:
+        group = backend.group(processes, Loaded, name=name, path=str(path), mesh="fsdp=4,tp=2",
+                              scan_layers=scan_layers)
+        stats = group.read_stats([None] * 4)
+        params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
+    finally:
+        processes.shutdown()
+    flat = _flat(expected)
+    norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)  # replicated: every process reads them
+    total = sum(v.nbytes for v in flat.values())
+    for s in stats:
+        assert s["bytes_read"] == (total - norms) // 4 + norms, s
+        assert s["largest_block"] == max(v.nbytes for v in flat.values()) // 8, s  # one device's shard at a time
+    if scan_layers:  # the stacked layers come back as [L, ...]: compare layer by layer
+        params = {k: v for k, v in params.items()}
+        for k, v in flat.items():
+            if "['layers']" in k:
+                layer = int(k.split("['layers'][")[1].split("]")[0])
+                stacked = k.replace(f"['layers'][{layer}]", "['layers']")
+                np.testing.assert_array_equal(params[stacked][layer], v, err_msg=k)
+            else:
+                np.testing.assert_array_equal(params[k], v, err_msg=k)
+    else:
+        assert params.keys() == flat.keys()
+        for k, v in flat.items():
+            np.testing.assert_array_equal(params[k], v, err_msg=k)
+
+
+def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
+    """A model in the driver's memory (e.g. handed over from the supervised warm start) reaches
+    the actor's 4 processes as blocks: each receives (measured at receipt) a quarter of every
+    sharded matrix plus the replicated norms, and the actor holds exactly those weights."""
+    path, expected = tiny_hf
+    graphdef, params = nnx.split(models.from_pretrained(path))
+    placement = Placement.from_groups([("ship", 8, ("actor",))], devices=backend.devices(8),
+                                      meshes={"actor": "fsdp=4,tp=2"}, models={"actor": models.get_preset("tiny_llama")})
+    processes = backend.process_group("ship", 4)
+    try:
+        kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
+        shipped, blocks = processes.ship_params("actor", kwargs, params)
+        kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
+        actor = RayWorkerGroup(processes, "actor", role_class("actor"),
+                               processes.build("actor", "placement", kwargs, blocks))
+        received = [s["param_bytes"] for s in processes.io_stats()]
+        got = _flat(actor.get_train_state()[0].params)
+    finally:
+        processes.shutdown()
+    flat = _flat(params)
+    norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)
+    total = sum(v.nbytes for v in flat.values())
+    assert received == [(total - norms) // 4 + norms] * 4
+    assert got.keys() == flat.keys()
+    for k, v in flat.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)

@@ -7,6 +7,12 @@ only the tensor rows of the shards its devices hold and builds the global arrays
 (``jax.make_array_from_process_local_data``: `rows_to_global`). Host columns (strings, ids)
 and meta are small and travel once for all processes.
 
+Parameters (`ShippedParams`). A model held in the driver's memory (e.g. weights handed over
+in memory) travels as per-process blocks: each process says which blocks of every parameter
+its devices hold under the role's shardings (`block_keys`), the driver cuts exactly those
+(`cut_blocks`) and puts them once per process, and the process builds its global arrays from
+them (`from_blocks`). No process receives the whole model.
+
 Results.
 In a multi-process JAX world (one process per host, `jax.distributed`), a worker method
 returns global ``jax.Array``s of which each process holds only its addressable shards. To
@@ -198,6 +204,55 @@ def rows_to_global(args: tuple, kwargs: dict, rows: Sequence[dict[str, np.ndarra
         return Batch(tensors, x.non_tensors, x.meta)
 
     return tuple(rebuild(a) for a in args), {k: rebuild(v) for k, v in kwargs.items()}
+
+
+BlockKey = tuple[tuple[int, int], ...]  # (start, stop) per dimension
+
+
+def block_keys(abstract: Any, shardings: Any) -> list[list[BlockKey]]:
+    """Per leaf of ``abstract`` (arrays or ``ShapeDtypeStruct``s, flattened order), the distinct
+    blocks that this process's devices hold under ``shardings``."""
+    keys = []
+    for leaf, sharding in zip(jax.tree.leaves(abstract), jax.tree.leaves(shardings)):
+        shape = tuple(leaf.shape)
+        index_map = sharding.addressable_devices_indices_map(shape)
+        keys.append(sorted({tuple(s.indices(n)[:2] for s, n in zip(index, shape)) for index in index_map.values()}))
+    return keys
+
+
+def cut_blocks(tree: Any, keys: list[list[BlockKey]]) -> list[list[np.ndarray]]:
+    """On the driver: the blocks ``keys`` of each leaf of ``tree`` as host arrays (only those
+    blocks leave the driver's devices)."""
+    return [[np.asarray(leaf[tuple(slice(a, b) for a, b in key)]) for key in leaf_keys]
+            for leaf, leaf_keys in zip(jax.tree.leaves(tree), keys)]
+
+
+def from_blocks(abstract: Any, shardings: Any, keys: list[list[BlockKey]], blocks: list[list[np.ndarray]]) -> Any:
+    """On a process: ``abstract``'s tree of global arrays laid out by ``shardings``, built from
+    this process's ``blocks`` (`cut_blocks` of its `block_keys`)."""
+    from jaxflow.models.hf_io import sharded_array
+
+    leaves, treedef = jax.tree.flatten(abstract)
+    arrays = []
+    for leaf, sharding, leaf_keys, leaf_blocks in zip(leaves, jax.tree.leaves(shardings), keys, blocks):
+        by_key = dict(zip(leaf_keys, leaf_blocks))
+
+        def read(index: tuple[slice, ...], by_key=by_key) -> np.ndarray:
+            return by_key[tuple((s.start, s.stop) for s in index)]
+
+        arrays.append(sharded_array(tuple(leaf.shape), leaf.dtype, sharding, read))
+    return jax.tree.unflatten(treedef, arrays)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedParams:
+    """A role's model sent from the driver by blocks: its graph, its abstract parameters
+    (shapes and dtypes; the process derives the shardings from its mesh and rules) and the
+    blocks of this process (`cut_blocks`, in `block_keys` order)."""
+
+    graphdef: Any
+    abstract: Any
+    blocks: Any = None  # per process: an object-store reference to its blocks
 
 
 def _is_piece_leaf(x: Any) -> bool:

@@ -55,7 +55,7 @@ from jaxflow.mesh import Placement
 from jaxflow.workers.actor import ActorConfig, RolloutConfig
 from jaxflow.workers.critic import CriticConfig
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
-from jaxflow.workers.host_transfer import RowSplit, assemble, split_rows
+from jaxflow.workers.host_transfer import RowSplit, ShippedParams, assemble, cut_blocks, split_rows
 from jaxflow.workers.local import workers_from_groups
 from jaxflow.workers.protocols import (
     DP_COMPUTE,
@@ -437,14 +437,28 @@ class ProcessGroup:
         if self.dead is not None:
             raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
 
-    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> RowSplit | None:
-        """Builds ``role`` in every process (see `HostProcess.build`); how its batch rows fall
-        on the processes (None for a worker without a mesh)."""
+    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Sequence[Any] | None = None
+              ) -> RowSplit | None:
+        """Builds ``role`` in every process (see `HostProcess.build`; ``blocks``: each rank's
+        object-store reference to its blocks of a `ShippedParams` model); how its batch rows
+        fall on the processes (None for a worker without a mesh)."""
         self._check_alive()
         ref = _ray().put(kwargs)
-        built = self._gather([a.build.remote(role, worker_cls, ref) for a in self.actors], f"building {role!r}",
+        built = self._gather([a.build.remote(role, worker_cls, ref, None if blocks is None else blocks[rank])
+                              for rank, a in enumerate(self.actors)], f"building {role!r}",
                              self.config.compile_deadline_s)
         return built[0]["rows"]
+
+    def ship_params(self, role: str, kwargs: dict[str, Any], params: Any) -> tuple[ShippedParams, list[Any]]:
+        """``params`` (the driver's arrays) as a `ShippedParams` and, per rank, one object-store
+        reference to the blocks that rank's devices hold in ``role``'s layout: no rank
+        receives the whole model."""
+        self._check_alive()
+        ray = _ray()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        keys = self._gather([a.block_keys.remote(role, kwargs, abstract) for a in self.actors],
+                            f"placing {role!r}'s parameters", self.config.sync_deadline_s)
+        return ShippedParams(None, abstract), [ray.put(cut_blocks(params, k)) for k in keys]
 
     def call(self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict,
              rows: RowSplit | None = None) -> Any:
@@ -593,10 +607,10 @@ class RayBackend:
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
-        state)`` pair (sent once through the object store) or a callable ``(mesh, rules) ->
-        model`` run in every process (each reads or initialises its own shards). The rule
-        scorer runs on the driver."""
-        ray = _ray()
+        state)`` pair in the driver's memory (each process receives only the blocks its
+        devices hold: `ProcessGroup.ship_params`) or a callable ``(mesh, rules) -> model`` run
+        in every process (each reads or initialises its own shards). The rule scorer runs on
+        the driver."""
         settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                                 critic_config=critic_config or CriticConfig(), strategy=strategy,
                                 ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
@@ -605,15 +619,6 @@ class RayBackend:
                                 ref_max_token_len_per_device=ref_max_token_len_per_device,
                                 reward_use_remove_padding=reward_use_remove_padding)
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
-        refs: dict[int, Any] = {}
-
-        def shipped(model: Any) -> Any:
-            if isinstance(model, tuple):
-                if id(model) not in refs:
-                    refs[id(model)] = ray.put((model[0], jax.device_get(model[1])))
-                return refs[id(model)]
-            return model
-
         groups: dict[str, WorkerGroup] = {}
         for pool, roles in placement.groups().items():
             wanted = [r for r in roles if models.get(r) is not None]
@@ -621,9 +626,14 @@ class RayBackend:
                 continue
             processes = self.process_group(pool, len(pool_hosts(placement, pool, self.config.devices_per_host)))
             for role in wanted:
-                kwargs = {"placement": placement, "pool": pool, "model": shipped(models[role]), "settings": settings}
+                kwargs = {"placement": placement, "pool": pool, "model": models[role], "settings": settings}
+                blocks = None
+                if isinstance(models[role], tuple):  # weights in the driver's memory: each rank gets its blocks
+                    graphdef, params = models[role]
+                    shipped, blocks = processes.ship_params(role, {**kwargs, "model": None}, params)
+                    kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
                 groups[role] = RayWorkerGroup(processes, role, role_class(role),
-                                              processes.build(role, ROLE_FROM_PLACEMENT, kwargs))
+                                              processes.build(role, ROLE_FROM_PLACEMENT, kwargs, blocks))
         rule = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
         return workers_from_groups(groups, rule_reward=rule, reward_weights=reward_weights)
 
