@@ -7,11 +7,11 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import jax  # noqa: E402  (after the flags on purpose)
+import jax  # after the flags on purpose
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.data.batch import Batch
-from jaxflow.workers import DP_COMPUTE, DP_COMPUTE_METRIC, DP_COMPUTE_REPEAT, DP_TRAIN, ONE_TO_ALL, register
+from jaxflow.workers import (
+    DP_COMPUTE,
+    DP_COMPUTE_METRIC,
+    DP_COMPUTE_REPEAT,
+    DP_TRAIN,
+    ONE_TO_ALL,
+    register,
+)
 from jaxflow.workers.base import resolve_mesh
 from jaxflow.workers.protocols import ALL_TO_ALL
 

@@ -21,9 +21,7 @@ import ray
 from flax import nnx
 
 import jaxflow.models as models
-
 from jaxflow import configs
-from jaxflow.data.batch import Batch
 from jaxflow.mesh import Placement
 from jaxflow.workers import WorkerGroupInfo
 from jaxflow.workers.ray_backend import (
@@ -173,15 +171,15 @@ def test_local_path_never_imports_ray():
 
 
 PPO_70B_PLAN = [
-    "ray backend: 16 hosts x 8 gpu devices; one process per host per worker group, each group its own "
-    "jax.distributed world",
-    "group 'actor': hosts 0..7 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
-    "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)",
-    "  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it; "
-    "generate: replica=1,tp=8,dp=8",
+    ("ray backend: 16 hosts x 8 gpu devices; one process per host per worker group, each group its own "
+     "jax.distributed world"),
+    ("group 'actor': hosts 0..7 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+     "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"),
+    ("  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it; "
+     "generate: replica=1,tp=8,dp=8"),
     "  ref: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
-    "group 'critic': hosts 8..15 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
-    "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)",
+    ("group 'critic': hosts 8..15 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+     "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"),
     "  critic: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it",
     "  reward: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
 ]
@@ -303,7 +301,7 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
     """A model in the driver's memory (e.g. handed over from the supervised warm start) reaches
     the actor's 4 processes as blocks: each receives (measured at receipt) a quarter of every
     sharded matrix plus the replicated norms, and the actor holds exactly those weights."""
-    path, expected = tiny_hf
+    path, _ = tiny_hf
     graphdef, params = nnx.split(models.from_pretrained(path))
     placement = Placement.from_groups([("ship", 8, ("actor",))], devices=backend.devices(8),
                                       meshes={"actor": "fsdp=4,tp=2"}, models={"actor": models.get_preset("tiny_llama")})

@@ -325,8 +325,11 @@ def sharded_array(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sha
 def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
     """Write ``config.json`` and HF-layout safetensors (sharded with an index past
     ``max_shard_bytes``) that ``transformers`` loads. Tensors are fetched from the devices
-    one at a time."""
+    one at a time. In a multi-process world every process calls it alike (each tensor is
+    gathered from the processes that hold it: `host_array`) and process 0 writes the files,
+    holding one file's tensors; the others drop each tensor once gathered."""
     path = os.fspath(path)
+    primary = jax.process_index() == 0
     os.makedirs(path, exist_ok=True)
     head = _head_of(model)
     cfg: ModelConfig = model.cfg
@@ -370,16 +373,23 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
     for file, members in zip(files, shards):
         # One file's tensors (at most ``max_shard_bytes``) on the host at a time; written to a
         # temporary name and renamed, so an interrupted write never leaves a half file.
-        arrays = {tensors[n][0]: np.ascontiguousarray(tensors[n][2](), dtype=dtype) for n in members}
+        arrays = {}
         for n in members:
-            name, shape, _ = tensors[n]
-            if arrays[name].shape != shape:
-                raise ValueError(f"tensor {name!r}: expected shape {shape}, got {arrays[name].shape}")
+            name, shape, fetch = tensors[n]
+            tensor = fetch()  # every process takes part in the gather
+            if tensor.shape != shape:
+                raise ValueError(f"tensor {name!r}: expected shape {shape}, got {tensor.shape}")
+            if primary:
+                arrays[name] = np.ascontiguousarray(tensor, dtype=dtype)
+        weight_map.update({tensors[n][0]: file for n in members})
+        if not primary:
+            continue
         tmp = os.path.join(path, f".{file}.tmp-{os.getpid()}")
         save_file(arrays, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(path, file))
         del arrays
-        weight_map.update({tensors[n][0]: file for n in members})
+    if not primary:
+        return
     index_path = os.path.join(path, "model.safetensors.index.json")
     if len(files) > 1:
         total = sum(int(np.prod(s)) * dtype.itemsize for _, s, _ in tensors)
@@ -400,10 +410,20 @@ def _hf_shape(to_hf: Transform, shape) -> tuple[int, ...]:
 
 def _fetcher(arr: jax.Array, index: int | None, to_hf: Transform) -> Callable[[], np.ndarray]:
     def fetch():
-        host = np.asarray(jax.device_get(arr if index is None else arr[index]))
-        return np.ascontiguousarray(to_hf(host))
+        return np.ascontiguousarray(to_hf(host_array(arr if index is None else arr[index])))
 
     return fetch
+
+
+def host_array(x: Any) -> np.ndarray:
+    """``x`` whole, on this host: a host or fully addressable array as it is; a global array of
+    a multi-process world gathered from every process (``process_allgather``: a collective,
+    so every process of the world calls it, in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 __all__ = ["from_pretrained", "save_pretrained", "CheckpointError", "CausalLM", "ValueModel", "RewardModel"]

@@ -5,6 +5,7 @@ a critic) loads, with the run's tokenizer beside it.
 Two ways in:
 
     write_hf(graphdef, params, tokenizer, out_dir)          # live, sharded params (end of a run)
+    write_hf_with(group.export_hf, tokenizer, out_dir)     # written by a role's worker processes
     export_checkpoint(run_dir, out_dir, step=None, role="actor")   # any saved step
 
 Both write from the sharded arrays: ``save_pretrained`` fetches one tensor at a time to the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,10 +43,16 @@ HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run
 def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str | os.PathLike) -> Path:
     """Write the model ``(graphdef, params)`` and ``tokenizer`` as an HF directory, atomically
     (into a sibling temporary directory, then renamed over ``out_dir``)."""
+    return write_hf_with(lambda tmp: models.save_pretrained(nnx.merge(graphdef, params), tmp), tokenizer, out_dir)
+
+
+def write_hf_with(write_model: Callable[[str], Any], tokenizer: Any, out_dir: str | os.PathLike) -> Path:
+    """`write_hf` with the model written by ``write_model(directory)`` (e.g. a worker group's
+    ``export_hf``: its processes write from their shards, so this process never holds it)."""
     out = Path(out_dir).absolute()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    models.save_pretrained(nnx.merge(graphdef, params), tmp)
+    write_model(str(tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)

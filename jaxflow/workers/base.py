@@ -30,14 +30,24 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules, get_rules, logical_to_spec, sharding_rules, state_shardings
-from jaxflow.models import HEADS, from_pretrained
+from jaxflow.mesh import (
+    MeshSpec,
+    Rules,
+    get_rules,
+    logical_to_spec,
+    sharding_rules,
+    state_shardings,
+)
+from jaxflow.models import HEADS, from_pretrained, save_pretrained
+from jaxflow.models.hf_io import host_array
+from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
 from jaxflow.workers.forward import PROMPT_KEYS, map_micro
 from jaxflow.workers.packing import gather_rows, pack_inputs, plan_packing, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
-from jaxflow.workers.train_state import TrainState, create_train_state
+from jaxflow.workers.train_state import TrainState, create_train_state, tree_all_finite
 
 ModelLike = Any  # nnx.Module | tuple[nnx.GraphDef, nnx.State] | str | os.PathLike
+_tree_all_finite = jax.jit(tree_all_finite)
 
 
 def resolve_mesh(mesh: Mesh | MeshSpec | str) -> Mesh:
@@ -169,6 +179,13 @@ class RoleWorker:
         return {k: jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(None, self.batch_axes)))
                 for k, x in tensors.items()}
 
+    @register(ONE_TO_ALL)
+    def export_hf(self, path: str) -> None:
+        """Writes the model as the HF directory ``path`` from its sharded parameters, one
+        tensor at a time (`jaxflow.models.save_pretrained`: in a multi-process world process 0
+        writes the files, every process takes part in gathering each tensor)."""
+        save_pretrained(nnx.merge(self.graphdef, self.params), path)
+
     def _compiled(self, key: Any, build) -> Any:
         """A jitted program built once per key (e.g. the set of input columns)."""
         if key not in self._programs:
@@ -202,16 +219,29 @@ class TrainableWorker(RoleWorker):
         """Replaces the `TrainState` (e.g. from a checkpoint), placed in this role's layout."""
         self.state = jax.device_put(state, self.state_shardings)
 
+    # A checkpoint is written and read here, where the state lives: in a multi-process world
+    # every process writes and reads its own shards (`jaxflow.workers.checkpoint_io`), so the
+    # controller that saves never holds the state.
+    @register(ONE_TO_ALL)
+    def abstract_train_state(self) -> TrainState:
+        """The `TrainState`'s shapes and dtypes (no data): what a checkpoint is checked against."""
+        return abstract_tree(self.state)
 
-def host_array(x: Any) -> np.ndarray:
-    """``x`` whole, on this host: a host or fully addressable array as it is; a global array of
-    a multi-process world gathered from every process (``process_allgather``: a collective,
-    so every process of the world calls it, in the same order, as it does every method)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
+    @register(ONE_TO_ALL)
+    def params_finite(self) -> bool:
+        """Whether no parameter holds NaN or Inf (reduced on the devices)."""
+        return bool(_tree_all_finite(self.state.params))
 
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
+    @register(ONE_TO_ALL)
+    def save_train_state(self, path: str) -> None:
+        """Writes the `TrainState` as the orbax item directory ``path``."""
+        save_item(path, self.state)
+
+    @register(ONE_TO_ALL)
+    def restore_train_state(self, path: str) -> None:
+        """Reads the `TrainState` from the orbax item directory ``path`` into this role's layout
+        (whatever mesh it was saved from)."""
+        self.state = restore_item(path, self.state)
 
 
 def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str) -> int:

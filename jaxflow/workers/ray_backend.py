@@ -12,20 +12,23 @@ host, driven by the single controller (this process, the Ray driver).
 Process model.
 
 * **Pools are placement groups.** The driver's `Placement` is built over `HostSlot`s (one per
-  device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool becomes a Ray
-  placement group with one bundle per host (CPU cores; on GPU the host's GPUs, on TPU the
-  VM's chips), ``PACK`` on CPU (simulated hosts may share a node) and ``STRICT_SPREAD``
-  otherwise (one bundle per node). A pool that the cluster cannot hold is reported
-  (`Unschedulable`) after ``schedule_timeout_s``.
+  device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool reserves one
+  bundle per host (`PoolReservation`: CPU hosts packed in one placement group; GPU hosts as
+  verl, a ``STRICT_PACK`` placement group per node; TPU hosts as whole slices through
+  ``ray.util.tpu``). A pool that the cluster cannot hold is reported (`Unschedulable`) after
+  ``schedule_timeout_s``.
 * **One process per host per group, one JAX world per group.** A `ProcessGroup` starts one
   `jaxflow.workers.ray_host.HostProcess` actor per bundle; rank 0 picks a free port and every
   rank calls ``jax.distributed.initialize``. Roles that share a pool share its processes, and
   each process builds the same role objects as the local backend (over its world's global
   devices, so the meshes are the local backend's meshes on the same number of devices).
-* **Lock-step calls.** A `RayWorkerGroup` call is put once in the object store and submitted
-  to every rank in the same order; each rank runs the method's single-program form over the
-  global mesh and returns the shards it holds (`jaxflow.workers.host_transfer`), which the
-  driver assembles. Per-rank protocols (``ALL_TO_ALL``) are dispatched by process.
+* **Lock-step calls.** A `RayWorkerGroup` call is submitted to every rank in the same order,
+  each argument put once in the object store; the batches of `ROWS_BY_PROCESS` protocols
+  travel by process (each rank receives the rows its devices hold), the others whole. Each
+  rank runs the method's single-program form over the global mesh and returns the shards it
+  holds (`jaxflow.workers.host_transfer`), which the driver assembles. Per-rank protocols
+  (``ALL_TO_ALL``) are dispatched by process. Weights from the driver's memory travel as
+  per-rank blocks (`ProcessGroup.ship_params`).
 * **Deadlines.** Every remote call waits at most a deadline: ``compile_deadline_s`` for a
   method's first call with given shapes (it compiles), ``step_deadline_s`` after that,
   ``sync_deadline_s`` for world set-up and builds. A rank that dies (`WorkerDied`) or a call
@@ -55,7 +58,13 @@ from jaxflow.mesh import Placement
 from jaxflow.workers.actor import ActorConfig, RolloutConfig
 from jaxflow.workers.critic import CriticConfig
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
-from jaxflow.workers.host_transfer import RowSplit, ShippedParams, assemble, cut_blocks, split_rows
+from jaxflow.workers.host_transfer import (
+    RowSplit,
+    ShippedParams,
+    assemble,
+    cut_blocks,
+    split_rows,
+)
 from jaxflow.workers.local import workers_from_groups
 from jaxflow.workers.protocols import (
     DP_COMPUTE,
@@ -292,6 +301,10 @@ def _ray():
 
 
 def _env_for_workers(config: RayConfig) -> dict[str, str]:
+    """The worker processes' environment: this jaxflow first on the path (the driver's
+    checkout), the driver's XLA flags without its simulated device count, and the driver's
+    persistent compilation cache, so that fresh processes (a restart) load the programs that
+    earlier ones compiled."""
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -299,6 +312,9 @@ def _env_for_workers(config: RayConfig) -> dict[str, str]:
     env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
     if config.accelerator == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
+    if jax.config.jax_compilation_cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(jax.config.jax_compilation_cache_dir)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(jax.config.jax_persistent_cache_min_compile_time_secs)
     return env
 
 

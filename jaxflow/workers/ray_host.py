@@ -118,7 +118,12 @@ class HostProcess:
         ``blocks``, this process's blocks of it. Returns the seconds it took and, for a
         worker with a mesh, how its batch rows fall on the processes (a `RowSplit`)."""
         from jaxflow.mesh import state_shardings
-        from jaxflow.workers.host_transfer import RowSplit, ShippedParams, block_keys, from_blocks
+        from jaxflow.workers.host_transfer import (
+            RowSplit,
+            ShippedParams,
+            block_keys,
+            from_blocks,
+        )
         from jaxflow.workers.protocols import WorkerGroupInfo
         from jaxflow.workers.roles import make_role_worker
 
