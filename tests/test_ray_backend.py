@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -37,6 +38,8 @@ from jaxflow.workers.roles import RoleSettings, role_class
 from tests.ray_toy import Loaded, Toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import ray_vs_local  # noqa: E402  (the experiment's runner and strict comparison)
 CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120,
                    schedule_timeout_s=3)
 
@@ -323,3 +326,137 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
     assert got.keys() == flat.keys()
     for k, v in flat.items():
         np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- real runs
+# grpo_tiny for 3 steps (a short warm start, a checkpoint every step) on 8 devices: local in one
+# process, Ray as 4 processes x 2 devices. The runs share a compilation cache, so the later Ray
+# runs (and restarted processes) load the programs the first compiled.
+
+RUN = ["--config.trainer.save_freq=1", "--config.jaxflow.sft.warm_start_steps=10"]
+
+
+def _overrides(*cli: str) -> list[str]:
+    return [a.removeprefix("--config.") for a in cli]
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    path = tmp_path_factory.mktemp("jax_cache")
+    env = {"JAX_COMPILATION_CACHE_DIR": str(path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read by in-process drivers' workers (jaxflow.workers.ray_backend)
+    yield env
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def cli_runs(backend, compile_cache, tmp_path_factory):
+    """``python -m jaxflow.run --config=grpo_tiny`` with the local and the Ray backend (joining
+    this module's Ray cluster): their per-step metrics and run directories."""
+    out = tmp_path_factory.mktemp("cli_runs")
+    env = {**compile_cache, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    runs = {}
+    for name in ("local", "ray"):
+        rows, _ = ray_vs_local.run(name, "grpo_tiny", "colocated", 3, str(out / name), RUN, env=env)
+        runs[name] = (rows, out / name)
+    return runs
+
+
+def test_cli_ray_run_equals_the_local_run(cli_runs):
+    """Acceptance 1 in small: every metric of every step agrees to 1e-5 relative (no absolute
+    slack), the same check as ``experiments/ray_vs_local.py``."""
+    (local, _), (ray_rows, ray_dir) = cli_runs["local"], cli_runs["ray"]
+    assert [r["step"] for r in ray_rows] == [1, 2, 3]
+    diffs, bad = ray_vs_local.compare(local, ray_rows, 1e-5)
+    assert not bad, bad
+    assert len(diffs) > 3 * 20  # every metric of every step was compared
+    assert sorted(p.name for p in ray_dir.glob("step_*")) == ["step_1", "step_2", "step_3"]
+    assert all((ray_dir / f"step_{s}" / "jaxflow_checkpoint.json").is_file() for s in (1, 2, 3))
+
+
+def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, compile_cache, tmp_path):
+    """Saved by 4 processes x 2 devices (actor fsdp=4,tp=2), resumed by 2 processes x 2 devices
+    (fsdp=2,tp=2): step 3 continues with the uninterrupted run's metrics."""
+    ray_rows, ray_dir = cli_runs["ray"]
+    extra = [*RUN, "--config.jaxflow.num_devices=4", "--config.trainer.resume_mode=resume_path",
+             f"--config.trainer.resume_from_path={ray_dir / 'step_2'}",
+             f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}"]
+    env = {**compile_cache, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 3, str(tmp_path / "resumed"), extra, env=env)
+    assert [r["step"] for r in rows] == [3]
+    diffs, bad = ray_vs_local.compare(ray_rows[2:], rows, RESUME_RTOL)
+    assert not bad, bad
+
+
+def _trainer(ray_dir, run_dir, *extra):
+    """An in-process `RLTrainer` on the Ray backend (joins this module's cluster), starting from
+    the CLI run's warm start, so its steps are the CLI runs' steps."""
+    from jaxflow.trainer.rl import RLTrainer
+
+    cfg = configs.load_config("grpo_tiny", _overrides(
+        *RUN, "--config.jaxflow.backend=ray", "--config.jaxflow.ray.devices_per_host=2",
+        "--config.trainer.total_training_steps=3", "--config.trainer.test_freq=-1",
+        "--config.trainer.val_before_train=false", f"--config.trainer.default_local_dir={run_dir}",
+        f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}", *extra))
+    return RLTrainer(cfg)
+
+
+def _kill_when(trainer, step, group, rank):
+    """Wraps the trainer's iteration program: at ``step`` (first attempt) ``group``'s process
+    ``rank`` is SIGKILLed while the step runs. Returns the killed pids and every worker pid
+    seen at any step."""
+    killed, seen, program = [], set(), trainer.algorithm
+
+    def run(workers, prompts, *args, **kwargs):
+        seen.update(pid for g in trainer.backend.groups.values() for pid in g.pids)
+        if kwargs.get("step") == step and not killed:
+            pid = trainer.backend.groups[group].pids[rank]
+            killed.append(pid)
+            threading.Timer(0.2, os.kill, (pid, signal.SIGKILL)).start()
+        return program(workers, prompts, *args, **kwargs)
+
+    trainer.algorithm = run
+    return killed, seen
+
+
+def test_sigkill_mid_step_with_a_restart_ends_like_the_uninterrupted_run(cli_runs, compile_cache, tmp_path):
+    """jaxflow.ray.max_restarts=1: a worker SIGKILLed during step 2 stops the group; fresh
+    processes resume from step 1's checkpoint and the run's metrics equal the uninterrupted
+    run's; afterwards no worker process is left."""
+    ray_rows, ray_dir = cli_runs["ray"]
+    trainer = _trainer(ray_dir, tmp_path / "run", "--config.jaxflow.placement.type=colocated",
+                       "--config.jaxflow.ray.max_restarts=1")
+    first = list(trainer.backend.groups["global"].pids)
+    killed, seen = _kill_when(trainer, 2, "global", 1)
+    history = trainer.fit()
+    assert killed == [first[1]]
+    assert len(seen - set(first)) == 4  # the restart's fresh processes
+    steps = [h for h in history if h["step"] >= 1]
+    assert [h["step"] for h in steps] == [1, 2, 3]
+    diffs, bad = ray_vs_local.compare(ray_rows, steps, 1e-5)
+    assert not bad, bad
+    assert _wait_gone(seen) == [] and trainer.backend.groups == {}  # first and restarted processes gone
+
+
+def test_sigkill_without_restarts_is_an_error_naming_group_and_rank_and_stops_every_group(cli_runs, tmp_path):
+    """max_restarts=0, actor and ref on 2 processes each: a SIGKILLed actor process is a
+    WorkerDied naming the group and rank, raised at the controller within the step deadline;
+    the trainer's close path stops the other group too (no orphans)."""
+    _, ray_dir = cli_runs["ray"]
+    trainer = _trainer(ray_dir, tmp_path / "run", "--config.jaxflow.placement.type=custom",
+                       "--config.jaxflow.placement.groups=actor;ref", "--config.jaxflow.placement.pool_sizes=4,4",
+                       "--config.jaxflow.ray.step_deadline_s=120")
+    pids = {name: list(g.pids) for name, g in trainer.backend.groups.items()}
+    assert sorted(pids) == ["actor", "ref"] and all(len(p) == 2 for p in pids.values())
+    _kill_when(trainer, 1, "actor", 1)
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"worker group 'actor' rank 1 \(pid \d+\) died during actor\.") as e:
+        trainer.fit()
+    assert (e.value.group, e.value.rank) == ("actor", 1)
+    assert time.monotonic() - start < 120
+    assert _wait_gone(pids["actor"] + pids["ref"]) == []

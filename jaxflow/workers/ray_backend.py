@@ -312,9 +312,11 @@ def _env_for_workers(config: RayConfig) -> dict[str, str]:
     env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
     if config.accelerator == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-    if jax.config.jax_compilation_cache_dir:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(jax.config.jax_compilation_cache_dir)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = str(jax.config.jax_persistent_cache_min_compile_time_secs)
+    cache = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if cache:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(jax.config.jax_persistent_cache_min_compile_time_secs))
     return env
 
 
