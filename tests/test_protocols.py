@@ -401,3 +401,29 @@ def test_groups_one_to_all_and_registry(toy):
     with pytest.raises(AttributeError, match="no registered method 'not_registered'"):
         toy.not_registered()
     assert toy.hello("you") == ["hi you"]
+
+
+def test_row_split_by_process():
+    """Which rows each process receives: its devices' data-parallel shards, in order (a shard
+    goes to every process that holds a device of it)."""
+    from types import SimpleNamespace
+
+    from jaxflow.workers.host_transfer import RowSplit, split_rows
+
+    def mesh(shape, names):  # 4 processes x 2 devices, process-major as in a jax.distributed world
+        devices = np.array([SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]).reshape(shape)
+        return SimpleNamespace(devices=devices, axis_names=names)
+
+    b = make(16)
+    dp8 = RowSplit.from_mesh(mesh((8,), ("dp",)), ["dp"], 4)  # each process holds 2 shards
+    assert dp8 == RowSplit(8, ((0, 1), (2, 3), (4, 5), (6, 7)))
+    tp4 = RowSplit.from_mesh(mesh((2, 4), ("dp", "tp")), ["dp"], 4)  # tp spans 2 processes
+    assert tp4 == RowSplit(2, ((0,), (0,), (1,), (1,)))
+    args, kwargs, rows = split_rows(tp4, (b, 3), {"other": b})
+    assert args[1] == 3 and args[0].num_rows == 16 and args[0].slot == 0 and kwargs["other"].slot == 1
+    assert list(args[0].non_tensors["uid"]) == list(b["uid"])  # host columns go whole, once
+    for p, first in enumerate([0, 0, 8, 8]):
+        for slot in (0, 1):
+            np.testing.assert_array_equal(rows[p][slot]["responses"], b["responses"][first:first + 8])
+    with pytest.raises(ValueError, match="10 rows do not split into 8"):
+        dp8.split(make(10))
