@@ -330,8 +330,7 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
 
 # ----------------------------------------------------------------------------- real runs
 # grpo_tiny for 3 steps (a short warm start, a checkpoint every step) on 8 devices: local in one
-# process, Ray as 4 processes x 2 devices. The runs share a compilation cache, so the later Ray
-# runs (and restarted processes) load the programs the first compiled.
+# process, Ray as 4 processes x 2 devices.
 
 RUN = ["--config.trainer.save_freq=1", "--config.jaxflow.sft.warm_start_steps=10"]
 
@@ -341,25 +340,11 @@ def _overrides(*cli: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def compile_cache(tmp_path_factory):
-    path = tmp_path_factory.mktemp("jax_cache")
-    env = {"JAX_COMPILATION_CACHE_DIR": str(path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # read by in-process drivers' workers (jaxflow.workers.ray_backend)
-    yield env
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-
-
-@pytest.fixture(scope="module")
-def cli_runs(backend, compile_cache, tmp_path_factory):
+def cli_runs(backend, tmp_path_factory):
     """``python -m jaxflow.run --config=grpo_tiny`` with the local and the Ray backend (joining
     this module's Ray cluster): their per-step metrics and run directories."""
     out = tmp_path_factory.mktemp("cli_runs")
-    env = {**compile_cache, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     runs = {}
     for name in ("local", "ray"):
         rows, _ = ray_vs_local.run(name, "grpo_tiny", "colocated", 3, str(out / name), RUN, env=env)
@@ -379,14 +364,14 @@ def test_cli_ray_run_equals_the_local_run(cli_runs):
     assert all((ray_dir / f"step_{s}" / "jaxflow_checkpoint.json").is_file() for s in (1, 2, 3))
 
 
-def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, compile_cache, tmp_path):
+def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, tmp_path):
     """Saved by 4 processes x 2 devices (actor fsdp=4,tp=2), resumed by 2 processes x 2 devices
     (fsdp=2,tp=2): step 3 continues with the uninterrupted run's metrics."""
     ray_rows, ray_dir = cli_runs["ray"]
     extra = [*RUN, "--config.jaxflow.num_devices=4", "--config.trainer.resume_mode=resume_path",
              f"--config.trainer.resume_from_path={ray_dir / 'step_2'}",
              f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}"]
-    env = {**compile_cache, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 3, str(tmp_path / "resumed"), extra, env=env)
     assert [r["step"] for r in rows] == [3]
     diffs, bad = ray_vs_local.compare(ray_rows[2:], rows, RESUME_RTOL)
@@ -424,7 +409,7 @@ def _kill_when(trainer, step, group, rank):
     return killed, seen
 
 
-def test_sigkill_mid_step_with_a_restart_ends_like_the_uninterrupted_run(cli_runs, compile_cache, tmp_path):
+def test_sigkill_mid_step_with_a_restart_ends_like_the_uninterrupted_run(cli_runs, tmp_path):
     """jaxflow.ray.max_restarts=1: a worker SIGKILLed during step 2 stops the group; fresh
     processes resume from step 1's checkpoint and the run's metrics equal the uninterrupted
     run's; afterwards no worker process is left."""

@@ -302,9 +302,10 @@ def _ray():
 
 def _env_for_workers(config: RayConfig) -> dict[str, str]:
     """The worker processes' environment: this jaxflow first on the path (the driver's
-    checkout), the driver's XLA flags without its simulated device count, and the driver's
-    persistent compilation cache, so that fresh processes (a restart) load the programs that
-    earlier ones compiled."""
+    checkout) and the driver's XLA flags without its simulated device count. On CPU the
+    persistent compilation cache is off: measured here (jax 0.10, gloo collectives), a
+    multi-process program loaded from the cache (e.g. the rollout) fails in its first
+    cross-process collective (gloo context initialisation times out)."""
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -312,11 +313,7 @@ def _env_for_workers(config: RayConfig) -> dict[str, str]:
     env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
     if config.accelerator == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-    cache = jax.config.jax_compilation_cache_dir or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-    if cache:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache)
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = os.environ.get(
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", str(jax.config.jax_persistent_cache_min_compile_time_secs))
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     return env
 
 
