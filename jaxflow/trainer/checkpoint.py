@@ -579,7 +579,7 @@ class CheckpointManager:
                 item.read(str(path / name))
             except item.not_damage:
                 raise
-            except Exception as e:  # noqa: BLE001 - the item's files could not be read
+            except Exception as e:  # the item's files could not be read: damage
                 raise self._damaged(path, name, e) from e
         host = HostState(
             data_loader=decode_json(raw.get("data_loader", {})),

@@ -365,7 +365,7 @@ class ProcessGroup:
                 try:
                     self._slice = slice_placement_group(**self.reservation.tpu_slice,
                                                         head_reservation_timeout_s=config.schedule_timeout_s)
-                except Exception as e:  # noqa: BLE001 - no such slice in the cluster (Ray's own timeout)
+                except Exception as e:  # no such slice in the cluster (Ray's own timeout)
                     raise Unschedulable(f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
                                         f"could not be reserved: {e}", name) from e
                 self._pgs = [self._slice.placement_group]
@@ -402,6 +402,7 @@ class ProcessGroup:
             raise
         self.pids = [w["pid"] for w in worlds]
         self.address = address
+        log.info("worker group %r started: %d processes, pids %s, coordinator %s", name, num_hosts, self.pids, address)
 
     # ------------------------------------------------------------------ calls
     def _gather(self, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
