@@ -61,7 +61,10 @@ def placement_overrides(config: str, placement: str) -> list[str]:
 def run(backend: str, config: str, placement: str, steps: int, out_dir: str, extra: list[str] = (),
         env: dict[str, str] | None = None) -> tuple[list[dict], float]:
     """``python -m jaxflow.run`` of one case on one backend; its per-step metrics (from
-    ``metrics.jsonl``) and the measured wall time of the whole command."""
+    ``metrics.jsonl``) and the measured wall time of the whole command. Each run compiles
+    afresh (a new persistent compilation cache under ``out_dir``): measured here with jax 0.10
+    on CPU, a program with collectives loaded from a shared cache that other runs had filled
+    deadlocked in its first collective (ppo_tiny, local backend)."""
     overrides = [
         f"--config.jaxflow.backend={backend}", f"--config.trainer.total_training_steps={steps}",
         "--config.trainer.test_freq=-1", "--config.trainer.val_before_train=false",
@@ -69,9 +72,10 @@ def run(backend: str, config: str, placement: str, steps: int, out_dir: str, ext
         "--config.jaxflow.ray.devices_per_host=2", *placement_overrides(config, placement), *extra,
     ]
     start = time.perf_counter()
+    cache = {"JAX_COMPILATION_CACHE_DIR": os.path.join(out_dir, "jax_cache")}
     proc = subprocess.run([sys.executable, "-m", "jaxflow.run", f"--config={config}", *overrides], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **(env or {})}, capture_output=True, text=True,
-                          check=False)
+                          env={**os.environ, "PYTHONPATH": ROOT, **cache, **(env or {})}, capture_output=True,
+                          text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode:
         raise RuntimeError(f"{config} {placement} on {backend} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")

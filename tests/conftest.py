@@ -20,6 +20,6 @@ def ray_session():
     module starts and stops its own worker groups on it)."""
     import ray
 
-    ray.init(num_cpus=16, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -342,8 +342,8 @@ class RLTrainer:
     def _restart(self, error: Exception, restarts: int) -> None:
         step = self.ckpt.latest_step()
         where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
-        print(f"worker failure: {error}\nrestart {restarts}/{self.cfg.jaxflow.ray.max_restarts}: fresh worker "
-              f"processes, resuming from {where}", flush=True)
+        log.warning("worker failure: %s; restart %d/%d: fresh worker processes, resuming from %s", error, restarts,
+                    self.cfg.jaxflow.ray.max_restarts, where)
         self.close()
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"
