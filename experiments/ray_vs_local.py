@@ -72,9 +72,12 @@ def run(backend: str, config: str, placement: str, steps: int, out_dir: str, ext
         "--config.jaxflow.ray.devices_per_host=2", *placement_overrides(config, placement), *extra,
     ]
     start = time.perf_counter()
-    cache = {"JAX_COMPILATION_CACHE_DIR": os.path.join(out_dir, "jax_cache")}
+    # XLA:CPU aborts a collective whose device threads have not all arrived within 40 s; a
+    # loaded machine can starve one that long (seen here at a load of 10 on 2 cores).
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=600".strip()
+    extra_env = {"JAX_COMPILATION_CACHE_DIR": os.path.join(out_dir, "jax_cache"), "XLA_FLAGS": flags}
     proc = subprocess.run([sys.executable, "-m", "jaxflow.run", f"--config={config}", *overrides], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **cache, **(env or {})}, capture_output=True,
+                          env={**os.environ, "PYTHONPATH": ROOT, **extra_env, **(env or {})}, capture_output=True,
                           text=True, check=False)
     wall = time.perf_counter() - start
     if proc.returncode:
