@@ -8,6 +8,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxflow.data.batch import Batch, assert_batch_equal
+from jaxflow.workers import LocalWorkerGroup
 from jaxflow.workers import protocols as proto
 from jaxflow.workers.protocols import (
     ALL_TO_ALL,
@@ -322,3 +323,107 @@ def test_custom_group_protocol():
     np.testing.assert_array_equal(out["adv"], expected)
     assert list(out["uid"]) == list(b["uid"])
     assert proto.get_protocol(by_group) is by_group
+
+
+# ------------------------------------------------------------- both backends
+# The protocols through worker groups, computing on devices: the local backend (one process,
+# the 8 devices as a dp=4 x tp=2 mesh) and the Ray backend (4 processes x 2 devices, one
+# jax.distributed world). Every result is checked against NumPy on the padded batch.
+
+_RAY_CONFIG = dict(devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120,
+                   schedule_timeout_s=10)
+
+
+@pytest.fixture(scope="module")
+def toy_groups(request):
+    from tests.ray_toy import Toy
+
+    groups = {"local": LocalWorkerGroup(Toy, name="toy", mesh="dp=4,tp=2")}
+    yield groups
+    if "ray" in groups:
+        groups["ray"].processes.shutdown()
+
+
+@pytest.fixture(params=["local", "ray"])
+def toy(request, toy_groups):
+    if request.param == "ray" and "ray" not in toy_groups:
+        request.getfixturevalue("ray_session")
+        from jaxflow.workers.ray_backend import ProcessGroup, RayConfig, RayWorkerGroup
+        from tests.ray_toy import Toy
+
+        processes = ProcessGroup("toy_protocols", 4, RayConfig(**_RAY_CONFIG))
+        toy_groups["ray"] = RayWorkerGroup(processes, "toy", Toy, processes.build("toy", Toy, {"mesh": "dp=4,tp=2"}))
+    return toy_groups[request.param]
+
+
+def _xs(n):
+    return Batch.from_dict({"x": np.arange(1, n + 1, dtype=np.float32)}, {"uid": [f"u{i}" for i in range(n)]},
+                           {"step": 3})
+
+
+def test_groups_dp_compute_on_devices(toy):
+    before = toy.processes.io_stats() if hasattr(toy, "processes") else None
+    b = _xs(10)
+    out = toy.double(b)  # padded to 12 rows for dp=4 (rows 0, 1 again), one program, unpadded
+    padded = np.concatenate([b["x"], b["x"][:2]])
+    np.testing.assert_array_equal(np.asarray(out["y"]), 2 * b["x"])
+    np.testing.assert_array_equal(np.asarray(out["cumsum"]), np.cumsum(padded)[:10])
+    assert list(out["uid"]) == list(b["uid"]) and out.meta == {"step": 3}
+    assert toy.rows_seen()[0][-1] == 12
+    if before is not None:  # each process received only its shard's rows: 3 of the 12 padded rows
+        after = toy.processes.io_stats()
+        assert [a["row_bytes"] - b0["row_bytes"] for a, b0 in zip(after, before)] == [3 * 4] * 4
+
+
+def test_groups_dp_compute_metric_on_devices(toy):
+    b = _xs(6)  # padded to 8: the padding copies (rows 0, 1) are seen by the metric
+    assert toy.stats(b) == {"mean_x": pytest.approx(np.mean([1, 2, 3, 4, 5, 6, 1, 2]), rel=1e-6)}
+
+
+def test_groups_dp_compute_repeat_on_devices(toy):
+    b = _xs(6)
+    out = toy.rollout(b)  # 6 -> 8 rows padded, 24 outputs; the padding rows' 6 removed
+    assert len(out) == 18
+    np.testing.assert_array_equal(np.asarray(out["x"]), np.repeat(b["x"], 3))
+    np.testing.assert_array_equal(np.asarray(out["sample"]), np.tile(np.arange(3), 6))
+    np.testing.assert_array_equal(out["uid"], np.repeat(b["uid"], 3))
+
+
+def test_groups_dp_train_on_devices(toy):
+    with pytest.raises(ValueError, match="does not split evenly"):
+        toy.train(_xs(6))  # 6 rows on 4 shards: a training step never trains on padding copies
+    x = np.arange(1, 9, dtype=np.float32)
+    assert toy.train(_xs(8)) == {"rows": 8.0, "sum_sq": pytest.approx(float(np.sum(x * x))), "max": 8.0}
+
+
+def test_groups_one_to_all_and_registry(toy):
+    assert toy.methods() == ["busy", "double", "fail", "hello", "rollout", "rows_seen", "stats", "train", "whoami"]
+    with pytest.raises(AttributeError, match="no registered method 'not_registered'"):
+        toy.not_registered()
+    assert toy.hello("you") == ["hi you"]
+
+
+def test_row_split_by_process():
+    """Which rows each process receives: its devices' data-parallel shards, in order (a shard
+    goes to every process that holds a device of it)."""
+    from types import SimpleNamespace
+
+    from jaxflow.workers.host_transfer import RowSplit, split_rows
+
+    def mesh(shape, names):  # 4 processes x 2 devices, process-major as in a jax.distributed world
+        devices = np.array([SimpleNamespace(id=i, process_index=i // 2) for i in range(8)]).reshape(shape)
+        return SimpleNamespace(devices=devices, axis_names=names)
+
+    b = make(16)
+    dp8 = RowSplit.from_mesh(mesh((8,), ("dp",)), ["dp"], 4)  # each process holds 2 shards
+    assert dp8 == RowSplit(8, ((0, 1), (2, 3), (4, 5), (6, 7)))
+    tp4 = RowSplit.from_mesh(mesh((2, 4), ("dp", "tp")), ["dp"], 4)  # tp spans 2 processes
+    assert tp4 == RowSplit(2, ((0,), (0,), (1,), (1,)))
+    args, kwargs, rows = split_rows(tp4, (b, 3), {"other": b})
+    assert args[1] == 3 and args[0].num_rows == 16 and args[0].slot == 0 and kwargs["other"].slot == 1
+    assert list(args[0].non_tensors["uid"]) == list(b["uid"])  # host columns go whole, once
+    for p, first in enumerate([0, 0, 8, 8]):
+        for slot in (0, 1):
+            np.testing.assert_array_equal(rows[p][slot]["responses"], b["responses"][first:first + 8])
+    with pytest.raises(ValueError, match="10 rows do not split into 8"):
+        dp8.split(make(10))

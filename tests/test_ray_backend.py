@@ -7,50 +7,56 @@ One local Ray instance for the module; groups of 4 processes x 2 simulated CPU d
 the cost is process start-up, not compilation.
 """
 
+import dataclasses
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import ray
+from flax import nnx
 
-from jaxflow import configs
-from jaxflow.configs.resolve import ray_config, ray_devices
-from jaxflow.data.batch import Batch
-from jaxflow.workers import LocalWorkerGroup, WorkerGroupInfo
+from jaxflow import configs, models
+from jaxflow.mesh import Placement
+from jaxflow.workers import WorkerGroupInfo
 from jaxflow.workers.ray_backend import (
     DeadlineExceeded,
     ProcessGroup,
     RayBackend,
     RayConfig,
+    RayWorkerGroup,
     Unschedulable,
     WorkerDied,
-    describe_hosts,
 )
-from tests.ray_toy import Toy
+from jaxflow.workers.roles import RoleSettings, role_class
+from tests.ray_toy import Loaded, Toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import ray_vs_local  # the experiment's runner and strict comparison (after the path)
+
 CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120,
                    schedule_timeout_s=3)
 
 
 @pytest.fixture(scope="module")
-def backend():
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+def backend(ray_session):
     b = RayBackend(CONFIG)
     yield b
     b.shutdown()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def toy_groups(backend):
     processes = backend.process_group("toy", 4)
-    return {"local": LocalWorkerGroup(Toy, name="toy", mesh="dp=4,tp=2"),
-            "ray": backend.group(processes, Toy, name="toy", mesh="dp=4,tp=2")}
+    return {"ray": backend.group(processes, Toy, name="toy", mesh="dp=4,tp=2")}
 
 
 def _alive(pid: int) -> bool:
@@ -66,30 +72,6 @@ def _wait_gone(pids, timeout_s: float = 30.0) -> list[int]:
     while time.monotonic() < end and any(_alive(p) for p in pids):
         time.sleep(0.2)
     return [p for p in pids if _alive(p)]
-
-
-@pytest.mark.parametrize("kind", ["local", "ray"])
-def test_protocols_on_both_backends(toy_groups, kind):
-    """The same calls give the same results on one process and on 4 processes x 2 devices."""
-    group = toy_groups[kind]
-    assert group.methods() == ["busy", "double", "fail", "hello", "rollout", "rows_seen", "stats", "train",
-                               "whoami"]
-    with pytest.raises(AttributeError, match="no registered method 'not_registered'"):
-        group.not_registered()
-    batch = Batch.from_dict({"x": np.arange(6, dtype=np.float32)}, {"uid": list("abcdef")}, {"step": 3})
-    out = group.double(batch)  # 6 rows padded to 8 for dp=4, one program over the mesh, unpadded
-    assert group.rows_seen() == [[8]]
-    np.testing.assert_array_equal(np.asarray(out["y"]), 2 * np.arange(6))
-    assert list(out["uid"]) == list("abcdef") and out.meta == {"step": 3}
-    assert group.hello("you") == ["hi you"]
-    with pytest.raises(ValueError, match="does not split evenly"):
-        group.train(batch)  # 6 rows on 4 shards: a training step never trains on padding copies
-    assert group.train(Batch.from_dict({"x": np.arange(8.0)})) == {"rows": 8.0}
-    assert group.stats(batch) == {"mean_x": pytest.approx(np.mean([0, 1, 2, 3, 4, 5, 0, 1]))}
-    rolled = group.rollout(batch)  # n outputs per input row: the padding rows' outputs are removed
-    assert len(rolled) == 18
-    np.testing.assert_array_equal(rolled["uid"], np.repeat(list("abcdef"), 3))
-    np.testing.assert_array_equal(rolled["sample"], np.tile(np.arange(3), 6))
 
 
 def test_ray_group_is_one_jax_world_per_group(toy_groups):
@@ -156,7 +138,8 @@ def test_unschedulable_group_is_reported(backend):
 ORPHAN_DRIVER = """
 import sys, time, ray
 from jaxflow.workers.ray_backend import RayBackend, RayConfig
-from tests.ray_toy import Toy
+from jaxflow.workers.roles import RoleSettings, role_class
+from tests.ray_toy import Loaded, Toy
 ray.init(address=sys.argv[1], log_to_driver=False)
 backend = RayBackend(RayConfig(devices_per_host=2))
 processes = backend.process_group("orphans", 2)
@@ -192,17 +175,67 @@ def test_local_path_never_imports_ray():
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
 
 
-def test_ppo_70b_per_host_plan_without_a_cluster():
-    cfg = configs.load_config("ppo_70b", ["jaxflow.backend=ray", "jaxflow.ray.accelerator=gpu"])
-    plan = describe_hosts(configs.build_placement(cfg, ray_devices(cfg)), ray_config(cfg)).splitlines()
-    assert plan[0].startswith("ray backend: 16 hosts x 8 gpu devices")
-    assert plan[1] == ("group 'actor': hosts 0..7 (8 processes, ranks 0..7), placement group of 8 x "
-                       "{'CPU': 1.0, 'GPU': 8} (STRICT_SPREAD)")
-    assert plan[2].startswith("  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a "
-                              "dp=1,fsdp=1,tp=8 block of it; generate: replica=1,tp=8,dp=8")
-    assert plan[3].startswith("  ref: mesh dp=1,fsdp=64,tp=1") and "dp=1,fsdp=8,tp=1 block" in plan[3]
-    assert plan[4].startswith("group 'critic': hosts 8..15 (8 processes")
-    assert [line.split(":")[0] for line in plan[5:]] == ["  critic", "  reward"]
+PPO_70B_PLAN = [
+    ("ray backend: 16 hosts x 8 gpu devices; one process per host per worker group, each group its own "
+     "jax.distributed world"),
+    ("group 'actor': hosts 0..7 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+     "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"),
+    ("  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it; "
+     "generate: replica=1,tp=8,dp=8"),
+    "  ref: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
+    ("group 'critic': hosts 8..15 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+     "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"),
+    "  critic: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it",
+    "  reward: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
+]
+
+
+def test_ppo_70b_dry_run_prints_the_16_host_plan_without_a_cluster():
+    """Exactly ``python -m jaxflow.run --config=ppo_70b --config.jaxflow.backend=ray --dry_run``:
+    the per-host plan comes first (no Ray is started); the test stops the command once the plan
+    is out, before the 70B programs compile (about a minute; tests/test_dry_run.py compiles a
+    paper config through the CLI)."""
+    cmd = [sys.executable, "-m", "jaxflow.run", "--config=ppo_70b", "--config.jaxflow.backend=ray", "--dry_run"]
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while len(lines) < len(PPO_70B_PLAN) + 1:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+    finally:
+        proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert lines[:len(PPO_70B_PLAN)] == PPO_70B_PLAN, err[-2000:]
+    assert lines[len(PPO_70B_PLAN)].startswith("jaxflow dry run: ppo_70b on 128 ")  # then the compile plan
+    assert "Started a local Ray instance" not in err  # the plan needs no cluster
+
+
+def test_pool_reservations():
+    """What each pool asks Ray for: CPU hosts packed into one placement group; GPU hosts as
+    verl (a STRICT_PACK placement group per node); TPU hosts as whole slices via ray.util.tpu,
+    or one bundle per VM (STRICT_SPREAD) without a topology."""
+    cpu = RayConfig(devices_per_host=2, cpus_per_host=2).reservation(3)
+    assert cpu.placement_groups == ((({"CPU": 2.0},) * 3, "PACK"),)
+    assert [cpu.slot(r) for r in range(3)] == [(0, 0), (0, 1), (0, 2)] and cpu.num_hosts == 3
+    gpu = RayConfig(devices_per_host=8, accelerator="gpu").reservation(2)
+    assert gpu.placement_groups == ((({"CPU": 1.0, "GPU": 8},), "STRICT_PACK"),) * 2
+    assert [gpu.slot(r) for r in range(2)] == [(0, 0), (1, 0)] and gpu.num_hosts == 2
+    tpu_vms = RayConfig(devices_per_host=4, accelerator="tpu").reservation(4)
+    assert tpu_vms.placement_groups == ((({"CPU": 1.0, "TPU": 4},) * 4, "STRICT_SPREAD"),)
+    tpu = RayConfig(devices_per_host=4, accelerator="tpu", tpu_topology="4x4", tpu_version="v5p").reservation(8)
+    assert tpu.placement_groups == () and tpu.num_hosts == 8 and tpu.slot(5) == (0, 5)
+    assert tpu.tpu_slice == {"topology": "4x4", "accelerator_version": "v5p", "num_slices": 2,
+                             "resources_per_bundle": {"CPU": 1.0, "TPU": 4}}
+    assert tpu.describe() == "2 TPU slice(s) v5p 4x4 via ray.util.tpu, 8 x {'CPU': 1.0, 'TPU': 4}"
+    assert tpu.fallback() == RayConfig(devices_per_host=4, accelerator="tpu").reservation(8)
+    with pytest.raises(ValueError, match=r"a pool of 6 TPU hosts is not a whole number of slices of topology 4x4 "
+                                         r"\(4 hosts each"):
+        RayConfig(devices_per_host=4, accelerator="tpu", tpu_topology="4x4", tpu_version="v5p").reservation(6)
+    with pytest.raises(ValueError, match="needs the form AxB"):
+        RayConfig(accelerator="tpu", tpu_topology="4by4", tpu_version="v5p")
 
 
 @pytest.mark.parametrize("overrides, key, message", [
@@ -211,8 +244,194 @@ def test_ppo_70b_per_host_plan_without_a_cluster():
      "jaxflow.placement.pool_sizes", "every pool takes whole hosts of 4 devices"),
     (["jaxflow.ray.accelerator=npu"], "jaxflow.ray.accelerator", "must be one of cpu, gpu, tpu"),
     (["jaxflow.ray.step_deadline_s=0"], "jaxflow.ray.step_deadline_s", "must be > 0"),
+    (["jaxflow.ray.tpu_topology=4by4"], "jaxflow.ray.tpu_topology", "is not a TPU topology"),
+    (["jaxflow.ray.tpu_topology=4x4"], "jaxflow.ray.tpu_version", "must name the TPU generation"),
 ])
 def test_ray_settings_are_validated(overrides, key, message):
     with pytest.raises(configs.ConfigError, match=message) as e:
         configs.load_config("ppo_tiny", ["jaxflow.backend=ray", *overrides])
     assert key in str(e.value)
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """tiny_llama in HF format, and its parameters in jaxflow's (unrolled) layout."""
+    model = models.init_model(models.get_preset("tiny_llama"), seed=3)
+    path = tmp_path_factory.mktemp("tiny_hf")
+    models.save_pretrained(model, path)
+    return path, nnx.to_pure_dict(nnx.state(model))
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
+    """4 processes x 2 devices read the HF checkpoint onto an fsdp=4,tp=2 mesh: each process
+    reads (measured by the reader) a quarter of every sharded matrix and the replicated norms,
+    never more than one device's shard of a matrix at once, and the model they hold is the model."""
+    path, expected = tiny_hf
+    name = f"reader_{int(scan_layers)}"
+    processes = backend.process_group(name, 4)
+    try:
+        group = backend.group(processes, Loaded, name=name, path=str(path), mesh="fsdp=4,tp=2",
+                              scan_layers=scan_layers)
+        stats = group.read_stats([None] * 4)
+        params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
+    finally:
+        processes.shutdown()
+    flat = _flat(expected)
+    norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)  # replicated: every process reads them
+    total = sum(v.nbytes for v in flat.values())
+    for s in stats:
+        assert s["bytes_read"] == (total - norms) // 4 + norms, s
+        assert s["largest_block"] == max(v.nbytes for v in flat.values()) // 8, s  # one device's shard at a time
+    if scan_layers:  # the stacked layers come back as [L, ...]: compare layer by layer
+        params = {k: v for k, v in params.items()}
+        for k, v in flat.items():
+            if "['layers']" in k:
+                layer = int(k.split("['layers'][")[1].split("]")[0])
+                stacked = k.replace(f"['layers'][{layer}]", "['layers']")
+                np.testing.assert_array_equal(params[stacked][layer], v, err_msg=k)
+            else:
+                np.testing.assert_array_equal(params[k], v, err_msg=k)
+    else:
+        assert params.keys() == flat.keys()
+        for k, v in flat.items():
+            np.testing.assert_array_equal(params[k], v, err_msg=k)
+
+
+def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
+    """A model in the driver's memory (e.g. handed over from the supervised warm start) reaches
+    the actor's 4 processes as blocks: each receives (measured at receipt) a quarter of every
+    sharded matrix plus the replicated norms, and the actor holds exactly those weights."""
+    path, _ = tiny_hf
+    graphdef, params = nnx.split(models.from_pretrained(path))
+    placement = Placement.from_groups([("ship", 8, ("actor",))], devices=backend.devices(8),
+                                      meshes={"actor": "fsdp=4,tp=2"}, models={"actor": models.get_preset("tiny_llama")})
+    processes = backend.process_group("ship", 4)
+    try:
+        kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
+        shipped, blocks = processes.ship_params("actor", kwargs, params)
+        kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
+        actor = RayWorkerGroup(processes, "actor", role_class("actor"),
+                               processes.build("actor", "placement", kwargs, blocks))
+        received = [s["param_bytes"] for s in processes.io_stats()]
+        got = _flat(actor.get_train_state()[0].params)
+    finally:
+        processes.shutdown()
+    flat = _flat(params)
+    norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)
+    total = sum(v.nbytes for v in flat.values())
+    assert received == [(total - norms) // 4 + norms] * 4
+    assert got.keys() == flat.keys()
+    for k, v in flat.items():
+        np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
+# ----------------------------------------------------------------------------- real runs
+# grpo_tiny for 2 steps (a short warm start, a checkpoint every step) on 8 devices through the
+# CLI: local in one process; Ray as 4 processes x 2 devices (joining this module's cluster),
+# with one worker SIGKILLed during step 2 and jaxflow.ray.max_restarts=1.
+
+RUN = ["--config.trainer.save_freq=1", "--config.jaxflow.sft.warm_start_steps=10"]
+STARTED = re.compile(r"worker group '(\w+)' started: \d+ processes, pids \[([\d, ]+)\]")
+
+
+def _kill_during_step_2(run_dir: Path, killed: list[int], stop: threading.Event) -> None:
+    """Once step 1's checkpoint is complete (step 2 begins), SIGKILLs rank 1 of the run's
+    worker group (its pids are in the run's log)."""
+    marker, log_file = run_dir / "step_1" / "jaxflow_checkpoint.json", run_dir / "jaxflow.log"
+    while not stop.is_set() and not marker.is_file():
+        time.sleep(0.05)
+    if stop.is_set():
+        return
+    (pids,) = [m.group(2) for m in STARTED.finditer(log_file.read_text())]
+    killed.append(int(pids.split(",")[1]))
+    os.kill(killed[0], signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def cli_runs(backend, tmp_path_factory):
+    """``python -m jaxflow.run --config=grpo_tiny`` with the local backend, and with the Ray
+    backend killed mid-step 2 and restarted: per-step metrics, run directories, killed pid."""
+    out = tmp_path_factory.mktemp("cli_runs")
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    local, _ = ray_vs_local.run("local", "grpo_tiny", "colocated", 2, str(out / "local"), RUN)
+    killed, stop = [], threading.Event()
+    killer = threading.Thread(target=_kill_during_step_2, args=(out / "ray", killed, stop))
+    killer.start()
+    try:
+        ray_rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 2, str(out / "ray"),
+                                       [*RUN, "--config.jaxflow.ray.max_restarts=1"], env=env)
+    finally:
+        stop.set()
+        killer.join()
+    return {"local": local, "ray": ray_rows, "ray_dir": out / "ray", "killed": killed}
+
+
+def test_cli_ray_run_killed_and_restarted_equals_the_local_run(cli_runs):
+    """Acceptance 1 in small, and a restart: every metric of every step of the Ray run, whose
+    worker died during step 2 and whose fresh processes resumed from step 1's checkpoint,
+    agrees with the (uninterrupted) local run to 1e-5 relative, no absolute slack (the check
+    of ``experiments/ray_vs_local.py``); no worker process of either world is left."""
+    ray_dir = cli_runs["ray_dir"]
+    assert len(cli_runs["killed"]) == 1, "the worker was not killed"
+    log_text = (ray_dir / "jaxflow.log").read_text()
+    started = [[int(p) for p in m.group(2).split(",")] for m in STARTED.finditer(log_text)]
+    assert len(started) == 2 and cli_runs["killed"][0] == started[0][1]  # the first world, then the restart's
+    assert re.search(r"worker failure: worker group 'global' rank 1 \(pid \d+\) died during .*; restart 1/1: "
+                     r"fresh worker processes, resuming from checkpoint step 1", log_text), log_text[-3000:]
+    assert [r["step"] for r in cli_runs["ray"]] == [1, 2]
+    diffs, bad = ray_vs_local.compare(cli_runs["local"], cli_runs["ray"], 1e-5)
+    assert not bad, bad
+    assert len(diffs) > 2 * 20  # every metric of every step was compared
+    assert all((ray_dir / f"step_{s}" / "jaxflow_checkpoint.json").is_file() for s in (1, 2))
+    assert _wait_gone(started[0] + started[1]) == []
+
+
+def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, tmp_path):
+    """Saved by 4 processes x 2 devices (actor fsdp=4,tp=2), resumed by 2 processes x 2 devices
+    (fsdp=2,tp=2): step 2 continues with the 4-process run's metrics."""
+    ray_dir = cli_runs["ray_dir"]
+    extra = [*RUN, "--config.jaxflow.num_devices=4", "--config.trainer.resume_mode=resume_path",
+             f"--config.trainer.resume_from_path={ray_dir / 'step_1'}",
+             f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}"]
+    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 2, str(tmp_path / "resumed"), extra, env=env)
+    assert [r["step"] for r in rows] == [2]
+    _, bad = ray_vs_local.compare(cli_runs["ray"][1:], rows, 1e-5)
+    assert not bad, bad
+
+
+def test_sigkill_without_restarts_is_an_error_naming_group_and_rank_and_stops_every_group(cli_runs, tmp_path):
+    """max_restarts=0, actor and ref on 2 processes each: an actor process SIGKILLed during
+    step 1 is a WorkerDied naming the group and rank, raised at the controller within the step
+    deadline; the trainer's close path (on any error at the controller) stops the other group
+    too, so no worker process is left."""
+    from jaxflow.trainer.rl import RLTrainer
+
+    cfg = configs.load_config("grpo_tiny", [a.removeprefix("--config.") for a in (
+        *RUN, "--config.jaxflow.backend=ray", "--config.jaxflow.ray.devices_per_host=2",
+        "--config.trainer.total_training_steps=2", "--config.trainer.test_freq=-1",
+        "--config.trainer.val_before_train=false", f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+        f"--config.actor_rollout_ref.model.path={cli_runs['ray_dir'] / 'sft_warm_start'}",
+        "--config.jaxflow.placement.type=custom", "--config.jaxflow.placement.groups=actor;ref",
+        "--config.jaxflow.placement.pool_sizes=4,4", "--config.jaxflow.ray.step_deadline_s=120")])
+    trainer = RLTrainer(cfg)
+    pids = {name: list(g.pids) for name, g in trainer.backend.groups.items()}
+    assert sorted(pids) == ["actor", "ref"] and all(len(p) == 2 for p in pids.values())
+    program = trainer.algorithm
+
+    def killed_mid_step(*args, **kwargs):  # the rollout is under way when the process dies
+        threading.Timer(0.2, os.kill, (pids["actor"][1], signal.SIGKILL)).start()
+        return program(*args, **kwargs)
+
+    trainer.algorithm = killed_mid_step
+    start = time.monotonic()
+    with pytest.raises(WorkerDied, match=r"worker group 'actor' rank 1 \(pid \d+\) died during actor\.") as e:
+        trainer.fit()
+    assert (e.value.group, e.value.rank) == ("actor", 1)
+    assert time.monotonic() - start < 120
+    assert _wait_gone(pids["actor"] + pids["ref"]) == []

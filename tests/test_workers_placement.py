@@ -113,7 +113,9 @@ def test_split_pools_4_2_2(split):
     assert _param(critic.params, "model", "embed_tokens").sharding.spec == P("tp", "fsdp")
     assert _param(reward.params, "score").sharding.spec == P("fsdp", None)
     assert actor.dp_size == 2 and ref.dp_size == 4 and critic.dp_size == 2
-    assert w.actor.methods() == ["generate", "get_train_state", "log_probs", "set_train_state", "update"]
+    assert w.actor.methods() == ["abstract_train_state", "export_hf", "generate", "get_train_state", "log_probs",
+                                 "params_finite", "restore_train_state", "save_train_state", "set_train_state",
+                                 "update"]
     # A train state from the host (e.g. a checkpoint) goes back into the critic's layout.
     (state,) = w.critic.get_train_state()
     w.critic.set_train_state(jax.device_get(state))

@@ -243,6 +243,10 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
      "process); jaxflow.num_devices / devices_per_host hosts, and every pool takes whole hosts."),
     ("jaxflow.ray.accelerator", "cpu", "ray backend: cpu | gpu | tpu (what a host bundle asks Ray for)."),
     ("jaxflow.ray.cpus_per_host", 1.0, "ray backend: CPU cores in each host's bundle."),
+    ("jaxflow.ray.tpu_topology", "",
+     "ray backend on TPU: each pool reserves whole slices of this topology (e.g. '4x4', with jaxflow.ray.tpu_version) "
+     "through ray.util.tpu; empty = one bundle per TPU VM (STRICT_SPREAD)."),
+    ("jaxflow.ray.tpu_version", "", "ray backend on TPU: the slices' TPU generation (e.g. 'v5p', 'v6e')."),
     ("jaxflow.ray.compile_deadline_s", 900.0,
      "ray backend: deadline of a worker call that compiles (a method's first call with given shapes, role builds)."),
     ("jaxflow.ray.step_deadline_s", 600.0, "ray backend: deadline of every other worker call."),
@@ -496,4 +500,5 @@ def paper_ppo_config(
     mesh.actor.train.dp, mesh.actor.train.fsdp, mesh.actor.train.tp = actor_train
     mesh.actor.generate.tp = actor_gen_tp
     mesh.critic.dp, mesh.critic.fsdp, mesh.critic.tp = critic
+    cfg.jaxflow.ray.accelerator = "gpu"  # the paper's hosts: 8 GPUs each (backend=ray)
     return cfg

@@ -253,7 +253,7 @@ def ray_config(cfg: ConfigDict) -> Any:
     return RayConfig(address=r.address, devices_per_host=r.devices_per_host, cpus_per_host=float(r.cpus_per_host),
                      accelerator=r.accelerator, compile_deadline_s=r.compile_deadline_s,
                      step_deadline_s=r.step_deadline_s, sync_deadline_s=r.sync_deadline_s,
-                     schedule_timeout_s=r.schedule_timeout_s,
+                     schedule_timeout_s=r.schedule_timeout_s, tpu_topology=r.tpu_topology, tpu_version=r.tpu_version,
                      local_num_cpus=math.ceil(cfg.jaxflow.num_devices // r.devices_per_host * r.cpus_per_host))
 
 

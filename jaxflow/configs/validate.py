@@ -246,6 +246,12 @@ def _check_ranges(c: _Checker) -> None:
         c.check(all(size % per == 0 for size in cfg.jaxflow.placement.pool_sizes), "jaxflow.placement.pool_sizes",
                 f"{tuple(cfg.jaxflow.placement.pool_sizes)}: with the ray backend every pool takes whole hosts of "
                 f"{per} devices (jaxflow.ray.devices_per_host)")
+    topology = cfg.jaxflow.ray.tpu_topology
+    if topology:
+        c.check(all(n.isdigit() and int(n) > 0 for n in str(topology).lower().split("x")), "jaxflow.ray.tpu_topology",
+                f"{topology!r} is not a TPU topology such as '4x4' or '2x2x4'")
+        c.check(bool(cfg.jaxflow.ray.tpu_version), "jaxflow.ray.tpu_version",
+                "must name the TPU generation (e.g. 'v5p') when jaxflow.ray.tpu_topology is set")
     for key in ("trainer.save_freq", "trainer.test_freq", "jaxflow.sft.test_freq"):
         value = get_value(cfg, key)
         c.check(value == -1 or value >= 1, key, f"must be -1 (never) or >= 1 steps, got {value}")

@@ -9,6 +9,7 @@ HF keeps ``nn.Linear`` weights as [out, in]. The table below converts between th
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+from jax.sharding import Mesh, SingleDeviceSharding
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 from tqdm.auto import tqdm
@@ -38,52 +39,87 @@ class CheckpointError(ValueError):
     """A checkpoint file is missing, truncated, or does not match the model."""
 
 
-def _tensor_table(cfg: ModelConfig, head: str) -> list[tuple[tuple[str, ...], str, Transform, Transform]]:
-    """(path in a layer-free state, HF name with ``{i}`` for the layer, hf->ours, ours->hf)."""
-    D, H, N, K = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    same = lambda w: w  # noqa: E731
-    transpose = lambda w: w.T  # noqa: E731
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How a jaxflow parameter lies in its HF tensor (``K`` = head_dim):
 
-    def proj_in(heads):
-        return (lambda w: w.T.reshape(D, heads, K)), (lambda w: w.reshape(D, heads * K).T)
+    * ``same``: the same array; ``transpose``: ``[in, out]`` here, ``[out, in]`` in HF;
+    * ``heads_in``: q/k/v kernels ``[D, n, K]`` here, ``[n*K, D]`` in HF;
+    * ``heads_out``: the output projection ``[H, K, D]`` here, ``[D, H*K]`` in HF;
+    * ``heads_bias``: q/k/v biases ``[n, K]`` here, ``[n*K]`` in HF.
 
-    q_in, q_out = proj_in(H)
-    kv_in, kv_out = proj_in(N)
+    `read` reads one block of the parameter (a tuple of slices in jaxflow's layout) from the
+    HF tensor: only the HF rows and columns that the block covers (whole heads), so a
+    process reads the shards its devices hold and not the tensor."""
+
+    kind: str
+    head_dim: int = 0
+
+    def to_hf(self, w: Any) -> Any:
+        if self.kind == "same":
+            return w
+        if self.kind == "transpose":
+            return w.T
+        if self.kind == "heads_in":
+            return w.reshape(w.shape[0], -1).T
+        if self.kind == "heads_out":
+            return w.reshape(-1, w.shape[-1]).T
+        return w.reshape(-1)  # heads_bias
+
+    def read(self, ckpt: _Checkpoint, name: str, hf_shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        if self.kind == "same":
+            return ckpt.read(name, hf_shape, index)
+        if self.kind == "transpose":
+            return ckpt.read(name, hf_shape, (index[1], index[0])).T
+        K = self.head_dim
+        heads = {"heads_in": 1, "heads_out": 0, "heads_bias": 0}[self.kind]
+        sh = index[heads]
+        n = sh.stop - sh.start
+        rows = slice(sh.start * K, sh.stop * K)  # whole heads; head_dim is cut after the read
+        if self.kind == "heads_in":
+            sd, _, sk = index
+            return ckpt.read(name, hf_shape, (rows, sd)).T.reshape(sd.stop - sd.start, n, K)[:, :, sk]
+        if self.kind == "heads_out":
+            _, sk, sd = index
+            return ckpt.read(name, hf_shape, (sd, rows)).T.reshape(n, K, sd.stop - sd.start)[:, sk, :]
+        return ckpt.read(name, hf_shape, (rows,)).reshape(n, K)[:, index[1]]
+
+
+def _tensor_table(cfg: ModelConfig, head: str) -> list[tuple[tuple[str, ...], str, _Layout]]:
+    """(path in a layer-free state, HF name with ``{i}`` for the layer, layout)."""
+    same, transpose = _Layout("same"), _Layout("transpose")
+    heads_in, heads_out, heads_bias = (_Layout(k, cfg.head_dim) for k in ("heads_in", "heads_out", "heads_bias"))
     layer = "model.layers.{i}."
     table = [
-        (("model", "embed_tokens"), "model.embed_tokens.weight", same, same),
-        (("model", "norm", "weight"), "model.norm.weight", same, same),
-        (("layers", "input_layernorm", "weight"), layer + "input_layernorm.weight", same, same),
-        (("layers", "post_attention_layernorm", "weight"), layer + "post_attention_layernorm.weight", same, same),
-        (("layers", "self_attn", "q_proj"), layer + "self_attn.q_proj.weight", q_in, q_out),
-        (("layers", "self_attn", "k_proj"), layer + "self_attn.k_proj.weight", kv_in, kv_out),
-        (("layers", "self_attn", "v_proj"), layer + "self_attn.v_proj.weight", kv_in, kv_out),
-        (("layers", "self_attn", "o_proj"), layer + "self_attn.o_proj.weight",
-         lambda w: w.T.reshape(H, K, D), lambda w: w.reshape(H * K, D).T),
-        (("layers", "mlp", "gate_proj"), layer + "mlp.gate_proj.weight", transpose, transpose),
-        (("layers", "mlp", "up_proj"), layer + "mlp.up_proj.weight", transpose, transpose),
-        (("layers", "mlp", "down_proj"), layer + "mlp.down_proj.weight", transpose, transpose),
+        (("model", "embed_tokens"), "model.embed_tokens.weight", same),
+        (("model", "norm", "weight"), "model.norm.weight", same),
+        (("layers", "input_layernorm", "weight"), layer + "input_layernorm.weight", same),
+        (("layers", "post_attention_layernorm", "weight"), layer + "post_attention_layernorm.weight", same),
+        (("layers", "self_attn", "q_proj"), layer + "self_attn.q_proj.weight", heads_in),
+        (("layers", "self_attn", "k_proj"), layer + "self_attn.k_proj.weight", heads_in),
+        (("layers", "self_attn", "v_proj"), layer + "self_attn.v_proj.weight", heads_in),
+        (("layers", "self_attn", "o_proj"), layer + "self_attn.o_proj.weight", heads_out),
+        (("layers", "mlp", "gate_proj"), layer + "mlp.gate_proj.weight", transpose),
+        (("layers", "mlp", "up_proj"), layer + "mlp.up_proj.weight", transpose),
+        (("layers", "mlp", "down_proj"), layer + "mlp.down_proj.weight", transpose),
     ]
     if cfg.attention_bias:
         table += [
-            (("layers", "self_attn", "q_bias"), layer + "self_attn.q_proj.bias",
-             lambda b: b.reshape(H, K), lambda b: b.reshape(H * K)),
-            (("layers", "self_attn", "k_bias"), layer + "self_attn.k_proj.bias",
-             lambda b: b.reshape(N, K), lambda b: b.reshape(N * K)),
-            (("layers", "self_attn", "v_bias"), layer + "self_attn.v_proj.bias",
-             lambda b: b.reshape(N, K), lambda b: b.reshape(N * K)),
+            (("layers", "self_attn", "q_bias"), layer + "self_attn.q_proj.bias", heads_bias),
+            (("layers", "self_attn", "k_bias"), layer + "self_attn.k_proj.bias", heads_bias),
+            (("layers", "self_attn", "v_bias"), layer + "self_attn.v_proj.bias", heads_bias),
         ]
     if cfg.qk_norm:
         table += [
-            (("layers", "self_attn", "q_norm", "weight"), layer + "self_attn.q_norm.weight", same, same),
-            (("layers", "self_attn", "k_norm", "weight"), layer + "self_attn.k_norm.weight", same, same),
+            (("layers", "self_attn", "q_norm", "weight"), layer + "self_attn.q_norm.weight", same),
+            (("layers", "self_attn", "k_norm", "weight"), layer + "self_attn.k_norm.weight", same),
         ]
     if head == "lm" and not cfg.tie_word_embeddings:
-        table.append((("lm_head",), "lm_head.weight", transpose, transpose))
+        table.append((("lm_head",), "lm_head.weight", transpose))
     if head == "value":
-        table += [(("score",), "score.weight", transpose, transpose), (("score_bias",), "score.bias", same, same)]
+        table += [(("score",), "score.weight", transpose), (("score_bias",), "score.bias", same)]
     if head == "reward":
-        table.append((("score",), "score.weight", transpose, transpose))
+        table.append((("score",), "score.weight", transpose))
     return table
 
 
@@ -103,6 +139,8 @@ class _Checkpoint:
 
     def __init__(self, path: str):
         self.path = path
+        self.bytes_read = 0  # bytes of the blocks read so far (what the reader copied out of the files)
+        self.largest_block = 0  # the largest block read at once, in bytes
         index_path = os.path.join(path, "model.safetensors.index.json")
         self._files: dict[str, Any] = {}
         if os.path.exists(index_path):
@@ -136,7 +174,10 @@ class _Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str, expected_shape: tuple[int, ...]) -> np.ndarray:
+    def read(self, name: str, expected_shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
+        """The block ``index`` (slices of the HF tensor) of tensor ``name``, read from its file
+        (``safetensors``' ``get_slice``: only that block is copied out). Counts the bytes into
+        `bytes_read` and the largest block into `largest_block`."""
         if name not in self.weight_map:
             raise CheckpointError(f"tensor {name!r} is missing from the checkpoint in {self.path}")
         file = self.weight_map[name]
@@ -144,15 +185,19 @@ class _Checkpoint:
         reader = self._open(file)
         if name not in reader.keys():
             raise CheckpointError(f"tensor {name!r} is missing from {full}")
-        shape = tuple(reader.get_slice(name).get_shape())
+        tensor = reader.get_slice(name)
+        shape = tuple(tensor.get_shape())
         if shape != tuple(expected_shape):
             raise CheckpointError(
                 f"tensor {name!r} in {full} has shape {shape}; the config implies {tuple(expected_shape)}"
             )
         try:
-            return reader.get_tensor(name)
-        except (SafetensorError, TypeError) as e:
+            block = np.asarray(tensor[index])
+        except (SafetensorError, TypeError, ValueError) as e:
             raise CheckpointError(f"{full}: cannot read tensor {name!r} ({e})") from None
+        self.bytes_read += block.nbytes
+        self.largest_block = max(self.largest_block, block.nbytes)
+        return block
 
 
 def _strip_layers(path: tuple) -> tuple[tuple[str, ...], int | None]:
@@ -176,15 +221,22 @@ def from_pretrained(
     head: str = "lm",
     scan_layers: bool = False,
     remat_policy: str = "none",
+    read_stats: dict[str, int] | None = None,
     **config_overrides: Any,
 ) -> nnx.Module:
     """Load a local HF checkpoint into a jaxflow model, sharded on ``mesh`` by ``rules``.
 
-    Tensors are read one at a time (memory-mapped), converted to jaxflow's layout and the
-    parameter dtype ``dtype``, and placed shard by shard: no device ever holds the whole
-    model and the host holds about one tensor beyond the shards. ``head`` is ``lm`` (actor,
-    reference), ``value`` (critic; its head starts at zero when the checkpoint is an actor's)
-    or ``reward`` (reward and cost models; the checkpoint must carry ``score.weight``).
+    Each parameter is built from the blocks that this process's devices hold
+    (`sharded_array`): a block is read from the file on its own (``get_slice``: the HF rows
+    and columns it covers), converted to jaxflow's layout and the parameter dtype ``dtype``,
+    and put on its devices. So no device and no host ever holds the whole model: in a
+    multi-process world (`jax.distributed`) each process reads only its shards, and the host
+    holds one parameter's local blocks at a time. ``head`` is ``lm`` (actor, reference),
+    ``value`` (critic; its head starts at zero when the checkpoint is an actor's) or
+    ``reward`` (reward and cost models; the checkpoint must carry ``score.weight``).
+
+    ``read_stats``: a dict that receives ``bytes_read`` (bytes of the blocks read from the
+    files, measured) and ``largest_block`` (the largest block read at once, in bytes).
     """
     path = os.fspath(path)
     if not os.path.isdir(path):
@@ -207,33 +259,31 @@ def from_pretrained(
     else:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    table = {key: (name, to_ours, to_hf) for key, name, to_ours, to_hf in _tensor_table(cfg, head)}
+    table = {key: (name, layout) for key, name, layout in _tensor_table(cfg, head)}
     target_dtype = np.dtype(dtype)
-
-    def load_one(name: str, to_ours: Transform, to_hf: Transform, shape, sharding):
-        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(shape, jnp.float32)).shape
-        host = np.asarray(to_ours(ckpt.get(name, hf_shape))).astype(target_dtype)
-        return jax.device_put(host, sharding)
 
     def load(path_keys, variable, sharding):
         key, layer = _strip_layers(path_keys)
         shape = tuple(variable.get_value().shape)
         if key not in table:
             raise CheckpointError(f"no HF tensor mapping for parameter {key}")
-        name, to_ours, to_hf = table[key]
+        name, layout = table[key]
         if head == "value" and key[0] in ("score", "score_bias") and name not in ckpt:
             log.info("%s has no value head (%s): initialising it to zero", path, name)
-            return jax.device_put(np.zeros(shape, target_dtype), sharding)
+            return sharded_array(shape, target_dtype, sharding,
+                                 lambda index: np.zeros([s.stop - s.start for s in index], target_dtype))
         if layer is not None or key[0] != "layers":
-            return load_one(name.format(i=layer), to_ours, to_hf, shape, sharding)
-        # A scanned stack: fill it layer by layer in place (donated), never two copies.
-        layer_sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:])) \
-            if isinstance(sharding, NamedSharding) else sharding
-        stacked = jax.jit(lambda: jnp.zeros(shape, target_dtype), out_shardings=sharding)()
-        for i in range(shape[0]):
-            one = load_one(name.format(i=i), to_ours, to_hf, shape[1:], layer_sharding)
-            stacked = _set_layer(stacked, one, i)
-        return stacked
+            hf_shape = _hf_shape(layout.to_hf, shape)
+            return sharded_array(shape, target_dtype, sharding,
+                                 lambda index: layout.read(ckpt, name.format(i=layer), hf_shape, index))
+        # A scanned stack [L, ...]: a block covers some layers, each read from its own tensor.
+        hf_shape = _hf_shape(layout.to_hf, shape[1:])
+
+        def read_layers(index):
+            return np.stack([layout.read(ckpt, name.format(i=i), hf_shape, index[1:])
+                             for i in range(index[0].start, index[0].stop)])
+
+        return sharded_array(shape, target_dtype, sharding, read_layers)
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     # A progress bar on a terminal only (a log file gets nothing).
@@ -246,25 +296,44 @@ def from_pretrained(
             return out
 
         values = jax.tree_util.tree_map_with_path(load_and_count, state, shardings, is_leaf=is_var)
+    if read_stats is not None:
+        read_stats.update(bytes_read=ckpt.bytes_read, largest_block=ckpt.largest_block)
     return nnx.merge(graphdef, values)
 
 
-def _set_layer_impl(stacked, one, i):
-    return jax.lax.dynamic_update_index_in_dim(stacked, one.astype(stacked.dtype), i, 0)
+def sharded_array(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding,
+                  read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+    """The array of ``shape`` laid out by ``sharding``, built from the blocks that this
+    process's devices hold: ``read(index)`` (a tuple of ``slice(start, stop)``, one per
+    dimension) returns one block; each distinct block is read once, however many local
+    devices hold it (``jax.make_array_from_callback``). Works in a multi-process world."""
+    blocks: dict[tuple, np.ndarray] = {}
 
+    def block(index: tuple) -> np.ndarray:
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key not in blocks:
+            data = np.asarray(read(tuple(slice(a, b) for a, b in key)), dtype)
+            want = tuple(b - a for a, b in key)
+            if data.shape != want:
+                raise ValueError(f"a block {key} of an array of shape {shape} came back with shape {data.shape}")
+            blocks[key] = data
+        return blocks[key]
 
-_set_layer = jax.jit(_set_layer_impl, donate_argnums=0)
+    return jax.make_array_from_callback(tuple(shape), sharding, block)
 
 
 def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
     """Write ``config.json`` and HF-layout safetensors (sharded with an index past
     ``max_shard_bytes``) that ``transformers`` loads. Tensors are fetched from the devices
-    one at a time."""
+    one at a time. In a multi-process world every process calls it alike (each tensor is
+    gathered from the processes that hold it: `host_array`) and process 0 writes the files,
+    holding one file's tensors; the others drop each tensor once gathered."""
     path = os.fspath(path)
+    primary = jax.process_index() == 0
     os.makedirs(path, exist_ok=True)
     head = _head_of(model)
     cfg: ModelConfig = model.cfg
-    table = _tensor_table(cfg, head)
+    table = [(key, name, layout.to_hf) for key, name, layout in _tensor_table(cfg, head)]
     state = nnx.state(model)
     flat = {}
     for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
@@ -273,7 +342,7 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
 
     # (hf name, shape, fetch)
     tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
-    for key, name, _, to_hf in table:
+    for key, name, to_hf in table:
         if key[0] != "layers":
             arr = flat[(key, None)]
             tensors.append((name, _hf_shape(to_hf, arr.shape[0:]), _fetcher(arr, None, to_hf)))
@@ -304,16 +373,23 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
     for file, members in zip(files, shards):
         # One file's tensors (at most ``max_shard_bytes``) on the host at a time; written to a
         # temporary name and renamed, so an interrupted write never leaves a half file.
-        arrays = {tensors[n][0]: np.ascontiguousarray(tensors[n][2](), dtype=dtype) for n in members}
+        arrays = {}
         for n in members:
-            name, shape, _ = tensors[n]
-            if arrays[name].shape != shape:
-                raise ValueError(f"tensor {name!r}: expected shape {shape}, got {arrays[name].shape}")
+            name, shape, fetch = tensors[n]
+            tensor = fetch()  # every process takes part in the gather
+            if tensor.shape != shape:
+                raise ValueError(f"tensor {name!r}: expected shape {shape}, got {tensor.shape}")
+            if primary:
+                arrays[name] = np.ascontiguousarray(tensor, dtype=dtype)
+        weight_map.update({tensors[n][0]: file for n in members})
+        if not primary:
+            continue
         tmp = os.path.join(path, f".{file}.tmp-{os.getpid()}")
         save_file(arrays, tmp, metadata={"format": "pt"})
         os.replace(tmp, os.path.join(path, file))
         del arrays
-        weight_map.update({tensors[n][0]: file for n in members})
+    if not primary:
+        return
     index_path = os.path.join(path, "model.safetensors.index.json")
     if len(files) > 1:
         total = sum(int(np.prod(s)) * dtype.itemsize for _, s, _ in tensors)
@@ -334,10 +410,20 @@ def _hf_shape(to_hf: Transform, shape) -> tuple[int, ...]:
 
 def _fetcher(arr: jax.Array, index: int | None, to_hf: Transform) -> Callable[[], np.ndarray]:
     def fetch():
-        host = np.asarray(jax.device_get(arr if index is None else arr[index]))
-        return np.ascontiguousarray(to_hf(host))
+        return np.ascontiguousarray(to_hf(host_array(arr if index is None else arr[index])))
 
     return fetch
+
+
+def host_array(x: Any) -> np.ndarray:
+    """``x`` whole, on this host: a host or fully addressable array as it is; a global array of
+    a multi-process world gathered from every process (``process_allgather``: a collective,
+    so every process of the world calls it, in the same order)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 __all__ = ["from_pretrained", "save_pretrained", "CheckpointError", "CausalLM", "ValueModel", "RewardModel"]

@@ -115,13 +115,6 @@ def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, r
     return graphdef, init()
 
 
-def abstract_like(tree: Any) -> Any:
-    """``jax.ShapeDtypeStruct`` leaves with the arrays' shardings (checkpoint restore targets);
-    host (NumPy) leaves stay as they are (they restore as host arrays)."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                        if isinstance(x, jax.Array) else x, tree)
-
-
 def check_vocab(spec: RunSpec, tokenizer: Any) -> None:
     """Every model's vocabulary (a preset's, or a checkpoint's ``config.json``) must hold every
     tokenizer id: an id past the embedding table is garbage (NaN at best)."""

@@ -42,7 +42,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,7 @@ from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
 from jaxflow.models.hf_io import CheckpointError
 from jaxflow.trainer.outputs import RunDirLock
+from jaxflow.workers.checkpoint_io import as_restore_target, flatten_tree, save_item
 from jaxflow.workers.train_state import tree_all_finite
 
 log = logging.getLogger(__name__)
@@ -64,7 +65,8 @@ HF_ACTOR_DIR = "hf_actor"
 STEP_PREFIX = "step"
 RESUME_MODES = ("disable", "auto", "resume_path")
 _STEP_RE = re.compile(rf"^{STEP_PREFIX}_(0|[1-9]\d*)$")
-_TMP_RE = re.compile(rf"^{STEP_PREFIX}_\d+\.orbax-checkpoint-tmp")
+_TMP_MARK = "orbax-checkpoint-tmp"  # orbax's name for a step not yet committed; ours (`ItemIO`) too
+_TMP_RE = re.compile(rf"^{STEP_PREFIX}_\d+\.{_TMP_MARK}")
 _ITEM_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _FORMAT_VERSION = 1
 SKIP = ocp.PLACEHOLDER  # a restore target leaf that is not read (comes back as SKIP)
@@ -105,6 +107,22 @@ class HostState:
     kl_coef: float | None = None
     metrics_tail: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class ItemIO:
+    """An array item that is written and read where its arrays live, e.g. by the processes of a
+    worker group, each its own shards (`jaxflow.workers.checkpoint_io`), so that whoever saves
+    the step never holds them. ``write(path)`` writes the item as the orbax item directory
+    ``path``; ``read(path)`` restores it in place; ``abstract`` is its tree of shapes and
+    dtypes (what `CheckpointManager.restore` checks the stored item against). An exception of
+    ``not_damage`` raised by ``read`` is not the checkpoint's fault (e.g. a worker died) and
+    is re-raised as it is."""
+
+    write: Callable[[str], Any]
+    read: Callable[[str], Any]
+    abstract: Any
+    not_damage: tuple[type[BaseException], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,29 +223,6 @@ _tree_all_finite = jax.jit(tree_all_finite)
 def all_finite(tree: PyTree) -> bool:
     """True when no floating-point leaf of ``tree`` holds NaN or Inf (reduced on the devices)."""
     return bool(_tree_all_finite(tree))
-
-
-def flatten_tree(tree: PyTree) -> tuple[dict[str, Any], Any]:
-    """``({"params__layers__0__kernel": leaf, ...}, treedef)``: any pytree as one level of string
-    keys, so items can hold trees orbax cannot name (e.g. ``nnx.State`` with the integer keys of
-    layer lists, dataclass nodes); restore unflattens with the target's treedef."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    flat = {"__".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path): leaf
-            for path, leaf in leaves}
-    if len(flat) != len(leaves):
-        raise ValueError("tree keys collide when flattened for a checkpoint")
-    return flat, treedef
-
-
-def _as_restore_target(tree: PyTree) -> PyTree:
-    """Concrete arrays become abstract targets with their sharding; abstract ones pass."""
-
-    def leaf(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        return x
-
-    return jax.tree.map(leaf, tree)
 
 
 def _restore_args(flat_target: dict[str, Any]) -> Any:
@@ -431,6 +426,9 @@ class CheckpointManager:
             "metrics_tail": encode_json(list(host.metrics_tail)),
             "extra": encode_json(host.extra),
         }
+        if any(isinstance(tree, ItemIO) for tree in arrays.values()):
+            self._save_by_items(step, arrays, host_json)
+            return True
         items = {name: ocp.args.StandardSave(flatten_tree(tree)[0]) for name, tree in arrays.items()}
         items[HOST_ITEM] = ocp.args.JsonSave(host_json)
         try:
@@ -444,6 +442,28 @@ class CheckpointManager:
         if not self._async:
             self.wait()
         return True
+
+    def _save_by_items(self, step: int, arrays: Mapping[str, Any], host_json: dict[str, Any]) -> None:
+        """`save` with items written where their arrays live (`ItemIO`): every item into a
+        temporary step directory (the processes holding an item write its shards, orbax's
+        primary writes its metadata), then the host state; the directory is renamed to
+        ``step_N`` once all is down, then the marker. A save cut short leaves the temporary
+        directory, which the next writer removes, or a marker-less step it moves aside."""
+        tmp = self.directory / f"{STEP_PREFIX}_{step}.{_TMP_MARK}-jaxflow-{time.time_ns()}"
+        try:
+            tmp.mkdir()
+            for name, tree in arrays.items():
+                if isinstance(tree, ItemIO):
+                    tree.write(str(tmp / name))
+                else:
+                    save_item(tmp / name, tree)
+            with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
+                checkpointer.save(tmp / HOST_ITEM, args=ocp.args.JsonSave(host_json))
+            os.replace(tmp, self.step_dir(step))
+        finally:
+            self._mgr.reload()
+        self._pending.append((step, sorted(arrays)))
+        self.wait()
 
     def wait(self) -> None:
         """Block until background saves are on disk, then mark them complete."""
@@ -518,7 +538,9 @@ class CheckpointManager:
         """Restore the items named in ``targets`` (a subset of those saved) from ``step`` (default:
         the latest complete one) or from the step directory ``path``. Each target is a pytree of
         ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)`` (or of arrays, whose sharding is
-        used); arrays come back with exactly those shardings, cast to the target dtypes."""
+        used); arrays come back with exactly those shardings, cast to the target dtypes. An
+        `ItemIO` target is checked against its ``abstract`` tree and read in place (``read``),
+        after the host state; it is not in the returned ``arrays``."""
         self.wait()
         if path is not None:
             path = Path(path).absolute()
@@ -537,9 +559,11 @@ class CheckpointManager:
             raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER}: an "
                                     "interrupted save?)")
 
-        flat = {name: flatten_tree(_as_restore_target(tree)) for name, tree in targets.items()}
+        remote = {name: item for name, item in targets.items() if isinstance(item, ItemIO)}
+        flat = {name: flatten_tree(as_restore_target(tree)) for name, tree in targets.items() if name not in remote}
         targets = {name: leaves for name, (leaves, _) in flat.items()}
-        for name, target in targets.items():
+        checks = {**targets, **{name: flatten_tree(item.abstract)[0] for name, item in remote.items()}}
+        for name, target in checks.items():
             if not (path / name).is_dir():
                 have = sorted(p.name for p in path.iterdir() if p.is_dir() and _ITEM_RE.match(p.name)
                               and p.name not in (HOST_ITEM, HF_ACTOR_DIR))
@@ -560,6 +584,13 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - find which item is damaged and say so in one line
             item = next((name for name in args if not _readable(path, name, args[name])), "?")
             raise self._damaged(path, item, e) from e
+        for name, item in remote.items():
+            try:
+                item.read(str(path / name))
+            except item.not_damage:
+                raise
+            except Exception as e:  # the item's files could not be read: damage
+                raise self._damaged(path, name, e) from e
         host = HostState(
             data_loader=decode_json(raw.get("data_loader", {})),
             rng=decode_json(raw.get("rng")),

@@ -5,9 +5,10 @@ a critic) loads, with the run's tokenizer beside it.
 Two ways in:
 
     write_hf(graphdef, params, tokenizer, out_dir)          # live, sharded params (end of a run)
+    write_hf_with(group.export_hf, tokenizer, out_dir)     # written by a role's worker processes
     export_checkpoint(run_dir, out_dir, step=None, role="actor")   # any saved step
 
-Both write from the sharded arrays: ``save_pretrained`` fetches one tensor at a time to the
+All three write from the sharded arrays: ``save_pretrained`` fetches one tensor at a time to the
 host and keeps at most one safetensors file's tensors there (``max_shard_bytes``), so no device
 and no host ever holds the whole model. ``export_checkpoint`` restores the parameters of the
 role's saved `TrainState` (not its optimizer moments) straight into the role's training
@@ -17,7 +18,7 @@ allocating a model first.
 An export never destroys what a user has: it writes only a new or empty directory or an earlier
 jaxflow export (each carries ``jaxflow_export.json``, the list of its files), and replaces an
 earlier export so that an interruption at any point leaves it, or the new one, in place
-(`write_hf`).
+(`write_hf_with`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +126,16 @@ def _recover(out: Path) -> None:
 def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str | os.PathLike, *,
              protect: tuple[str | os.PathLike, ...] = ()) -> Path:
     """Write the model ``(graphdef, params)`` and ``tokenizer`` as an HF directory ``out_dir``
-    with a marker listing its files (``jaxflow_export.json``).
+    (`write_hf_with`)."""
+    return write_hf_with(lambda tmp: models.save_pretrained(nnx.merge(graphdef, params), tmp), tokenizer, out_dir,
+                         protect=protect)
+
+
+def write_hf_with(write_model: Callable[[str], Any], tokenizer: Any, out_dir: str | os.PathLike, *,
+                  protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+    """Write an HF directory ``out_dir``: the model by ``write_model(directory)`` (e.g. a Ray
+    worker group's ``export_hf``: its processes write from their shards, so this process never
+    holds the model), then ``tokenizer`` and a marker listing its files (``jaxflow_export.json``).
 
     Only a new or empty directory, or an earlier jaxflow export, is written (see
     `check_export_target`). The replacement never loses the previous export, wherever it is
@@ -140,7 +151,7 @@ def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str |
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        models.save_pretrained(nnx.merge(graphdef, params), tmp)
+        write_model(str(tmp))
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.is_dir())

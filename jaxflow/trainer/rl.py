@@ -42,7 +42,6 @@ from jaxflow.configs.validate import warn_ignored_under_auto
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer.builders import (
-    abstract_like,
     build_dataset,
     check_vocab,
     dataset_sources,
@@ -51,9 +50,9 @@ from jaxflow.trainer.builders import (
     train_loader,
 )
 from jaxflow.trainer import interrupt
-from jaxflow.trainer.checkpoint import CheckpointManager, HostState, all_finite
+from jaxflow.trainer.checkpoint import CheckpointManager, HostState, ItemIO
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
-from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf
+from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.outputs import check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
@@ -151,6 +150,8 @@ class RLTrainer:
         warn_ignored_under_auto(given, cfg)  # and the user's own meshes it replaced, said loudly
         if actor_params is None:
             cfg, actor_params = warm_start(cfg, resuming=resuming)
+            if t.backend == "ray":  # the workers read the warm start's HF directory (cfg names it),
+                actor_params = None  # each process only its shards
         self.cfg = cfg
         self.backend = None
         devices = None
@@ -198,7 +199,6 @@ class RLTrainer:
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
-        self.actor_graphdef = actor[0]
         build = build_local_workers if self.backend is None else self.backend.build_workers
         return build(
             p, actor=actor, ref=actor if "ref" in spec.roles else None,
@@ -220,17 +220,22 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ state
 
-    def _train_states(self) -> dict[str, Any]:
-        states = {"actor": self.workers.actor.get_train_state()[0]}
+    def _checkpoint_items(self) -> dict[str, ItemIO]:
+        """Each train state as a checkpoint item that its worker group writes and reads (on the
+        Ray backend every process its own shards): the controller never holds a train state."""
+        groups = {"actor": self.workers.actor}
         if self.workers.critic is not None:
-            states["critic"] = self.workers.critic.get_train_state()[0]
-        return states
+            groups["critic"] = self.workers.critic
+        return {name: ItemIO(write=group.save_train_state, read=group.restore_train_state,
+                             abstract=group.abstract_train_state()[0], not_damage=(WorkerGroupError,))
+                for name, group in groups.items()}
 
     def save(self, step: int, history: list[dict[str, float]]) -> None:
         """Checkpoint ``step``; refuses (``NonFiniteError``) train states holding NaN or Inf, so a
         non-finite state never replaces, or prunes, a good checkpoint."""
-        states = self._train_states()
-        bad = [name for name, state in states.items() if not all_finite(state.params)]
+        states = self._checkpoint_items()
+        groups = {"actor": self.workers.actor, "critic": self.workers.critic}
+        bad = [name for name in states if not groups[name].params_finite()[0]]
         if bad:
             raise NonFiniteError(f"step {step}: the {' and '.join(bad)} parameters hold NaN or Inf; not saving them "
                                  f"(latest good checkpoint: step {self.ckpt.latest_step()})")
@@ -242,18 +247,15 @@ class RLTrainer:
             self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
 
     def export_actor(self, out_dir: str | os.PathLike) -> str:
-        """The actor as an HF directory with the tokenizer (written from its sharded params)."""
-        params = self.workers.actor.get_train_state()[0].params
-        return str(write_hf(self.actor_graphdef, params, self.tokenizer, out_dir))
+        """The actor as an HF directory with the tokenizer, written by the actor's workers from
+        their sharded params (on the Ray backend this process never holds them)."""
+        return str(write_hf_with(self.workers.actor.export_hf, self.tokenizer, out_dir))
 
     def resume(self) -> int:
         """Restore the latest checkpoint per ``trainer.resume_mode``; the step to start from."""
-        targets = {name: abstract_like(state) for name, state in self._train_states().items()}
-        restored = self.ckpt.resume(targets)
+        restored = self.ckpt.resume(self._checkpoint_items())  # the groups read their states in place
         if restored is None:
             return 0
-        for name, state in restored.arrays.items():
-            getattr(self.workers, name).set_train_state(state)
         self.loader.load_state_dict(restored.host.data_loader)
         self.algo_state.load_state_dict(restored.host.extra["algo_state"])
         self.guard.load_state_dict(restored.host.extra.get("guard", {}))
@@ -350,8 +352,8 @@ class RLTrainer:
     def _restart(self, error: Exception, restarts: int) -> None:
         step = self.ckpt.latest_step()
         where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
-        print(f"worker failure: {error}\nrestart {restarts}/{self.spec.trainer.max_restarts}: fresh worker "
-              f"processes, resuming from {where}", flush=True)
+        log.warning("worker failure: %s; restart %d/%d: fresh worker processes, resuming from %s", error, restarts,
+                    self.spec.trainer.max_restarts, where)
         self.close()
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"

@@ -35,8 +35,8 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward,
-                                  row_program)
+from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, host_array, num_micro_batches,
+                                  packed_forward, row_program)
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
@@ -382,7 +382,7 @@ class ActorWorker(TrainableWorker):
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"ActorWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
-        host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
+        host = {k: host_array(batch[k]) for k in keys}  # whole on every process: mini-batches are drawn from it
         train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
         scalars = {"temperature": np.float32(temperature)}
         index = step
@@ -413,7 +413,7 @@ class ActorWorker(TrainableWorker):
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
         t = self.rollout.temperature if temperature is None else temperature
-        host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
+        host = {k: host_array(minibatch[k]) for k in keys}
         inputs, _ = self.place_minibatch(host, np.arange(rows))
         self.state, metrics = step(self.state, inputs, {"temperature": np.float32(t)})
         return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}

@@ -31,13 +31,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules, get_rules, logical_to_spec, sharding_rules, state_shardings
-from jaxflow.models import HEADS, from_pretrained
+from jaxflow.models import HEADS, from_pretrained, save_pretrained
+from jaxflow.models.hf_io import host_array
+from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
 from jaxflow.workers.forward import PROMPT_KEYS, map_micro, named
 from jaxflow.workers.packing import PackedLayout, gather_rows, pack_inputs, plan_packing, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
-from jaxflow.workers.train_state import TrainState, create_train_state
+from jaxflow.workers.train_state import TrainState, create_train_state, tree_all_finite
 
 ModelLike = Any  # nnx.Module | tuple[nnx.GraphDef, nnx.State] | str | os.PathLike
+_tree_all_finite = jax.jit(tree_all_finite)
 
 
 def resolve_mesh(mesh: Mesh | MeshSpec | str) -> Mesh:
@@ -169,6 +172,13 @@ class RoleWorker:
         return {k: jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(None, self.batch_axes)))
                 for k, x in tensors.items()}
 
+    @register(ONE_TO_ALL)
+    def export_hf(self, path: str) -> None:
+        """Writes the model as the HF directory ``path`` from its sharded parameters, one
+        tensor at a time (`jaxflow.models.save_pretrained`: in a multi-process world process 0
+        writes the files, every process takes part in gathering each tensor)."""
+        save_pretrained(nnx.merge(self.graphdef, self.params), path)
+
     def _compiled(self, key: Any, build) -> Any:
         """A jitted program built once per key (e.g. the set of input columns)."""
         if key not in self._programs:
@@ -201,6 +211,30 @@ class TrainableWorker(RoleWorker):
     def set_train_state(self, state: TrainState) -> None:
         """Replaces the `TrainState` (e.g. from a checkpoint), placed in this role's layout."""
         self.state = jax.device_put(state, self.state_shardings)
+
+    # A checkpoint is written and read here, where the state lives: in a multi-process world
+    # every process writes and reads its own shards (`jaxflow.workers.checkpoint_io`), so the
+    # controller that saves never holds the state.
+    @register(ONE_TO_ALL)
+    def abstract_train_state(self) -> TrainState:
+        """The `TrainState`'s shapes and dtypes (no data): what a checkpoint is checked against."""
+        return abstract_tree(self.state)
+
+    @register(ONE_TO_ALL)
+    def params_finite(self) -> bool:
+        """Whether no parameter holds NaN or Inf (reduced on the devices)."""
+        return bool(_tree_all_finite(self.state.params))
+
+    @register(ONE_TO_ALL)
+    def save_train_state(self, path: str) -> None:
+        """Writes the `TrainState` as the orbax item directory ``path``."""
+        save_item(path, self.state)
+
+    @register(ONE_TO_ALL)
+    def restore_train_state(self, path: str) -> None:
+        """Reads the `TrainState` from the orbax item directory ``path`` into this role's layout
+        (whatever mesh it was saved from)."""
+        self.state = restore_item(path, self.state)
 
 
 def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str) -> int:
@@ -257,12 +291,12 @@ def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Map
     per device; rows dealt to the data-parallel ranks balanced by tokens), the outputs
     scattered back to the batch's row order (host arrays). ``name``: the program's
     (`packed_program`)."""
-    host = {k: np.asarray(jax.device_get(batch[k])) for k in PROMPT_KEYS}
+    host = {k: host_array(batch[k]) for k in PROMPT_KEYS}  # whole on every process
     layout, tensors = pack_forward_inputs(host, ranks=worker.dp_size, max_token_len=max_token_len,
                                           rows_per_micro=rows_per_micro)
     program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn, name))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
-    return Batch({k: scatter_rows(layout, np.asarray(jax.device_get(v)), len(batch)) for k, v in out.items()})
+    return Batch({k: scatter_rows(layout, host_array(v), len(batch)) for k, v in out.items()})
 
 
 def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_micro: int = 1, *, name: str):

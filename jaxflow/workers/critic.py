@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, RoleLayout, TrainableWorker, num_micro_batches, packed_forward, row_program
+from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, host_array, num_micro_batches,
+                                  packed_forward, row_program)
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
@@ -174,7 +175,7 @@ class CriticWorker(TrainableWorker):
         missing = [k for k in keys if k not in batch]
         if missing:
             raise KeyError(f"CriticWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
-        host = {k: np.asarray(jax.device_get(batch[k])) for k in keys}
+        host = {k: host_array(batch[k]) for k in keys}  # whole on every process: mini-batches are drawn from it
         train_step = self.train_program(cfg.ppo_mini_batch_size)
         index = step  # the training step (resumed runs shuffle alike)
         if index is None:
@@ -206,6 +207,6 @@ class CriticWorker(TrainableWorker):
         keys = CriticConfig.UPDATE_KEYS
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
-        host = {k: np.asarray(jax.device_get(minibatch[k])) for k in keys}
+        host = {k: host_array(minibatch[k]) for k in keys}
         self.state, metrics = step(self.state, self.place_minibatch(host, np.arange(rows))[0], {})
         return {f"critic/{n}": float(v) for n, v in jax.device_get(metrics).items()}

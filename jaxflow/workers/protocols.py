@@ -300,8 +300,9 @@ def unpad(output: Any, pad_size: int) -> Any:
     raise TypeError(f"cannot unpad an output of type {type(output).__name__}")
 
 
-def _pad_batch_args(info: WorkerGroupInfo, name: str, args: tuple, kwargs: dict):
-    """Pads every Batch argument to a multiple of dp_size * shard_multiple."""
+def pad_batch_args(info: WorkerGroupInfo, name: str, args: tuple, kwargs: dict) -> tuple[tuple, dict, int]:
+    """Pads every Batch argument to a multiple of dp_size * shard_multiple; returns ``(args,
+    kwargs, pad_size)``."""
     sizes = {f"args[{i}]": len(a) for i, a in enumerate(args) if isinstance(a, Batch)}
     sizes |= {f"kwargs[{k!r}]": len(v) for k, v in kwargs.items() if isinstance(v, Batch)}
     if not sizes:
@@ -319,7 +320,7 @@ def _pad_batch_args(info: WorkerGroupInfo, name: str, args: tuple, kwargs: dict)
 
 def _dp_dispatch(name: str) -> DispatchFn:
     def dispatch(info: WorkerGroupInfo, args: tuple, kwargs: dict) -> Dispatched:
-        args, kwargs, pad_size = _pad_batch_args(info, name, args, kwargs)
+        args, kwargs, pad_size = pad_batch_args(info, name, args, kwargs)
 
         def chunks(x: Any) -> Any:
             return x.chunk(info.dp_size) if isinstance(x, Batch) else None
@@ -354,7 +355,7 @@ def _dp_collect(info: WorkerGroupInfo, outputs: list, pad_size: int) -> Batch | 
 
 
 def _dp_spmd(info: WorkerGroupInfo, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    args, kwargs, pad_size = _pad_batch_args(info, DP_COMPUTE, args, kwargs)
+    args, kwargs, pad_size = pad_batch_args(info, DP_COMPUTE, args, kwargs)
     return unpad(fn(*args, **kwargs), pad_size)
 
 
@@ -363,7 +364,7 @@ def _dp_metric_collect(info: WorkerGroupInfo, outputs: list, state: Any) -> list
 
 
 def _dp_metric_spmd(info: WorkerGroupInfo, fn: Callable[..., Any], args: tuple, kwargs: dict):
-    args, kwargs, _ = _pad_batch_args(info, DP_COMPUTE_METRIC, args, kwargs)
+    args, kwargs, _ = pad_batch_args(info, DP_COMPUTE_METRIC, args, kwargs)
     return [fn(*args, **kwargs)]
 
 

@@ -12,20 +12,23 @@ host, driven by the single controller (this process, the Ray driver).
 Process model.
 
 * **Pools are placement groups.** The driver's `Placement` is built over `HostSlot`s (one per
-  device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool becomes a Ray
-  placement group with one bundle per host (CPU cores; on GPU the host's GPUs, on TPU the
-  VM's chips), ``PACK`` on CPU (simulated hosts may share a node) and ``STRICT_SPREAD``
-  otherwise (one bundle per node). A pool that the cluster cannot hold is reported
-  (`Unschedulable`) after ``schedule_timeout_s``.
+  device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool reserves one
+  bundle per host (`PoolReservation`: CPU hosts packed in one placement group; GPU hosts as
+  verl, a ``STRICT_PACK`` placement group per node; TPU hosts as whole slices through
+  ``ray.util.tpu``). A pool that the cluster cannot hold is reported (`Unschedulable`) after
+  ``schedule_timeout_s``.
 * **One process per host per group, one JAX world per group.** A `ProcessGroup` starts one
   `jaxflow.workers.ray_host.HostProcess` actor per bundle; rank 0 picks a free port and every
   rank calls ``jax.distributed.initialize``. Roles that share a pool share its processes, and
   each process builds the same role objects as the local backend (over its world's global
   devices, so the meshes are the local backend's meshes on the same number of devices).
-* **Lock-step calls.** A `RayWorkerGroup` call is put once in the object store and submitted
-  to every rank in the same order; each rank runs the method's single-program form over the
-  global mesh and returns the shards it holds (`jaxflow.workers.host_transfer`), which the
-  driver assembles. Per-rank protocols (``ALL_TO_ALL``) are dispatched by process.
+* **Lock-step calls.** A `RayWorkerGroup` call is submitted to every rank in the same order,
+  each argument put once in the object store; the batches of `ROWS_BY_PROCESS` protocols
+  travel by process (each rank receives the rows its devices hold), the others whole. Each
+  rank runs the method's single-program form over the global mesh and returns the shards it
+  holds (`jaxflow.workers.host_transfer`), which the driver assembles. Per-rank protocols
+  (``ALL_TO_ALL``) are dispatched by process. Weights from the driver's memory travel as
+  per-rank blocks (`ProcessGroup.ship_params`).
 * **Deadlines.** Every remote call waits at most a deadline: ``compile_deadline_s`` for a
   method's first call with given shapes (it compiles), ``step_deadline_s`` after that,
   ``sync_deadline_s`` for world set-up and builds. A rank that dies (`WorkerDied`) or a call
@@ -40,6 +43,7 @@ Ray is imported only here and only when a backend is made: the local path never 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import time
@@ -54,14 +58,37 @@ from jaxflow.mesh import Placement
 from jaxflow.workers.actor import ActorConfig, RolloutConfig
 from jaxflow.workers.critic import CriticConfig
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
-from jaxflow.workers.host_transfer import assemble
+from jaxflow.workers.host_transfer import (
+    RowSplit,
+    ShippedParams,
+    assemble,
+    cut_blocks,
+    split_rows,
+)
 from jaxflow.workers.local import workers_from_groups
-from jaxflow.workers.protocols import Protocol, WorkerGroupInfo, get_protocol, method_protocol
+from jaxflow.workers.protocols import (
+    DP_COMPUTE,
+    DP_COMPUTE_METRIC,
+    Protocol,
+    WorkerGroupInfo,
+    get_protocol,
+    method_protocol,
+    pad_batch_args,
+    unpad,
+)
 from jaxflow.workers.ray_host import ROLE_FROM_PLACEMENT, HostProcess
 from jaxflow.workers.reward import RuleRewardWorker
 from jaxflow.workers.roles import RoleSettings, role_class
 
+log = logging.getLogger(__name__)
+
 ACCELERATORS = ("cpu", "gpu", "tpu")
+
+# Protocols whose Batch tensors travel by process (each rank gets the rows its devices hold),
+# and how the driver finishes the assembled result given the rows it padded. The others
+# (DP_COMPUTE_REPEAT: generation schedules the whole prompt batch; DP_TRAIN: mini-batches are
+# drawn from the whole batch) send the whole batch to every rank, put once.
+ROWS_BY_PROCESS = {DP_COMPUTE: unpad, DP_COMPUTE_METRIC: lambda metrics, pad_size: metrics}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +105,9 @@ class RayConfig:
       schedule_timeout_s: how long a pool may wait for its bundles.
       local_num_cpus: logical CPUs of a local Ray started here, at least the machine's (a
         run's simulated hosts need one bundle each, however few cores the machine has).
+      tpu_topology, tpu_version: on TPU, each pool reserves whole slices of this topology
+        (e.g. ``4x4``) and generation (e.g. ``v5p``) with ``ray.util.tpu``; ``""``: one bundle
+        per TPU VM (`PoolReservation`).
     """
 
     address: str = ""
@@ -89,6 +119,8 @@ class RayConfig:
     sync_deadline_s: float = 120.0
     schedule_timeout_s: float = 30.0
     local_num_cpus: int | None = None
+    tpu_topology: str = ""
+    tpu_version: str = ""
 
     def __post_init__(self) -> None:
         if self.accelerator not in ACCELERATORS:
@@ -98,16 +130,84 @@ class RayConfig:
         for name in ("compile_deadline_s", "step_deadline_s", "sync_deadline_s", "schedule_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.tpu_topology and not (self.tpu_version and all(n.isdigit() for n in self.tpu_topology.lower().split("x"))):
+            raise ValueError(f"tpu_topology {self.tpu_topology!r} needs the form AxB[xC] and a tpu_version (e.g. v5p)")
 
     def bundle(self) -> dict[str, float]:
         """One host's resources."""
         extra = {"gpu": {"GPU": self.devices_per_host}, "tpu": {"TPU": self.devices_per_host}}
         return {"CPU": self.cpus_per_host, **extra.get(self.accelerator, {})}
 
-    def placement_strategy(self) -> str:
-        """``PACK`` on CPU (simulated hosts may share a node), else ``STRICT_SPREAD`` (one
-        bundle per node)."""
-        return "PACK" if self.accelerator == "cpu" else "STRICT_SPREAD"
+    def reservation(self, num_hosts: int) -> PoolReservation:
+        """What a pool of ``num_hosts`` hosts asks Ray for (`PoolReservation`)."""
+        bundle = self.bundle()
+        if self.accelerator == "cpu":  # simulated hosts may share a node
+            return PoolReservation(((tuple(dict(bundle) for _ in range(num_hosts)), "PACK"),))
+        if self.accelerator == "gpu":  # as verl: one placement group per node, STRICT_PACK
+            return PoolReservation(tuple(((dict(bundle),), "STRICT_PACK") for _ in range(num_hosts)))
+        if self.tpu_topology:
+            chips = math.prod(int(n) for n in self.tpu_topology.lower().split("x"))
+            if chips % self.devices_per_host:
+                raise ValueError(f"a TPU slice of topology {self.tpu_topology} ({chips} chips) is not whole hosts of "
+                                 f"{self.devices_per_host} chips (jaxflow.ray.devices_per_host)")
+            per_slice = chips // self.devices_per_host
+            if num_hosts % per_slice:
+                raise ValueError(f"a pool of {num_hosts} TPU hosts is not a whole number of slices of topology "
+                                 f"{self.tpu_topology} ({per_slice} hosts each; jaxflow.ray.tpu_topology)")
+            return PoolReservation(tpu_slice={"topology": self.tpu_topology, "accelerator_version": self.tpu_version,
+                                              "num_slices": num_hosts // per_slice, "resources_per_bundle": bundle},
+                                   num_hosts=num_hosts)
+        # TPU without a slice topology: one bundle per TPU VM on distinct nodes.
+        return PoolReservation(((tuple(dict(bundle) for _ in range(num_hosts)), "STRICT_SPREAD"),))
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolReservation:
+    """How a pool's hosts are reserved on Ray (`RayConfig.reservation`), one process per host.
+
+    * CPU: one placement group of one ``{CPU}`` bundle per host, ``PACK`` (simulated hosts
+      share a machine).
+    * GPU: as verl's ``RayResourcePool``: one placement group per node, ``STRICT_PACK``, here
+      of one bundle holding the host's GPUs (one process drives them all).
+    * TPU with ``jaxflow.ray.tpu_topology``: whole slices, reserved with Ray's
+      ``ray.util.tpu.slice_placement_group`` (one bundle per TPU VM of the slice, on the VMs of
+      one slice); without it, or on a Ray without ``ray.util.tpu``, one placement group of one
+      bundle per VM, ``STRICT_SPREAD``.
+
+    Attributes:
+      placement_groups: ``(bundles, strategy)`` of each placement group.
+      tpu_slice: keyword arguments of ``ray.util.tpu.slice_placement_group`` (or None).
+      num_hosts: the hosts of a ``tpu_slice`` reservation.
+    """
+
+    placement_groups: tuple[tuple[tuple[dict[str, float], ...], str], ...] = ()
+    tpu_slice: dict[str, Any] | None = None
+    num_hosts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tpu_slice is None:
+            object.__setattr__(self, "num_hosts", sum(len(b) for b, _ in self.placement_groups))
+
+    def slot(self, rank: int) -> tuple[int, int]:
+        """``(placement group, bundle index)`` of host ``rank``."""
+        if self.tpu_slice is not None or len(self.placement_groups) == 1:
+            return 0, rank
+        return rank, 0
+
+    def fallback(self) -> PoolReservation:
+        """The reservation without ``ray.util.tpu``: one bundle per VM, ``STRICT_SPREAD``."""
+        bundle = self.tpu_slice["resources_per_bundle"]
+        return PoolReservation(((tuple(dict(bundle) for _ in range(self.num_hosts)), "STRICT_SPREAD"),))
+
+    def describe(self) -> str:
+        if self.tpu_slice is not None:
+            s = self.tpu_slice
+            return (f"{s['num_slices']} TPU slice(s) {s['accelerator_version']} {s['topology']} via ray.util.tpu, "
+                    f"{self.num_hosts} x {s['resources_per_bundle']}")
+        (bundles, strategy), n = self.placement_groups[0], len(self.placement_groups)
+        if n == 1:
+            return f"placement group of {len(bundles)} x {bundles[0]} ({strategy})"
+        return f"{n} placement groups (one per node) of {len(bundles)} x {bundles[0]} ({strategy})"
 
 
 class WorkerGroupError(RuntimeError):
@@ -179,7 +279,7 @@ def describe_hosts(placement: Placement, config: RayConfig) -> str:
     for pool, roles in placement.groups().items():
         hosts = pool_hosts(placement, pool, per)
         lines.append(f"group {pool!r}: hosts {hosts[0]}..{hosts[-1]} ({len(hosts)} processes, ranks 0..{len(hosts) - 1}), "
-                     f"placement group of {len(hosts)} x {config.bundle()} ({config.placement_strategy()})")
+                     f"{config.reservation(len(hosts)).describe()}")
         for role in roles:
             spec = placement.roles[role]
             sizes = spec.mesh.resolve(placement.pools[pool].size)
@@ -201,6 +301,11 @@ def _ray():
 
 
 def _env_for_workers(config: RayConfig) -> dict[str, str]:
+    """The worker processes' environment: this jaxflow first on the path (the driver's
+    checkout) and the driver's XLA flags without its simulated device count. On CPU the
+    persistent compilation cache is off: measured here (jax 0.10, gloo collectives), a
+    multi-process program loaded from the cache (e.g. the rollout) fails in its first
+    cross-process collective (gloo context initialisation times out)."""
     flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count"))
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -208,6 +313,7 @@ def _env_for_workers(config: RayConfig) -> dict[str, str]:
     env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
     if config.accelerator == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
+        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     return env
 
 
@@ -237,7 +343,7 @@ class ProcessGroup:
 
     def __init__(self, name: str, num_hosts: int, config: RayConfig):
         ray = _ray()
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.num_hosts, self.config = name, num_hosts, config
@@ -245,16 +351,34 @@ class ProcessGroup:
         self.pids: list[int] = []
         self.dead: str | None = None
         self._seen: set[tuple] = set()
-        bundle = config.bundle()
-        self._pg = placement_group([dict(bundle) for _ in range(num_hosts)], strategy=config.placement_strategy())
+        self._pgs: list[Any] = []
+        self._slice = None
+        self.reservation = config.reservation(num_hosts)
+        if self.reservation.tpu_slice is not None:
+            try:
+                from ray.util.tpu import slice_placement_group
+            except ImportError:  # an older Ray: one bundle per VM, not pinned to one slice
+                log.warning("ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
+                            "(STRICT_SPREAD) instead of whole slices", name)
+                self.reservation = self.reservation.fallback()
+            else:
+                try:
+                    self._slice = slice_placement_group(**self.reservation.tpu_slice,
+                                                        head_reservation_timeout_s=config.schedule_timeout_s)
+                except Exception as e:  # no such slice in the cluster (Ray's own timeout)
+                    raise Unschedulable(f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
+                                        f"could not be reserved: {e}", name) from e
+                self._pgs = [self._slice.placement_group]
+        if self._slice is None:
+            self._pgs = [placement_group(list(bundles), strategy=strategy)
+                         for bundles, strategy in self.reservation.placement_groups]
         try:
-            ray.get(self._pg.ready(), timeout=config.schedule_timeout_s)
+            ray.get([pg.ready() for pg in self._pgs], timeout=config.schedule_timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self._pg)
-            self._pg = None
+            self._release()
             raise Unschedulable(
-                f"worker group {name!r}: {num_hosts} host bundle(s) of {bundle} could not be scheduled within "
-                f"{config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
+                f"worker group {name!r}: {num_hosts} host bundle(s) of {config.bundle()} could not be scheduled "
+                f"within {config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
                 f"{ray.cluster_resources()}, available {ray.available_resources()}", name) from None
         remote = ray.remote(HostProcess)
         options = {"num_cpus": config.cpus_per_host, "max_restarts": 0, "max_concurrency": 1,
@@ -265,7 +389,8 @@ class ProcessGroup:
             options["resources"] = {"TPU": config.devices_per_host}
         try:
             for rank in range(num_hosts):
-                strategy = PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank)
+                pg, bundle_index = self.reservation.slot(rank)
+                strategy = PlacementGroupSchedulingStrategy(self._pgs[pg], placement_group_bundle_index=bundle_index)
                 self.actors.append(remote.options(scheduling_strategy=strategy, **options).remote(
                     name, rank, num_hosts, config.devices_per_host, config.accelerator))
             (address,) = self._gather([self.actors[0].free_address.remote()], "picking the coordinator port",
@@ -277,6 +402,7 @@ class ProcessGroup:
             raise
         self.pids = [w["pid"] for w in worlds]
         self.address = address
+        log.info("worker group %r started: %d processes, pids %s, coordinator %s", name, num_hosts, self.pids, address)
 
     # ------------------------------------------------------------------ calls
     def _gather(self, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
@@ -327,16 +453,35 @@ class ProcessGroup:
         if self.dead is not None:
             raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
 
-    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> None:
-        """Builds ``role`` in every process (see `HostProcess.build`)."""
+    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Sequence[Any] | None = None
+              ) -> RowSplit | None:
+        """Builds ``role`` in every process (see `HostProcess.build`; ``blocks``: each rank's
+        object-store reference to its blocks of a `ShippedParams` model); how its batch rows
+        fall on the processes (None for a worker without a mesh)."""
         self._check_alive()
         ref = _ray().put(kwargs)
-        self._gather([a.build.remote(role, worker_cls, ref) for a in self.actors], f"building {role!r}",
-                     self.config.compile_deadline_s)
+        built = self._gather([a.build.remote(role, worker_cls, ref, None if blocks is None else blocks[rank])
+                              for rank, a in enumerate(self.actors)], f"building {role!r}",
+                             self.config.compile_deadline_s)
+        return built[0]["rows"]
 
-    def call(self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict) -> Any:
+    def ship_params(self, role: str, kwargs: dict[str, Any], params: Any) -> tuple[ShippedParams, list[Any]]:
+        """``params`` (the driver's arrays) as a `ShippedParams` and, per rank, one object-store
+        reference to the blocks that rank's devices hold in ``role``'s layout: no rank
+        receives the whole model."""
+        self._check_alive()
+        ray = _ray()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+        keys = self._gather([a.block_keys.remote(role, kwargs, abstract) for a in self.actors],
+                            f"placing {role!r}'s parameters", self.config.sync_deadline_s)
+        return ShippedParams(None, abstract), [ray.put(cut_blocks(params, k)) for k in keys]
+
+    def call(self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict,
+             rows: RowSplit | None = None) -> Any:
         """``role.method(*args, **kwargs)`` in lock step on every rank; the assembled result
-        (single-program protocols) or the protocol's collect of the per-rank results."""
+        (single-program protocols) or the protocol's collect of the per-rank results. For the
+        protocols of `ROWS_BY_PROCESS`, given the role's ``rows``, each rank receives only the
+        tensor rows its devices hold (the batch padded here to the data-parallel size)."""
         self._check_alive()
         ray = _ray()
         args, kwargs = _host_tree(args), _host_tree(kwargs)
@@ -351,10 +496,25 @@ class ProcessGroup:
             outputs = self._gather(refs, what, deadline)
             self._seen.add(key)
             return protocol.collect(info, outputs, getattr(dispatched, "state", None))
+        if protocol.name in ROWS_BY_PROCESS and rows is not None:
+            info = WorkerGroupInfo(world_size=rows.dp_size, dp_size=rows.dp_size)
+            args, kwargs, pad_size = pad_batch_args(info, protocol.name, args, kwargs)
+            args, kwargs, per_process = split_rows(rows, args, kwargs)
+            shared = ray.put((args, kwargs))  # host columns and meta: put once, read by every rank
+            refs = [a.call_rows.remote(role, method, shared, ray.put(mine))  # each rank's rows, put once
+                    for a, mine in zip(self.actors, per_process)]
+            outputs = self._gather(refs, what, deadline)
+            self._seen.add(key)
+            return ROWS_BY_PROCESS[protocol.name](assemble(outputs), pad_size)
         payload = ray.put((args, kwargs))  # put once, read by every rank
         outputs = self._gather([a.call.remote(role, method, payload) for a in self.actors], what, deadline)
         self._seen.add(key)
         return assemble(outputs)
+
+    def io_stats(self) -> list[dict[str, int]]:
+        """Each rank's `HostProcess.io_stats` (measured transfer counters)."""
+        self._check_alive()
+        return self._gather([a.io_stats.remote() for a in self.actors], "io_stats", self.config.sync_deadline_s)
 
     def shutdown(self, reason: str = "shut down") -> None:
         """Kills the group's processes and frees its bundles (idempotent)."""
@@ -367,14 +527,25 @@ class ProcessGroup:
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self.actors = []
-        if getattr(self, "_pg", None) is not None:
-            from ray.util.placement_group import remove_placement_group
+        self._release()
 
+    def _release(self) -> None:
+        """Frees the pool's placement groups (idempotent)."""
+        from ray.util.placement_group import remove_placement_group
+
+        pgs, self._pgs = self._pgs, []
+        if self._slice is not None:
+            slice_, self._slice = self._slice, None
             try:
-                remove_placement_group(self._pg)
+                slice_.shutdown()
             except Exception:  # noqa: BLE001 - already gone with the cluster
                 pass
-            self._pg = None
+            return
+        for pg in pgs:
+            try:
+                remove_placement_group(pg)
+            except Exception:  # noqa: BLE001 - already gone with the cluster
+                pass
 
     def __repr__(self) -> str:
         return f"ProcessGroup({self.name!r}, hosts={self.num_hosts}, pids={self.pids})"
@@ -382,20 +553,19 @@ class ProcessGroup:
 
 class RayWorkerGroup(WorkerGroup):
     """The driver's handle on one role of a `ProcessGroup` (a `WorkerGroup`: its methods are
-    the worker class's registered methods, run in lock step on every process)."""
+    the worker class's registered methods, run in lock step on every process). ``rows``: how
+    the role's batch rows fall on the processes (`ProcessGroup.build` returns it)."""
 
-    def __init__(self, processes: ProcessGroup, role: str, worker_cls: type, kwargs: dict[str, Any] | None = None):
-        self.processes, self.name, self.worker_cls = processes, role, worker_cls
+    def __init__(self, processes: ProcessGroup, role: str, worker_cls: type, rows: RowSplit | None = None):
+        self.processes, self.name, self.worker_cls, self.rows = processes, role, worker_cls, rows
         self.info = WorkerGroupInfo(world_size=processes.num_hosts, dp_size=1)
-        if kwargs is not None:
-            processes.build(role, worker_cls, kwargs)
 
     def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
         protocol = method_protocol(getattr(self.worker_cls, method, None))
         if protocol is None:
             raise AttributeError(f"{self.worker_cls.__name__}.{method} is not registered with a protocol")
         protocol = get_protocol(protocol)
-        return self._finish(protocol, self.processes.call(self.name, method, protocol, args, kwargs))
+        return self._finish(protocol, self.processes.call(self.name, method, protocol, args, kwargs, self.rows))
 
 
 class RayBackend:
@@ -428,7 +598,7 @@ class RayBackend:
     def group(self, processes: ProcessGroup, worker_cls: type, *, name: str, **kwargs: Any) -> RayWorkerGroup:
         """A `RayWorkerGroup` of ``worker_cls(**kwargs)`` built in every process of ``processes``
         (mesh arguments as `MeshSpec` text: each process builds them over its world)."""
-        return RayWorkerGroup(processes, name, worker_cls, kwargs)
+        return RayWorkerGroup(processes, name, worker_cls, processes.build(name, worker_cls, kwargs))
 
     def build_workers(
         self,
@@ -453,10 +623,10 @@ class RayBackend:
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
-        state)`` pair (sent once through the object store) or a callable ``(mesh, rules) ->
-        model`` run in every process (each reads or initialises its own shards). The rule
-        scorer runs on the driver."""
-        ray = _ray()
+        state)`` pair in the driver's memory (each process receives only the blocks its
+        devices hold: `ProcessGroup.ship_params`) or a callable ``(mesh, rules) -> model`` run
+        in every process (each reads or initialises its own shards). The rule scorer runs on
+        the driver."""
         settings = RoleSettings(actor_config=actor_config, rollout=rollout,
                                 critic_config=critic_config or CriticConfig(), strategy=strategy,
                                 ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
@@ -465,15 +635,6 @@ class RayBackend:
                                 ref_max_token_len_per_device=ref_max_token_len_per_device,
                                 reward_use_remove_padding=reward_use_remove_padding)
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
-        refs: dict[int, Any] = {}
-
-        def shipped(model: Any) -> Any:
-            if isinstance(model, tuple):
-                if id(model) not in refs:
-                    refs[id(model)] = ray.put((model[0], jax.device_get(model[1])))
-                return refs[id(model)]
-            return model
-
         groups: dict[str, WorkerGroup] = {}
         for pool, roles in placement.groups().items():
             wanted = [r for r in roles if models.get(r) is not None]
@@ -481,9 +642,14 @@ class RayBackend:
                 continue
             processes = self.process_group(pool, len(pool_hosts(placement, pool, self.config.devices_per_host)))
             for role in wanted:
-                kwargs = {"placement": placement, "pool": pool, "model": shipped(models[role]), "settings": settings}
-                groups[role] = RayWorkerGroup(processes, role, role_class(role))
-                processes.build(role, ROLE_FROM_PLACEMENT, kwargs)
+                kwargs = {"placement": placement, "pool": pool, "model": models[role], "settings": settings}
+                blocks = None
+                if isinstance(models[role], tuple):  # weights in the driver's memory: each rank gets its blocks
+                    graphdef, params = models[role]
+                    shipped, blocks = processes.ship_params(role, {**kwargs, "model": None}, params)
+                    kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
+                groups[role] = RayWorkerGroup(processes, role, role_class(role),
+                                              processes.build(role, ROLE_FROM_PLACEMENT, kwargs, blocks))
         rule = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
         return workers_from_groups(groups, rule_reward=rule, reward_weights=reward_weights)
 

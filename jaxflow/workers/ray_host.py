@@ -10,13 +10,17 @@ life:
    cross-process collectives. From then on ``jax.devices()`` are the group's global devices.
 3. ``build(role, ...)``: builds a role worker inside this process, the same class with the
    same arguments as the local backend (``jaxflow.workers.roles.make_role_worker`` for
-   placement roles, or any worker class). Roles sharing the pool share the process.
+   placement roles, or any worker class). Roles sharing the pool share the process. A model
+   is read or initialised here, each process only its shards; a model from the driver's
+   memory arrives as this process's blocks (``block_keys`` says which).
 4. ``call(role, method, payload)``: runs the method. Every process of the group receives the
    same calls in the same order (the driver submits them so, and a Ray actor runs its calls
    one at a time in order), so every process enters the same compiled programs in the same
    order. A method with a single-program form runs it (`call_spmd`) over the global mesh
    and returns its share of the result (`jaxflow.workers.host_transfer.to_pieces`);
-   a per-rank method (ALL_TO_ALL) returns its own value.
+   a per-rank method (ALL_TO_ALL) returns its own value. ``call_rows(role, method, shared,
+   rows)`` is the same for a data-parallel method whose batch tensors arrive by process: this
+   process's rows become global arrays (`jaxflow.workers.host_transfer.rows_to_global`).
 
 Nothing here imports Ray: the class is turned into an actor by the driver.
 """
@@ -29,10 +33,6 @@ import time
 from typing import Any
 
 ROLE_FROM_PLACEMENT = "placement"
-
-
-def _is_object_ref(x: Any) -> bool:
-    return type(x).__name__ == "ObjectRef"
 
 
 class HostProcess:
@@ -51,6 +51,13 @@ class HostProcess:
         self.devices_per_process, self.platform = devices_per_process, platform
         self.roles: dict[str, Any] = {}
         self.infos: dict[str, Any] = {}
+        # Measured: tensor bytes received by data-parallel calls (their rows), and parameter
+        # bytes received from the driver (`ShippedParams` blocks).
+        self.io = {"row_bytes": 0, "param_bytes": 0}
+
+    def io_stats(self) -> dict[str, int]:
+        """What this process has received so far (`io`)."""
+        return dict(self.io)
 
     # ------------------------------------------------------------------ world
     def pid(self) -> int:
@@ -88,27 +95,54 @@ class HostProcess:
                 "local_device_ids": [d.id for d in local], "pid": os.getpid()}
 
     # ------------------------------------------------------------------ roles
-    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any]) -> float:
+    def _placement_layout(self, role: str, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The placement of ``kwargs['pool']`` over this world's devices, and the mesh and
+        rules that ``role``'s model is laid out with."""
+        import jax
+
+        from jaxflow.workers.roles import pool_placement
+
+        placement = pool_placement(kwargs["placement"], kwargs["pool"], tuple(jax.devices()))
+        phase = "train" if role in ("actor", "critic") else "infer"
+        return placement, placement.mesh(role, "train"), placement.rules(role, phase)
+
+    def block_keys(self, role: str, kwargs: dict[str, Any], abstract: Any) -> list[list[tuple]]:
+        """The blocks of each parameter (``abstract``: shapes and dtypes) that this process's
+        devices hold in ``role``'s layout (`jaxflow.workers.host_transfer.block_keys`)."""
+        from jaxflow.mesh import state_shardings
+        from jaxflow.workers.host_transfer import block_keys
+
+        _, mesh, rules = self._placement_layout(role, kwargs)
+        return block_keys(abstract, state_shardings(abstract, rules, mesh))
+
+    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Any = None) -> dict[str, Any]:
         """Builds ``worker_cls(**kwargs)`` as ``role`` (``worker_cls == "placement"``: the
         placement role ``role`` from ``kwargs = {placement, pool, model, settings}``).
         A callable ``model`` is called here (``model(mesh, rules)``) so that each process
-        reads or initialises only what it needs. Returns the seconds it took."""
-        import jax
-
+        reads or initialises only what it needs; a `ShippedParams` model is built from
+        ``blocks``, this process's blocks of it. Returns the seconds it took and, for a
+        worker with a mesh, how its batch rows fall on the processes (a `RowSplit`)."""
+        from jaxflow.mesh import state_shardings
+        from jaxflow.workers.host_transfer import (
+            RowSplit,
+            ShippedParams,
+            block_keys,
+            from_blocks,
+        )
         from jaxflow.workers.protocols import WorkerGroupInfo
-        from jaxflow.workers.roles import make_role_worker, pool_placement
+        from jaxflow.workers.roles import make_role_worker
 
         start = time.perf_counter()
         if worker_cls == ROLE_FROM_PLACEMENT:
-            placement = pool_placement(kwargs["placement"], kwargs["pool"], tuple(jax.devices()))
+            placement, mesh, rules = self._placement_layout(role, kwargs)
             model = kwargs["model"]
-            if _is_object_ref(model):  # a (graphdef, state) pair sent once through the object store
-                import ray
-
-                model = ray.get(model)
-            if callable(model):
-                phase = "train" if role in ("actor", "critic") else "infer"
-                model = model(placement.mesh(role, "train"), placement.rules(role, phase))
+            if isinstance(model, ShippedParams):
+                self.io["param_bytes"] += sum(b.nbytes for leaf in blocks for b in leaf)
+                shardings = state_shardings(model.abstract, rules, mesh)
+                keys = block_keys(model.abstract, shardings)
+                model = (model.graphdef, from_blocks(model.abstract, shardings, keys, blocks))
+            elif callable(model):
+                model = model(mesh, rules)
             worker = make_role_worker(role, placement, model, kwargs["settings"])
         else:
             worker = worker_cls(**kwargs)
@@ -116,7 +150,8 @@ class HostProcess:
         self.roles[role] = worker
         self.infos[role] = (WorkerGroupInfo(world_size=1, dp_size=1) if mesh is None
                             else WorkerGroupInfo.from_mesh(mesh, worker.dp_axes))
-        return time.perf_counter() - start
+        rows = None if mesh is None else RowSplit.from_mesh(mesh, worker.dp_axes, self.num_processes)
+        return {"seconds": time.perf_counter() - start, "rows": rows}
 
     def call(self, role: str, method: str, payload: tuple[tuple, dict]) -> Any:
         """Runs ``role.method`` on this process's part of the group (module docstring)."""
@@ -133,3 +168,14 @@ class HostProcess:
         if protocol.spmd is None:
             return to_host_local(bound(*args, **kwargs))
         return to_pieces(call_spmd(self.infos[role], protocol, bound, *args, **kwargs), jax.process_index())
+
+    def call_rows(self, role: str, method: str, shared: tuple[tuple, dict], rows: list[dict[str, Any]]) -> Any:
+        """`call` of a data-parallel method whose Batch arguments arrived as `LocalRows` (host
+        columns, shared) and ``rows`` (this process's tensor rows, already padded to the
+        data-parallel size by the driver)."""
+        from jaxflow.workers.host_transfer import rows_to_global
+
+        worker = self.roles[role]
+        self.io["row_bytes"] += sum(v.nbytes for r in rows for v in r.values())
+        args, kwargs = rows_to_global(*shared, rows, worker.mesh, worker.dp_axes)
+        return self.call(role, method, (args, kwargs))
