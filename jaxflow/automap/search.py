@@ -200,9 +200,9 @@ def transient_parts(rl: RoleLayout) -> dict[str, tuple[int, int]]:
     """Phase -> (bytes counted exactly, working bytes estimated) of a layout's transient
     (:meth:`jaxflow.plan.dry_run.RolePlan.transient_bytes` split in two): training adds the
     gradients to its activations, generation the generation copy of the weights to the KV
-    cache and its activations."""
+    cache and its activations, less the training weights donated into that copy."""
     p = rl.plan
-    exact = {"train": p.gradient_bytes, "generate": p.generate_param_bytes}
+    exact = {"train": p.gradient_bytes, "generate": p.generate_param_bytes - p.param_bytes}
     rough = {"generate": p.kv_cache_bytes}
     return {phase: (exact.get(phase, 0), act + rough.get(phase, 0)) for phase, act in p.activation_bytes.items()}
 

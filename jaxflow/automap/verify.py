@@ -129,7 +129,10 @@ def memory_correction(plan: Plan, row: dict[str, Any]) -> tuple[str, float] | No
     if not parts or not parts[1]:
         return None
     exact, rough = parts
-    kept = {"train": rl.plan.param_bytes + rl.plan.optimizer_bytes, "infer": rl.plan.param_bytes}.get(row["phase"], 0)
+    # The arguments that stay in the pool: the train step's state; the forwards' weights; the
+    # rollout's training weights (donated into its generation copy, counted in ``exact``).
+    kept = {"train": rl.plan.param_bytes + rl.plan.optimizer_bytes, "infer": rl.plan.param_bytes,
+            "generate": rl.plan.param_bytes}.get(row["phase"], 0)
     return row["phase"], (row["compiled_peak_bytes"] - kept - exact) / rough
 
 
