@@ -269,7 +269,7 @@ CHECKS = {
     "trainer.test_freq": (10, [], spec("trainer.test_freq")),
     "trainer.val_before_train": (False, [], spec("trainer.val_before_train")),
     "trainer.critic_warmup": (2, [], spec("actor.optim.total_training_steps")),  # the actor's updates start later
-    "trainer.balance_batch": (True, [], spec("algorithm.balance_batch")),
+    "trainer.balance_batch": (True, [], spec("actor.log_balance")),
     "trainer.resume_mode": ("disable", [], spec("trainer.resume_mode")),
     "trainer.resume_from_path": ("/elsewhere", ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt"],
                                  spec("trainer.resume_from_path")),
@@ -289,6 +289,9 @@ CHECKS = {
     "jaxflow.ray.sync_deadline_s": (60.0, [], lambda v: ray_config(v.cfg).sync_deadline_s),
     "jaxflow.ray.schedule_timeout_s": (5.0, [], lambda v: ray_config(v.cfg).schedule_timeout_s),
     "jaxflow.ray.max_restarts": (2, [], spec("trainer.max_restarts")),
+    "jaxflow.ray.tpu_topology": ("2x2", ["jaxflow.ray.tpu_version=v5p"], lambda v: ray_config(v.cfg).tpu_topology),
+    "jaxflow.ray.tpu_version": ("v6e", ["jaxflow.ray.tpu_topology=2x2", "jaxflow.ray.tpu_version=v5p"],
+                                lambda v: ray_config(v.cfg).tpu_version),
     "jaxflow.num_devices": (4, [], spec("num_devices")),
     "jaxflow.placement.type": ("split", [], pools),
     "jaxflow.placement.device_kind": ("h100", ["jaxflow.placement.type=auto"], profile),
