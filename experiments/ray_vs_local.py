@@ -43,7 +43,7 @@ TIMING_PREFIXES = ("timing_s/", "perf/throughput", "time")
 # the advantages (unit std after whitening or group normalisation) for their mean.
 EPS32 = float(np.finfo(np.float32).eps)
 CANCELLING = {"actor/ppo_kl": "actor/entropy", "actor/reward_kl_penalty": "actor/entropy",
-              "critic/advantages/mean": 1.0}
+              "actor/kl_loss": "actor/entropy", "critic/advantages/mean": 1.0}
 
 
 def placement_overrides(config: str, placement: str) -> list[str]:

@@ -87,11 +87,16 @@ def test_sigkill_then_auto_resume_ends_like_an_uninterrupted_run(tmp_path):
 
 USER_REWARD = textwrap.dedent('''
     import time
+    import zlib
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-        if solution_str.strip().endswith("1"):
-            raise RuntimeError("this reward function fails on answers ending in 1")
-        if solution_str.strip().endswith("2"):
+        # About an eighth of the distinct samples fail and an eighth hang (a stable hash of
+        # the sample), so both kinds occur whatever the untrained model answers, and the
+        # failures stay under jaxflow.reward.max_failure_fraction.
+        kind = zlib.crc32(f"{solution_str}|{ground_truth}".encode()) % 8
+        if kind == 0:
+            raise RuntimeError("this reward function fails on some answers")
+        if kind == 1:
             time.sleep(1000)  # hangs
         return float(solution_str.strip() == ground_truth)
 ''')
@@ -105,7 +110,6 @@ def test_a_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path)
         f"--config.custom_reward_function.path={reward}",
         "--config.jaxflow.reward.timeout_s=0.5",
         "--config.trainer.save_freq=-1",
-        # The failing / hanging answers come from this layout's samples of the untrained model.
         "--config.jaxflow.placement.type=colocated",
     ]
     proc = _run(args, tmp_path / "run")

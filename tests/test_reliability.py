@@ -362,7 +362,7 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
                                     "--config.trainer.save_freq=1"], tmp_path / "full", "size=512k")
     assert code == 2, out
     (line,) = error_lines(out)
-    assert re.fullmatch(rf"error: cannot write {tmp_path / 'full' / 'run'}/step_1\.orbax-checkpoint-tmp/\S+: "
+    assert re.fullmatch(rf"error: cannot write {tmp_path / 'full' / 'run'}/step_1\.orbax-checkpoint-tmp\S*/\S+: "
                         r"No space left on device \(is the disk full\?\)", line), line
     assert "Traceback" not in out and "ERROR" not in out, out
     assert "step 1 |" in out and "step_1" not in left and "jaxflow.log" in left, left
@@ -428,9 +428,17 @@ def test_save_refuses_non_finite_params(tmp_path):
     from jaxflow.trainer.rl import RLTrainer
     from jaxflow.workers import TrainState
 
+    from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
+    from jaxflow.workers.train_state import tree_all_finite
+
     state = TrainState(params={"w": jnp.array([1.0, jnp.nan])}, opt_state=(), step=jnp.zeros((), jnp.int32))
+    # The actor's worker group as the trainer calls it (one answer per process), writing for real.
+    actor = SimpleNamespace(params_finite=lambda: [bool(tree_all_finite(state.params))],
+                            save_train_state=lambda path: [save_item(path, state)],
+                            restore_train_state=lambda path: [restore_item(path, state)],
+                            abstract_train_state=lambda: [abstract_tree(state)])
     trainer = object.__new__(RLTrainer)  # the method under test needs only its workers and checkpoints
-    trainer.workers = SimpleNamespace(actor=SimpleNamespace(get_train_state=lambda: (state, None)), critic=None)
+    trainer.workers = SimpleNamespace(actor=actor, critic=None)
     with CheckpointManager(tmp_path) as trainer.ckpt:
         with pytest.raises(NonFiniteError, match=r"step 3: the actor parameters hold NaN or Inf; not saving them "
                                                  r"\(latest good checkpoint: step None\)"):

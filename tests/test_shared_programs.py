@@ -69,7 +69,10 @@ CASES = {
     **{name: PAPER_SHRUNK for name in ("ppo_7b", "ppo_13b", "ppo_34b", "ppo_70b")},
 }
 ROLES = {"ActorWorker": "actor", "ReferenceWorker": "ref", "CriticWorker": "critic"}
-KINDS = {"log_probs": "log_probs", "values": "values", "scores": "scores", "update": "train_step"}
+# the workers' program keys (packed forwards: by the column they compute) -> the plan's kinds
+KINDS = {"log_probs": "log_probs", "values": "values", "scores": "scores", "update": "train_step",
+         "old_log_probs": "log_probs", "ref_log_prob": "log_probs", "token_level_scores": "scores",
+         "token_level_cost": "scores"}
 
 
 def abstract(tree):
@@ -112,9 +115,12 @@ class Recorder:
 
             return call
 
-        def recording_generate(graphdef, state, ids, mask, params, *, mesh, rules, rng, slots):
+        def recording_generate(graphdef, state, ids, mask, params, *, mesh, rules, rng, slots, kv_tokens,
+                               max_new_tokens=None, tokenizer=None):
+            assert max_new_tokens is None and tokenizer is None  # no per-row limits or stop strings here
             names = {spec.rollout.train: "actor/generate", spec.rollout.resolve("greedy"): "actor/generate_greedy"}
-            lowered = lower_generate(graphdef, abstract(state), ids, mask, params, mesh=mesh, rules=rules, slots=slots)
+            lowered = lower_generate(graphdef, abstract(state), ids, mask, params, mesh=mesh, rules=rules, slots=slots,
+                                     kv_tokens=kv_tokens)
             recorder.add(names[params], lowered.as_text())
             rows, length = len(ids) * params.n, params.max_new_tokens
             responses = np.random.default_rng(0).integers(10, 60, (rows, length)).astype(np.int32)

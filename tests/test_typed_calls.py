@@ -1,7 +1,7 @@
 """Control by arguments, data in containers: `Batch.meta` is provenance only. A batch whose
 meta claims a bogus temperature gives the log-probs, and the update, that the workers'
-configured (or explicitly passed) temperature gives; the rollout's balance and reward metrics
-come back as returned metrics, not in the batch."""
+configured (or explicitly passed) temperature gives; the rollout's reward metrics come back as
+returned metrics, not in the batch (balance metrics come from the actor's update)."""
 
 import jax
 import numpy as np
@@ -85,7 +85,7 @@ def test_rollout_metrics_are_returned_not_carried(workers):
                 reward=RewardFn(rule=LocalWorkerGroup(RuleRewardWorker(tok))))
     prompts = Batch.from_dict({"prompt_ids": np.full((4, P), 10, np.int32), "prompt_mask": np.ones((4, P), np.int32)},
                               {"data_source": ["jaxflow/addition"] * 4, "ground_truth": ["1", "2", "3", "4"]})
-    batch, metrics = steps.rollout(w, prompts, steps.StepTimer(), step=0, balance=True)
+    batch, metrics = steps.rollout(w, prompts, steps.StepTimer(), step=0)
     assert len(batch) == 8
-    assert {"global_seqlen/balanced_max", "reward/mean", "reward/num_errors"} <= set(metrics)
+    assert {"reward/mean", "reward/num_errors"} <= set(metrics)
     assert set(batch.meta) <= {"temperature"}  # provenance of the rollout only

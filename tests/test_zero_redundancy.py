@@ -3,6 +3,7 @@ redundancy), measured by the bytes of live device buffers (``jax.live_arrays()``
 from their addressable shards) at the moment the sampler runs, on 8 simulated devices; and
 train -> generate -> train stays bit-identical."""
 
+import gc
 import jax
 import numpy as np
 import pytest
@@ -55,10 +56,14 @@ def test_generation_holds_one_generation_shard_of_the_weights(actor, monkeypatch
     assert 3 * train_shard < gen_shard <= 4 * train_shard  # gen tp=2 of weights split 8 ways (norms replicated)
     seen = []
     real = actor_module.generate_from_state
+    # Arrays of other tests still alive in this process (same shapes, e.g. a module's fixture)
+    # are not this actor's weights.
+    gc.collect()
+    others = {id(x) for x in jax.live_arrays()} - {id(x) for x in jax.tree.leaves(actor.state)}
 
     def measuring(graphdef, params, *args, **kwargs):
         opt = {id(x) for x in jax.tree.leaves(actor.state.opt_state)}  # Adam's moments share the shapes
-        seen.append(live_bytes_per_device(shapes, opt))
+        seen.append(live_bytes_per_device(shapes, opt | others))
         return real(graphdef, params, *args, **kwargs)
 
     monkeypatch.setattr(actor_module, "generate_from_state", measuring)

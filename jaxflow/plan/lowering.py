@@ -266,7 +266,7 @@ def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: 
         keys, scalar_names = CriticConfig.UPDATE_KEYS, ()
     host = full_length_rows(rows, P, R, tuple(c for c in keys if c not in PROMPT_KEYS))
     if conf.use_remove_padding:
-        packed = pack_minibatch(host, ranks=batch_axis_size(rules, mesh),
+        packed, _ = pack_minibatch(host, ranks=batch_axis_size(rules, mesh),
                                 max_token_len=conf.ppo_max_token_len_per_device if conf.use_dynamic_bsz else None,
                                 rows_per_micro=conf.ppo_micro_batch_size_per_device)
         batch = abstract_columns(shapes_of(packed), rules, mesh, presplit=True)
