@@ -172,8 +172,17 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool, wl: Workloa
     from jaxflow.data.char_tokenizer import CharTokenizer
     from jaxflow.programs.ppo import needs_old_log_probs
     from jaxflow.sampling import SamplingParams
-    from jaxflow.workers import (ActorConfig, ActorWorker, CriticConfig, CriticWorker, LocalWorkerGroup,
-                                 OptimConfig, ReferenceWorker, RolloutConfig, Workers)
+    from jaxflow.workers import (
+        ActorConfig,
+        ActorWorker,
+        CriticConfig,
+        CriticWorker,
+        LocalWorkerGroup,
+        OptimConfig,
+        ReferenceWorker,
+        RolloutConfig,
+        Workers,
+    )
 
     tok = CharTokenizer()
     cfg = models.get_preset("tiny_llama", vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp,
@@ -266,7 +275,7 @@ def check_trl():
         import trl
         from trl import GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"bench_rl_step: trl_grpo needs TRL, in the `bench` extra (pip install -e '.[bench]'): {e}")
+        raise SystemExit(f"bench_rl_step: trl_grpo needs TRL, in the `bench` extra (pip install -e '.[bench]'): {e}") from e
     problems = []
     for name, first in TRL_HOOKS.items():
         fn = getattr(GRPOTrainer, name, None)

@@ -9,7 +9,8 @@ sharded over a mesh, including groups whose samples sit on different devices.
 import jax
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxflow.algos as algos
 

@@ -16,12 +16,19 @@ import jaxflow.workers.actor as actor_module
 from jaxflow.algos import global_batch_info
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec
-from jaxflow.workers import (ActorConfig, ActorWorker, CriticConfig, CriticWorker, OptimConfig, ReferenceWorker,
-                             RewardModelWorker, RolloutConfig)
+from jaxflow.workers import (
+    ActorConfig,
+    ActorWorker,
+    CriticConfig,
+    CriticWorker,
+    OptimConfig,
+    ReferenceWorker,
+    RewardModelWorker,
+    RolloutConfig,
+)
 from jaxflow.workers.actor import actor_loss
 from jaxflow.workers.forward import packed_outputs, read_responses
-from jaxflow.workers.packing import (balanced_partitions, bucket, micro_grid, pack_inputs, pack_minibatch,
-                                     plan_packing)
+from jaxflow.workers.packing import balanced_partitions, bucket, micro_grid, pack_inputs, pack_minibatch, plan_packing
 
 CFG = models.get_preset("tiny_llama", vocab_size=64, num_layers=1)
 P, R = 6, 10

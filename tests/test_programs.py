@@ -13,12 +13,12 @@ import jaxflow.models as models
 import jaxflow.programs as programs
 from jaxflow import configs
 from jaxflow.configs.run_spec import algorithm_settings
-from jaxflow.sampling import SamplingParams
 from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tasks import get_task
 from jaxflow.mesh import Placement
 from jaxflow.rewards import token_level_scores
+from jaxflow.sampling import SamplingParams
 from jaxflow.workers import (
     ActorConfig,
     CriticConfig,

@@ -7,7 +7,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxflow.mesh import (
     GENERATE_RULES,
@@ -22,8 +23,7 @@ from jaxflow.mesh import (
     logical_to_spec,
 )
 from jaxflow.models import ModelConfig, init_model
-from jaxflow.reshard import HybridEngine, containment_violations, derive_generation_rules, table2
-from jaxflow.reshard import hlo
+from jaxflow.reshard import HybridEngine, containment_violations, derive_generation_rules, hlo, table2
 from jaxflow.sampling import SamplingParams, generate_from_state
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,

@@ -20,10 +20,12 @@ from jaxflow.rewards import (
     gsm8k,
     known_data_sources,
     load_reward_fn,
-    math as math_reward,
     register_reward,
     token_level_scores,
     unregister_reward,
+)
+from jaxflow.rewards import (
+    math as math_reward,
 )
 from jaxflow.rewards.scorer import ERROR, OK, TIMEOUT
 

@@ -15,7 +15,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxflow.models as models
 from jaxflow.mesh import TRAIN_RULES, state_shardings

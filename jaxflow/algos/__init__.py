@@ -9,8 +9,6 @@ package imports nothing from the layers above it (the iteration programs over wo
 are `jaxflow.programs`). This file is a flat list of re-exports.
 """
 
-from jaxflow.algos.registry import Registry, UnknownNameError, accepts_keywords
-
 from jaxflow.algos.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     advantage_estimator_names,
@@ -32,25 +30,6 @@ from jaxflow.algos.advantages import (
     masked_whiten,
     register_adv_est,
 )
-from jaxflow.algos.policy_losses import (
-    COMMON_POLICY_LOSS_KEYWORDS,
-    LOSS_AGG_MODES,
-    POLICY_LOSS_REGISTRY,
-    agg_loss,
-    compute_policy_loss,
-    compute_policy_loss_cispo,
-    compute_policy_loss_clip_cov,
-    compute_policy_loss_geo_mean,
-    compute_policy_loss_gpg,
-    compute_policy_loss_gspo,
-    compute_policy_loss_kl_cov,
-    compute_policy_loss_vanilla,
-    get_policy_loss_fn,
-    get_policy_loss_fn,
-    global_batch_info,
-    policy_loss_names,
-    register_policy_loss,
-)
 from jaxflow.algos.kl import (
     KL_ESTIMATOR_REGISTRY,
     AdaptiveKLController,
@@ -65,8 +44,25 @@ from jaxflow.algos.kl import (
     kl_penalty,
     register_kl_estimator,
 )
-from jaxflow.algos.value import compute_value_loss
-from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
+from jaxflow.algos.policy_losses import (
+    COMMON_POLICY_LOSS_KEYWORDS,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_REGISTRY,
+    agg_loss,
+    compute_policy_loss,
+    compute_policy_loss_cispo,
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+    compute_policy_loss_vanilla,
+    get_policy_loss_fn,
+    global_batch_info,
+    policy_loss_names,
+    register_policy_loss,
+)
+from jaxflow.algos.registry import Registry, UnknownNameError, accepts_keywords
 from jaxflow.algos.safe_rlhf import (
     LagrangeMultiplier,
     add_ptx_loss,
@@ -75,6 +71,8 @@ from jaxflow.algos.safe_rlhf import (
     compute_ptx_loss,
     update_lagrange_multiplier,
 )
+from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
+from jaxflow.algos.value import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY",

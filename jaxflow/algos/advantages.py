@@ -34,7 +34,8 @@ Register your own with ``@register_adv_est("name")`` (verl spelling:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

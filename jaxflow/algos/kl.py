@@ -17,7 +17,8 @@ of ``k2`` (straight-through: ``k2 - sg(k2) + sg(k)``), whose gradient is the unb
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

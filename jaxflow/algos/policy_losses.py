@@ -18,7 +18,8 @@ the gradients). :func:`global_batch_info` computes the totals.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp

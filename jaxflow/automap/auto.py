@@ -47,8 +47,8 @@ def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print
     configs, and sft jobs (the actor alone on every device), are returned as they are. In a
     dry run (``jaxflow.dry_run.enable``, on simulated devices) the choice is also compiled:
     the best plan whose programs fit (:func:`jaxflow.automap.verify.search_verified`)."""
-    from jaxflow.configs import validate
     from jaxflow.automap.workload import workload_from_config
+    from jaxflow.configs import validate
 
     if cfg.jaxflow.placement.type != "auto" or cfg.jaxflow.job != "rl":
         return cfg  # an sft job runs the actor alone: auto is the colocated placement

@@ -104,15 +104,16 @@ def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as Ps
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as Ps
 
     from jaxflow.automap.layouts import Layout, role_layout
     from jaxflow.automap.workload import workload_from_config
+    from jaxflow.configs.run_spec import describe_run
     from jaxflow.mesh import MeshSpec, state_shardings
     from jaxflow.models import init_model
     from jaxflow.reshard import HybridEngine
     from jaxflow.sampling import SamplingParams, generate_from_state
-    from jaxflow.configs.run_spec import describe_run
     from jaxflow.workers.actor import actor_train_step, log_probs_program
     from jaxflow.workers.base import RoleLayout
     from jaxflow.workers.optim import make_optimizer
@@ -246,7 +247,7 @@ def fit_profile(m: dict[str, Any], devices: int, source: str, log: Callable[[str
     for s, p in zip(samples, predicted):
         log(f"    {s.phase:<8} {s.rows:>4} x {s.prompt_len}+{s.response_len}: measured {s.seconds * 1e3:8.2f} ms, "
             f"fitted model {p * 1e3:8.2f} ms")
-    log(f"  fit: " + ", ".join(f"{f}={getattr(fitted, f):.3g}" for f in FIT_FIELDS)
+    log("  fit: " + ", ".join(f"{f}={getattr(fitted, f):.3g}" for f in FIT_FIELDS)
         + f"; rms log error {float(np.sqrt(np.mean(fit.fun ** 2))):.3f}")
     return fitted
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+
 from jax.sharding import AbstractMesh
 
 from jaxflow.automap.workload import RoleModel, Workload

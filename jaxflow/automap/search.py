@@ -32,7 +32,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from jaxflow.automap.layouts import RoleLayout, divisors, feasible_layouts
-from jaxflow.automap.profiles import GiB, DeviceProfile
+from jaxflow.automap.profiles import DeviceProfile, GiB
 from jaxflow.automap.simulate import StageTime, stage_time
 from jaxflow.automap.workload import Workload
 from jaxflow.configs.resolve import mesh_key

@@ -16,7 +16,7 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxflow.automap.profiles import GiB, DeviceProfile
+from jaxflow.automap.profiles import DeviceProfile, GiB
 from jaxflow.automap.search import Plan
 
 
@@ -48,7 +48,8 @@ def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DevicePro
     plans share compiles once. Returns ``{"fits", "programs": [...], "rejected": "program:
     bytes" | None, "compiled_now": programs compiled by this call}`` and stores it on
     ``plan.compiled``."""
-    from jaxflow.plan.dry_run import compile_program, plan as plan_programs
+    from jaxflow.plan.dry_run import compile_program
+    from jaxflow.plan.dry_run import plan as plan_programs
     from jaxflow.plan.lowering import CompiledMemory
 
     planned = apply_plan(cfg, plan, num_devices)

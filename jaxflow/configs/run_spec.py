@@ -27,7 +27,14 @@ from ml_collections import ConfigDict
 
 from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
 from jaxflow.configs.overrides import ConfigError
-from jaxflow.configs.resolve import PRESET_PREFIX, active_roles, build_placement, checkpoint_dir, model_config, model_path
+from jaxflow.configs.resolve import (
+    PRESET_PREFIX,
+    active_roles,
+    build_placement,
+    checkpoint_dir,
+    model_config,
+    model_path,
+)
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.mesh import Placement

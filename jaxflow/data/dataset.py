@@ -33,7 +33,8 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 

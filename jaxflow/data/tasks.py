@@ -43,7 +43,8 @@ import abc
 import dataclasses
 import math
 import zlib
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 

@@ -28,8 +28,9 @@ import functools
 import json
 import logging
 import os
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import tokenizers
 

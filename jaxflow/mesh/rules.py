@@ -27,13 +27,13 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-MeshAxes = Union[str, tuple[str, ...], None]
+MeshAxes = str | tuple[str, ...] | None
 Rules = tuple[tuple[str, MeshAxes], ...]
 
 # Training: weights sharded over fsdp (one dimension) and tp (the Megatron dimension); the

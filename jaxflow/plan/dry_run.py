@@ -73,9 +73,9 @@ from jaxflow.configs import ConfigError
 from jaxflow.configs.run_spec import HEADS, RunSpec, build_tokenizer, describe_run
 from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
-from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.plan import lowering as progs
 from jaxflow.programs import select_algorithm
+from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.sampling import EngineShape, engine_shape
 
 GiB = 1024**3

@@ -18,7 +18,6 @@ from jaxflow.programs.batch_ops import (
     group_ids_from_uid,
 )
 from jaxflow.programs.ppo import ppo_iteration
-from jaxflow.programs.state import AlgoState
 from jaxflow.programs.registry import (
     ALGORITHM_REGISTRY,
     ESTIMATOR_PROGRAMS,
@@ -36,6 +35,7 @@ from jaxflow.programs.safe_rlhf import (
     rule_costs,
     safe_rlhf_iteration,
 )
+from jaxflow.programs.state import AlgoState
 from jaxflow.programs.steps import StepTimer
 
 __all__ = [

@@ -27,8 +27,8 @@ import numpy as np
 from jaxflow.algos.settings import AlgorithmSettings
 from jaxflow.data.batch import Batch
 from jaxflow.programs import steps
-from jaxflow.programs.state import AlgoState
 from jaxflow.programs.batch_ops import compute_data_metrics
+from jaxflow.programs.state import AlgoState
 from jaxflow.workers.group import Workers
 
 

@@ -42,8 +42,8 @@ from jaxflow.algos.safe_rlhf import compute_episode_cost, compute_lagrangian_adv
 from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, SafeRLHFConfig
 from jaxflow.data.batch import Batch
 from jaxflow.programs import steps
-from jaxflow.programs.state import AlgoState
 from jaxflow.programs.batch_ops import compute_advantage, compute_data_metrics
+from jaxflow.programs.state import AlgoState
 from jaxflow.rewards import token_level_scores
 from jaxflow.workers.group import Workers
 

@@ -26,9 +26,10 @@ import importlib
 import importlib.util
 import os
 import sys
-from typing import Any, Callable, Mapping, Union
+from collections.abc import Callable, Mapping
+from typing import Any
 
-RewardValue = Union[float, Mapping[str, Any]]
+RewardValue = float | Mapping[str, Any]
 RewardFn = Callable[..., RewardValue]
 
 _REGISTRY: dict[str, RewardFn] = {}

@@ -41,6 +41,7 @@ from jaxflow.configs.run_spec import (
 from jaxflow.configs.validate import warn_ignored_under_auto
 from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
+from jaxflow.trainer import interrupt
 from jaxflow.trainer.builders import (
     build_dataset,
     check_vocab,
@@ -49,7 +50,6 @@ from jaxflow.trainer.builders import (
     load_model,
     train_loader,
 )
-from jaxflow.trainer import interrupt
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, ItemIO
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with

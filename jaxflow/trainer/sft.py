@@ -22,8 +22,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from jaxflow.configs.run_spec import build_tokenizer, describe_run, sft_spec
-from jaxflow.mesh import state_shardings
 from jaxflow.data.dataset import tokenize_sft_examples
+from jaxflow.mesh import state_shardings
 from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.trainer.builders import builtin_task, check_vocab, load_model
 from jaxflow.trainer.checkpoint import all_finite

@@ -14,8 +14,8 @@ from jaxflow.workers.protocols import (
     DP_COMPUTE_METRIC,
     ONE_TO_ALL,
     WorkerGroupInfo,
-    register,
     reduce_metrics,
+    register,
 )
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker

@@ -35,12 +35,19 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, host_array, num_micro_batches,
-                                  packed_forward, row_program)
+from jaxflow.workers.base import (
+    ModelLike,
+    RoleLayout,
+    TrainableWorker,
+    host_array,
+    num_micro_batches,
+    packed_forward,
+    row_program,
+)
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
-from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
+from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
 from jaxflow.workers.protocols import DP_COMPUTE, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
 

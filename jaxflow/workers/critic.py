@@ -26,8 +26,15 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import (ModelLike, RoleLayout, TrainableWorker, host_array, num_micro_batches,
-                                  packed_forward, row_program)
+from jaxflow.workers.base import (
+    ModelLike,
+    RoleLayout,
+    TrainableWorker,
+    host_array,
+    num_micro_batches,
+    packed_forward,
+    row_program,
+)
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
