@@ -37,11 +37,25 @@ DEVICES = (16, 32, 64, 96, 128)
 TIME_BOUND_S = 60.0
 
 
-def run_case(config: str, devices: int, device_kind: str, verify: bool, concurrent: bool,
-             memory_scale: dict | None = None) -> dict:
-    cmd = [sys.executable, "-m", "jaxflow.automap", f"--config={config}", f"--devices={devices}",
-           f"--device_kind={device_kind}", "--devices_per_host=8", "--top=3", "--json",
-           f"--time_limit_s={TIME_BOUND_S:g}"] + (["--verify=6"] if verify else []) + (["--concurrent"] if concurrent else [])
+def run_case(
+    config: str, devices: int, device_kind: str, verify: bool, concurrent: bool, memory_scale: dict | None = None
+) -> dict:
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "jaxflow.automap",
+            f"--config={config}",
+            f"--devices={devices}",
+            f"--device_kind={device_kind}",
+            "--devices_per_host=8",
+            "--top=3",
+            "--json",
+            f"--time_limit_s={TIME_BOUND_S:g}",
+        ]
+        + (["--verify=6"] if verify else [])
+        + (["--concurrent"] if concurrent else [])
+    )
     if memory_scale:
         cmd.append("--memory_scale=" + ",".join(f"{p}:{f}" for p, f in memory_scale.items()))
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -50,8 +64,12 @@ def run_case(config: str, devices: int, device_kind: str, verify: bool, concurre
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        return {"config": config, "devices": devices, "error": (errors or proc.stderr.strip().splitlines()[-1:])[-1],
-                "wall_s": wall}
+        return {
+            "config": config,
+            "devices": devices,
+            "error": (errors or proc.stderr.strip().splitlines()[-1:])[-1],
+            "wall_s": wall,
+        }
     d = json.loads(proc.stdout)
     d["wall_s"] = wall
     return d
@@ -61,8 +79,12 @@ def plan_text(b: dict) -> str:
     def mesh(m: dict) -> str:
         return ",".join(f"{a}{n}" for a, n in m.items() if n > 1) or "1"
 
-    return " | ".join(f"{'+'.join(p['roles'])}:{p['devices']} (" + ", ".join(
-        f"{r} " + "/".join(mesh(m) for m in ms.values()) for r, ms in p["meshes"].items()) + ")" for p in b["pools"])
+    return " | ".join(
+        f"{'+'.join(p['roles'])}:{p['devices']} ("
+        + ", ".join(f"{r} " + "/".join(mesh(m) for m in ms.values()) for r, ms in p["meshes"].items())
+        + ")"
+        for p in b["pools"]
+    )
 
 
 def summary(d: dict, other: dict | None) -> tuple[str, dict]:
@@ -72,25 +94,32 @@ def summary(d: dict, other: dict | None) -> tuple[str, dict]:
         return f"{d['config']:<8} {d['devices']:>4}  {d['error']}", checks
     b = d["best"]
     stages = sorted(b["predicted_stage_s"].items(), key=lambda kv: -kv[1]["seconds"])[:3]
-    lines = [f"{d['config']:<8} {d['devices']:>4}  search {d['search_s']:5.1f} s (measured; bound {TIME_BOUND_S:g} s"
-             f"{', CUT SHORT' if d['truncated'] else ''}), {d['search']['allocations_evaluated']} allocations",
-             f"{'':14}one stage at a time: {b['predicted_iteration_s']:7.1f} s/iter (analytic), mem "
-             f"{b['memory_gib']:5.1f} GiB/device (analytic): {plan_text(b)}",
-             f"{'':14}largest stages (s, analytic): " + ", ".join(f"{n} {s['seconds']:.1f}" for n, s in stages)]
+    lines = [
+        f"{d['config']:<8} {d['devices']:>4}  search {d['search_s']:5.1f} s (measured; bound {TIME_BOUND_S:g} s"
+        f"{', CUT SHORT' if d['truncated'] else ''}), {d['search']['allocations_evaluated']} allocations",
+        f"{'':14}one stage at a time: {b['predicted_iteration_s']:7.1f} s/iter (analytic), mem "
+        f"{b['memory_gib']:5.1f} GiB/device (analytic): {plan_text(b)}",
+        f"{'':14}largest stages (s, analytic): " + ", ".join(f"{n} {s['seconds']:.1f}" for n, s in stages),
+    ]
     checks = {"search_under_bound": d["search_s"] < TIME_BOUND_S and not d["truncated"]}
     if "compiled" in b:
         c = b["compiled"]
         checks["compiles_and_fits"] = bool(c["fits"])
-        lines.append(f"{'':14}compiled on {d['devices']} simulated devices: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
-                     f"largest program {c['compiled_max_total_gib']:.1f} GiB per device (compile-time) vs "
-                     f"{c['estimated_max_pool_gib']:.1f} GiB (analytic), compile wall {c['wall_s']:.0f} s")
+        lines.append(
+            f"{'':14}compiled on {d['devices']} simulated devices: {'fits' if c['fits'] else 'DOES NOT FIT'}, "
+            f"largest program {c['compiled_max_total_gib']:.1f} GiB per device (compile-time) vs "
+            f"{c['estimated_max_pool_gib']:.1f} GiB (analytic), compile wall {c['wall_s']:.0f} s"
+        )
         if d["memory_scale"]:
-            lines.append(f"{'':14}the compile check rejected better-looking plans and scaled the estimated working "
-                         "memory to what XLA allocated: " + ", ".join(f"{ph} x{f:.2f}" for ph, f in d["memory_scale"].items()))
+            lines.append(
+                f"{'':14}the compile check rejected better-looking plans and scaled the estimated working "
+                "memory to what XLA allocated: " + ", ".join(f"{ph} x{f:.2f}" for ph, f in d["memory_scale"].items())
+            )
     if other is not None and "best" in other:
         o = other["best"]
-        lines.append(f"{'':14}stages overlapping (a concurrent driver): {o['predicted_iteration_s']:7.1f} s/iter: "
-                     f"{plan_text(o)}")
+        lines.append(
+            f"{'':14}stages overlapping (a concurrent driver): {o['predicted_iteration_s']:7.1f} s/iter: {plan_text(o)}"
+        )
     return "\n".join(lines), checks
 
 
@@ -109,8 +138,11 @@ def main(argv=None) -> int:
     for config in args.configs.split(","):
         for n in map(int, args.devices.split(",")):
             d = run_case(config, n, args.device_kind, not args.no_verify, concurrent=False)
-            other = (run_case(config, n, args.device_kind, False, concurrent=True, memory_scale=d.get("memory_scale"))
-                     if "error" not in d else None)
+            other = (
+                run_case(config, n, args.device_kind, False, concurrent=True, memory_scale=d.get("memory_scale"))
+                if "error" not in d
+                else None
+            )
             text, checks = summary(d, other)
             d["checks"] = checks
             if other is not None:

@@ -32,10 +32,21 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 SHAPES = {
-    "qwen2_5_0_5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
-                                   num_key_value_heads=2, rope_theta=1e6)),
-    "qwen3_0_6b": ("qwen3", dict(hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
-                                 num_key_value_heads=8, head_dim=128, rope_theta=1e6)),
+    "qwen2_5_0_5b": (
+        "qwen2",
+        dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2, rope_theta=1e6),
+    ),
+    "qwen3_0_6b": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            rope_theta=1e6,
+        ),
+    ),
 }
 
 
@@ -47,8 +58,14 @@ def save_checkpoint(name: str, layers: int, out: str) -> str:
     family, shape = SHAPES[name]
     config_cls = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
     model_cls = transformers.Qwen2ForCausalLM if family == "qwen2" else transformers.Qwen3ForCausalLM
-    config = config_cls(vocab_size=151936, num_hidden_layers=layers, tie_word_embeddings=True,
-                        max_position_embeddings=32768, torch_dtype="bfloat16", **shape)
+    config = config_cls(
+        vocab_size=151936,
+        num_hidden_layers=layers,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        torch_dtype="bfloat16",
+        **shape,
+    )
     torch.manual_seed(0)
     model = model_cls(config).to(torch.bfloat16)
     path = os.path.join(out, name)
@@ -78,11 +95,14 @@ def run(path: str, args: argparse.Namespace, run_dir: str) -> dict:
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     lines = (proc.stdout + proc.stderr).splitlines()
-    return {"returncode": proc.returncode, "wall_s": time.perf_counter() - t0,
-            "mesh_keys_given": [k for k in keys if k.startswith("jaxflow.mesh") or k.startswith("jaxflow.placement")],
-            "auto_mapper": [line for line in lines if "auto-mapper" in line],
-            "steps": [line for line in lines if line.lstrip().startswith("step ")],
-            "tail": lines[-15:]}
+    return {
+        "returncode": proc.returncode,
+        "wall_s": time.perf_counter() - t0,
+        "mesh_keys_given": [k for k in keys if k.startswith("jaxflow.mesh") or k.startswith("jaxflow.placement")],
+        "auto_mapper": [line for line in lines if "auto-mapper" in line],
+        "steps": [line for line in lines if line.lstrip().startswith("step ")],
+        "tail": lines[-15:],
+    }
 
 
 def main(argv=None) -> int:
@@ -104,8 +124,10 @@ def main(argv=None) -> int:
             r = results[name] = run(path, args, os.path.join(tmp, f"run_{name}"))
             for line in r["auto_mapper"] + r["steps"]:
                 say(f"  {line.strip()}")
-            say(f"  exit {r['returncode']} after {r['wall_s']:.0f} s (measured, load {os.getloadavg()[0]:.1f}); "
-                f"mesh / placement keys given: {r['mesh_keys_given'] or 'none'}")
+            say(
+                f"  exit {r['returncode']} after {r['wall_s']:.0f} s (measured, load {os.getloadavg()[0]:.1f}); "
+                f"mesh / placement keys given: {r['mesh_keys_given'] or 'none'}"
+            )
             if r["returncode"] != 0:
                 say("\n".join("    " + line for line in r["tail"]))
     if args.json:

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
-                           " --xla_cpu_collective_call_terminate_timeout_seconds=900").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -46,24 +48,42 @@ from jaxflow.automap.workload import workload_from_config  # noqa: E402
 L = Layout
 # name -> pools as (roles, devices, {role: Layout(dp, fsdp, tp[, gen_tp])}), in device order.
 PLANS = {
-    "colocated fsdp8": [(("actor", "ref", "critic"), 8, {"actor": L(1, 8, 1, 1), "ref": L(1, 8, 1), "critic": L(1, 8, 1)})],
-    "colocated fsdp4xtp2": [(("actor", "ref", "critic"), 8,
-                             {"actor": L(1, 4, 2, 2), "ref": L(1, 4, 2), "critic": L(1, 4, 2)})],
-    "colocated actor tp8, others fsdp2xtp4": [(("actor", "ref", "critic"), 8,
-                                               {"actor": L(1, 1, 8, 8), "ref": L(1, 2, 4), "critic": L(1, 2, 4)})],
-    "colocated dp8": [(("actor", "ref", "critic"), 8, {"actor": L(8, 1, 1, 1), "ref": L(8, 1, 1), "critic": L(8, 1, 1)})],
-    "colocated fsdp8 gen_tp8": [(("actor", "ref", "critic"), 8,
-                                 {"actor": L(1, 8, 1, 8), "ref": L(1, 8, 1), "critic": L(1, 8, 1)})],
-    "split actor+ref 4 / critic 4": [(("actor", "ref"), 4, {"actor": L(1, 4, 1, 1), "ref": L(1, 4, 1)}),
-                                     (("critic",), 4, {"critic": L(1, 4, 1)})],
-    "split actor+ref 4 / critic 4, tp2": [(("actor", "ref"), 4, {"actor": L(1, 2, 2, 2), "ref": L(1, 2, 2)}),
-                                          (("critic",), 4, {"critic": L(1, 2, 2)})],
-    "split actor 4 / ref+critic 4": [(("actor",), 4, {"actor": L(1, 4, 1, 1)}),
-                                     (("ref", "critic"), 4, {"ref": L(4, 1, 1), "critic": L(2, 2, 1)})],
-    "standalone actor 4 / ref 2 / critic 2": [(("actor",), 4, {"actor": L(1, 4, 1, 1)}), (("ref",), 2, {"ref": L(2, 1, 1)}),
-                                              (("critic",), 2, {"critic": L(1, 2, 1)})],
-    "split actor+critic 4 / ref 4, tp4": [(("actor", "critic"), 4, {"actor": L(1, 1, 4, 4), "critic": L(1, 1, 4)}),
-                                          (("ref",), 4, {"ref": L(1, 1, 4)})],
+    "colocated fsdp8": [
+        (("actor", "ref", "critic"), 8, {"actor": L(1, 8, 1, 1), "ref": L(1, 8, 1), "critic": L(1, 8, 1)})
+    ],
+    "colocated fsdp4xtp2": [
+        (("actor", "ref", "critic"), 8, {"actor": L(1, 4, 2, 2), "ref": L(1, 4, 2), "critic": L(1, 4, 2)})
+    ],
+    "colocated actor tp8, others fsdp2xtp4": [
+        (("actor", "ref", "critic"), 8, {"actor": L(1, 1, 8, 8), "ref": L(1, 2, 4), "critic": L(1, 2, 4)})
+    ],
+    "colocated dp8": [
+        (("actor", "ref", "critic"), 8, {"actor": L(8, 1, 1, 1), "ref": L(8, 1, 1), "critic": L(8, 1, 1)})
+    ],
+    "colocated fsdp8 gen_tp8": [
+        (("actor", "ref", "critic"), 8, {"actor": L(1, 8, 1, 8), "ref": L(1, 8, 1), "critic": L(1, 8, 1)})
+    ],
+    "split actor+ref 4 / critic 4": [
+        (("actor", "ref"), 4, {"actor": L(1, 4, 1, 1), "ref": L(1, 4, 1)}),
+        (("critic",), 4, {"critic": L(1, 4, 1)}),
+    ],
+    "split actor+ref 4 / critic 4, tp2": [
+        (("actor", "ref"), 4, {"actor": L(1, 2, 2, 2), "ref": L(1, 2, 2)}),
+        (("critic",), 4, {"critic": L(1, 2, 2)}),
+    ],
+    "split actor 4 / ref+critic 4": [
+        (("actor",), 4, {"actor": L(1, 4, 1, 1)}),
+        (("ref", "critic"), 4, {"ref": L(4, 1, 1), "critic": L(2, 2, 1)}),
+    ],
+    "standalone actor 4 / ref 2 / critic 2": [
+        (("actor",), 4, {"actor": L(1, 4, 1, 1)}),
+        (("ref",), 2, {"ref": L(2, 1, 1)}),
+        (("critic",), 2, {"critic": L(1, 2, 1)}),
+    ],
+    "split actor+critic 4 / ref 4, tp4": [
+        (("actor", "critic"), 4, {"actor": L(1, 1, 4, 4), "critic": L(1, 1, 4)}),
+        (("ref",), 4, {"ref": L(1, 1, 4)}),
+    ],
 }
 
 
@@ -149,7 +169,7 @@ def main(argv=None) -> int:
     cfg0 = base_config(args.config, tmp)
     w = workload_from_config(cfg0)
     chosen = Mapper(w, 8, prof).search(top=1)[0]
-    plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[:args.plans]}
+    plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[: args.plans]}
     chosen_name = next((n for n, p in plans.items() if p.key() == chosen.key()), None)
     if chosen_name is None:
         chosen_name = "auto-mapper's choice"
@@ -162,26 +182,44 @@ def main(argv=None) -> int:
         times, loads = time_plans(cfg0, plans, args, tmp, say)
     rows = []
     for name, plan in plans.items():
-        rows.append({"plan": name, "predicted_s": plan.iteration_s, "measured_median_s": statistics.median(times[name]),
-                     "measured_best_s": min(times[name]), "measured_all_s": times[name],
-                     "pools": plan.to_dict(8)["pools"]})
+        rows.append(
+            {
+                "plan": name,
+                "predicted_s": plan.iteration_s,
+                "measured_median_s": statistics.median(times[name]),
+                "measured_best_s": min(times[name]),
+                "measured_all_s": times[name],
+                "pools": plan.to_dict(8)["pools"],
+            }
+        )
     pred = [r["predicted_s"] for r in rows]
     meas = [r["measured_median_s"] for r in rows]
     rho = spearman(pred, meas)
     fastest = min(rows, key=lambda r: r["measured_median_s"])
     mine = next(r for r in rows if r["plan"] == chosen_name)
     gap = mine["measured_median_s"] / fastest["measured_median_s"] - 1
-    result = {"config": args.config, "profile": prof.to_dict(), "rows": rows, "spearman": rho,
-              "chosen": chosen_name, "chosen_plan": describe(chosen), "fastest_measured": fastest["plan"],
-              "chosen_vs_fastest": gap,
-              "load_average": loads, "rounds": args.rounds, "iters_per_round": args.iters}
+    result = {
+        "config": args.config,
+        "profile": prof.to_dict(),
+        "rows": rows,
+        "spearman": rho,
+        "chosen": chosen_name,
+        "chosen_plan": describe(chosen),
+        "fastest_measured": fastest["plan"],
+        "chosen_vs_fastest": gap,
+        "load_average": loads,
+        "rounds": args.rounds,
+        "iters_per_round": args.iters,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
     print(f"\n{'plan':<40} {'predicted s':>12} {'measured s (median)':>20} {'best':>8}")
     for r in sorted(rows, key=lambda r: r["measured_median_s"]):
         mark = "  <- mapper's choice" if r["plan"] == chosen_name else ""
-        print(f"{r['plan']:<40} {r['predicted_s']:12.3f} {r['measured_median_s']:20.3f} {r['measured_best_s']:8.3f}{mark}")
+        print(
+            f"{r['plan']:<40} {r['predicted_s']:12.3f} {r['measured_median_s']:20.3f} {r['measured_best_s']:8.3f}{mark}"
+        )
     print(f"Spearman rank correlation (predicted analytic vs measured median): {rho:.3f} over {len(rows)} plans")
     print(f"mapper's choice {chosen_name!r}: {100 * gap:+.1f}% vs the fastest measured ({fastest['plan']!r})")
     print(f"load average during the runs: {', '.join(f'{x:.1f}' for x in loads)} (2 cores shared)")

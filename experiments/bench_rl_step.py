@@ -87,8 +87,13 @@ KL_COEF, LR = 0.04, 1e-6
 PHASES = ("gen", "old_log_prob", "ref", "values", "reward", "adv", "update_critic", "update_actor", "step")
 # GRPOTrainer's private methods the TRL child wraps to time its phases, and the first
 # parameter each must take (the reference-forward hook tells the reference model by it).
-TRL_HOOKS = {"_generate": None, "_calculate_rewards": None, "_generate_and_score_completions": None,
-             "_get_per_token_logps_and_entropies": "model", "training_step": "model"}
+TRL_HOOKS = {
+    "_generate": None,
+    "_calculate_rewards": None,
+    "_generate_and_score_completions": None,
+    "_get_per_token_logps_and_entropies": "model",
+    "training_step": "model",
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,12 +101,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="alternations of the systems")
     p.add_argument("--steps", type=int, default=3, help="timed steps per child")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps per child")
-    p.add_argument("--systems", default="jaxflow_grpo,jaxflow_ppo,trl_grpo",
-                   help="comma-separated: jaxflow_grpo, jaxflow_ppo, trl_grpo, before_grpo, before_ppo")
-    p.add_argument("--packing", choices=("on", "off"), default="on",
-                   help="jaxflow: remove padding / dynamic micro-batches (off: the padded path)")
-    p.add_argument("--before_tree", default="",
-                   help="a checkout to time as before_grpo / before_ppo (this script copied into it, padded path)")
+    p.add_argument(
+        "--systems",
+        default="jaxflow_grpo,jaxflow_ppo,trl_grpo",
+        help="comma-separated: jaxflow_grpo, jaxflow_ppo, trl_grpo, before_grpo, before_ppo",
+    )
+    p.add_argument(
+        "--packing",
+        choices=("on", "off"),
+        default="on",
+        help="jaxflow: remove padding / dynamic micro-batches (off: the padded path)",
+    )
+    p.add_argument(
+        "--before_tree",
+        default="",
+        help="a checkout to time as before_grpo / before_ppo (this script copied into it, padded path)",
+    )
     p.add_argument("--longtail", action="store_true", help="packed vs padded log-prob + update, long-tailed lengths")
     p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test of the script")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -139,7 +154,7 @@ def matmul_gflops(reps: int = 5, n: int = 2048) -> float:
         t0 = time.perf_counter()
         f(a, b).block_until_ready()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best / 1e9
+    return 2 * n**3 / best / 1e9
 
 
 # ------------------------------------------------------------------------ shared workload
@@ -185,27 +200,58 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool, wl: Workloa
     )
 
     tok = CharTokenizer()
-    cfg = models.get_preset("tiny_llama", vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp,
-                            num_layers=wl.layers, num_heads=wl.heads, num_kv_heads=wl.kv_heads,
-                            head_dim=wl.hidden // wl.heads, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+    cfg = models.get_preset(
+        "tiny_llama",
+        vocab_size=wl.vocab,
+        hidden_size=wl.hidden,
+        intermediate_size=wl.mlp,
+        num_layers=wl.layers,
+        num_heads=wl.heads,
+        num_kv_heads=wl.kv_heads,
+        head_dim=wl.hidden // wl.heads,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     rows = wl.rows
     extra = {"use_remove_padding": True, "use_dynamic_bsz": True} if packing else {}
-    actor_cfg = ActorConfig(ppo_mini_batch_size=rows, use_kl_loss=algo == "grpo", kl_loss_coef=KL_COEF,
-                            kl_loss_type="low_var_kl", optim=OptimConfig(lr=LR), **extra)
-    rollout = RolloutConfig(train=SamplingParams(n=wl.samples, max_new_tokens=wl.response_len, eos_token_ids=(),
-                                                 pad_token_id=tok.pad_token_id))
+    actor_cfg = ActorConfig(
+        ppo_mini_batch_size=rows,
+        use_kl_loss=algo == "grpo",
+        kl_loss_coef=KL_COEF,
+        kl_loss_type="low_var_kl",
+        optim=OptimConfig(lr=LR),
+        **extra,
+    )
+    rollout = RolloutConfig(
+        train=SamplingParams(
+            n=wl.samples, max_new_tokens=wl.response_len, eos_token_ids=(), pad_token_id=tok.pad_token_id
+        )
+    )
     policy = models.init_model(cfg, "lm", seed=0)
     mesh, rules = "fsdp=1", "train"
-    w = Workers(actor=LocalWorkerGroup(ActorWorker, name="actor", model=policy, mesh=mesh, rules=rules,
-                                       config=actor_cfg, rollout=rollout))
+    w = Workers(
+        actor=LocalWorkerGroup(
+            ActorWorker, name="actor", model=policy, mesh=mesh, rules=rules, config=actor_cfg, rollout=rollout
+        )
+    )
     if algo == "grpo":
-        w.ref = LocalWorkerGroup(ReferenceWorker, name="ref", model=policy, mesh=mesh, rules=rules, **(
-            {"use_remove_padding": True} if packing else {}))
+        w.ref = LocalWorkerGroup(
+            ReferenceWorker,
+            name="ref",
+            model=policy,
+            mesh=mesh,
+            rules=rules,
+            **({"use_remove_padding": True} if packing else {}),
+        )
     else:
-        w.critic = LocalWorkerGroup(CriticWorker, name="critic", model=models.init_model(cfg, "value", seed=1),
-                                    mesh=mesh, rules=rules,
-                                    config=CriticConfig(ppo_mini_batch_size=rows, optim=OptimConfig(lr=LR), **extra))
+        w.critic = LocalWorkerGroup(
+            CriticWorker,
+            name="critic",
+            model=models.init_model(cfg, "value", seed=1),
+            mesh=mesh,
+            rules=rules,
+            config=CriticConfig(ppo_mini_batch_size=rows, optim=OptimConfig(lr=LR), **extra),
+        )
     a_id = tok.encode("a", add_special_tokens=False)[0]
 
     def reward(batch: Batch) -> Batch:
@@ -228,12 +274,16 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool, wl: Workloa
     for step in range(warmup + steps):
         metrics = programs.ppo_iteration(w, prompts, settings, step=step)
         if step >= warmup:
-            timings.append({k[len("timing_s/"):]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")})
+            timings.append({k[len("timing_s/") :]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")})
     on_policy = not needs_old_log_probs(algo_cfg)
     device_s = train_step_device_seconds(w.actor.worker, wl, on_policy=on_policy)
     train_flops = 3 * forward_flops(wl, rows, wl.prompt_len + wl.response_len, wl.response_len)
-    return {"timings": timings, "matmul_gflops": matmul, "train_gflop": train_flops / 1e9,
-            "train_step_device_s": device_s}
+    return {
+        "timings": timings,
+        "matmul_gflops": matmul,
+        "train_gflop": train_flops / 1e9,
+        "train_step_device_s": device_s,
+    }
 
 
 def train_step_device_seconds(actor, wl: Workload, *, on_policy: bool, reps: int = 3) -> float:
@@ -245,13 +295,15 @@ def train_step_device_seconds(actor, wl: Workload, *, on_policy: bool, reps: int
 
     rng = np.random.default_rng(0)
     rows, P, R = wl.rows, wl.prompt_len, wl.response_len
-    host = {"prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
-            "prompt_mask": np.ones((rows, P), np.int32),
-            "responses": rng.integers(4, wl.vocab, (rows, R)).astype(np.int32),
-            "response_mask": np.ones((rows, R), np.int32),
-            "advantages": rng.normal(size=(rows, R)).astype(np.float32),
-            "old_log_probs": np.full((rows, R), -np.log(wl.vocab), np.float32),
-            "ref_log_prob": np.full((rows, R), -np.log(wl.vocab), np.float32)}
+    host = {
+        "prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
+        "prompt_mask": np.ones((rows, P), np.int32),
+        "responses": rng.integers(4, wl.vocab, (rows, R)).astype(np.int32),
+        "response_mask": np.ones((rows, R), np.int32),
+        "advantages": rng.normal(size=(rows, R)).astype(np.float32),
+        "old_log_probs": np.full((rows, R), -np.log(wl.vocab), np.float32),
+        "ref_log_prob": np.full((rows, R), -np.log(wl.vocab), np.float32),
+    }
     keys = actor.config.update_keys(on_policy)
     inputs, _ = actor.place_minibatch({k: host[k] for k in keys}, np.arange(rows))
     step = actor.train_program(rows, on_policy)
@@ -275,7 +327,9 @@ def check_trl():
         import trl
         from trl import GRPOTrainer
     except ImportError as e:
-        raise SystemExit(f"bench_rl_step: trl_grpo needs TRL, in the `bench` extra (pip install -e '.[bench]'): {e}") from e
+        raise SystemExit(
+            f"bench_rl_step: trl_grpo needs TRL, in the `bench` extra (pip install -e '.[bench]'): {e}"
+        ) from e
     problems = []
     for name, first in TRL_HOOKS.items():
         fn = getattr(GRPOTrainer, name, None)
@@ -286,9 +340,11 @@ def check_trl():
         if first is not None and (not params or params[0] != first):
             problems.append(f"{name}'s first parameter is {params[:1]}, not {first!r}")
     if problems:
-        raise SystemExit(f"bench_rl_step: TRL {trl.__version__}'s GRPOTrainer does not have the private methods this "
-                         f"benchmark times its phases with ({'; '.join(problems)}); install a TRL that does (the "
-                         f"`bench` extra) or update TRL_HOOKS and trl_child")
+        raise SystemExit(
+            f"bench_rl_step: TRL {trl.__version__}'s GRPOTrainer does not have the private methods this "
+            f"benchmark times its phases with ({'; '.join(problems)}); install a TRL that does (the "
+            f"`bench` extra) or update TRL_HOOKS and trl_child"
+        )
     return trl.__version__
 
 
@@ -306,9 +362,17 @@ def trl_child(steps: int, warmup: int, workdir: str, wl: Workload) -> dict:
     tokenizer = transformers.AutoTokenizer.from_pretrained(tok_dir)
     tokenizer.padding_side = "left"
     config = transformers.LlamaConfig(
-        vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp, num_hidden_layers=wl.layers,
-        num_attention_heads=wl.heads, num_key_value_heads=wl.kv_heads, max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        vocab_size=wl.vocab,
+        hidden_size=wl.hidden,
+        intermediate_size=wl.mlp,
+        num_hidden_layers=wl.layers,
+        num_attention_heads=wl.heads,
+        num_key_value_heads=wl.kv_heads,
+        max_position_embeddings=512,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     model_dir = os.path.join(workdir, "trl_model")  # TRL builds its reference model from a path
     transformers.LlamaForCausalLM(config).float().save_pretrained(model_dir)
@@ -320,13 +384,28 @@ def trl_child(steps: int, warmup: int, workdir: str, wl: Workload) -> dict:
         return [reward_of_text(c) for c in completions]
 
     args = GRPOConfig(
-        output_dir=os.path.join(workdir, "out"), per_device_train_batch_size=wl.rows,
-        num_generations=wl.samples, max_completion_length=wl.response_len, beta=KL_COEF, learning_rate=LR,
-        temperature=1.0, generation_kwargs={"min_new_tokens": wl.response_len}, max_steps=warmup + steps,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, shuffle_dataset=False,
-        loss_type="dapo", disable_dropout=True, model_init_kwargs={"dtype": torch.float32})
-    trainer = GRPOTrainer(model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=tokenizer)
+        output_dir=os.path.join(workdir, "out"),
+        per_device_train_batch_size=wl.rows,
+        num_generations=wl.samples,
+        max_completion_length=wl.response_len,
+        beta=KL_COEF,
+        learning_rate=LR,
+        temperature=1.0,
+        generation_kwargs={"min_new_tokens": wl.response_len},
+        max_steps=warmup + steps,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        shuffle_dataset=False,
+        loss_type="dapo",
+        disable_dropout=True,
+        model_init_kwargs={"dtype": torch.float32},
+    )
+    trainer = GRPOTrainer(
+        model=model_dir, reward_funcs=reward, args=args, train_dataset=dataset, processing_class=tokenizer
+    )
     current: dict[str, float] = {}
     timings: list[dict[str, float]] = []
 
@@ -339,12 +418,14 @@ def trl_child(steps: int, warmup: int, workdir: str, wl: Workload) -> dict:
                 return fn(*args, **kwargs)
             finally:
                 current[name] = current.get(name, 0.0) + time.perf_counter() - t0
+
         return wrapper
 
     trainer._generate = timed("gen", trainer._generate)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed(
-        "ref", trainer._get_per_token_logps_and_entropies, when=lambda m, *a, **k: m is trainer.ref_model)
+        "ref", trainer._get_per_token_logps_and_entropies, when=lambda m, *a, **k: m is trainer.ref_model
+    )
     score = trainer._generate_and_score_completions
     trainer._generate_and_score_completions = timed("rollout", score)
     step_fn = trainer.training_step
@@ -384,23 +465,37 @@ def longtail_child(steps: int, warmup: int, wl: Workload) -> dict:
     from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, RolloutConfig
     from jaxflow.workers.packing import plan_packing
 
-    cfg = models.get_preset("tiny_llama", vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp,
-                            num_layers=wl.layers, num_heads=wl.heads, num_kv_heads=wl.kv_heads,
-                            head_dim=wl.hidden // wl.heads)
+    cfg = models.get_preset(
+        "tiny_llama",
+        vocab_size=wl.vocab,
+        hidden_size=wl.hidden,
+        intermediate_size=wl.mlp,
+        num_layers=wl.layers,
+        num_heads=wl.heads,
+        num_kv_heads=wl.kv_heads,
+        head_dim=wl.hidden // wl.heads,
+    )
     rows, P, R = wl.rows, wl.prompt_len, wl.response_len
     rng = np.random.default_rng(0)
     lengths = np.clip(np.round(rng.lognormal(np.log(R / 4), 1.0, rows)), 1, R).astype(int)
     rm = (np.arange(R)[None] < lengths[:, None]).astype(np.int32)
-    batch = Batch.from_dict({
-        "prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
-        "prompt_mask": np.ones((rows, P), np.int32),
-        "responses": (rng.integers(4, wl.vocab, (rows, R)) * rm).astype(np.int32), "response_mask": rm,
-        "advantages": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
-        "ref_log_prob": (-np.log(wl.vocab) * rm).astype(np.float32),
-    })
+    batch = Batch.from_dict(
+        {
+            "prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
+            "prompt_mask": np.ones((rows, P), np.int32),
+            "responses": (rng.integers(4, wl.vocab, (rows, R)) * rm).astype(np.int32),
+            "response_mask": rm,
+            "advantages": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
+            "ref_log_prob": (-np.log(wl.vocab) * rm).astype(np.float32),
+        }
+    )
     base = ActorConfig(ppo_mini_batch_size=rows, use_kl_loss=True, kl_loss_coef=KL_COEF, optim=OptimConfig(lr=LR))
-    configs = {"padded": base, "packed": dataclasses.replace(
-        base, use_remove_padding=True, use_dynamic_bsz=True, log_prob_use_dynamic_bsz=True)}
+    configs = {
+        "padded": base,
+        "packed": dataclasses.replace(
+            base, use_remove_padding=True, use_dynamic_bsz=True, log_prob_use_dynamic_bsz=True
+        ),
+    }
     model = models.init_model(cfg, "lm", seed=0)
     actors = {name: ActorWorker(model, "fsdp=1", "train", c, RolloutConfig()) for name, c in configs.items()}
     times: dict[str, list[dict]] = {name: [] for name in actors}
@@ -415,9 +510,16 @@ def longtail_child(steps: int, warmup: int, wl: Workload) -> dict:
             if round_ >= warmup:
                 times[name].append({"log_prob": t1 - t0, "update": t2 - t1, "both": t2 - t0})
     layout = plan_packing(np.asarray(batch["prompt_mask"]), rm, max_token_len=base.ppo_max_token_len_per_device)
-    return {"times": times, "response_lengths": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
-                                                 "max": int(lengths.max()), "cap": R},
-            "slots": {"padded": rows * (P + R), "packed": layout.slots(), "real_tokens": layout.real_tokens()}}
+    return {
+        "times": times,
+        "response_lengths": {
+            "median": float(np.median(lengths)),
+            "mean": float(lengths.mean()),
+            "max": int(lengths.max()),
+            "cap": R,
+        },
+        "slots": {"padded": rows * (P + R), "packed": layout.slots(), "real_tokens": layout.real_tokens()},
+    }
 
 
 # ------------------------------------------------------------------------ driver
@@ -426,11 +528,25 @@ def longtail_child(steps: int, warmup: int, wl: Workload) -> dict:
 def run_child(system: str, args: argparse.Namespace, workdir: str) -> dict:
     script, packing, child = os.path.abspath(__file__), args.packing, system
     if system.startswith("before_"):  # the same workload on another checkout (e.g. main before a change)
-        script, packing, child = os.path.join(args.before_tree, "experiments", "bench_rl_step.py"), "off", \
-            "jaxflow_" + system[len("before_"):]
-    cmd = [sys.executable, script, "--_child", child, "--_dir", workdir,
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--packing", packing] + (
-        ["--tiny"] if args.tiny else [])
+        script, packing, child = (
+            os.path.join(args.before_tree, "experiments", "bench_rl_step.py"),
+            "off",
+            "jaxflow_" + system[len("before_") :],
+        )
+    cmd = [
+        sys.executable,
+        script,
+        "--_child",
+        child,
+        "--_dir",
+        workdir,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--packing",
+        packing,
+    ] + (["--tiny"] if args.tiny else [])
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(script)))
     out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode:
@@ -458,18 +574,25 @@ def summarise(results: dict[str, list[dict]]) -> dict:
             gflop = runs[0]["train_gflop"]
             device = statistics.median(r["train_step_device_s"] for r in runs)
             wall = phases["update_actor"]["median"]
-            s.update(matmul_gflops=mm, train_gflop_analytic=gflop, train_step_device_s=device,
-                     train_gflops_device=gflop / device, train_gflops_update_wall=gflop / wall,
-                     train_fraction_of_matmul_device=gflop / device / mm,
-                     train_fraction_of_matmul_update_wall=gflop / wall / mm)
+            s.update(
+                matmul_gflops=mm,
+                train_gflop_analytic=gflop,
+                train_step_device_s=device,
+                train_gflops_device=gflop / device,
+                train_gflops_update_wall=gflop / wall,
+                train_fraction_of_matmul_device=gflop / device / mm,
+                train_fraction_of_matmul_update_wall=gflop / wall / mm,
+            )
         summary[system] = s
     if "trl_grpo" in summary:
         trl = summary["trl_grpo"]["phases"]["step"]
         for system in summary:
             if system.endswith("_grpo") and system != "trl_grpo":
                 me = summary[system]["phases"]["step"]
-                summary[system]["speedup_vs_trl_grpo"] = {"median": trl["median"] / me["median"],
-                                                          "best": trl["best"] / me["best"]}
+                summary[system]["speedup_vs_trl_grpo"] = {
+                    "median": trl["median"] / me["median"],
+                    "best": trl["best"] / me["best"],
+                }
     return summary
 
 
@@ -482,7 +605,8 @@ def summarise_longtail(runs: list[dict]) -> dict:
             vals = [t[phase] for r in runs for t in r["times"][name]]
             out[f"{name}/{phase}_s"] = {"median": statistics.median(vals), "best": min(vals)}
     out["speedup_log_prob_plus_update"] = {
-        k: out["padded/both_s"][k] / out["packed/both_s"][k] for k in ("median", "best")}
+        k: out["padded/both_s"][k] / out["packed/both_s"][k] for k in ("median", "best")
+    }
     return out
 
 
@@ -500,31 +624,41 @@ def print_table(summary: dict, load: str) -> None:
         x = summary[s]
         if "speedup_vs_trl_grpo" in x:
             v = x["speedup_vs_trl_grpo"]
-            print(f"{s}: {v['median']:.2f}x TRL {summary['trl_grpo'].get('trl_version', '')} GRPO's step (median), "
-                  f"{v['best']:.2f}x (best)")
+            print(
+                f"{s}: {v['median']:.2f}x TRL {summary['trl_grpo'].get('trl_version', '')} GRPO's step (median), "
+                f"{v['best']:.2f}x (best)"
+            )
         elif s.endswith("_ppo"):
-            print(f"{s}: {x['phases']['step']['median']:.2f} s per PPO step (median; actor + critic; TRL runs GRPO "
-                  f"only, so no ratio)")
+            print(
+                f"{s}: {x['phases']['step']['median']:.2f} s per PPO step (median; actor + critic; TRL runs GRPO "
+                f"only, so no ratio)"
+            )
         if "train_gflops_device" in x:
-            print(f"{s}: actor train step {x['train_gflops_device']:.0f} GFLOP/s on its device time "
-                  f"({x['train_step_device_s']:.2f} s; {100 * x['train_fraction_of_matmul_device']:.0f}% of the "
-                  f"{x['matmul_gflops']:.0f} GFLOP/s fp32 matmul in the same run), {x['train_gflops_update_wall']:.0f} "
-                  f"GFLOP/s on the update phase's wall clock ({100 * x['train_fraction_of_matmul_update_wall']:.0f}%; "
-                  f"host packing and transfers included); FLOPs analytic, seconds measured")
+            print(
+                f"{s}: actor train step {x['train_gflops_device']:.0f} GFLOP/s on its device time "
+                f"({x['train_step_device_s']:.2f} s; {100 * x['train_fraction_of_matmul_device']:.0f}% of the "
+                f"{x['matmul_gflops']:.0f} GFLOP/s fp32 matmul in the same run), {x['train_gflops_update_wall']:.0f} "
+                f"GFLOP/s on the update phase's wall clock ({100 * x['train_fraction_of_matmul_update_wall']:.0f}%; "
+                f"host packing and transfers included); FLOPs analytic, seconds measured"
+            )
 
 
 def print_longtail(summary: dict, load: str) -> None:
     lengths, slots = summary["response_lengths"], summary["slots"]
-    print(f"long-tailed responses (median {lengths['median']:.0f}, mean {lengths['mean']:.1f}, max {lengths['max']} "
-          f"of cap {lengths['cap']}); slots computed: padded {slots['padded']}, packed {slots['packed']} "
-          f"({slots['real_tokens']} real tokens); load: {load}")
+    print(
+        f"long-tailed responses (median {lengths['median']:.0f}, mean {lengths['mean']:.1f}, max {lengths['max']} "
+        f"of cap {lengths['cap']}); slots computed: padded {slots['padded']}, packed {slots['packed']} "
+        f"({slots['real_tokens']} real tokens); load: {load}"
+    )
     print(f"{'seconds (median / best)':<26}{'log_prob':>18}{'update':>18}{'log_prob + update':>20}")
     for name in ("padded", "packed"):
         cells = [summary[f"{name}/{phase}_s"] for phase in ("log_prob", "update", "both")]
         print(f"{name:<26}" + "".join(f"{c['median']:>11.3f} / {c['best']:.3f}" for c in cells))
     v = summary["speedup_log_prob_plus_update"]
-    print(f"packing + dynamic micro-batches vs padded, log-prob + update together: {v['median']:.2f}x (median), "
-          f"{v['best']:.2f}x (best), measured in one process, alternating")
+    print(
+        f"packing + dynamic micro-batches vs padded, log-prob + update together: {v['median']:.2f}x (median), "
+        f"{v['best']:.2f}x (best), measured in one process, alternating"
+    )
 
 
 def main(argv=None) -> None:

@@ -55,11 +55,14 @@ import numpy as np
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 WORKLOADS = {
     "static": dict(prompts=32, n=1, prompt_len=64, max_new_tokens=128, lengths="fixed", slots=0, step_tokens=(32, 128)),
-    "rl": dict(prompts=32, n=8, prompt_len=64, max_new_tokens=512, lengths="lognormal", slots=64,
-               step_tokens=(64, 192)),
+    "rl": dict(
+        prompts=32, n=8, prompt_len=64, max_new_tokens=512, lengths="lognormal", slots=64, step_tokens=(64, 192)
+    ),
 }
-MODELS = {"default": dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=2),
-          "tiny": dict(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2)}
+MODELS = {
+    "default": dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=2),
+    "tiny": dict(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
+}
 EOS = 2  # the checkpoint's EOS id (transformers forces it at a row's length)
 STATIC_COMMIT = "8a519cb5f058b5c8d821f4675b0dcebbffd5e898"  # the last commit before the paged engine
 
@@ -67,10 +70,16 @@ STATIC_COMMIT = "8a519cb5f058b5c8d821f4675b0dcebbffd5e898"  # the last commit be
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="rl")
-    p.add_argument("--engines", default="jaxflow,static,transformers",
-                   help="comma-separated: jaxflow (this tree), static (--static_tree), transformers")
-    p.add_argument("--static_tree", default="/tmp/jaxflow_static_8a519cb",
-                   help="a worktree of the old static-batch engine at 8a519cb (created when missing)")
+    p.add_argument(
+        "--engines",
+        default="jaxflow,static,transformers",
+        help="comma-separated: jaxflow (this tree), static (--static_tree), transformers",
+    )
+    p.add_argument(
+        "--static_tree",
+        default="/tmp/jaxflow_static_8a519cb",
+        help="a worktree of the old static-batch engine at 8a519cb (created when missing)",
+    )
     p.add_argument("--greedy", action="store_true", help="greedy instead of sampling at temperature 1")
     p.add_argument("--reps", type=int, default=3, help="timed calls per engine and round")
     p.add_argument("--rounds", type=int, default=3, help="alternate the engines this many times")
@@ -78,10 +87,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", choices=sorted(MODELS), default="default", help="model size (tiny: smoke tests)")
     p.add_argument("--prompts", type=int, default=0, help="prompts of the workload (0: the workload's)")
     p.add_argument("--max_new_tokens", type=int, default=0, help="response cap of the workload (0: the workload's)")
-    p.add_argument("--step_tokens", default="",
-                   help="short,long row lengths of the decode-step timing (default: the workload's)")
-    p.add_argument("--slots", type=int, default=0,
-                   help="jaxflow decode slots (0: the workload's: 64 for rl, the engine's default for static)")
+    p.add_argument(
+        "--step_tokens", default="", help="short,long row lengths of the decode-step timing (default: the workload's)"
+    )
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=0,
+        help="jaxflow decode slots (0: the workload's: 64 for rl, the engine's default for static)",
+    )
     p.add_argument("--page_size", type=int, default=0, help="jaxflow KV page size (0: the engine's default)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--_worker", help=argparse.SUPPRESS)
@@ -173,8 +187,9 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
     w = workload(args)
     ids, mask, lengths = workload_rows(args)
     model = from_pretrained(path, dtype=jnp.float32)
-    params = SamplingParams(max_new_tokens=w["max_new_tokens"], greedy=args.greedy, temperature=1.0, n=w["n"],
-                            eos_token_ids=(), seed=0)
+    params = SamplingParams(
+        max_new_tokens=w["max_new_tokens"], greedy=args.greedy, temperature=1.0, n=w["n"], eos_token_ids=(), seed=0
+    )
     engine = {}
     if per_row:
         slots = args.slots or w["slots"]
@@ -194,20 +209,31 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
     got = np.asarray(out.lengths)
     if per_row:
         assert (got == lengths).all(), "the engine did not enforce the per-row lengths"
-    stats = {k: np.asarray(v).tolist() if hasattr(v, "shape") else v for k, v in (getattr(out, "stats", None)
-                                                                             or {}).items()}
+    stats = {
+        k: np.asarray(v).tolist() if hasattr(v, "shape") else v for k, v in (getattr(out, "stats", None) or {}).items()
+    }
     useful = int(lengths.sum())
-    res = dict(times=times, median_s=statistics.median(times), best_s=min(times), first_call_s=first,
-               compile_s=compile_s, useful_tokens=useful, tokens_per_s=useful / statistics.median(times),
-               best_tokens_per_s=useful / min(times), decoded_tokens=int(got.sum()), stats=stats)
+    res = dict(
+        times=times,
+        median_s=statistics.median(times),
+        best_s=min(times),
+        first_call_s=first,
+        compile_s=compile_s,
+        useful_tokens=useful,
+        tokens_per_s=useful / statistics.median(times),
+        best_tokens_per_s=useful / min(times),
+        decoded_tokens=int(got.sum()),
+        stats=stats,
+    )
     if per_row:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         from bench_sampling import decode_step_seconds
 
         short, long = w["step_tokens"]
-        res["decode_step"] = dict(decode_step_seconds(model, ids, mask, params, short=short, long=long,
-                                                      reps=args.reps, **engine),
-                                  mean_kv_tokens=w["prompt_len"] + (short + long) / 2)
+        res["decode_step"] = dict(
+            decode_step_seconds(model, ids, mask, params, short=short, long=long, reps=args.reps, **engine),
+            mean_kv_tokens=w["prompt_len"] + (short + long) / 2,
+        )
     return res
 
 
@@ -258,17 +284,30 @@ def bench_hf(path: str, args) -> dict:
 
     def call():
         with torch.inference_mode():
-            result["out"] = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=w["max_new_tokens"],
-                                           num_return_sequences=w["n"], pad_token_id=0, **kw)
+            result["out"] = model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=w["max_new_tokens"],
+                num_return_sequences=w["n"],
+                pad_token_id=0,
+                **kw,
+            )
 
     first, times, _ = _timed(call, args.reps)
     out = result["out"][:, P:].numpy()
     got = _hf_lengths(out) if not fixed else np.full(len(lengths), out.shape[1])
     assert (got == lengths).all(), (got[:8], lengths[:8])
     useful = int(lengths.sum())
-    return dict(times=times, median_s=statistics.median(times), best_s=min(times), first_call_s=first,
-                useful_tokens=useful, tokens_per_s=useful / statistics.median(times),
-                best_tokens_per_s=useful / min(times), torch_threads=torch.get_num_threads())
+    return dict(
+        times=times,
+        median_s=statistics.median(times),
+        best_s=min(times),
+        first_call_s=first,
+        useful_tokens=useful,
+        tokens_per_s=useful / statistics.median(times),
+        best_tokens_per_s=useful / min(times),
+        torch_threads=torch.get_num_threads(),
+    )
 
 
 def measure_machine(args) -> dict:
@@ -305,8 +344,9 @@ def roofline_step(args, machine: dict, batch: int, mean_kv_tokens: float) -> dic
     row's KV cache (``mean_kv_tokens`` tokens) and does 2 FLOPs per weight per row (+ the
     attention's 4 * kv_tokens * H * K); step time = max(bytes / bandwidth, FLOPs / FLOP/s)
     with the bandwidth and FLOP/s measured in this run."""
-    D, F, L, H, N, V = (MODELS[args.model][k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads",
-                                                         "vocab"))
+    D, F, L, H, N, V = (
+        MODELS[args.model][k] for k in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab")
+    )
     K = D // H
     weights = L * (D * H * K * 2 + D * N * K * 2 + 3 * D * F) + V * D  # per layer + LM head (embedding: a gather)
     kv_bytes_per_token = 2 * L * N * K * 4
@@ -319,18 +359,33 @@ def roofline_step(args, machine: dict, batch: int, mean_kv_tokens: float) -> dic
 def static_tree(path: str) -> str:
     """The old static engine's worktree at `STATIC_COMMIT` (``git worktree add`` when missing)."""
     if not os.path.isdir(path):
-        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", path, STATIC_COMMIT], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            ["git", "-C", REPO, "worktree", "add", "--detach", path, STATIC_COMMIT],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     head = subprocess.run(["git", "-C", path, "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     if head != STATIC_COMMIT:
-        raise SystemExit(f"--static_tree {path} is at {head or 'no git commit'}, not {STATIC_COMMIT[:7]} (the last "
-                         "commit before the paged engine); remove it or name another path")
+        raise SystemExit(
+            f"--static_tree {path} is at {head or 'no git commit'}, not {STATIC_COMMIT[:7]} (the last "
+            "commit before the paged engine); remove it or name another path"
+        )
     return path
 
 
 def _run_worker(engine: str, checkpoint: str, argv: list[str], tree: str, threads: int = 0) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_worker", engine, "--_checkpoint", checkpoint,
-           "--_threads", str(threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *argv,
+        "--_worker",
+        engine,
+        "--_checkpoint",
+        checkpoint,
+        "--_threads",
+        str(threads),
+    ]
     env = dict(os.environ, PYTHONPATH=os.path.abspath(tree))
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
@@ -358,48 +413,71 @@ def _summary(args, runs: dict[str, list[dict]], machine: dict, load: list[str], 
     summary = {}
     for name, rs in runs.items():
         tps = [r["useful_tokens"] / t for r in rs for t in r["times"]]
-        summary[name] = dict(median_tokens_per_s=statistics.median(tps), best_tokens_per_s=max(tps),
-                             calls_tokens_per_s=tps, compile_s=[r.get("compile_s") for r in rs],
-                             first_call_s=[r["first_call_s"] for r in rs], stats=rs[-1].get("stats"))
+        summary[name] = dict(
+            median_tokens_per_s=statistics.median(tps),
+            best_tokens_per_s=max(tps),
+            calls_tokens_per_s=tps,
+            compile_s=[r.get("compile_s") for r in rs],
+            first_call_s=[r["first_call_s"] for r in rs],
+            stats=rs[-1].get("stats"),
+        )
         if "decode_step" in rs[-1]:
             summary[name]["decode_step"] = [r["decode_step"] for r in rs]
-    result = dict(workload=dict(w, name=args.workload, useful_tokens=int(lengths.sum()),
-                                mean_length=float(lengths.mean()), max_length=int(lengths.max()),
-                                mode="greedy" if args.greedy else "sample T=1", model=MODELS[args.model],
-                                dtype="float32"),
-                  machine=dict(machine, load_avg_during=load, steal_fraction=steal, cpu_count=os.cpu_count()),
-                  engines=summary)
+    result = dict(
+        workload=dict(
+            w,
+            name=args.workload,
+            useful_tokens=int(lengths.sum()),
+            mean_length=float(lengths.mean()),
+            max_length=int(lengths.max()),
+            mode="greedy" if args.greedy else "sample T=1",
+            model=MODELS[args.model],
+            dtype="float32",
+        ),
+        machine=dict(machine, load_avg_during=load, steal_fraction=steal, cpu_count=os.cpu_count()),
+        engines=summary,
+    )
     hf = [s for n, s in summary.items() if n.startswith("transformers")]
     if hf:
         best_hf = max(hf, key=lambda s: s["median_tokens_per_s"])
         result["transformers_fastest_median_tokens_per_s"] = best_hf["median_tokens_per_s"]
     if "jaxflow" in summary and "static" in summary:
-        result["ratio_jaxflow_over_static_median"] = (summary["jaxflow"]["median_tokens_per_s"]
-                                                      / summary["static"]["median_tokens_per_s"])
+        result["ratio_jaxflow_over_static_median"] = (
+            summary["jaxflow"]["median_tokens_per_s"] / summary["static"]["median_tokens_per_s"]
+        )
     if "jaxflow" in summary and hf:
-        result["ratio_jaxflow_over_transformers_median"] = (summary["jaxflow"]["median_tokens_per_s"]
-                                                            / result["transformers_fastest_median_tokens_per_s"])
-        result["ratio_jaxflow_over_transformers_best"] = (summary["jaxflow"]["best_tokens_per_s"]
-                                                          / max(s["best_tokens_per_s"] for s in hf))
+        result["ratio_jaxflow_over_transformers_median"] = (
+            summary["jaxflow"]["median_tokens_per_s"] / result["transformers_fastest_median_tokens_per_s"]
+        )
+        result["ratio_jaxflow_over_transformers_best"] = summary["jaxflow"]["best_tokens_per_s"] / max(
+            s["best_tokens_per_s"] for s in hf
+        )
     if "jaxflow" in summary:
         st = summary["jaxflow"]["stats"]
         static_bytes = static_cache_bytes(args)
         peak = st["peak_kv_bytes"]
         result["kv_memory"] = dict(
-            jaxflow_allocated_bytes=st["kv_pool_bytes"], jaxflow_peak_in_use_bytes=peak,
-            static_engine_bytes=static_bytes, label="jaxflow: allocated, and peak in use measured by the engine; "
+            jaxflow_allocated_bytes=st["kv_pool_bytes"],
+            jaxflow_peak_in_use_bytes=peak,
+            static_engine_bytes=static_bytes,
+            label="jaxflow: allocated, and peak in use measured by the engine; "
             "static engine: analytic (its cache [layers, rows, kv_heads, P + R, head_dim] x (k, v) x fp32)",
             ratio_allocated_over_static=st["kv_pool_bytes"] / static_bytes,
-            ratio_peak_over_static=peak / static_bytes)
+            ratio_peak_over_static=peak / static_bytes,
+        )
         steps = summary["jaxflow"]["decode_step"]
         step_s = statistics.median(d["step_s"] for d in steps)
         roof = roofline_step(args, machine, steps[-1]["slots"], steps[-1]["mean_kv_tokens"])
         result["roofline"] = dict(
-            roof, batch=steps[-1]["slots"], mean_kv_tokens=steps[-1]["mean_kv_tokens"],
-            measured_step_s=step_s, measured_step_s_rounds=[d["step_s"] for d in steps],
+            roof,
+            batch=steps[-1]["slots"],
+            mean_kv_tokens=steps[-1]["mean_kv_tokens"],
+            measured_step_s=step_s,
+            measured_step_s_rounds=[d["step_s"] for d in steps],
             share=roof["step_s"] / step_s,
             label="the decode step's own time (measured: rollouts of two lengths, the difference per step) vs the "
-                  "analytic step time from the bandwidth and FLOP/s measured in this run")
+            "analytic step time from the bandwidth and FLOP/s measured in this run",
+        )
     return result
 
 
@@ -427,9 +505,17 @@ def main(argv=None) -> dict:
     runs: dict[str, list[dict]] = {}
     load, steal0 = [], _steal()
     m = MODELS[args.model]
-    cfg = ModelConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
-                      num_layers=m["layers"], num_heads=m["heads"], num_kv_heads=m["kv_heads"],
-                      head_dim=m["hidden"] // m["heads"], max_position_embeddings=4096, eos_token_id=EOS)
+    cfg = ModelConfig(
+        vocab_size=m["vocab"],
+        hidden_size=m["hidden"],
+        intermediate_size=m["intermediate"],
+        num_layers=m["layers"],
+        num_heads=m["heads"],
+        num_kv_heads=m["kv_heads"],
+        head_dim=m["hidden"] // m["heads"],
+        max_position_embeddings=4096,
+        eos_token_id=EOS,
+    )
     with tempfile.TemporaryDirectory() as path:
         save_pretrained(init_model(cfg, seed=0), path)
         machine = _run_worker("machine", path, passthrough, REPO)
@@ -445,9 +531,11 @@ def main(argv=None) -> dict:
         print(json.dumps(result, indent=2))
         return result
     print(f"workload {args.workload}: {result['workload']}")
-    print(f"machine (measured): {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
-          f"{machine['matmul_flops_decode_shape'] / 1e9:.1f} GFLOP/s at the decode shape; load {load}; "
-          f"steal {result['machine']['steal_fraction']:.1%}")
+    print(
+        f"machine (measured): {machine['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s, "
+        f"{machine['matmul_flops_decode_shape'] / 1e9:.1f} GFLOP/s at the decode shape; load {load}; "
+        f"steal {result['machine']['steal_fraction']:.1%}"
+    )
     print(f"{'engine':<30}{'median tok/s':>14}{'best tok/s':>12}   compile s   every call")
     for name, s in result["engines"].items():
         calls = ", ".join(f"{x:.0f}" for x in s["calls_tokens_per_s"])
@@ -458,15 +546,19 @@ def main(argv=None) -> dict:
             print(f"{k}: {v:.3f}")
     if "kv_memory" in result:
         kv = result["kv_memory"]
-        print(f"KV cache: jaxflow allocated {kv['jaxflow_allocated_bytes'] / 2**20:.1f} MiB, peak in use "
-              f"{kv['jaxflow_peak_in_use_bytes'] / 2**20:.1f} MiB (measured); static engine "
-              f"{kv['static_engine_bytes'] / 2**20:.1f} MiB (analytic); allocated / static "
-              f"{kv['ratio_allocated_over_static']:.3f}, peak / static {kv['ratio_peak_over_static']:.3f}")
+        print(
+            f"KV cache: jaxflow allocated {kv['jaxflow_allocated_bytes'] / 2**20:.1f} MiB, peak in use "
+            f"{kv['jaxflow_peak_in_use_bytes'] / 2**20:.1f} MiB (measured); static engine "
+            f"{kv['static_engine_bytes'] / 2**20:.1f} MiB (analytic); allocated / static "
+            f"{kv['ratio_allocated_over_static']:.3f}, peak / static {kv['ratio_peak_over_static']:.3f}"
+        )
     if "roofline" in result:
         r = result["roofline"]
-        print(f"decode step: {r['measured_step_s'] * 1e3:.2f} ms measured at {r['batch']} slots, ~{r['mean_kv_tokens']:.0f} "
-              f"cached tokens; roofline {r['step_s'] * 1e3:.2f} ms (analytic from the measured BW/FLOP/s): "
-              f"share {r['share']:.1%}")
+        print(
+            f"decode step: {r['measured_step_s'] * 1e3:.2f} ms measured at {r['batch']} slots, ~{r['mean_kv_tokens']:.0f} "
+            f"cached tokens; roofline {r['step_s'] * 1e3:.2f} ms (analytic from the measured BW/FLOP/s): "
+            f"share {r['share']:.1%}"
+        )
     return result
 
 

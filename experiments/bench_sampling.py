@@ -61,13 +61,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed jaxflow calls (median reported)")
     p.add_argument("--hf_reps", type=int, default=1, help="timed transformers calls (median reported)")
     p.add_argument("--skip_hf", action="store_true")
-    p.add_argument("--hf_threads", default="1,0",
-                   help="comma-separated torch thread counts to time transformers with (0: torch's default)")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="alternate the engines this many times and keep each one's best run (for a noisy, "
-                        "shared machine)")
-    p.add_argument("--decode_step", action="store_true",
-                   help="time and profile the decode step alone, greedy vs T=1 (one process, no transformers)")
+    p.add_argument(
+        "--hf_threads",
+        default="1,0",
+        help="comma-separated torch thread counts to time transformers with (0: torch's default)",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="alternate the engines this many times and keep each one's best run (for a noisy, shared machine)",
+    )
+    p.add_argument(
+        "--decode_step",
+        action="store_true",
+        help="time and profile the decode step alone, greedy vs T=1 (one process, no transformers)",
+    )
     p.add_argument("--short", type=int, default=32, help="--decode_step: tokens of the short rollout")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     # Internal: run one engine on an existing checkpoint and print its JSON result.
@@ -97,8 +106,9 @@ class _CompileTimer:
 
 def bench_jaxflow(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
     model = from_pretrained(path, dtype=jnp.float32)
-    params = SamplingParams(max_new_tokens=args.new_tokens, greedy=args.greedy, temperature=1.0,
-                            eos_token_ids=(), seed=0)
+    params = SamplingParams(
+        max_new_tokens=args.new_tokens, greedy=args.greedy, temperature=1.0, eos_token_ids=(), seed=0
+    )
     with _CompileTimer() as compile_timer:
         t0 = time.perf_counter()
         out = generate(model, ids, mask, params)
@@ -112,8 +122,13 @@ def bench_jaxflow(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
         out.responses.block_until_ready()
         times.append(time.perf_counter() - t0)
     seconds = statistics.median(times)
-    return dict(seconds=seconds, tokens_per_s=ids.shape[0] * args.new_tokens / seconds, first_call_s=first,
-                compile_s=compile_timer.seconds, times=times)
+    return dict(
+        seconds=seconds,
+        tokens_per_s=ids.shape[0] * args.new_tokens / seconds,
+        first_call_s=first,
+        compile_s=compile_timer.seconds,
+        times=times,
+    )
 
 
 def bench_hf(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
@@ -128,8 +143,15 @@ def bench_hf(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
     def run(new_tokens):
         with torch.inference_mode():
             kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if not args.greedy else dict(do_sample=False)
-            return model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                                  min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **kw)
+            return model.generate(
+                input_ids,
+                attention_mask=attention_mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                eos_token_id=None,
+                pad_token_id=0,
+                **kw,
+            )
 
     run(4)  # warm-up
     times = []
@@ -139,12 +161,18 @@ def bench_hf(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
         times.append(time.perf_counter() - t0)
     assert out.shape == (ids.shape[0], ids.shape[1] + args.new_tokens), out.shape
     seconds = statistics.median(times)
-    return dict(seconds=seconds, tokens_per_s=ids.shape[0] * args.new_tokens / seconds, times=times,
-                torch_threads=torch.get_num_threads(), attn_implementation=model.config._attn_implementation)
+    return dict(
+        seconds=seconds,
+        tokens_per_s=ids.shape[0] * args.new_tokens / seconds,
+        times=times,
+        torch_threads=torch.get_num_threads(),
+        attn_implementation=model.config._attn_implementation,
+    )
 
 
-def decode_step_seconds(model, ids: np.ndarray, mask: np.ndarray, params: SamplingParams, *, short: int, long: int,
-                        reps: int, **engine) -> dict:
+def decode_step_seconds(
+    model, ids: np.ndarray, mask: np.ndarray, params: SamplingParams, *, short: int, long: int, reps: int, **engine
+) -> dict:
     """Measured: the decode step's own wall time. Two rollouts of one program (same buckets
     and page pool) whose rows all run exactly ``short`` and ``long`` tokens (``params`` must
     have no EOS ids): step = (median t_long - median t_short) / (steps_long - steps_short),
@@ -170,12 +198,22 @@ def decode_step_seconds(model, ids: np.ndarray, mask: np.ndarray, params: Sampli
             run(length, **kv)
             times[length].append(time.perf_counter() - t0)
     step = (statistics.median(times[long]) - statistics.median(times[short])) / (steps[long] - steps[short])
-    return dict(step_s=step, steps=steps, times={str(k): v for k, v in times.items()}, slots=pool["slots"],
-                waits=int(np.sum(pool["waits"])))
+    return dict(
+        step_s=step,
+        steps=steps,
+        times={str(k): v for k, v in times.items()},
+        slots=pool["slots"],
+        waits=int(np.sum(pool["waits"])),
+    )
 
 
-_SCOPES = (("prefill", "/prefill/"), ("sample", "/sample/"), ("log_prob", "/log_prob/"), ("lm_head", "/lm_head/"),
-           ("paged_attention", "/paged_attention/"))
+_SCOPES = (
+    ("prefill", "/prefill/"),
+    ("sample", "/sample/"),
+    ("log_prob", "/log_prob/"),
+    ("lm_head", "/lm_head/"),
+    ("paged_attention", "/paged_attention/"),
+)
 _LAYER_EINSUMS = ("BLD,DHK", "BLD,DNK", "BLHK,HKD", "BLD,DF", "BLF,FD")
 
 
@@ -186,12 +224,16 @@ def _part(op_name: str) -> str:
             return part
     if any(e in op_name for e in _LAYER_EINSUMS):
         return "layers: projections and MLP"
-    return "layers: norms, rope, residual" if "/while/body/" in op_name and "rms" in op_name.lower() else (
-        "scheduling and other")
+    return (
+        "layers: norms, rope, residual"
+        if "/while/body/" in op_name and "rms" in op_name.lower()
+        else ("scheduling and other")
+    )
 
 
-def profile_decode_step(model, ids: np.ndarray, mask: np.ndarray, params: SamplingParams, length: int,
-                        **engine) -> dict:
+def profile_decode_step(
+    model, ids: np.ndarray, mask: np.ndarray, params: SamplingParams, length: int, **engine
+) -> dict:
     """Measured: XLA:CPU thread time per decode step by part, from a ``jax.profiler`` trace of
     one rollout whose rows run ``length`` tokens. Each thunk event is named after its HLO
     instruction; the compiled HLO of the same program gives that instruction's op_name (the
@@ -233,36 +275,59 @@ def profile_decode_step(model, ids: np.ndarray, mask: np.ndarray, params: Sampli
                     part = _part(op_of[event.name])
                     parts[part] = parts.get(part, 0.0) + event.duration_ns * 1e-9
     steps = int(out.num_steps)
-    return dict(steps=steps, thread_s_per_step={k: v / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
-                hlo_ops=ops)
+    return dict(
+        steps=steps,
+        thread_s_per_step={k: v / steps for k, v in sorted(parts.items(), key=lambda kv: -kv[1])},
+        hlo_ops=ops,
+    )
 
 
 def bench_decode_step(args) -> dict:
     """Greedy vs T=1 sampling in this process: `decode_step_seconds` and
     `profile_decode_step` per mode, alternated over ``--rounds``."""
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                      head_dim=args.hidden // args.heads, max_position_embeddings=4096)
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=4096,
+    )
     model = init_model(cfg, seed=0)
     ids, mask = _prompts(args)
-    modes = {"greedy": SamplingParams(max_new_tokens=args.new_tokens, greedy=True, eos_token_ids=()),
-             "sample T=1": SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(), seed=0)}
+    modes = {
+        "greedy": SamplingParams(max_new_tokens=args.new_tokens, greedy=True, eos_token_ids=()),
+        "sample T=1": SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, eos_token_ids=(), seed=0),
+    }
     steps: dict[str, list[dict]] = {m: [] for m in modes}
     profiles: dict[str, list[dict]] = {m: [] for m in modes}
     for r in range(args.rounds):  # the order flips every round, so that neither mode always goes first
-        for name in list(modes)[::-1 if r % 2 else 1]:
-            steps[name].append(decode_step_seconds(model, ids, mask, modes[name], short=args.short,
-                                                   long=args.new_tokens, reps=args.reps))
+        for name in list(modes)[:: -1 if r % 2 else 1]:
+            steps[name].append(
+                decode_step_seconds(
+                    model, ids, mask, modes[name], short=args.short, long=args.new_tokens, reps=args.reps
+                )
+            )
             profiles[name].append(profile_decode_step(model, ids, mask, modes[name], args.new_tokens))
-    result = {name: dict(step_ms_rounds=[r["step_s"] * 1e3 for r in rs],
-                         step_ms_median=statistics.median(r["step_s"] for r in rs) * 1e3,
-                         slots=rs[-1]["slots"], waits=rs[-1]["waits"]) for name, rs in steps.items()}
+    result = {
+        name: dict(
+            step_ms_rounds=[r["step_s"] * 1e3 for r in rs],
+            step_ms_median=statistics.median(r["step_s"] for r in rs) * 1e3,
+            slots=rs[-1]["slots"],
+            waits=rs[-1]["waits"],
+        )
+        for name, rs in steps.items()
+    }
     for name, ps in profiles.items():  # the least time of each part over the rounds (the least disturbed)
         parts = {k for p in ps for k in p["thread_s_per_step"]}
-        result[name]["profile"] = dict(ps[-1], thread_s_per_step={
-            k: min(p["thread_s_per_step"].get(k, 0.0) for p in ps) for k in parts})
-    result["ratio_greedy_over_sample_step_time"] = (result["greedy"]["step_ms_median"]
-                                                    / result["sample T=1"]["step_ms_median"])
+        result[name]["profile"] = dict(
+            ps[-1], thread_s_per_step={k: min(p["thread_s_per_step"].get(k, 0.0) for p in ps) for k in parts}
+        )
+    result["ratio_greedy_over_sample_step_time"] = (
+        result["greedy"]["step_ms_median"] / result["sample T=1"]["step_ms_median"]
+    )
     return result
 
 
@@ -274,8 +339,17 @@ def _prompts(args) -> tuple[np.ndarray, np.ndarray]:
 
 def _run_worker(engine: str, checkpoint: str, argv: list[str], threads: int = 0) -> dict:
     """Run one engine in a fresh Python process and return its JSON result."""
-    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--_worker", engine, "--_checkpoint", checkpoint,
-           "--_threads", str(threads)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *argv,
+        "--_worker",
+        engine,
+        "--_checkpoint",
+        checkpoint,
+        "--_threads",
+        str(threads),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         raise RuntimeError(f"{engine} benchmark failed:\n{proc.stderr[-4000:]}")
@@ -286,10 +360,22 @@ def main(argv=None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     if args.decode_step:
-        result = dict(workload=dict(batch=args.batch, prompt_len=args.prompt_len, short=args.short,
-                                    long=args.new_tokens, hidden=args.hidden, layers=args.layers, vocab=args.vocab,
-                                    dtype="float32", backend=jax.default_backend(), cpu_count=os.cpu_count(),
-                                    load_avg=os.getloadavg()), **bench_decode_step(args))
+        result = dict(
+            workload=dict(
+                batch=args.batch,
+                prompt_len=args.prompt_len,
+                short=args.short,
+                long=args.new_tokens,
+                hidden=args.hidden,
+                layers=args.layers,
+                vocab=args.vocab,
+                dtype="float32",
+                backend=jax.default_backend(),
+                cpu_count=os.cpu_count(),
+                load_avg=os.getloadavg(),
+            ),
+            **bench_decode_step(args),
+        )
         if args.json:
             print(json.dumps(result, indent=2))
             return result
@@ -297,8 +383,11 @@ def main(argv=None) -> dict:
         print("decode step alone (measured: rollouts of --short vs --new_tokens tokens, the difference per step)")
         for name in ("greedy", "sample T=1"):
             r = result[name]
-            print(f"  {name:<11} median {r['step_ms_median']:8.2f} ms/step   rounds "
-                  + ", ".join(f"{x:.2f}" for x in r["step_ms_rounds"]) + f"   ({r['slots']} slots)")
+            print(
+                f"  {name:<11} median {r['step_ms_median']:8.2f} ms/step   rounds "
+                + ", ".join(f"{x:.2f}" for x in r["step_ms_rounds"])
+                + f"   ({r['slots']} slots)"
+            )
         print(f"  greedy / sample step time: {result['ratio_greedy_over_sample_step_time']:.3f}")
         print("profile (measured: XLA:CPU thread ms per decode step, summed over worker threads)")
         parts = list(result["greedy"]["profile"]["thread_s_per_step"])
@@ -314,9 +403,16 @@ def main(argv=None) -> dict:
         bench = bench_jaxflow if args._worker == "jaxflow" else bench_hf
         print(json.dumps(bench(args._checkpoint, ids, mask, args)))
         return {}
-    cfg = ModelConfig(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
-                      head_dim=args.hidden // args.heads, max_position_embeddings=4096)
+    cfg = ModelConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_layers=args.layers,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
+        max_position_embeddings=4096,
+    )
     passthrough = [a for a in argv if a != "--json"]
     threads = [] if args.skip_hf else [int(t) for t in args.hf_threads.split(",")]
     jaxflow_runs: list[dict] = []
@@ -332,10 +428,22 @@ def main(argv=None) -> dict:
         return dict(max(runs, key=lambda r: r["tokens_per_s"]), rounds_tokens_per_s=[r["tokens_per_s"] for r in runs])
 
     result = dict(
-        workload=dict(batch=args.batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
-                      hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, heads=args.heads,
-                      kv_heads=args.kv_heads, vocab=args.vocab, mode="greedy" if args.greedy else "sample T=1",
-                      dtype="float32", cpu_count=os.cpu_count(), backend=jax.default_backend(), rounds=args.rounds),
+        workload=dict(
+            batch=args.batch,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            hidden=args.hidden,
+            intermediate=args.intermediate,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            vocab=args.vocab,
+            mode="greedy" if args.greedy else "sample T=1",
+            dtype="float32",
+            cpu_count=os.cpu_count(),
+            backend=jax.default_backend(),
+            rounds=args.rounds,
+        ),
         jaxflow=best(jaxflow_runs),
     )
     if threads:
@@ -348,7 +456,8 @@ def main(argv=None) -> dict:
         print(f"workload: {result['workload']}")
         print(f"{'engine':<28}{'tokens/s':>12}{'seconds':>10}   tokens/s of every round")
         named = [("jaxflow", result["jaxflow"])] + [
-            (f"transformers ({run['torch_threads']} threads)", run) for run in result.get("transformers_runs", [])]
+            (f"transformers ({run['torch_threads']} threads)", run) for run in result.get("transformers_runs", [])
+        ]
         for name, run in named:
             rounds = ", ".join(f"{x:.1f}" for x in run["rounds_tokens_per_s"])
             print(f"{name:<28}{run['tokens_per_s']:>12.1f}{run['seconds']:>10.2f}   {rounds}")

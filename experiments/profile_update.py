@@ -66,7 +66,12 @@ def analytic_flops(wl: Workload, rows: int) -> dict[str, float]:
     tokens = rows * L
     return {
         "mlp": 3 * wl.layers * tokens * 2 * 3 * wl.hidden * wl.mlp,
-        "attention projections + rope": 3 * wl.layers * tokens * 2 * wl.hidden * (2 * wl.heads + 2 * wl.kv_heads)
+        "attention projections + rope": 3
+        * wl.layers
+        * tokens
+        * 2
+        * wl.hidden
+        * (2 * wl.heads + 2 * wl.kv_heads)
         * head_dim,
         "attention core": 3 * wl.layers * tokens * 2 * 2 * L * wl.heads * head_dim,
         "lm head + log-softmax": 3 * rows * wl.response_len * 2 * wl.hidden * wl.vocab,
@@ -123,28 +128,41 @@ def main(argv=None) -> None:
     import jaxflow.models as models
     from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, RolloutConfig
 
-    cfg = models.get_preset("tiny_llama", vocab_size=wl.vocab, hidden_size=wl.hidden, intermediate_size=wl.mlp,
-                            num_layers=wl.layers, num_heads=wl.heads, num_kv_heads=wl.kv_heads,
-                            head_dim=wl.hidden // wl.heads)
+    cfg = models.get_preset(
+        "tiny_llama",
+        vocab_size=wl.vocab,
+        hidden_size=wl.hidden,
+        intermediate_size=wl.mlp,
+        num_layers=wl.layers,
+        num_heads=wl.heads,
+        num_kv_heads=wl.kv_heads,
+        head_dim=wl.hidden // wl.heads,
+    )
     extra = {"use_remove_padding": True, "use_dynamic_bsz": True} if args.packing == "on" else {}
-    config = ActorConfig(ppo_mini_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, optim=OptimConfig(lr=1e-6),
-                         **extra)
+    config = ActorConfig(
+        ppo_mini_batch_size=rows, use_kl_loss=True, kl_loss_coef=0.04, optim=OptimConfig(lr=1e-6), **extra
+    )
     actor = ActorWorker(models.init_model(cfg, "lm", seed=0), "fsdp=1", "train", config, RolloutConfig())
     rng = np.random.default_rng(0)
     P, R = wl.prompt_len, wl.response_len
-    host = {"prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
-            "prompt_mask": np.ones((rows, P), np.int32),
-            "responses": rng.integers(4, wl.vocab, (rows, R)).astype(np.int32),
-            "response_mask": np.ones((rows, R), np.int32),
-            "advantages": rng.normal(size=(rows, R)).astype(np.float32),
-            "ref_log_prob": np.full((rows, R), -np.log(wl.vocab), np.float32)}
+    host = {
+        "prompt_ids": rng.integers(4, wl.vocab, (rows, P)).astype(np.int32),
+        "prompt_mask": np.ones((rows, P), np.int32),
+        "responses": rng.integers(4, wl.vocab, (rows, R)).astype(np.int32),
+        "response_mask": np.ones((rows, R), np.int32),
+        "advantages": rng.normal(size=(rows, R)).astype(np.float32),
+        "ref_log_prob": np.full((rows, R), -np.log(wl.vocab), np.float32),
+    }
     host = {k: host[k] for k in config.update_keys(on_policy=True)}
     step = actor.train_program(rows, on_policy=True)
     scalars = {"temperature": np.float32(1.0)}
     inputs, _ = actor.place_minibatch(host, np.arange(rows))
     tokens, L = rows * (P + R), P + R  # packed: as many slots (full responses fill one bin each)
-    sizes = {tokens * wl.heads * L: "attention core", tokens * wl.mlp: "mlp",
-             tokens * wl.hidden: "hidden-size activations"}
+    sizes = {
+        tokens * wl.heads * L: "attention core",
+        tokens * wl.mlp: "mlp",
+        tokens * wl.hidden: "hidden-size activations",
+    }
     ops = hlo_ops(step.lower(actor.state, inputs, scalars).compile().as_text(), sizes)
     actor.state, m = step(actor.state, inputs, scalars)  # compile + warm up
     jax.block_until_ready(m)
@@ -178,25 +196,39 @@ def main(argv=None) -> None:
             row["fraction_of_matmul_peak"] = row["gflops"] / matmul
         if args.top:
             row["top_ops"] = [(DESCRIPTIONS[n], t) for n, t in best_ops.most_common() if ops[n] == (cat, is_matmul)][
-                :args.top]
+                : args.top
+            ]
         table.append(row)
-    result = {"workload": dataclasses.asdict(wl) | {"rows": rows}, "packing": args.packing,
-              "train_step_device_s": min(device_s), "host_place_minibatch_s": min(host_s), "op_seconds_total": total,
-              "matmul_gflops": matmul, "train_gflops_device": sum(flops.values()) / min(device_s) / 1e9,
-              "load": os.getloadavg()[0], "categories": table}
+    result = {
+        "workload": dataclasses.asdict(wl) | {"rows": rows},
+        "packing": args.packing,
+        "train_step_device_s": min(device_s),
+        "host_place_minibatch_s": min(host_s),
+        "op_seconds_total": total,
+        "matmul_gflops": matmul,
+        "train_gflops_device": sum(flops.values()) / min(device_s) / 1e9,
+        "load": os.getloadavg()[0],
+        "categories": table,
+    }
     if args.json:
         print(json.dumps(result, indent=1))
         return
-    print(f"actor train step, {rows} rows x {P}+{R} tokens, {wl.layers} layers, packing {args.packing}; "
-          f"load average {result['load']:.1f} on {os.cpu_count()} cores (seconds measured, FLOPs analytic)")
-    print(f"device time {min(device_s):.3f} s ({result['train_gflops_device']:.1f} GFLOP/s; fp32 2048^3 matmul "
-          f"{matmul:.1f} GFLOP/s, {100 * result['train_gflops_device'] / matmul:.0f}%); host packing + device_put "
-          f"of the mini-batch {min(host_s) * 1e3:.1f} ms; op time summed {total:.3f} s")
+    print(
+        f"actor train step, {rows} rows x {P}+{R} tokens, {wl.layers} layers, packing {args.packing}; "
+        f"load average {result['load']:.1f} on {os.cpu_count()} cores (seconds measured, FLOPs analytic)"
+    )
+    print(
+        f"device time {min(device_s):.3f} s ({result['train_gflops_device']:.1f} GFLOP/s; fp32 2048^3 matmul "
+        f"{matmul:.1f} GFLOP/s, {100 * result['train_gflops_device'] / matmul:.0f}%); host packing + device_put "
+        f"of the mini-batch {min(host_s) * 1e3:.1f} ms; op time summed {total:.3f} s"
+    )
     print(f"{'category':<32}{'kind':>12}{'seconds':>10}{'share':>8}{'GFLOP/s':>10}{'of peak':>9}")
     for row in table:
         extra = f"{row['gflops']:>10.1f}{100 * row['fraction_of_matmul_peak']:>8.0f}%" if "gflops" in row else ""
-        print(f"{row['category']:<32}{'matmul' if row['matmul'] else 'other':>12}{row['seconds']:>10.3f}"
-              f"{100 * row['share']:>7.1f}%{extra}")
+        print(
+            f"{row['category']:<32}{'matmul' if row['matmul'] else 'other':>12}{row['seconds']:>10.3f}"
+            f"{100 * row['share']:>7.1f}%{extra}"
+        )
         for what, t in row.get("top_ops", []):
             print(f"    {100 * t / total:5.1f}%  {what}")
 

@@ -49,8 +49,12 @@ EPS32 = float(np.finfo(np.float32).eps)
 # step 2). They are compared at GRADIENT_RTOL; this is the one relaxation of the 1e-5 check.
 GRADIENT_NORMS = ("actor/grad_norm", "critic/grad_norm")
 GRADIENT_RTOL = 1e-4
-CANCELLING = {"actor/ppo_kl": "actor/entropy", "actor/reward_kl_penalty": "actor/entropy",
-              "actor/kl_loss": "actor/entropy", "critic/advantages/mean": 1.0}
+CANCELLING = {
+    "actor/ppo_kl": "actor/entropy",
+    "actor/reward_kl_penalty": "actor/entropy",
+    "actor/kl_loss": "actor/entropy",
+    "critic/advantages/mean": 1.0,
+}
 
 
 def placement_overrides(config: str, placement: str) -> list[str]:
@@ -60,32 +64,52 @@ def placement_overrides(config: str, placement: str) -> list[str]:
     if placement != "split":
         raise ValueError(f"placement must be colocated or split, got {placement!r}")
     if config.startswith("grpo"):  # no critic or reward model: actor and ref each on 2 processes
-        return ["--config.jaxflow.placement.type=custom", "--config.jaxflow.placement.groups=actor;ref",
-                "--config.jaxflow.placement.pool_sizes=4,4"]
+        return [
+            "--config.jaxflow.placement.type=custom",
+            "--config.jaxflow.placement.groups=actor;ref",
+            "--config.jaxflow.placement.pool_sizes=4,4",
+        ]
     return ["--config.jaxflow.placement.type=split", "--config.jaxflow.placement.pool_sizes=4,4"]
 
 
-def run(backend: str, config: str, placement: str, steps: int, out_dir: str, extra: list[str] = (),
-        env: dict[str, str] | None = None) -> tuple[list[dict], float]:
+def run(
+    backend: str,
+    config: str,
+    placement: str,
+    steps: int,
+    out_dir: str,
+    extra: list[str] = (),
+    env: dict[str, str] | None = None,
+) -> tuple[list[dict], float]:
     """``python -m jaxflow.run`` of one case on one backend; its per-step metrics (from
     ``metrics.jsonl``) and the measured wall time of the whole command. Each run compiles
     afresh (a new persistent compilation cache under ``out_dir``): measured here with jax 0.10
     on CPU, a program with collectives loaded from a shared cache that other runs had filled
     deadlocked in its first collective (ppo_tiny, local backend)."""
     overrides = [
-        f"--config.jaxflow.backend={backend}", f"--config.trainer.total_training_steps={steps}",
-        "--config.trainer.test_freq=-1", "--config.trainer.val_before_train=false",
-        f"--config.trainer.default_local_dir={out_dir}", "--config.jaxflow.num_devices=8",
-        "--config.jaxflow.ray.devices_per_host=2", *placement_overrides(config, placement), *extra,
+        f"--config.jaxflow.backend={backend}",
+        f"--config.trainer.total_training_steps={steps}",
+        "--config.trainer.test_freq=-1",
+        "--config.trainer.val_before_train=false",
+        f"--config.trainer.default_local_dir={out_dir}",
+        "--config.jaxflow.num_devices=8",
+        "--config.jaxflow.ray.devices_per_host=2",
+        *placement_overrides(config, placement),
+        *extra,
     ]
     start = time.perf_counter()
     # XLA:CPU aborts a collective whose device threads have not all arrived within 40 s; a
     # loaded machine can starve one that long (seen here at a load of 10 on 2 cores).
     flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_cpu_collective_call_terminate_timeout_seconds=600".strip()
     extra_env = {"JAX_COMPILATION_CACHE_DIR": os.path.join(out_dir, "jax_cache"), "XLA_FLAGS": flags}
-    proc = subprocess.run([sys.executable, "-m", "jaxflow.run", f"--config={config}", *overrides], cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT, **extra_env, **(env or {})}, capture_output=True,
-                          text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "jaxflow.run", f"--config={config}", *overrides],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, **extra_env, **(env or {})},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - start
     if proc.returncode:
         raise RuntimeError(f"{config} {placement} on {backend} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -129,11 +153,18 @@ def timing(rows: list[dict]) -> dict[str, float]:
 
 
 def run_case(config: str, placement: str, steps: int, rtol: float, out: str) -> dict:
-    results = {b: run(b, config, placement, steps, os.path.join(out, f"{config}_{placement}_{b}"))
-               for b in ("local", "ray")}
+    results = {
+        b: run(b, config, placement, steps, os.path.join(out, f"{config}_{placement}_{b}")) for b in ("local", "ray")
+    }
     diffs, bad = compare(results["local"][0], results["ray"][0], rtol)
-    report = {"config": config, "placement": placement, "steps": steps, "values_compared": len(diffs),
-              "largest_rel_diffs": diffs[:5], "mismatches": bad}
+    report = {
+        "config": config,
+        "placement": placement,
+        "steps": steps,
+        "values_compared": len(diffs),
+        "largest_rel_diffs": diffs[:5],
+        "mismatches": bad,
+    }
     for backend, (rows, wall) in results.items():
         report[backend] = {**timing(rows), "process_wall_s": wall}
     report["ray_over_local_median"] = report["ray"]["median_step_s"] / report["local"]["median_step_s"]
@@ -145,11 +176,15 @@ def print_report(r: dict, rtol: float) -> None:
     print(f"  {'backend':8} {'step 1 s':>9} {'median s/step (2..)':>20} {'best s/step (2..)':>18} {'command s':>10}")
     for b in ("local", "ray"):
         t = r[b]
-        print(f"  {b:8} {t['first_step_s']:9.2f} {t['median_step_s']:20.3f} {t['best_step_s']:18.3f} "
-              f"{t['process_wall_s']:10.1f}")
+        print(
+            f"  {b:8} {t['first_step_s']:9.2f} {t['median_step_s']:20.3f} {t['best_step_s']:18.3f} "
+            f"{t['process_wall_s']:10.1f}"
+        )
     print(f"  measured Ray/local time per step (median, steps 2..{r['steps']}): {r['ray_over_local_median']:.2f}x")
-    print(f"  {r['values_compared']} values compared at rtol {rtol:g}; {len(r['mismatches'])} mismatches; "
-          "largest relative differences:")
+    print(
+        f"  {r['values_compared']} values compared at rtol {rtol:g}; {len(r['mismatches'])} mismatches; "
+        "largest relative differences:"
+    )
     for rel, step, key, va, vb in r["largest_rel_diffs"]:
         print(f"    step {step} {key}: local {va:.9g} ray {vb:.9g} (rel {rel:.2e})")
     for line in r["mismatches"]:
@@ -167,8 +202,10 @@ def main() -> int:
     p.add_argument("--out", default=None, help="run directories go here (default: a new temporary directory)")
     args = p.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="ray_vs_local_")
-    print(f"run directories in {out}; 1-min load average {os.getloadavg()[0]:.1f} at start "
-          f"({os.cpu_count()} cores); times are measured wall-clock seconds")
+    print(
+        f"run directories in {out}; 1-min load average {os.getloadavg()[0]:.1f} at start "
+        f"({os.cpu_count()} cores); times are measured wall-clock seconds"
+    )
     reports = []
     for config, placement in CASES if args.all else [(args.config, args.placement)]:
         reports.append(run_case(config, placement, args.steps, args.rtol, out))

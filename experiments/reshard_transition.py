@@ -37,9 +37,11 @@ import os
 
 # 8 simulated devices; on a loaded 2-core host a device thread can reach a big collective
 # long after the others, so allow more than XLA's default 40 s at the rendezvous.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
-                           " --xla_cpu_collective_call_terminate_timeout_seconds=900").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_cpu_collective_call_warn_stuck_timeout_seconds=120"
+    " --xla_cpu_collective_call_terminate_timeout_seconds=900"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
@@ -79,8 +81,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def config(vocab, hidden, intermediate, layers, heads, kv_heads) -> ModelConfig:
-    return ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_layers=layers,
-                       num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads)
+    return ModelConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+    )
 
 
 def random_state(cfg: ModelConfig, shardings, seed: int = 0):
@@ -89,8 +98,10 @@ def random_state(cfg: ModelConfig, shardings, seed: int = 0):
     leaves, treedef = jax.tree.flatten(abstract)
     shs = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, jax.sharding.NamedSharding))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    out = [jax.jit(lambda k, x=x: 0.02 * jax.random.normal(k, x.shape, x.dtype), out_shardings=s)(k)
-           for k, x, s in zip(keys, leaves, shs)]
+    out = [
+        jax.jit(lambda k, x=x: 0.02 * jax.random.normal(k, x.shape, x.dtype), out_shardings=s)(k)
+        for k, x, s in zip(keys, leaves, shs)
+    ]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -126,8 +137,9 @@ def measure(args) -> list[dict]:
     _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
     timed_cfg = None
     if args.time_layers > 0:
-        timed_cfg = config(args.time_vocab, args.time_hidden, args.time_intermediate, args.time_layers, args.heads,
-                           args.kv_heads)
+        timed_cfg = config(
+            args.time_vocab, args.time_hidden, args.time_intermediate, args.time_layers, args.heads, args.kv_heads
+        )
     rows = []
     for dp, fsdp, tp in LAYOUTS:
         mesh = MeshSpec(dp=dp, fsdp=fsdp, tp=tp).build(jax.devices())
@@ -139,8 +151,10 @@ def measure(args) -> list[dict]:
                 engine = HybridEngine(mesh, train_rules, gen_tp, strategy, bucketed=bucketed)
                 rep = engine.report(state)
                 row = rep.to_dict()
-                row.update(layout=f"dp={dp},fsdp={fsdp},tp={tp}" if dp > 1 else f"fsdp={fsdp},tp={tp}",
-                           label=strategy if bucketed else "hybrid (1 program)")
+                row.update(
+                    layout=f"dp={dp},fsdp={fsdp},tp={tp}" if dp > 1 else f"fsdp={fsdp},tp={tp}",
+                    label=strategy if bucketed else "hybrid (1 program)",
+                )
                 row["seconds"] = row["live_swap_bytes"] = row["live_keep_bytes"] = row["timed_model_bytes"] = None
                 if timed_cfg is not None:
                     _, timed_abstract = nnx.split(nnx.eval_shape(lambda: init_model(timed_cfg)))
@@ -166,14 +180,20 @@ def ratio(a: float, b: float) -> str:
 
 def print_table(rows: list[dict], args) -> None:
     m = rows[0]["model_bytes"]
-    print(f"model: vocab {args.vocab}, hidden {args.hidden}, mlp {args.intermediate}, {args.layers} layers, "
-          f"{args.heads} heads ({args.kv_heads} kv), fp32: M = {mb(m).strip()} MiB; 8 simulated CPU devices")
+    print(
+        f"model: vocab {args.vocab}, hidden {args.hidden}, mlp {args.intermediate}, {args.layers} layers, "
+        f"{args.heads} heads ({args.kv_heads} kv), fp32: M = {mb(m).strip()} MiB; 8 simulated CPU devices"
+    )
     if rows[0]["timed_model_bytes"]:
-        print(f"timed on a {mb(rows[0]['timed_model_bytes']).strip()} MiB model (median of {args.reps}); "
-              "MiB per device; T2 = HybridFlow Table 2")
-    head = (f"{'train layout':<20}{'tg':>3}  {'strategy':<19}{'recv*':>9}{'T2 comm':>9}{'ratio':>7}{'coll out':>9}"
-            f"{'peak':>9}{'T2 peak':>9}{'ratio':>7}{'redund':>9}{'T2 red':>9}{'live sw':>9}{'live kp':>9}{'ms':>8}"
-            f"  groups  remat")
+        print(
+            f"timed on a {mb(rows[0]['timed_model_bytes']).strip()} MiB model (median of {args.reps}); "
+            "MiB per device; T2 = HybridFlow Table 2"
+        )
+    head = (
+        f"{'train layout':<20}{'tg':>3}  {'strategy':<19}{'recv*':>9}{'T2 comm':>9}{'ratio':>7}{'coll out':>9}"
+        f"{'peak':>9}{'T2 peak':>9}{'ratio':>7}{'redund':>9}{'T2 red':>9}{'live sw':>9}{'live kp':>9}{'ms':>8}"
+        f"  groups  remat"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -182,19 +202,23 @@ def print_table(rows: list[dict], args) -> None:
         gtxt = f"{len(groups)}x{len(groups[0])}" if groups else "-"
         ms = f"{r['seconds'] * 1e3:8.1f}" if r["seconds"] is not None else f"{'-':>8}"
         live = [f"{mb(r[k]):>9}" if r[k] is not None else f"{'-':>9}" for k in ("live_swap_bytes", "live_keep_bytes")]
-        print(f"{r['layout']:<20}{r['gen_tp']:>3}  {r['label']:<19}{mb(r['ring_received_bytes']):>9}"
-              f"{mb(t2['comm_bytes']):>9}{ratio(r['ring_received_bytes'], t2['comm_bytes']):>7}"
-              f"{mb(r['collective_output_bytes']):>9}"
-              f"{mb(r['peak_extra_bytes']):>9}{mb(t2['peak_bytes']):>9}{ratio(r['peak_extra_bytes'], t2['peak_bytes']):>7}"
-              f"{mb(r['redundancy_bytes']):>9}{mb(t2['redundancy_bytes']):>9}{live[0]}{live[1]}{ms}  {gtxt:<6}  "
-              f"{'YES' if r['full_remat'] else 'no'}")
-    print("recv*: bytes one device receives, a ring-algorithm model applied to the collectives of the compiled "
-          "HLO (not a measured transfer); coll out: the raw output bytes of those collectives on one device; "
-          "peak: allocated on top of the training weights (memory_analysis, in program order); redund: training "
-          "weights outside the generation shard (from the layouts); live sw / live kp: MEASURED live weight bytes "
-          "per device during generation on the timed model (jax.live_arrays), with the zero-redundancy swap "
-          "(training weights donated) / with the training copy kept; groups: replica groups of the collectives "
-          "(count x size).")
+        print(
+            f"{r['layout']:<20}{r['gen_tp']:>3}  {r['label']:<19}{mb(r['ring_received_bytes']):>9}"
+            f"{mb(t2['comm_bytes']):>9}{ratio(r['ring_received_bytes'], t2['comm_bytes']):>7}"
+            f"{mb(r['collective_output_bytes']):>9}"
+            f"{mb(r['peak_extra_bytes']):>9}{mb(t2['peak_bytes']):>9}{ratio(r['peak_extra_bytes'], t2['peak_bytes']):>7}"
+            f"{mb(r['redundancy_bytes']):>9}{mb(t2['redundancy_bytes']):>9}{live[0]}{live[1]}{ms}  {gtxt:<6}  "
+            f"{'YES' if r['full_remat'] else 'no'}"
+        )
+    print(
+        "recv*: bytes one device receives, a ring-algorithm model applied to the collectives of the compiled "
+        "HLO (not a measured transfer); coll out: the raw output bytes of those collectives on one device; "
+        "peak: allocated on top of the training weights (memory_analysis, in program order); redund: training "
+        "weights outside the generation shard (from the layouts); live sw / live kp: MEASURED live weight bytes "
+        "per device during generation on the timed model (jax.live_arrays), with the zero-redundancy swap "
+        "(training weights donated) / with the training copy kept; groups: replica groups of the collectives "
+        "(count x size)."
+    )
 
 
 def main(argv=None) -> None:

@@ -15,24 +15,36 @@ import importlib
 
 _API = {
     # configs
-    "get_config": "jaxflow.configs", "load_config": "jaxflow.configs", "validate": "jaxflow.configs",
-    "ConfigError": "jaxflow.configs", "describe_run": "jaxflow.configs", "RunSpec": "jaxflow.configs",
+    "get_config": "jaxflow.configs",
+    "load_config": "jaxflow.configs",
+    "validate": "jaxflow.configs",
+    "ConfigError": "jaxflow.configs",
+    "describe_run": "jaxflow.configs",
+    "RunSpec": "jaxflow.configs",
     # data
     "Batch": "jaxflow.data",
     # algorithm maths and settings (verl's names)
-    "AlgorithmConfig": "jaxflow.algos", "AlgorithmSettings": "jaxflow.algos",
+    "AlgorithmConfig": "jaxflow.algos",
+    "AlgorithmSettings": "jaxflow.algos",
     # iteration programs
-    "ppo_iteration": "jaxflow.programs", "remax_iteration": "jaxflow.programs",
-    "safe_rlhf_iteration": "jaxflow.programs", "register_algorithm": "jaxflow.programs",
+    "ppo_iteration": "jaxflow.programs",
+    "remax_iteration": "jaxflow.programs",
+    "safe_rlhf_iteration": "jaxflow.programs",
+    "register_algorithm": "jaxflow.programs",
     "AlgoState": "jaxflow.programs",
     # workers
-    "Workers": "jaxflow.workers", "build_local_workers": "jaxflow.workers",
+    "Workers": "jaxflow.workers",
+    "build_local_workers": "jaxflow.workers",
     # placement
-    "Placement": "jaxflow.mesh", "MeshSpec": "jaxflow.mesh",
+    "Placement": "jaxflow.mesh",
+    "MeshSpec": "jaxflow.mesh",
     # models and the hybrid engine
-    "ModelConfig": "jaxflow.models", "from_pretrained": "jaxflow.models", "HybridEngine": "jaxflow.reshard",
+    "ModelConfig": "jaxflow.models",
+    "from_pretrained": "jaxflow.models",
+    "HybridEngine": "jaxflow.reshard",
     # runs and plans
-    "RLTrainer": "jaxflow.trainer.rl", "dry_run": "jaxflow.plan",
+    "RLTrainer": "jaxflow.trainer.rl",
+    "dry_run": "jaxflow.plan",
 }
 
 __all__ = sorted(_API)

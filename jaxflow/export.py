@@ -25,8 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="the run directory (trainer.default_local_dir)")
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
     p.add_argument("--role", choices=("actor", "critic"), default="actor")
-    p.add_argument("--out", required=True,
-                   help="the HF directory to write: new, empty, or an earlier jaxflow export (replaced)")
+    p.add_argument(
+        "--out", required=True, help="the HF directory to write: new, empty, or an earlier jaxflow export (replaced)"
+    )
     return p
 
 
@@ -42,8 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (KeyError, AttributeError) as e:  # a config.json from another jaxflow version lacks a key
-        print(f"error: {args.checkpoint}/config.json lacks a key this jaxflow reads ({type(e).__name__}: {e}); was "
-              "it written by another jaxflow version?", file=sys.stderr)
+        print(
+            f"error: {args.checkpoint}/config.json lacks a key this jaxflow reads ({type(e).__name__}: {e}); was "
+            "it written by another jaxflow version?",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"interrupted: the export to {args.out} was cut short; an earlier export there is kept", file=sys.stderr)

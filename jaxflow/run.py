@@ -45,16 +45,29 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
     from jaxflow.trainer.outputs import RunDirInUseError
 
-    return (ConfigError, DatasetError, CheckpointError, UnknownDataSourceError, RewardFunctionError,
-            FileNotFoundError, FileExistsError, RunDirInUseError)
+    return (
+        ConfigError,
+        DatasetError,
+        CheckpointError,
+        UnknownDataSourceError,
+        RewardFunctionError,
+        FileNotFoundError,
+        FileExistsError,
+        RunDirInUseError,
+    )
 
 
 # errno values that mean "the user's storage refused the write", not a bug.
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
 _FULL = " (is the disk full?)"
 # The same, as libraries that are not Python's OSError say it (tensorstore, safetensors), with a hint.
-_STORAGE_TEXTS = {"No space left on device": _FULL, "Disk quota exceeded": _FULL, "File too large": _FULL,
-                  "Read-only file system": "", "Permission denied": ""}
+_STORAGE_TEXTS = {
+    "No space left on device": _FULL,
+    "Disk quota exceeded": _FULL,
+    "File too large": _FULL,
+    "Read-only file system": "",
+    "Permission denied": "",
+}
 _QUOTED_PATH = re.compile(r"""["'](/[^"']+)["']""")
 
 
@@ -124,8 +137,12 @@ def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | No
 
 
 def _log_unraisable(info: Any) -> None:
-    logging.getLogger(__name__).info("unraisable error (%s) in %r", info.err_msg or "ignored", info.object,
-                                     exc_info=(info.exc_type, info.exc_value, info.exc_traceback))
+    logging.getLogger(__name__).info(
+        "unraisable error (%s) in %r",
+        info.err_msg or "ignored",
+        info.object,
+        exc_info=(info.exc_type, info.exc_value, info.exc_traceback),
+    )
     if issubclass(info.exc_type, KeyboardInterrupt):
         # Ctrl-C landed where Python cannot raise it (e.g. JAX's garbage-collector callback) and
         # would be lost: deliver it again, to be raised in the main thread's own code.
@@ -165,7 +182,9 @@ def _train(cfg: Any, json_path: str | None) -> int:
         from jaxflow.trainer.builders import count_train_prompts
 
         # Epoch mode sizes the schedules by the training files' prompts, as the run does.
-        prompts = None if cfg.trainer.total_training_steps else count_train_prompts(data_spec(cfg), build_tokenizer(cfg))
+        prompts = (
+            None if cfg.trainer.total_training_steps else count_train_prompts(data_spec(cfg), build_tokenizer(cfg))
+        )
         dry_run(cfg, json_path=json_path, num_train_prompts=prompts)
         return 0
     if cfg.jaxflow.job == "sft":
@@ -273,8 +292,10 @@ def _checkpoints(run_dir: str | None) -> str:
     step = CheckpointManager(run_dir, read_only=True).latest_step()
     if step is None:
         return f"no complete checkpoint in {run_dir}"
-    return (f"the latest complete checkpoint is step {step} in {run_dir} (a save cut short is removed by the "
-            "next run, which resumes from it)")
+    return (
+        f"the latest complete checkpoint is step {step} in {run_dir} (a save cut short is removed by the "
+        "next run, which resumes from it)"
+    )
 
 
 if __name__ == "__main__":

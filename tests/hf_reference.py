@@ -13,8 +13,15 @@ HF_CLASSES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
 }
 
-SMALL = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+SMALL = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
 
 
 def random_hf_model(family: str, seed: int = 0, std: float = 0.1, head=None, **config):
@@ -53,7 +60,7 @@ def padded_batch(vocab: int, lengths: list[int], total: int, seed: int = 0, left
     mask = np.zeros((len(lengths), total), np.int64)
     for i, n in enumerate(lengths):
         if left:
-            mask[i, total - n:] = 1
+            mask[i, total - n :] = 1
         else:
             mask[i, :n] = 1
     return ids * mask, mask

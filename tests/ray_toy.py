@@ -36,8 +36,10 @@ class Toy:
         self._mix = jax.jit(lambda x: x / x.sum() * x.shape[0])  # a cross-device reduction each call
 
     def put(self, batch):
-        return {k: jax.device_put(v, NamedSharding(self.mesh, P("dp", *([None] * (v.ndim - 1)))))
-                for k, v in batch.tensors.items()}
+        return {
+            k: jax.device_put(v, NamedSharding(self.mesh, P("dp", *([None] * (v.ndim - 1)))))
+            for k, v in batch.tensors.items()
+        }
 
     @register(DP_COMPUTE)
     def double(self, batch):
@@ -54,8 +56,9 @@ class Toy:
         rows = NamedSharding(self.mesh, P("dp"))
         repeat = jax.jit(lambda x: (jnp.repeat(x, n), jnp.tile(jnp.arange(n), x.shape[0])), out_shardings=(rows, rows))
         out, sample = repeat(x)
-        return Batch({"x": out, "sample": sample}, {k: np.repeat(v, n) for k, v in batch.non_tensors.items()},
-                     batch.meta)
+        return Batch(
+            {"x": out, "sample": sample}, {k: np.repeat(v, n) for k, v in batch.non_tensors.items()}, batch.meta
+        )
 
     @register(DP_COMPUTE_METRIC)
     def stats(self, batch):
@@ -106,8 +109,9 @@ class Loaded:
 
         self.mesh, self.dp_axes = resolve_mesh(mesh), ("fsdp",)
         self.read = {}
-        self.model = from_pretrained(path, mesh=self.mesh, rules=TRAIN_RULES, scan_layers=scan_layers,
-                                     read_stats=self.read)
+        self.model = from_pretrained(
+            path, mesh=self.mesh, rules=TRAIN_RULES, scan_layers=scan_layers, read_stats=self.read
+        )
 
     @register(ALL_TO_ALL)
     def read_stats(self, _):

@@ -188,9 +188,8 @@ REFERENCES = {
     "rloo": lambda d: (ref_rloo(d["token_level_rewards"], d["response_mask"], d["group_ids"]),) * 2,
     "reinforce_plus_plus": lambda d: ref_rfpp(d["token_level_rewards"], d["response_mask"], GAMMA),
     "reinforce_plus_plus_baseline": lambda d: (
-        ref_rfpp_baseline(d["token_level_rewards"], d["response_mask"], d["group_ids"]),
-    )
-    * 2,
+        (ref_rfpp_baseline(d["token_level_rewards"], d["response_mask"], d["group_ids"]),) * 2
+    ),
     "remax": lambda d: ref_remax(d["token_level_rewards"], d["reward_baselines"], d["response_mask"]),
     "opo": lambda d: (ref_opo(d["token_level_rewards"], d["response_mask"], d["group_ids"]),) * 2,
     "gpg": lambda d: (ref_gpg(d["token_level_rewards"], d["response_mask"], d["group_ids"]),) * 2,
@@ -431,8 +430,11 @@ def test_bool_and_int_masks_and_int_rewards():
         fns = {n: algos.get_adv_estimator_fn(n) for n in ("gae", "grpo")}
         run_some = jax.jit(lambda cols: {n: f(**cols, **PARAMS) for n, f in fns.items()})
         want = run_some(batch)
-        other = dict(batch, response_mask=batch["response_mask"].astype(bool),
-                     token_level_rewards=batch["token_level_rewards"].astype(np.int32))
+        other = dict(
+            batch,
+            response_mask=batch["response_mask"].astype(bool),
+            token_level_rewards=batch["token_level_rewards"].astype(np.int32),
+        )
         got = run_some(other)
         for n in fns:
             np.testing.assert_allclose(np.asarray(got[n][0]), np.asarray(want[n][0]), atol=1e-12, err_msg=n)

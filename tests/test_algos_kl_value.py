@@ -94,7 +94,9 @@ def test_straight_through_has_k2_gradient():
             out = {}
             for kind in KINDS:
                 for k in (kind, kind + "+"):
-                    out[k] = jax.grad(lambda x, k=k: jnp.sum(algos.kl_penalty(x, ref, k) * jnp.arange(1.0, 25.0).reshape(4, 6)))(lp)
+                    out[k] = jax.grad(
+                        lambda x, k=k: jnp.sum(algos.kl_penalty(x, ref, k) * jnp.arange(1.0, 25.0).reshape(4, 6))
+                    )(lp)
             return out
 
         g = grads(lp, ref)
@@ -236,7 +238,9 @@ def test_entropy_loss(dtype):
     modes = ("token-mean", "seq-mean-token-mean")
     out = jax.jit(lambda z, m: [algos.compute_entropy_loss(z, m, mode) for mode in modes])(z, m)
     for mode, got in zip(modes, out):
-        np.testing.assert_allclose(float(got), r_agg(ref_entropy(z.astype(float)), m.astype(float), mode), atol=TOL[dtype])
+        np.testing.assert_allclose(
+            float(got), r_agg(ref_entropy(z.astype(float)), m.astype(float), mode), atol=TOL[dtype]
+        )
 
 
 # --------------------------------------------------------------------------- value loss
@@ -276,7 +280,9 @@ def test_value_loss_matches_reference(dtype):
         np.testing.assert_allclose(float(loss), want_loss, atol=TOL[dtype], rtol=0, err_msg=mode)
         np.testing.assert_allclose(float(clipfrac), want_frac, atol=TOL[dtype], rtol=0)
     assert 0 < float(out["token-mean"][1]) < 1  # both branches occur
-    want, _ = ref_value_loss(*ref_args, 0.2, "seq-mean-token-sum-norm", dp_size=2, global_batch_size=7, loss_scale_factor=3)
+    want, _ = ref_value_loss(
+        *ref_args, 0.2, "seq-mean-token-sum-norm", dp_size=2, global_batch_size=7, loss_scale_factor=3
+    )
     np.testing.assert_allclose(float(out["global"][0]), want, atol=TOL[dtype], rtol=0)
 
 
@@ -289,10 +295,14 @@ def test_value_loss_gradient_and_padding():
         for idx in np.ndindex(vpreds.shape):
             e = np.zeros_like(vpreds)
             e[idx] = h
-            fd[idx] = (ref_value_loss(vpreds + e, returns, values, m, 0.2, "token-mean")[0]
-                       - ref_value_loss(vpreds - e, returns, values, m, 0.2, "token-mean")[0]) / (2 * h)
+            fd[idx] = (
+                ref_value_loss(vpreds + e, returns, values, m, 0.2, "token-mean")[0]
+                - ref_value_loss(vpreds - e, returns, values, m, 0.2, "token-mean")[0]
+            ) / (2 * h)
         np.testing.assert_allclose(np.asarray(grad), fd, rtol=1e-6, atol=1e-9)
-        padded = [np.concatenate([x, np.random.default_rng(0).normal(size=(5, 2))], axis=1) for x in (vpreds, returns, values)]
+        padded = [
+            np.concatenate([x, np.random.default_rng(0).normal(size=(5, 2))], axis=1) for x in (vpreds, returns, values)
+        ]
         m_pad = np.concatenate([m, np.zeros((5, 2))], axis=1)
         base = all_value_losses(vpreds, returns, values, m)
         pad = all_value_losses(*padded, m_pad)
@@ -342,7 +352,9 @@ def test_ptx_loss(dtype):
     m = ragged_mask().astype(dtype)
     lp = rng.normal(-2, 1, size=m.shape).astype(dtype)
     ptx = jax.jit(algos.compute_ptx_loss)(lp, m)
-    np.testing.assert_allclose(float(ptx), r_agg(-lp.astype(float), m.astype(float), "token-mean"), atol=TOL[dtype], rtol=0)
+    np.testing.assert_allclose(
+        float(ptx), r_agg(-lp.astype(float), m.astype(float), "token-mean"), atol=TOL[dtype], rtol=0
+    )
     total = algos.add_ptx_loss(jnp.asarray(0.3, dtype), ptx, 0.25)
     np.testing.assert_allclose(float(total), 0.3 + 0.25 * float(ptx), atol=TOL[dtype], rtol=0)
 

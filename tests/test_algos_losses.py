@@ -113,7 +113,9 @@ def ref_cispo(old, lp, a, m, w=None, mode="token-mean", frozen=None):
     rho0 = np.exp(np.clip(lp0 - old, -20, 20))
     clipped = np.clip(rho0, 1 - EPS_LOW, 1 + EPS_HIGH)
     loss = -clipped * a * lp * (1 if w is None else w)
-    metrics = dict(pg_clipfrac=r_mean((rho0 != clipped).astype(float), m), pg_clipfrac_lower=0.0, ppo_kl=r_mean(old - lp, m))
+    metrics = dict(
+        pg_clipfrac=r_mean((rho0 != clipped).astype(float), m), pg_clipfrac_lower=0.0, ppo_kl=r_mean(old - lp, m)
+    )
     return r_agg(loss, m, mode), metrics
 
 
@@ -179,16 +181,30 @@ def ref_geo_mean(old, lp, a, m, w=None, mode=None, frozen=None):
 
 
 # name -> (loss_mode, jax kwargs, reference, reference kwargs, uses IS weights)
-CASES = {f"vanilla/{mode}": ("vanilla", dict(loss_agg_mode=mode), ref_vanilla, dict(mode=mode), False) for mode in MODES}
+CASES = {
+    f"vanilla/{mode}": ("vanilla", dict(loss_agg_mode=mode), ref_vanilla, dict(mode=mode), False) for mode in MODES
+}
 CASES.update(
     {
         "vanilla/is": ("vanilla", {}, ref_vanilla, {}, True),
         "gspo": ("gspo", dict(loss_agg_mode="token-sum"), ref_gspo, {}, False),  # mode is ignored
         "gspo/is": ("gspo", {}, ref_gspo, {}, True),
         "gpg": ("gpg", {}, ref_gpg, {}, False),
-        "gpg/seq-mean-token-mean/is": ("gpg", dict(loss_agg_mode="seq-mean-token-mean"), ref_gpg, dict(mode="seq-mean-token-mean"), True),
+        "gpg/seq-mean-token-mean/is": (
+            "gpg",
+            dict(loss_agg_mode="seq-mean-token-mean"),
+            ref_gpg,
+            dict(mode="seq-mean-token-mean"),
+            True,
+        ),
         "cispo": ("cispo", {}, ref_cispo, {}, False),
-        "cispo/is": ("cispo", dict(loss_agg_mode="seq-mean-token-sum"), ref_cispo, dict(mode="seq-mean-token-sum"), True),
+        "cispo/is": (
+            "cispo",
+            dict(loss_agg_mode="seq-mean-token-sum"),
+            ref_cispo,
+            dict(mode="seq-mean-token-sum"),
+            True,
+        ),
         "clip_cov": ("clip_cov", dict(CLIP_COV), ref_clip_cov, {}, False),
         "clip_cov/all": ("clip_cov", dict(CLIP_COV, clip_cov_ratio=1.0), ref_clip_cov, dict(clip_cov_ratio=1.0), True),
         "kl_cov": ("kl_cov", dict(KL_COV), ref_kl_cov, {}, False),
@@ -227,8 +243,13 @@ def all_grads(inp):
 def reference(name, inp, frozen=None):
     _, _, ref, ref_kwargs, use_w = CASES[name]
     return ref(
-        inp["old_log_prob"], inp["log_prob"], inp["advantages"], inp["response_mask"],
-        w=inp["w"] if use_w else None, frozen=frozen, **ref_kwargs,
+        inp["old_log_prob"],
+        inp["log_prob"],
+        inp["advantages"],
+        inp["response_mask"],
+        w=inp["w"] if use_w else None,
+        frozen=frozen,
+        **ref_kwargs,
     )
 
 
@@ -259,8 +280,9 @@ def test_losses_match_reference(dtype):
     # the clip metrics are not trivial on these inputs
     assert 0 < float(out["vanilla/token-mean"][1]["pg_clipfrac"]) < 1
     assert 0 < float(out["vanilla/token-mean"][1]["pg_clipfrac_lower"]) < 1
-    _, cand = clip_cov_selection(*(ref_inp[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")),
-                                 *CLIP_COV.values())
+    _, cand = clip_cov_selection(
+        *(ref_inp[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")), *CLIP_COV.values()
+    )
     assert 1 < cand.sum()  # clip_cov picks among several candidates
 
 
@@ -386,7 +408,9 @@ def test_masked_padding_and_permutation_change_nothing():
             if name != "clip_cov":  # its deterministic pick is the first candidates in row order
                 np.testing.assert_allclose(float(out_perm[name][0]), ref, atol=1e-12, rtol=0, err_msg=name)
         # with a fixed loss_scale_factor the -norm mode is padding-invariant too
-        norm = lambda d: algos.agg_loss(d["log_prob"], d["response_mask"], "seq-mean-token-sum-norm", loss_scale_factor=5)
+        norm = lambda d: algos.agg_loss(
+            d["log_prob"], d["response_mask"], "seq-mean-token-sum-norm", loss_scale_factor=5
+        )
         np.testing.assert_allclose(float(norm(padded)), float(norm(inp)), atol=1e-12)
 
 
@@ -416,6 +440,7 @@ def test_clip_cov_random_subset():
         def fn(key):
             def loss(lp_):
                 return algos.compute_policy_loss(old, lp_, a, m, loss_mode="clip_cov", key=key, **COMMON, **CLIP_COV)
+
             (val, metrics), grad = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(lp))
             return val, metrics, grad
 
@@ -463,9 +488,9 @@ def test_user_registered_loss():
             inp = make_inputs()
             args = [inp[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")]
             # common hyper-parameters it does not declare (the clip ratios) are dropped
-            loss, _ = jax.jit(lambda *a: algos.compute_policy_loss(
-                *a, loss_mode="test_reinforce", baseline=0.5, **COMMON
-            ))(*args)
+            loss, _ = jax.jit(
+                lambda *a: algos.compute_policy_loss(*a, loss_mode="test_reinforce", baseline=0.5, **COMMON)
+            )(*args)
             want = r_agg(-(inp["advantages"] - 0.5) * inp["log_prob"], inp["response_mask"], "token-mean")
             np.testing.assert_allclose(float(loss), want, atol=1e-12)
             # but IS weights it cannot apply are an error, not silently ignored

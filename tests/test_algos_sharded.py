@@ -59,8 +59,13 @@ def make_batch(seed=0):
 
 def policy_loss(batch, log_prob, loss_mode, agg_mode, info=None):
     return algos.compute_policy_loss(
-        batch["old_log_prob"], log_prob, batch["advantages"], batch["response_mask"],
-        loss_mode=loss_mode, loss_agg_mode=agg_mode, global_batch_info=info,
+        batch["old_log_prob"],
+        log_prob,
+        batch["advantages"],
+        batch["response_mask"],
+        loss_mode=loss_mode,
+        loss_agg_mode=agg_mode,
+        global_batch_info=info,
     )[0]
 
 
@@ -119,7 +124,9 @@ def test_micro_batches_and_shards_equal_full_batch(mesh):
         np.testing.assert_allclose(float(loss), float(ref_loss), atol=1e-10, rtol=0, err_msg=str(key))
         # each shard's gradient of its accumulated loss is its slice of the full-batch gradient
         # (times dp_size: verl's convention, undone by the optimiser's mean over replicas)
-        np.testing.assert_allclose(np.asarray(grad) / dp_size, np.asarray(ref_grad), atol=1e-10, rtol=0, err_msg=str(key))
+        np.testing.assert_allclose(
+            np.asarray(grad) / dp_size, np.asarray(ref_grad), atol=1e-10, rtol=0, err_msg=str(key)
+        )
         assert grad.sharding.spec == P("dp")
 
 
@@ -130,7 +137,7 @@ def test_local_normalisers_do_not_add_up(mesh):
     cols = {k: batch[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")}
     loss = jax.jit(lambda c: policy_loss(c, c["log_prob"], "vanilla", "token-mean"))
     full = loss(cols)
-    chunks = [jax.tree.map(lambda x, i=i: x[i * 4:(i + 1) * 4], cols) for i in range(B // 4)]
+    chunks = [jax.tree.map(lambda x, i=i: x[i * 4 : (i + 1) * 4], cols) for i in range(B // 4)]
     local_mean = np.mean([float(loss(c)) for c in chunks])
     assert abs(local_mean - float(full)) > 1e-3
 
@@ -146,7 +153,9 @@ def test_estimators_and_losses_run_on_sharded_arrays(mesh):
     @jax.jit
     def step(b):
         grpo, _ = algos.compute_grpo_outcome_advantage(b["token_level_rewards"], b["response_mask"], b["group_ids"])
-        gae, ret = algos.compute_gae_advantage_return(b["token_level_rewards"], b["values"], b["response_mask"], 0.99, 0.95)
+        gae, ret = algos.compute_gae_advantage_return(
+            b["token_level_rewards"], b["values"], b["response_mask"], 0.99, 0.95
+        )
         loss, metrics = algos.compute_policy_loss(b["old_log_prob"], b["log_prob"], grpo, b["response_mask"])
         vf, _ = algos.compute_value_loss(b["values"] + 0.1, ret, b["values"], b["response_mask"], 0.2)
         return dict(grpo=grpo, gae=gae, loss=loss, clipfrac=metrics["pg_clipfrac"], vf=vf)

@@ -42,10 +42,18 @@ def _cfg(name: str, **keys):
 
 def _qwen_cfg():
     """grpo_tiny on a Qwen2.5-0.5B-shaped actor (14 heads, 2 kv heads, hidden 896), 1 layer."""
-    return _cfg("grpo_tiny", **{"jaxflow.model.preset": "qwen2_5_0_5b", "jaxflow.model.vocab_size": 0,
-                                "jaxflow.model.hidden_size": 0, "jaxflow.model.intermediate_size": 0,
-                                "jaxflow.model.num_heads": 0, "jaxflow.model.num_kv_heads": 0,
-                                "jaxflow.model.num_layers": 1})
+    return _cfg(
+        "grpo_tiny",
+        **{
+            "jaxflow.model.preset": "qwen2_5_0_5b",
+            "jaxflow.model.vocab_size": 0,
+            "jaxflow.model.hidden_size": 0,
+            "jaxflow.model.intermediate_size": 0,
+            "jaxflow.model.num_heads": 0,
+            "jaxflow.model.num_kv_heads": 0,
+            "jaxflow.model.num_layers": 1,
+        },
+    )
 
 
 @pytest.mark.parametrize("k", range(1, 6))
@@ -78,13 +86,19 @@ def test_layouts_divide_the_qwen_shapes_and_build_real_shardings():
     _, state = nnx.split(nnx.eval_shape(lambda: init_model(mc, head="lm")))
     for rl in layouts:
         lay = rl.layout
-        p = Placement.from_groups([("g", 8, ("actor",))], jax.devices()[:8],
-                                  meshes={"actor": f"dp={lay.dp},fsdp={lay.fsdp},tp={lay.tp}"},
-                                  gen_tp={"actor": lay.gen_tp}, models={"actor": mc})
+        p = Placement.from_groups(
+            [("g", 8, ("actor",))],
+            jax.devices()[:8],
+            meshes={"actor": f"dp={lay.dp},fsdp={lay.fsdp},tp={lay.tp}"},
+            gen_tp={"actor": lay.gen_tp},
+            models={"actor": mc},
+        )
         shardings = state_shardings(state, p.rules("actor"), p.mesh("actor"))  # raises if anything does not divide
         # The analytic bytes per device equal the real shardings' largest shard.
-        real = sum(int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
-                   for s, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(state)))
+        real = sum(
+            int(np.prod(s.shard_shape(x.shape))) * x.dtype.itemsize
+            for s, x in zip(jax.tree.leaves(shardings), jax.tree.leaves(state))
+        )
         assert rl.plan.param_bytes == real
         assert dict(p.mesh("actor", "generate").shape) == rl.meshes["generate"]
     # A tp that does not divide 14 heads is never proposed.
@@ -115,8 +129,9 @@ def test_simulators_are_monotone():
     assert train_time(w, rl32, A100).compute < train_time(w, rl16, A100).compute
     assert rl32.plan.param_bytes < rl16.plan.param_bytes
     # Faster devices / links never make a stage slower.
-    fast = dataclasses.replace(A100, flops=2 * A100.flops, intra_bw=2 * A100.intra_bw, inter_bw=2 * A100.inter_bw,
-                               hbm_bw=2 * A100.hbm_bw)
+    fast = dataclasses.replace(
+        A100, flops=2 * A100.flops, intra_bw=2 * A100.intra_bw, inter_bw=2 * A100.inter_bw, hbm_bw=2 * A100.hbm_bw
+    )
     for fn in (train_time, infer_time):
         assert fn(w, rl16, fast).seconds < fn(w, rl16, A100).seconds
     actor = role_layout(w, "actor", Layout(1, 8, 2, 2))
@@ -125,8 +140,10 @@ def test_simulators_are_monotone():
     longer = dataclasses.replace(w, response_len=2 * w.response_len)
     actor_l = role_layout(longer, "actor", Layout(1, 8, 2, 2))
     assert generate_time(longer, actor_l, A100).seconds > generate_time(w, actor, A100).seconds
-    assert train_time(longer, role_layout(longer, "critic", Layout(1, 16, 1)), A100).seconds > \
-        train_time(w, rl16, A100).seconds
+    assert (
+        train_time(longer, role_layout(longer, "critic", Layout(1, 16, 1)), A100).seconds
+        > train_time(w, rl16, A100).seconds
+    )
     # Crossing hosts costs more than staying inside one: fsdp=16 spans two hosts of 8.
     one_host = dataclasses.replace(A100, devices_per_host=16)
     assert train_time(w, rl16, one_host).comm < train_time(w, rl16, A100).comm
@@ -135,8 +152,14 @@ def test_simulators_are_monotone():
 def test_search_is_no_worse_than_any_given_plan():
     w = workload_from_config(configs.get_config("ppo_7b"))
     best = Mapper(w, 16, A100).search(top=1)[0]
-    hand = evaluate(w, A100, [(("actor", "ref"), 8, {"actor": Layout(1, 4, 2, 2), "ref": Layout(1, 8, 1)}),
-                              (("critic", "reward"), 8, {"critic": Layout(1, 4, 2), "reward": Layout(1, 8, 1)})])
+    hand = evaluate(
+        w,
+        A100,
+        [
+            (("actor", "ref"), 8, {"actor": Layout(1, 4, 2, 2), "ref": Layout(1, 8, 1)}),
+            (("critic", "reward"), 8, {"critic": Layout(1, 4, 2), "reward": Layout(1, 8, 1)}),
+        ],
+    )
     assert hand.fits and best.iteration_s <= hand.iteration_s
 
 
@@ -198,8 +221,9 @@ def test_embed_rules_keep_the_hybrid_engine_zero_redundancy():
     from jaxflow.reshard import HybridEngine
     from jaxflow.reshard.engine import containment_violations, redundant_bytes
 
-    mc = PRESETS["tiny_llama"].replace(hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8, intermediate_size=96,
-                                       vocab_size=64)
+    mc = PRESETS["tiny_llama"].replace(
+        hidden_size=48, num_heads=6, num_kv_heads=2, head_dim=8, intermediate_size=96, vocab_size=64
+    )
     rules, _ = hybrid_rules(mc, 8, tp=2)
     assert rules == HYBRID_TRAIN_RULES_EMBED
     mesh = MeshSpec(fsdp=4, tp=2).build(jax.devices()[:8], model=mc, rules=rules)
@@ -232,8 +256,16 @@ def test_auto_placement_needs_no_mesh_keys(preset):
     from jaxflow.configs import build_placement
 
     shape = {f"jaxflow.model.{k}": v for k, v in QWEN_SHAPES[preset].items()}
-    cfg = _cfg("grpo_tiny", **{"jaxflow.model.preset": preset, "jaxflow.model.vocab_size": 0, **shape,
-                               "jaxflow.model.num_layers": 1, "jaxflow.placement.device_kind": "cpu"})
+    cfg = _cfg(
+        "grpo_tiny",
+        **{
+            "jaxflow.model.preset": preset,
+            "jaxflow.model.vocab_size": 0,
+            **shape,
+            "jaxflow.model.num_layers": 1,
+            "jaxflow.placement.device_kind": "cpu",
+        },
+    )
     assert cfg.jaxflow.placement.type == "auto"
     configs.validate(cfg)
     with pytest.raises(configs.ConfigError, match="resolved at start-up"):
@@ -254,8 +286,11 @@ def test_auto_placement_needs_no_mesh_keys(preset):
 
 # NCCL's ring protocols as its tuner models them (NVIDIA/nccl src/graph/tuning.cc): base
 # latency, latency per ring step over NVLink / the network, fraction of the bus bandwidth.
-NCCL = {"LL": (3.6e-6, 0.47e-6, 2.7e-6, 0.25), "LL128": (10.0e-6, 1.9e-6, 4.0e-6, 0.92),
-        "Simple": (8.4e-6, 3.4e-6, 9.6e-6, 1.0)}
+NCCL = {
+    "LL": (3.6e-6, 0.47e-6, 2.7e-6, 0.25),
+    "LL128": (10.0e-6, 1.9e-6, 4.0e-6, 0.92),
+    "Simple": (8.4e-6, 3.4e-6, 9.6e-6, 1.0),
+}
 
 
 def _ring(kind, k, hosts, nbytes, intra=235e9, inter=22e9):
@@ -263,15 +298,21 @@ def _ring(kind, k, hosts, nbytes, intra=235e9, inter=22e9):
     rounds = 2 if kind == "all_reduce" else 1
     steps, net = rounds * (k - 1), rounds * (hosts - 1)
     bw = inter if hosts > 1 else intra
-    return min(base + (steps - net) * hop + net * net_hop + steps / k * nbytes / (frac * bw)
-               for base, hop, net_hop, frac in NCCL.values())
+    return min(
+        base + (steps - net) * hop + net * net_hop + steps / k * nbytes / (frac * bw)
+        for base, hop, net_hop, frac in NCCL.values()
+    )
 
 
 def test_collectives_latency_and_bandwidth_by_hand():
     from jaxflow.automap.simulate import collective, hosts_spanned
 
-    assert [hosts_spanned(4, 2, 8), hosts_spanned(4, 4, 8), hosts_spanned(2, 8, 8), hosts_spanned(8, 16, 8)] == \
-        [1, 2, 2, 8]
+    assert [hosts_spanned(4, 2, 8), hosts_spanned(4, 4, 8), hosts_spanned(2, 8, 8), hosts_spanned(8, 16, 8)] == [
+        1,
+        2,
+        2,
+        8,
+    ]
     X = 32 * 8192 * 2  # one decode step's activations of 32 sequences, D=8192, bf16: 512 KiB
     # Inside a host the small message takes NCCL's LL protocol: ~26 us, not 2 (8-1) x 10 us x 2.
     ll = 3.6e-6 + 14 * 0.47e-6 + 14 / 8 * X / (0.25 * 235e9)
@@ -339,8 +380,9 @@ def test_generation_time_by_hand_with_strided_tp_groups_across_hosts():
     chunks = math.ceil(e.prompts / e.prefill_rows) * math.ceil(P / e.prefill_len)
     waves = math.ceil(e.rows / e.slots)
     b = e.rows / waves
-    comm = (chunks * L * 2 * _ring("all_reduce", 4, 2, e.prefill_rows * e.prefill_len * D * c)
-            + waves * R * L * 2 * _ring("all_reduce", 4, 2, b * D * c))
+    comm = chunks * L * 2 * _ring(
+        "all_reduce", 4, 2, e.prefill_rows * e.prefill_len * D * c
+    ) + waves * R * L * 2 * _ring("all_reduce", 4, 2, b * D * c)
     t = generate_time(w, rl, A100)
     assert t.comm == pytest.approx(comm, rel=1e-9)
     # Decode is memory-bound here: per step the multiplied weights / 4 and the KV cache / 4 (32
@@ -348,8 +390,9 @@ def test_generation_time_by_hand_with_strided_tp_groups_across_hosts():
     S = P + (R + 1) / 2
     act = 2 * c * b * L * (4 * D + (3 * mc.intermediate_size + 2 * 32 * K + 2 * 32 * K) / 4)
     step = rm.matmul_weight_bytes / 4 + b * S * L * 2 * 32 * K * c / 4 + act + b * mc.vocab_size * 4
-    prefill = (chunks * rm.matmul_weight_bytes / 4
-               + 2 * c * e.prompts * P * L * (4 * D + (3 * mc.intermediate_size + 4 * 32 * K) / 4))
+    prefill = chunks * rm.matmul_weight_bytes / 4 + 2 * c * e.prompts * P * L * (
+        4 * D + (3 * mc.intermediate_size + 4 * 32 * K) / 4
+    )
     assert t.memory == pytest.approx((prefill + waves * R * step) / (0.8 * 2.039e12), rel=1e-9)
     # On hosts of 16 the same groups stay on NVLink: cheaper.
     assert generate_time(w, rl, dataclasses.replace(A100, devices_per_host=16)).comm < t.comm / 3
@@ -376,8 +419,9 @@ def test_small_per_device_batches_run_below_peak_and_spreading_is_not_free():
     rm = w.models["ref"]
 
     def achieved(rows, n):
-        wl = dataclasses.replace(w, prompts=rows, prompt_len=16, response_len=16, forward_micro={**w.forward_micro,
-                                                                                                 "ref": None})
+        wl = dataclasses.replace(
+            w, prompts=rows, prompt_len=16, response_len=16, forward_micro={**w.forward_micro, "ref": None}
+        )
         rl = role_layout(wl, "ref", Layout(n, 1, 1))
         t = infer_time(wl, rl, A100)
         return pass_flops(rm, rows / n, 32, rows / n * 16, 1) / (t.seconds * A100.flops), t
@@ -404,12 +448,23 @@ def test_schedule_by_hand_serial_and_concurrent():
     from jaxflow.automap.simulate import StageTime
     from jaxflow.automap.workload import dataflow
 
-    secs = {"actor/reshard": 1, "actor/generate": 10, "actor/log_probs": 2, "ref/log_probs": 3,
-            "critic/values": 4, "reward/scores": 5, "actor/train": 6, "critic/train": 7}
-    w = dataclasses.replace(workload_from_config(configs.get_config("ppo_7b")),
-                            stages=dataflow(("actor", "ref", "critic", "reward")))
-    pools = [PoolChoice(roles, 8, {}, {s: StageTime(secs[s]) for s in secs if s.split("/")[0] in roles}, 0)
-             for roles in (("actor", "ref"), ("critic", "reward"))]
+    secs = {
+        "actor/reshard": 1,
+        "actor/generate": 10,
+        "actor/log_probs": 2,
+        "ref/log_probs": 3,
+        "critic/values": 4,
+        "reward/scores": 5,
+        "actor/train": 6,
+        "critic/train": 7,
+    }
+    w = dataclasses.replace(
+        workload_from_config(configs.get_config("ppo_7b")), stages=dataflow(("actor", "ref", "critic", "reward"))
+    )
+    pools = [
+        PoolChoice(roles, 8, {}, {s: StageTime(secs[s]) for s in secs if s.split("/")[0] in roles}, 0)
+        for roles in (("actor", "ref"), ("critic", "reward"))
+    ]
     serial, spans = schedule(w, pools, concurrent=False)
     assert serial == sum(secs.values()) == 38
     assert spans["critic/values"] == (16, 20) and spans["critic/train"] == (31, 38)
@@ -433,8 +488,11 @@ def test_layout_search_is_exact_against_brute_force():
     roles = ("actor", "ref", "critic")
     for n in (16, 32):
         opts = [mapper.role_options(r, n) for r in roles]
-        fits = [sum(o.seconds for o in combo) for combo in itertools.product(*opts)
-                if sum(o.kept for o in combo) + max(o.transient for o in combo) <= prof.budget_bytes]
+        fits = [
+            sum(o.seconds for o in combo)
+            for combo in itertools.product(*opts)
+            if sum(o.kept for o in combo) + max(o.transient for o in combo) <= prof.budget_bytes
+        ]
         pool = mapper.best_pool(roles, n)
         if not fits:
             assert pool is None
@@ -485,8 +543,13 @@ def test_time_bound_covers_the_whole_search_and_is_reported(monkeypatch):
     for args in (["--json"], []):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            assert cli.main(["--config=ppo_7b", "--devices=16", "--device_kind=a100-80g",
-                             f"--time_limit_s={readings * 0.6}"] + args) == 0
+            assert (
+                cli.main(
+                    ["--config=ppo_7b", "--devices=16", "--device_kind=a100-80g", f"--time_limit_s={readings * 0.6}"]
+                    + args
+                )
+                == 0
+            )
         if args:
             d = json.loads(out.getvalue())
             assert d["truncated"] is True and d["search"]["placements_explored"] < 15
@@ -522,8 +585,14 @@ def test_nothing_fits_is_said_clearly():
 def test_roles_of_different_sizes():
     """A 13B actor (and reference) with a 70B critic and reward model (``preset:`` paths): each
     role is planned with its own model, and the plan reproduces a valid config."""
-    cfg = _cfg("ppo_13b", **{"critic.model.path": "preset:llama2_70b", "reward_model.model.path": "preset:llama2_70b",
-                             "jaxflow.num_devices": 64})
+    cfg = _cfg(
+        "ppo_13b",
+        **{
+            "critic.model.path": "preset:llama2_70b",
+            "reward_model.model.path": "preset:llama2_70b",
+            "jaxflow.num_devices": 64,
+        },
+    )
     w = workload_from_config(cfg)
     sizes = {r: m.num_params for r, m in w.models.items()}
     assert sizes["actor"] == sizes["ref"] and 12e9 < sizes["actor"] < 14e9
@@ -555,8 +624,7 @@ def test_a_plan_the_estimate_passes_but_the_compiler_rejects_falls_back_to_the_n
     limit = dataclasses.replace(cpu, memory_gib=1.05 * dp.pools[0].peak_bytes / 2**30)
     assert dp.pools[0].peak_bytes <= limit.budget_bytes  # the estimate passes
     lines = []
-    chosen = choose_verified(cfg, [dp, fsdp], 8, limit, attempts=2, log=lines.append,
-                             programs=("actor/train_step",))
+    chosen = choose_verified(cfg, [dp, fsdp], 8, limit, attempts=2, log=lines.append, programs=("actor/train_step",))
     assert chosen is fsdp and fsdp.compiled["fits"]
     assert not dp.compiled["fits"] and dp.compiled["rejected"].startswith("actor/train_step needs")
     assert "compiled plan 1: REJECTED" in lines[0] and "compiled plan 2: fits" in lines[1]
@@ -572,9 +640,16 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
     from jaxflow.automap.auto import resolve_placement
     from jaxflow.automap.profiles import load_profile, save_profile
 
-    cfg = _cfg("ppo_tiny", **{"jaxflow.model.num_layers": 1, "jaxflow.model.hidden_size": 32,
-                              "jaxflow.model.intermediate_size": 64, "jaxflow.model.num_heads": 4,
-                              "jaxflow.model.num_kv_heads": 2})
+    cfg = _cfg(
+        "ppo_tiny",
+        **{
+            "jaxflow.model.num_layers": 1,
+            "jaxflow.model.hidden_size": 32,
+            "jaxflow.model.intermediate_size": 64,
+            "jaxflow.model.num_heads": 4,
+            "jaxflow.model.num_kv_heads": 2,
+        },
+    )
     lines = []
     m = calibrate.measure(cfg, 8, repeats=1, shapes=((16, 8, 8),), collective_bytes=(1 << 16,), log=lines.append)
     assert [s.phase for s in m["samples"]] == ["infer", "train", "generate"]
@@ -587,8 +662,9 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
         pred = calibrate.predict(p, calibrate.cases(m["base"], m["samples"], 8))
         return float(np.sqrt(np.mean([math.log(a / s.seconds) ** 2 for a, s in zip(pred, m["samples"])])))
 
-    start = dataclasses.replace(prof, mfu=0.5, decode_mfu=0.5, hbm_eff=1.0, kernel_overhead_s=20e-6,
-                                call_overhead_s=m["call_s"])
+    start = dataclasses.replace(
+        prof, mfu=0.5, decode_mfu=0.5, hbm_eff=1.0, kernel_overhead_s=20e-6, call_overhead_s=m["call_s"]
+    )
     assert rms(prof) <= rms(start) + 1e-9
     path = str(tmp_path / "cpu.json")
     save_profile(prof, path)
@@ -617,8 +693,11 @@ def test_memory_scale_from_the_compiler_changes_the_plan():
     assert sum(transient_parts(rl)["generate"]) == p.transient_bytes()["generate"]
     row = {"role": "actor", "phase": "generate", "compiled_peak_bytes": p.generate_param_bytes + 3 * gen_work}
     assert memory_correction(first, row) == ("generate", pytest.approx(3.0))
-    train = {"role": "actor", "phase": "train", "compiled_peak_bytes":
-             rl.persistent_bytes + p.gradient_bytes + 2 * p.activation_bytes["train"]}
+    train = {
+        "role": "actor",
+        "phase": "train",
+        "compiled_peak_bytes": rl.persistent_bytes + p.gradient_bytes + 2 * p.activation_bytes["train"],
+    }
     assert memory_correction(first, train) == ("train", pytest.approx(2.0))
     simulated = mapper.layouts_simulated
     mapper.scale_memory("generate", 3.0)
@@ -631,8 +710,10 @@ def test_memory_scale_from_the_compiler_changes_the_plan():
         worst = max(mapper.transient_bytes(x) for x in pc.layouts.values())
         assert pc.peak_bytes == kept + worst <= A100.budget_bytes
     p2 = rl2.plan
-    assert mapper.transient_bytes(rl2) >= p2.generate_param_bytes - p2.param_bytes + 3 * (
-        p2.kv_cache_bytes + p2.activation_bytes["generate"]) - 1
+    assert (
+        mapper.transient_bytes(rl2)
+        >= p2.generate_param_bytes - p2.param_bytes + 3 * (p2.kv_cache_bytes + p2.activation_bytes["generate"]) - 1
+    )
     assert second.iteration_s >= first.iteration_s
 
 
@@ -643,8 +724,10 @@ def test_ray_pools_take_whole_hosts():
 
     assert pool_sizes(8, 2, whole_hosts=True) == [2, 4, 6, 8] and pool_sizes(8, 2) == [1, 2, 4, 6, 8]
     assert pool_sizes(4, 8, whole_hosts=True) == [1, 2, 4]  # below one host: the whole cluster's divisors
-    cfg = _cfg("ppo_tiny", **{"jaxflow.backend": "ray", "jaxflow.ray.devices_per_host": 4,
-                              "jaxflow.placement.device_kind": "cpu"})
+    cfg = _cfg(
+        "ppo_tiny",
+        **{"jaxflow.backend": "ray", "jaxflow.ray.devices_per_host": 4, "jaxflow.placement.device_kind": "cpu"},
+    )
     resolved = resolve_placement(cfg, log=None)
     sizes = resolved.jaxflow.placement.pool_sizes or (8,)
     assert all(s % 4 == 0 for s in sizes) and sum(sizes) == 8

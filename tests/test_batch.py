@@ -180,14 +180,10 @@ def test_repeat_interleave_and_tile():
         meta={"m": 1},
     )
     r = b.repeat(2, interleave=True)
-    np.testing.assert_array_equal(
-        r["x"], np.array([[1, 2], [1, 2], [3, 4], [3, 4], [5, 6], [5, 6]])
-    )
+    np.testing.assert_array_equal(r["x"], np.array([[1, 2], [1, 2], [3, 4], [3, 4], [5, 6], [5, 6]]))
     assert list(r["s"]) == ["a", "a", "b", "b", "c", "c"]
     t = b.repeat(2, interleave=False)
-    np.testing.assert_array_equal(
-        t["x"], np.array([[1, 2], [3, 4], [5, 6], [1, 2], [3, 4], [5, 6]])
-    )
+    np.testing.assert_array_equal(t["x"], np.array([[1, 2], [3, 4], [5, 6], [1, 2], [3, 4], [5, 6]]))
     assert list(t["s"]) == ["a", "b", "c", "a", "b", "c"]
     assert r.meta == {"m": 1}
     jr = b.to_device().repeat(3)
@@ -209,9 +205,7 @@ def test_chunk_concat_round_trip():
     with pytest.raises(ValueError, match=r"batch 1 has tensor keys \['responses'\]"):
         Batch.concat([b, b.select(tensor_keys=["responses"])])
     with pytest.raises(ValueError, match="column 'x'"):
-        Batch.concat(
-            [Batch(tensors={"x": np.zeros((2, 3))}), Batch(tensors={"x": np.zeros((2, 4))})]
-        )
+        Batch.concat([Batch(tensors={"x": np.zeros((2, 3))}), Batch(tensors={"x": np.zeros((2, 4))})])
 
 
 def test_concat_device_and_mixed():

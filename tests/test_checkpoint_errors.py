@@ -24,7 +24,8 @@ def test_missing_safetensors_file(saved):
 
 def test_index_naming_a_missing_shard(saved):
     (saved / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}}))
+        json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}})
+    )
     with pytest.raises(models.CheckpointError, match="model-00002-of-00002.safetensors"):
         models.from_pretrained(saved)
 
@@ -49,9 +50,11 @@ def test_tensor_of_the_wrong_shape(saved):
     cfg = json.loads((saved / "config.json").read_text())
     cfg["intermediate_size"] = 96
     (saved / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(models.CheckpointError,
-                       match=r"tensor 'model.layers.0.mlp.(gate|up|down)_proj.weight' in .*model.safetensors "
-                             r"has shape \((128, 64|64, 128)\); the config implies \((96, 64|64, 96)\)"):
+    with pytest.raises(
+        models.CheckpointError,
+        match=r"tensor 'model.layers.0.mlp.(gate|up|down)_proj.weight' in .*model.safetensors "
+        r"has shape \((128, 64|64, 128)\); the config implies \((96, 64|64, 96)\)",
+    ):
         models.from_pretrained(saved)
 
 

@@ -40,8 +40,10 @@ def test_second_process_loads_the_compiled_program(tmp_path, setup):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     env.pop("XLA_FLAGS", None)
-    runs = [subprocess.run([sys.executable, "-c", setup + COMPILE], env=env, capture_output=True, text=True,
-                           timeout=300) for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", setup + COMPILE], env=env, capture_output=True, text=True, timeout=300)
+        for _ in range(2)
+    ]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
     cache_dir = tmp_path / "jaxflow" / "jax"

@@ -24,8 +24,12 @@ from jaxflow.configs.base import FIELDS
 from jaxflow.configs.resolve import FakeDevice, ray_config
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
 
-BASE = ["jaxflow.placement.type=colocated", "reward_model.enable=True", "jaxflow.data.num_train_examples=64",
-        "jaxflow.data.num_val_examples=8"]
+BASE = [
+    "jaxflow.placement.type=colocated",
+    "reward_model.enable=True",
+    "jaxflow.data.num_train_examples=64",
+    "jaxflow.data.num_val_examples=8",
+]
 
 
 class View:
@@ -44,8 +48,12 @@ class View:
     @functools.cached_property
     def spec(self):
         devices = [FakeDevice(i) for i in range(self.cfg.jaxflow.num_devices)]
-        return describe_run(self.cfg, devices=devices, eos_token_id=self.tokenizer.eos_token_id,
-                            pad_token_id=self.tokenizer.pad_token_id)
+        return describe_run(
+            self.cfg,
+            devices=devices,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
 
     @functools.cached_property
     def datasets(self):
@@ -70,7 +78,9 @@ def model(role):
 
 def pools(v):
     """Pool name -> (devices, roles)."""
-    return {name: (v.spec.placement.pools[name].size, tuple(roles)) for name, roles in v.spec.placement.groups().items()}
+    return {
+        name: (v.spec.placement.pools[name].size, tuple(roles)) for name, roles in v.spec.placement.groups().items()
+    }
 
 
 def first_prompts(v):
@@ -119,10 +129,17 @@ PACKED = ["actor_rollout_ref.model.use_remove_padding=True"]
 SAFE = ["jaxflow.safe_rlhf.enable=True", "algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2"]
 COST = SAFE + ["jaxflow.safe_rlhf.cost_model_path=preset:tiny_llama"]
 # Split pools whose second half takes any size: critic and reward models replicated (dp).
-SPLIT = ["jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=(4,4)", "jaxflow.mesh.critic.dp=-1",
-         "jaxflow.mesh.critic.fsdp=1", "jaxflow.mesh.reward.dp=-1", "jaxflow.mesh.reward.fsdp=1",
-         "actor_rollout_ref.rollout.n=6", "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=8",
-         "critic.ppo_micro_batch_size_per_device=4"]
+SPLIT = [
+    "jaxflow.placement.type=split",
+    "jaxflow.placement.pool_sizes=(4,4)",
+    "jaxflow.mesh.critic.dp=-1",
+    "jaxflow.mesh.critic.fsdp=1",
+    "jaxflow.mesh.reward.dp=-1",
+    "jaxflow.mesh.reward.fsdp=1",
+    "actor_rollout_ref.rollout.n=6",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=8",
+    "critic.ppo_micro_batch_size_per_device=4",
+]
 FILES = "@files"  # replaced by the test's data files (train with a long prompt, val)
 
 
@@ -133,8 +150,11 @@ def _optim(prefix, role, context, style):
         f"{prefix}.optim.lr_warmup_steps": (5, context, spec(f"{role}.optim.num_warmup_steps")),
         f"{prefix}.optim.lr_warmup_steps_ratio": (0.5, context, spec(f"{role}.optim.num_warmup_steps")),
         f"{prefix}.optim.warmup_style": (style, context, spec(f"{role}.optim.warmup_style")),
-        f"{prefix}.optim.min_lr_ratio": (0.3, context + [f"{prefix}.optim.warmup_style=cosine"],
-                                         spec(f"{role}.optim.min_lr_ratio")),
+        f"{prefix}.optim.min_lr_ratio": (
+            0.3,
+            context + [f"{prefix}.optim.warmup_style=cosine"],
+            spec(f"{role}.optim.min_lr_ratio"),
+        ),
         f"{prefix}.optim.weight_decay": (0.1, context, spec(f"{role}.optim.weight_decay")),
         f"{prefix}.optim.betas": ((0.8, 0.99), context, spec(f"{role}.optim.betas")),
         f"{prefix}.grad_clip": (0.5, context, spec(f"{role}.optim.grad_clip")),
@@ -155,15 +175,21 @@ CHECKS = {
     # --- data
     "data.train_files": (FILES, [], sources),
     "data.val_files": (FILES, [], sources),
-    "data.prompt_key": ("question", [f"data.train_files={FILES}", f"data.val_files={FILES}", "data.truncation=right"],
-                        first_prompts),
+    "data.prompt_key": (
+        "question",
+        [f"data.train_files={FILES}", f"data.val_files={FILES}", "data.truncation=right"],
+        first_prompts,
+    ),
     "data.reward_fn_key": Refused(("answer", "by the data_source column only")),
     "data.max_prompt_length": (12, [], spec("prompt_length")),
     "data.max_response_length": (6, [], spec("rollout.train.max_new_tokens")),
     "data.train_batch_size": (16, [], spec("train_batch_size")),
     "data.val_batch_size": (4, [], spec("data.val_batch_size")),
-    "data.truncation": ("right", [f"data.train_files={FILES}", f"data.val_files={FILES}", "data.truncation=left"],
-                        first_prompts),
+    "data.truncation": (
+        "right",
+        [f"data.train_files={FILES}", f"data.val_files={FILES}", "data.truncation=left"],
+        first_prompts,
+    ),
     "data.shuffle": (False, [], epoch_order),
     "data.seed": (7, [], epoch_order),
     # --- actor / reference / rollout
@@ -173,15 +199,22 @@ CHECKS = {
     f"{A}.ppo_micro_batch_size_per_device": (8, [], spec("actor.ppo_micro_batch_size_per_device")),
     f"{A}.ppo_epochs": (2, [], spec("actor.ppo_epochs")),
     f"{A}.use_dynamic_bsz": (True, PACKED, spec("actor.use_dynamic_bsz")),
-    f"{A}.ppo_max_token_len_per_device": (64, PACKED + [f"{A}.use_dynamic_bsz=True"],
-                                          spec("actor.ppo_max_token_len_per_device")),
+    f"{A}.ppo_max_token_len_per_device": (
+        64,
+        PACKED + [f"{A}.use_dynamic_bsz=True"],
+        spec("actor.ppo_max_token_len_per_device"),
+    ),
     f"{A}.shuffle": (True, [], spec("actor.shuffle")),
     f"{A}.clip_ratio_low": (0.1, [], spec("actor.clip_ratio_low")),
     f"{A}.clip_ratio_high": (0.3, [], spec("actor.clip_ratio_high")),
     f"{A}.clip_ratio_c": (2.0, [], spec("actor.clip_ratio_c")),
     f"{A}.loss_agg_mode": ("seq-mean-token-mean", [], spec("actor.loss_agg_mode")),
     f"{A}.policy_loss.loss_mode": ("gspo", [], spec("actor.loss_mode")),
-    f"{A}.policy_loss.clip_cov_ratio": (0.01, [f"{A}.policy_loss.loss_mode=clip_cov"], spec("actor.policy_loss_kwargs")),
+    f"{A}.policy_loss.clip_cov_ratio": (
+        0.01,
+        [f"{A}.policy_loss.loss_mode=clip_cov"],
+        spec("actor.policy_loss_kwargs"),
+    ),
     f"{A}.policy_loss.clip_cov_lb": (2.0, [f"{A}.policy_loss.loss_mode=clip_cov"], spec("actor.policy_loss_kwargs")),
     f"{A}.policy_loss.clip_cov_ub": (4.0, [f"{A}.policy_loss.loss_mode=clip_cov"], spec("actor.policy_loss_kwargs")),
     f"{A}.policy_loss.kl_cov_ratio": (0.01, [f"{A}.policy_loss.loss_mode=kl_cov"], spec("actor.policy_loss_kwargs")),
@@ -194,7 +227,10 @@ CHECKS = {
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device": (8, [], spec("ref_micro_batch_size_per_device")),
     "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (True, PACKED, spec("ref_max_token_len_per_device")),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_device": (
-        64, PACKED + ["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True"], spec("ref_max_token_len_per_device")),
+        64,
+        PACKED + ["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True"],
+        spec("ref_max_token_len_per_device"),
+    ),
     f"{R}.n": (4, [], spec("n")),
     f"{R}.temperature": (0.7, [], spec("rollout.temperature")),
     f"{R}.top_p": (0.9, [], spec("rollout.train.top_p")),
@@ -207,15 +243,27 @@ CHECKS = {
     f"{R}.stop_token_ids": ([7], [], spec("rollout.train.eos_token_ids")),
     f"{R}.log_prob_micro_batch_size_per_device": (8, [], spec("actor.log_prob_micro_batch_size_per_device")),
     f"{R}.log_prob_use_dynamic_bsz": (True, PACKED, spec("actor.log_prob_use_dynamic_bsz")),
-    f"{R}.log_prob_max_token_len_per_device": (64, PACKED + [f"{R}.log_prob_use_dynamic_bsz=True"],
-                                               spec("actor.log_prob_max_token_len_per_device")),
+    f"{R}.log_prob_max_token_len_per_device": (
+        64,
+        PACKED + [f"{R}.log_prob_use_dynamic_bsz=True"],
+        spec("actor.log_prob_max_token_len_per_device"),
+    ),
     f"{R}.val_kwargs.n": (2, [], spec("rollout.val.n")),
-    f"{R}.val_kwargs.temperature": (0.7, [f"{R}.val_kwargs.do_sample=True", f"{R}.val_kwargs.temperature=0.5"],
-                                    spec("rollout.val.temperature")),
-    f"{R}.val_kwargs.top_p": (0.9, [f"{R}.val_kwargs.do_sample=True", f"{R}.val_kwargs.temperature=0.5"],
-                              spec("rollout.val.top_p")),
-    f"{R}.val_kwargs.top_k": (5, [f"{R}.val_kwargs.do_sample=True", f"{R}.val_kwargs.temperature=0.5"],
-                              spec("rollout.val.top_k")),
+    f"{R}.val_kwargs.temperature": (
+        0.7,
+        [f"{R}.val_kwargs.do_sample=True", f"{R}.val_kwargs.temperature=0.5"],
+        spec("rollout.val.temperature"),
+    ),
+    f"{R}.val_kwargs.top_p": (
+        0.9,
+        [f"{R}.val_kwargs.do_sample=True", f"{R}.val_kwargs.temperature=0.5"],
+        spec("rollout.val.top_p"),
+    ),
+    f"{R}.val_kwargs.top_k": (
+        5,
+        [f"{R}.val_kwargs.do_sample=True", f"{R}.val_kwargs.temperature=0.5"],
+        spec("rollout.val.top_k"),
+    ),
     f"{R}.val_kwargs.do_sample": (True, [f"{R}.val_kwargs.temperature=0.5"], spec("rollout.val.greedy")),
     # --- critic
     "critic.enable": (False, ["algorithm.adv_estimator=grpo", f"{R}.n=2"], spec("roles")),
@@ -223,12 +271,16 @@ CHECKS = {
     **_optim(C, "critic", CRITIC, "cosine"),
     "critic.model.use_remove_padding": (True, CRITIC, spec("critic.use_remove_padding")),
     "critic.use_dynamic_bsz": (True, CRITIC + ["critic.model.use_remove_padding=True"], spec("critic.use_dynamic_bsz")),
-    "critic.ppo_max_token_len_per_device": (64, CRITIC + ["critic.model.use_remove_padding=True",
-                                                          "critic.use_dynamic_bsz=True"],
-                                            spec("critic.ppo_max_token_len_per_device")),
-    "critic.forward_max_token_len_per_device": (64, CRITIC + ["critic.model.use_remove_padding=True",
-                                                              "critic.use_dynamic_bsz=True"],
-                                                spec("critic.forward_max_token_len_per_device")),
+    "critic.ppo_max_token_len_per_device": (
+        64,
+        CRITIC + ["critic.model.use_remove_padding=True", "critic.use_dynamic_bsz=True"],
+        spec("critic.ppo_max_token_len_per_device"),
+    ),
+    "critic.forward_max_token_len_per_device": (
+        64,
+        CRITIC + ["critic.model.use_remove_padding=True", "critic.use_dynamic_bsz=True"],
+        spec("critic.forward_max_token_len_per_device"),
+    ),
     "critic.ppo_mini_batch_size": (16, CRITIC, spec("critic.ppo_mini_batch_size")),
     "critic.ppo_micro_batch_size_per_device": (4, CRITIC, spec("critic.ppo_micro_batch_size_per_device")),
     "critic.forward_micro_batch_size_per_device": (8, CRITIC, spec("critic.forward_micro_batch_size_per_device")),
@@ -242,21 +294,34 @@ CHECKS = {
     "reward_model.model.use_remove_padding": (True, [], spec("reward.use_remove_padding")),
     "reward_model.micro_batch_size_per_device": (8, [], spec("reward.micro_batch_size_per_device")),
     "custom_reward_function.path": ("@reward", [], spec("reward.custom_function_path")),
-    "custom_reward_function.name": ("score_it", ["custom_reward_function.path=@reward"],
-                                    spec("reward.custom_function_name")),
+    "custom_reward_function.name": (
+        "score_it",
+        ["custom_reward_function.path=@reward"],
+        spec("reward.custom_function_name"),
+    ),
     # --- algorithm
     "algorithm.adv_estimator": ("grpo", [f"{R}.n=2"], spec("algorithm.algorithm.adv_estimator")),
     "algorithm.gamma": (0.9, [], spec("algorithm.algorithm.gamma")),
     "algorithm.lam": (0.95, [], spec("algorithm.algorithm.lam")),
-    "algorithm.norm_adv_by_std_in_grpo": (False, ["algorithm.adv_estimator=grpo", f"{R}.n=2"],
-                                          spec("algorithm.algorithm.norm_adv_by_std_in_grpo")),
+    "algorithm.norm_adv_by_std_in_grpo": (
+        False,
+        ["algorithm.adv_estimator=grpo", f"{R}.n=2"],
+        spec("algorithm.algorithm.norm_adv_by_std_in_grpo"),
+    ),
     "algorithm.use_kl_in_reward": (False, [], spec("algorithm.algorithm.use_kl_in_reward")),
     "algorithm.kl_penalty": ("low_var_kl", [], spec("algorithm.algorithm.kl_penalty")),
     "algorithm.kl_ctrl.type": ("adaptive", [], spec("algorithm.algorithm.kl_ctrl.type")),
     "algorithm.kl_ctrl.kl_coef": (0.01, [], spec("algorithm.algorithm.kl_ctrl.kl_coef")),
-    "algorithm.kl_ctrl.horizon": (500, ["algorithm.kl_ctrl.type=adaptive"], spec("algorithm.algorithm.kl_ctrl.horizon")),
-    "algorithm.kl_ctrl.target_kl": (0.5, ["algorithm.kl_ctrl.type=adaptive"],
-                                    spec("algorithm.algorithm.kl_ctrl.target_kl")),
+    "algorithm.kl_ctrl.horizon": (
+        500,
+        ["algorithm.kl_ctrl.type=adaptive"],
+        spec("algorithm.algorithm.kl_ctrl.horizon"),
+    ),
+    "algorithm.kl_ctrl.target_kl": (
+        0.5,
+        ["algorithm.kl_ctrl.type=adaptive"],
+        spec("algorithm.algorithm.kl_ctrl.target_kl"),
+    ),
     # --- trainer
     "trainer.total_epochs": (3, ["trainer.total_training_steps=None"], spec("training_steps")),
     "trainer.total_training_steps": (7, [], spec("training_steps")),
@@ -271,8 +336,11 @@ CHECKS = {
     "trainer.critic_warmup": (2, [], spec("actor.optim.total_training_steps")),  # the actor's updates start later
     "trainer.balance_batch": (True, [], spec("actor.log_balance")),
     "trainer.resume_mode": ("disable", [], spec("trainer.resume_mode")),
-    "trainer.resume_from_path": ("/elsewhere", ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt"],
-                                 spec("trainer.resume_from_path")),
+    "trainer.resume_from_path": (
+        "/elsewhere",
+        ["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt"],
+        spec("trainer.resume_from_path"),
+    ),
     "trainer.default_local_dir": ("/tmp/run", [], spec("trainer.run_dir")),
     "trainer.max_actor_ckpt_to_keep": (2, [], spec("trainer.max_ckpt_to_keep")),
     "trainer.max_critic_ckpt_to_keep": (2, [], spec("trainer.max_ckpt_to_keep")),
@@ -290,22 +358,33 @@ CHECKS = {
     "jaxflow.ray.schedule_timeout_s": (5.0, [], lambda v: ray_config(v.cfg).schedule_timeout_s),
     "jaxflow.ray.max_restarts": (2, [], spec("trainer.max_restarts")),
     "jaxflow.ray.tpu_topology": ("2x2", ["jaxflow.ray.tpu_version=v5p"], lambda v: ray_config(v.cfg).tpu_topology),
-    "jaxflow.ray.tpu_version": ("v6e", ["jaxflow.ray.tpu_topology=2x2", "jaxflow.ray.tpu_version=v5p"],
-                                lambda v: ray_config(v.cfg).tpu_version),
+    "jaxflow.ray.tpu_version": (
+        "v6e",
+        ["jaxflow.ray.tpu_topology=2x2", "jaxflow.ray.tpu_version=v5p"],
+        lambda v: ray_config(v.cfg).tpu_version,
+    ),
     "jaxflow.num_devices": (4, [], spec("num_devices")),
     "jaxflow.placement.type": ("split", [], pools),
     "jaxflow.placement.device_kind": ("h100", ["jaxflow.placement.type=auto"], profile),
     "jaxflow.placement.devices_per_host": (4, ["jaxflow.placement.type=auto"], profile),
-    "jaxflow.placement.groups": ("actor,critic;ref,reward", ["jaxflow.placement.type=custom",
-                                                              "jaxflow.placement.groups=actor,ref;critic,reward"],
-                                 pools),
+    "jaxflow.placement.groups": (
+        "actor,critic;ref,reward",
+        ["jaxflow.placement.type=custom", "jaxflow.placement.groups=actor,ref;critic,reward"],
+        pools,
+    ),
     "jaxflow.placement.pool_sizes": ((2, 6), SPLIT, pools),
     "jaxflow.mesh.actor.train.dp": (2, [], mesh("actor")),
-    "jaxflow.mesh.actor.train.fsdp": (2, ["jaxflow.mesh.actor.train.dp=-1", "jaxflow.mesh.actor.train.fsdp=4"],
-                                      mesh("actor")),
+    "jaxflow.mesh.actor.train.fsdp": (
+        2,
+        ["jaxflow.mesh.actor.train.dp=-1", "jaxflow.mesh.actor.train.fsdp=4"],
+        mesh("actor"),
+    ),
     "jaxflow.mesh.actor.train.tp": (1, [], mesh("actor")),
     "jaxflow.mesh.actor.generate.tp": (1, [], mesh("actor", "generate")),
-    **_mesh("critic"), **_mesh("ref"), **_mesh("reward"), **_mesh("cost"),
+    **_mesh("critic"),
+    **_mesh("ref"),
+    **_mesh("reward"),
+    **_mesh("cost"),
     # --- jaxflow: model
     "jaxflow.model.preset": ("tiny_qwen2", [], model("actor")),
     "jaxflow.model.vocab_size": (256, [], model("actor")),
@@ -364,15 +443,28 @@ def files(tmp_path_factory):
     from jaxflow.data.char_tokenizer import CharTokenizer
 
     root = tmp_path_factory.mktemp("keys")
-    rows = [{"data_source": "jaxflow/addition", "prompt": f"{i}+{i}=", "question": f"what is {i}+{i}?",
-             "reward_model": {"ground_truth": str(2 * i)}, "extra_info": {}} for i in range(40)]
+    rows = [
+        {
+            "data_source": "jaxflow/addition",
+            "prompt": f"{i}+{i}=",
+            "question": f"what is {i}+{i}?",
+            "reward_model": {"ground_truth": str(2 * i)},
+            "extra_info": {},
+        }
+        for i in range(40)
+    ]
     rows[0]["prompt"], rows[0]["question"] = "1+2+3+4+5+6+7+8+9+10+11=", "what is 1+2+3+4+5+6+7+8+9+10+11?"
     (root / "data.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    (root / "reward.py").write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                    "    return 0.0\n\n\nscore_it = compute_score\n")
+    (root / "reward.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return 0.0\n\n\nscore_it = compute_score\n"
+    )
     CharTokenizer().backend.save(str(root / "tokenizer.json"))
-    return {"@files": str(root / "data.jsonl"), "@reward": str(root / "reward.py"),
-            "@tokenizer": str(root / "tokenizer.json")}
+    return {
+        "@files": str(root / "data.jsonl"),
+        "@reward": str(root / "reward.py"),
+        "@tokenizer": str(root / "tokenizer.json"),
+    }
 
 
 def _text(value, files):

@@ -12,8 +12,12 @@ from jaxflow.configs.docs import main as docs_main
 from jaxflow.configs.docs import markdown_table
 
 TINY = [n for n in configs.NAMED if n.endswith("_tiny")]
-PAPER = {"ppo_7b": ("llama2_7b", 16), "ppo_13b": ("llama2_13b", 32), "ppo_34b": ("codellama_34b", 64),
-         "ppo_70b": ("llama2_70b", 128)}
+PAPER = {
+    "ppo_7b": ("llama2_7b", 16),
+    "ppo_13b": ("llama2_13b", 32),
+    "ppo_34b": ("codellama_34b", 64),
+    "ppo_70b": ("llama2_70b", 128),
+}
 
 
 # ----------------------------------------------------------------------------- shipped configs
@@ -29,8 +33,17 @@ def test_named_config_loads_and_validates(name):
 
 def test_named_configs_are_the_requested_set():
     assert set(configs.NAMED) == {
-        "ppo_tiny", "grpo_tiny", "remax_tiny", "rloo_tiny", "reinforce_pp_tiny", "safe_rlhf_tiny", "sft_tiny",
-        "ppo_7b", "ppo_13b", "ppo_34b", "ppo_70b",
+        "ppo_tiny",
+        "grpo_tiny",
+        "remax_tiny",
+        "rloo_tiny",
+        "reinforce_pp_tiny",
+        "safe_rlhf_tiny",
+        "sft_tiny",
+        "ppo_7b",
+        "ppo_13b",
+        "ppo_34b",
+        "ppo_70b",
     }
     assert configs.DEFAULT_CONFIG == "grpo_tiny"
     listing = configs.describe_named()
@@ -58,8 +71,14 @@ def test_tiny_configs_are_cpu_sized(name):
 
 def test_tiny_configs_select_their_algorithms():
     est = {n: get_config(n).algorithm.adv_estimator for n in TINY if n != "sft_tiny"}
-    assert est == {"ppo_tiny": "gae", "grpo_tiny": "grpo", "remax_tiny": "remax", "rloo_tiny": "rloo",
-                   "reinforce_pp_tiny": "reinforce_plus_plus", "safe_rlhf_tiny": "grpo"}
+    assert est == {
+        "ppo_tiny": "gae",
+        "grpo_tiny": "grpo",
+        "remax_tiny": "remax",
+        "rloo_tiny": "rloo",
+        "reinforce_pp_tiny": "reinforce_plus_plus",
+        "safe_rlhf_tiny": "grpo",
+    }
     assert configs.active_roles(get_config("ppo_tiny")) == ("actor", "ref", "critic")
     grpo = get_config("grpo_tiny")
     assert grpo.actor_rollout_ref.rollout.n >= 4 and "critic" not in configs.active_roles(grpo)
@@ -87,17 +106,23 @@ def test_paper_workloads(name):
 
 
 def test_config_drives_the_real_placement():
-    placement = configs.build_placement(load_config("ppo_tiny", ["jaxflow.placement.type=colocated"]))  # conftest's 8 CPU devices
+    placement = configs.build_placement(
+        load_config("ppo_tiny", ["jaxflow.placement.type=colocated"])
+    )  # conftest's 8 CPU devices
     assert dict(placement.mesh("actor").shape) == {"dp": 1, "fsdp": 4, "tp": 2}
     assert dict(placement.mesh("actor", "generate").shape) == {"tp": 2, "dp": 4}
     assert placement.colocated_with("actor") == ("actor", "ref", "critic")
 
 
 def test_split_placement_pools():
-    cfg = load_config("ppo_tiny", ["jaxflow.placement.type=split", "jaxflow.mesh.actor.train.fsdp=2",
-                                   "jaxflow.mesh.actor.generate.tp=1"])
-    assert configs.placement_groups(cfg) == [("actor", 4, ("actor", "ref")),
-                                             ("critic", 4, ("critic", "reward", "cost"))]
+    cfg = load_config(
+        "ppo_tiny",
+        ["jaxflow.placement.type=split", "jaxflow.mesh.actor.train.fsdp=2", "jaxflow.mesh.actor.generate.tp=1"],
+    )
+    assert configs.placement_groups(cfg) == [
+        ("actor", 4, ("actor", "ref")),
+        ("critic", 4, ("critic", "reward", "cost")),
+    ]
     assert configs.data_parallel_size(cfg, "critic") == 4
 
 
@@ -135,28 +160,88 @@ MALFORMED = [
     ("ppo_tiny", ["jaxflow.placement.type=spread"], "jaxflow.placement.type", "colocated, split, custom"),
     ("ppo_tiny", ["jaxflow.model.dtype=bf16"], "jaxflow.model.dtype", "did you mean bfloat16"),
     ("ppo_tiny", ["jaxflow.model.preset=llama2_8b"], "jaxflow.model.preset", "llama2_7b"),
-    ("ppo_tiny", ["actor_rollout_ref.actor.ppo_mini_batch_size=24"], "actor_rollout_ref.actor.ppo_mini_batch_size",
-     "train_batch_size=32 prompts do not split into mini-batches of 24"),
-    ("ppo_tiny", ["jaxflow.placement.type=colocated", "actor_rollout_ref.rollout.n=1", "actor_rollout_ref.actor.ppo_mini_batch_size=2"],
-     "actor_rollout_ref.actor.ppo_mini_batch_size", "2 responses does not split over the actor's 4 data-parallel ranks"),
-    ("grpo_tiny", ["jaxflow.placement.type=colocated", "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=5"],
-     "actor_rollout_ref.actor.ppo_micro_batch_size_per_device", "16 responses per data-parallel rank"),
-    ("ppo_tiny", ["jaxflow.placement.type=colocated", "critic.ppo_micro_batch_size_per_device=3"], "critic.ppo_micro_batch_size_per_device",
-     "8 responses per data-parallel rank"),
-    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.mesh.critic.fsdp=4"], "jaxflow.mesh.critic", "4 devices, but the critic's pool has 8"),
-    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.mesh.actor.train.tp=3"], "jaxflow.mesh.actor.train", "do not divide the actor's pool of 8"),
-    ("ppo_tiny", ["jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=(4,2)"], "jaxflow.placement.pool_sizes",
-     "add up to 6 devices, but jaxflow.num_devices is 8"),
-    ("ppo_tiny", ["jaxflow.placement.type=custom", "jaxflow.placement.groups=actor;critic"], "jaxflow.placement.groups",
-     "no pool for the active roles ['ref']"),
-    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.mesh.actor.generate.tp=3"], "jaxflow.mesh.actor.generate.tp",
-     "must divide the actor's training weight-parallel degree fsdp*tp = 4*2 = 8"),
-    ("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.model.num_heads=4", "jaxflow.model.num_kv_heads=2",
-                  "jaxflow.mesh.actor.train.fsdp=1", "jaxflow.mesh.actor.train.tp=8"], "jaxflow.mesh.actor.train", "does not divide num_heads=4"),
-    ("ppo_70b", ["jaxflow.mesh.critic.tp=16", "jaxflow.mesh.critic.fsdp=4"], "jaxflow.mesh.critic",
-     "tp=16 does not divide num_kv_heads=8"),
-    ("ppo_tiny", ["jaxflow.model.hidden_size=100"], "jaxflow.model.num_heads",
-     "num_heads=8 does not divide hidden_size=100"),
+    (
+        "ppo_tiny",
+        ["actor_rollout_ref.actor.ppo_mini_batch_size=24"],
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "train_batch_size=32 prompts do not split into mini-batches of 24",
+    ),
+    (
+        "ppo_tiny",
+        [
+            "jaxflow.placement.type=colocated",
+            "actor_rollout_ref.rollout.n=1",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+        ],
+        "actor_rollout_ref.actor.ppo_mini_batch_size",
+        "2 responses does not split over the actor's 4 data-parallel ranks",
+    ),
+    (
+        "grpo_tiny",
+        ["jaxflow.placement.type=colocated", "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=5"],
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_device",
+        "16 responses per data-parallel rank",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.placement.type=colocated", "critic.ppo_micro_batch_size_per_device=3"],
+        "critic.ppo_micro_batch_size_per_device",
+        "8 responses per data-parallel rank",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.placement.type=colocated", "jaxflow.mesh.critic.fsdp=4"],
+        "jaxflow.mesh.critic",
+        "4 devices, but the critic's pool has 8",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.placement.type=colocated", "jaxflow.mesh.actor.train.tp=3"],
+        "jaxflow.mesh.actor.train",
+        "do not divide the actor's pool of 8",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=(4,2)"],
+        "jaxflow.placement.pool_sizes",
+        "add up to 6 devices, but jaxflow.num_devices is 8",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.placement.type=custom", "jaxflow.placement.groups=actor;critic"],
+        "jaxflow.placement.groups",
+        "no pool for the active roles ['ref']",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.placement.type=colocated", "jaxflow.mesh.actor.generate.tp=3"],
+        "jaxflow.mesh.actor.generate.tp",
+        "must divide the actor's training weight-parallel degree fsdp*tp = 4*2 = 8",
+    ),
+    (
+        "ppo_tiny",
+        [
+            "jaxflow.placement.type=colocated",
+            "jaxflow.model.num_heads=4",
+            "jaxflow.model.num_kv_heads=2",
+            "jaxflow.mesh.actor.train.fsdp=1",
+            "jaxflow.mesh.actor.train.tp=8",
+        ],
+        "jaxflow.mesh.actor.train",
+        "does not divide num_heads=4",
+    ),
+    (
+        "ppo_70b",
+        ["jaxflow.mesh.critic.tp=16", "jaxflow.mesh.critic.fsdp=4"],
+        "jaxflow.mesh.critic",
+        "tp=16 does not divide num_kv_heads=8",
+    ),
+    (
+        "ppo_tiny",
+        ["jaxflow.model.hidden_size=100"],
+        "jaxflow.model.num_heads",
+        "num_heads=8 does not divide hidden_size=100",
+    ),
     ("ppo_tiny", ["critic.enable=false"], "critic.enable", "'gae' needs a critic"),
     ("ppo_tiny", ["actor_rollout_ref.actor.ppo_epochs=0"], "actor_rollout_ref.actor.ppo_epochs", "must be >= 1"),
     ("ppo_tiny", ["actor_rollout_ref.actor.optim.lr=0"], "actor_rollout_ref.actor.optim.lr", "must be > 0"),
@@ -168,11 +253,19 @@ MALFORMED = [
     ("ppo_tiny", ["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "no checkpoint path"),
     ("ppo_tiny", ["custom_reward_function.path=/no/such/reward.py"], "custom_reward_function.path", "file not found"),
     ("ppo_tiny", ["actor_rollout_ref.rollout.temperature=0"], "actor_rollout_ref.rollout.temperature", "do_sample"),
-    ("safe_rlhf_tiny", ["jaxflow.safe_rlhf.lambda_update_scale=log", "jaxflow.safe_rlhf.lambda_init=0"],
-     "jaxflow.safe_rlhf.lambda_init", "log"),
+    (
+        "safe_rlhf_tiny",
+        ["jaxflow.safe_rlhf.lambda_update_scale=log", "jaxflow.safe_rlhf.lambda_init=0"],
+        "jaxflow.safe_rlhf.lambda_init",
+        "log",
+    ),
     ("sft_tiny", ["jaxflow.sft.batch_size=30"], "jaxflow.sft.batch_size", "4 data-parallel ranks"),
-    ("ppo_tiny", ["reward_model.enable=true", "reward_model.model.path=preset:llama9"], "reward_model.model.path",
-     "unknown preset 'llama9'"),
+    (
+        "ppo_tiny",
+        ["reward_model.enable=true", "reward_model.model.path=preset:llama9"],
+        "reward_model.model.path",
+        "unknown preset 'llama9'",
+    ),
 ]
 
 
@@ -202,11 +295,19 @@ def test_model_shape_from_a_checkpoint_config_json(tmp_path):
 
     tiny = configs.model_config(get_config("sft_tiny"), "actor")
     (tmp_path / "config.json").write_text(json.dumps(tiny.to_hf_dict()))
-    cfg = load_config("grpo_tiny", [f"actor_rollout_ref.model.path={tmp_path}", "jaxflow.model.preset=llama2_7b",
-                                    "jaxflow.placement.type=colocated"])
+    cfg = load_config(
+        "grpo_tiny",
+        [
+            f"actor_rollout_ref.model.path={tmp_path}",
+            "jaxflow.model.preset=llama2_7b",
+            "jaxflow.placement.type=colocated",
+        ],
+    )
     model = configs.model_config(cfg, "actor")
     assert (model.vocab_size, model.hidden_size, model.num_heads) == (tiny.vocab_size, tiny.hidden_size, tiny.num_heads)
-    (tmp_path / "config.json").write_text(json.dumps(tiny.replace(num_heads=3, num_kv_heads=1, head_dim=32).to_hf_dict()))
+    (tmp_path / "config.json").write_text(
+        json.dumps(tiny.replace(num_heads=3, num_kv_heads=1, head_dim=32).to_hf_dict())
+    )
     with pytest.raises(ConfigError) as info:  # 3 heads split neither fsdp*tp=8 nor tp=2 ways
         validate(cfg)
     assert info.value.key == "jaxflow.mesh.actor.train" and "num_heads=3" in str(info.value)
@@ -224,15 +325,26 @@ def test_custom_reward_file_that_exists_validates(tmp_path):
 
 def test_overrides_parse_each_type():
     cfg = get_config("ppo_tiny")
-    apply_overrides(cfg, [
-        "data.shuffle=false", "actor_rollout_ref.actor.use_kl_loss=1", "critic.shuffle=True",
-        "data.train_batch_size=128", "actor_rollout_ref.actor.optim.lr=3e-6", "algorithm.gamma=1",
-        "trainer.experiment_name=my run", "data.prompt_key='question'",
-        "jaxflow.placement.pool_sizes=(4, 4)", "actor_rollout_ref.actor.optim.betas=0.9,0.95",
-        "trainer.logger=console,jsonl", "--config.trainer.total_training_steps=7",
-        "config.critic.enable=None", "trainer.max_actor_ckpt_to_keep=null",
-        "custom_reward_function.path=~/r.py",
-    ])
+    apply_overrides(
+        cfg,
+        [
+            "data.shuffle=false",
+            "actor_rollout_ref.actor.use_kl_loss=1",
+            "critic.shuffle=True",
+            "data.train_batch_size=128",
+            "actor_rollout_ref.actor.optim.lr=3e-6",
+            "algorithm.gamma=1",
+            "trainer.experiment_name=my run",
+            "data.prompt_key='question'",
+            "jaxflow.placement.pool_sizes=(4, 4)",
+            "actor_rollout_ref.actor.optim.betas=0.9,0.95",
+            "trainer.logger=console,jsonl",
+            "--config.trainer.total_training_steps=7",
+            "config.critic.enable=None",
+            "trainer.max_actor_ckpt_to_keep=null",
+            "custom_reward_function.path=~/r.py",
+        ],
+    )
     assert cfg.data.shuffle is False and cfg.actor_rollout_ref.actor.use_kl_loss is True and cfg.critic.shuffle is True
     assert cfg.data.train_batch_size == 128 and isinstance(cfg.data.train_batch_size, int)
     assert cfg.actor_rollout_ref.actor.optim.lr == 3e-6 and isinstance(cfg.algorithm.gamma, float)
@@ -245,27 +357,33 @@ def test_overrides_parse_each_type():
     assert cfg.trainer.logger == ["wandb"] and cfg.trainer.total_training_steps is None and cfg.critic.enable is True
 
 
-@pytest.mark.parametrize("override,words", [
-    ("trainer.total_epochs=1.5", ["trainer.total_epochs", "expected int", "'1.5'"]),
-    ("data.shuffle=maybe", ["data.shuffle", "expected bool", "'maybe'"]),
-    ("actor_rollout_ref.actor.optim.lr=fast", ["actor_rollout_ref.actor.optim.lr", "expected float", "'fast'"]),
-    ("data.max_prompt_length=None", ["data.max_prompt_length", "expected int", "'None'"]),
-    ("critic.enable=sometimes", ["critic.enable", "expected bool (true/false/1/0) or None", "'sometimes'"]),
-    ("jaxflow.placement.pool_sizes=(4,'x')", ["jaxflow.placement.pool_sizes", "expected tuple", "(4,'x')"]),
-    ("actor_rollout_ref.actor.optim.betas=(0.9,'a')", ["actor_rollout_ref.actor.optim.betas", "expected tuple"]),
-])
+@pytest.mark.parametrize(
+    "override,words",
+    [
+        ("trainer.total_epochs=1.5", ["trainer.total_epochs", "expected int", "'1.5'"]),
+        ("data.shuffle=maybe", ["data.shuffle", "expected bool", "'maybe'"]),
+        ("actor_rollout_ref.actor.optim.lr=fast", ["actor_rollout_ref.actor.optim.lr", "expected float", "'fast'"]),
+        ("data.max_prompt_length=None", ["data.max_prompt_length", "expected int", "'None'"]),
+        ("critic.enable=sometimes", ["critic.enable", "expected bool (true/false/1/0) or None", "'sometimes'"]),
+        ("jaxflow.placement.pool_sizes=(4,'x')", ["jaxflow.placement.pool_sizes", "expected tuple", "(4,'x')"]),
+        ("actor_rollout_ref.actor.optim.betas=(0.9,'a')", ["actor_rollout_ref.actor.optim.betas", "expected tuple"]),
+    ],
+)
 def test_override_wrong_type(override, words):
     with pytest.raises(ConfigError) as info:
         apply_overrides(get_config("ppo_tiny"), [override])
     assert all(w in str(info.value) for w in words), str(info.value)
 
 
-@pytest.mark.parametrize("override,key,close", [
-    ("actor_rollout_ref.actor.lrr=1", "actor_rollout_ref.actor.lrr", "actor_rollout_ref.actor.optim.lr"),
-    ("actor.optim.lr=1", "actor.optim.lr", "actor_rollout_ref.actor.optim.lr"),
-    ("data.train_batchsize=8", "data.train_batchsize", "data.train_batch_size"),
-    ("algorithm.kl_ctrl.kl_coeff=0.1", "algorithm.kl_ctrl.kl_coeff", "algorithm.kl_ctrl.kl_coef"),
-])
+@pytest.mark.parametrize(
+    "override,key,close",
+    [
+        ("actor_rollout_ref.actor.lrr=1", "actor_rollout_ref.actor.lrr", "actor_rollout_ref.actor.optim.lr"),
+        ("actor.optim.lr=1", "actor.optim.lr", "actor_rollout_ref.actor.optim.lr"),
+        ("data.train_batchsize=8", "data.train_batchsize", "data.train_batch_size"),
+        ("algorithm.kl_ctrl.kl_coeff=0.1", "algorithm.kl_ctrl.kl_coeff", "algorithm.kl_ctrl.kl_coef"),
+    ],
+)
 def test_override_unknown_key_suggests(override, key, close):
     with pytest.raises(ConfigError) as info:
         apply_overrides(get_config("ppo_tiny"), [override])
@@ -287,7 +405,8 @@ def test_get_config_is_locked():
 
 def test_parse_cli_args():
     name, overrides, rest = configs.parse_cli_args(
-        ["--config=grpo_tiny", "--config.actor_rollout_ref.rollout.n=4", "--config.data.seed", "3", "--verbose"])
+        ["--config=grpo_tiny", "--config.actor_rollout_ref.rollout.n=4", "--config.data.seed", "3", "--verbose"]
+    )
     assert name == "grpo_tiny" and rest == ["--verbose"]
     assert overrides == ["actor_rollout_ref.rollout.n=4", "data.seed=3"]
     assert configs.parse_cli_args(["--config", "x.py"])[0] == "x.py"
@@ -299,7 +418,8 @@ def test_parse_cli_args():
 
 def test_config_from_file(tmp_path):
     path = tmp_path / "my_rloo.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from jaxflow.configs.base import get_base_config
 
         def get_config():
@@ -308,7 +428,8 @@ def test_config_from_file(tmp_path):
             cfg.algorithm.adv_estimator = "rloo"
             cfg.actor_rollout_ref.rollout.n = 4
             return cfg
-    """))
+    """)
+    )
     cfg = load_config(str(path), ["actor_rollout_ref.rollout.n=2"])
     assert cfg.trainer.experiment_name == "my_rloo" and cfg.actor_rollout_ref.rollout.n == 2
     assert configs.active_roles(cfg) == ("actor",)
@@ -316,14 +437,16 @@ def test_config_from_file(tmp_path):
 
 def test_config_file_with_unknown_key(tmp_path):
     path = tmp_path / "typo.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         from jaxflow.configs.base import get_base_config
 
         def get_config():
             cfg = get_base_config()
             cfg.actor_rollout_ref.actor.lrr = 1e-6
             return cfg
-    """))
+    """)
+    )
     with pytest.raises(ConfigError) as info:
         validate(get_config(str(path)))
     assert info.value.key == "actor_rollout_ref.actor.lrr" and "actor_rollout_ref.actor.optim.lr" in str(info.value)

@@ -94,9 +94,11 @@ def test_kv_cache_and_generation_layout(tiny):
     # (HybridEngine.generation_swap, measured in test_zero_redundancy): only its optimizer
     # state and the other roles' state stay resident beside the program.
     assert gen.resident_bytes == actor.optimizer_bytes + sum(
-        r.param_bytes + r.optimizer_bytes for r in report.roles if r.role != "actor")
+        r.param_bytes + r.optimizer_bytes for r in report.roles if r.role != "actor"
+    )
     assert actor.transient_bytes()["generate"] == (
-        actor.generate_param_bytes - actor.param_bytes + actor.kv_cache_bytes + actor.activation_bytes["generate"])
+        actor.generate_param_bytes - actor.param_bytes + actor.kv_cache_bytes + actor.activation_bytes["generate"]
+    )
 
 
 def test_json_report(tiny):
@@ -105,8 +107,15 @@ def test_json_report(tiny):
     assert data == json.loads(report.to_json())
     assert data["config"] == "ppo_tiny" and data["num_devices"] == 8 and data["fits"] is True
     assert [p["name"] for p in data["programs"]] == [p.name for p in report.programs]
-    assert {"argument_bytes", "output_bytes", "alias_bytes", "temp_bytes", "generated_code_bytes",
-            "peak_bytes", "fits"} <= set(data["programs"][0])
+    assert {
+        "argument_bytes",
+        "output_bytes",
+        "alias_bytes",
+        "temp_bytes",
+        "generated_code_bytes",
+        "peak_bytes",
+        "fits",
+    } <= set(data["programs"][0])
 
 
 def test_over_budget_is_reported():
@@ -131,7 +140,12 @@ def test_paper_config_in_a_subprocess(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "jaxflow.run", "--config=ppo_7b", "--dry_run", f"--json={path}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
     assert "ppo_7b on 16 cpu devices" in out and "placement split" in out
@@ -139,7 +153,8 @@ def test_paper_config_in_a_subprocess(tmp_path):
     data = json.loads(path.read_text())
     assert [r["role"] for r in data["roles"]] == ["actor", "ref", "critic", "reward"]
     assert [p["name"] for p in data["programs"]] == [
-        p for p in DEFAULT_PROGRAMS if not p.startswith("cost") and p != "actor/generate_greedy"]  # ReMax's only
+        p for p in DEFAULT_PROGRAMS if not p.startswith("cost") and p != "actor/generate_greedy"
+    ]  # ReMax's only
     for p in data["programs"]:
         assert p["name"] in out
         assert p["temp_bytes"] > 0 or p["name"] == "actor/reshard"

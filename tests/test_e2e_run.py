@@ -41,8 +41,9 @@ TIMING = ("timing_s/", "perf/")
 def _run(args, run_dir, **kwargs):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     cmd = [sys.executable, "-m", "jaxflow.run", *args, f"--config.trainer.default_local_dir={run_dir}"]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            **kwargs)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
+    )
 
 
 def _records(run_dir):
@@ -62,7 +63,7 @@ def test_sigkill_then_auto_resume_ends_like_an_uninterrupted_run(tmp_path):
     killed_dir = tmp_path / "killed"
     # Kill once 2..4 steps are logged: step k's checkpoint is complete before step k+1 is logged,
     # so at least one checkpoint exists (the one being written may be cut short: that is the point).
-    kill_after = int(np.random.default_rng(int.from_bytes(os.urandom(4), 'little')).integers(2, 5))
+    kill_after = int(np.random.default_rng(int.from_bytes(os.urandom(4), "little")).integers(2, 5))
     proc = _run(SHORT, killed_dir)
     jsonl = killed_dir / "metrics.jsonl"
     deadline = time.monotonic() + 600
@@ -85,7 +86,7 @@ def test_sigkill_then_auto_resume_ends_like_an_uninterrupted_run(tmp_path):
     assert got == expected  # the same metrics, bit for bit, including the final step's
 
 
-USER_REWARD = textwrap.dedent('''
+USER_REWARD = textwrap.dedent("""
     import time
     import zlib
 
@@ -99,7 +100,7 @@ USER_REWARD = textwrap.dedent('''
         if kind == 1:
             time.sleep(1000)  # hangs
         return float(solution_str.strip() == ground_truth)
-''')
+""")
 
 
 def test_a_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path):
@@ -122,14 +123,17 @@ def test_a_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path)
     assert all(np.isfinite(r["critic/score/mean"]) for r in records)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--config.data.max_prompt_lenght=8"], "data.max_prompt_lenght"),
-    (["--config.data.max_prompt_length=eight"], "data.max_prompt_length"),
-    (["--config=no_such_config"], "no_such_config"),
-    (["--config.custom_reward_function.path=/nonexistent/reward.py"], "/nonexistent/reward.py"),
-    (["--config.algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator"),
-    (["--unknown_flag"], "--unknown_flag"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--config.data.max_prompt_lenght=8"], "data.max_prompt_lenght"),
+        (["--config.data.max_prompt_length=eight"], "data.max_prompt_length"),
+        (["--config=no_such_config"], "no_such_config"),
+        (["--config.custom_reward_function.path=/nonexistent/reward.py"], "/nonexistent/reward.py"),
+        (["--config.algorithm.adv_estimator=grpoo"], "algorithm.adv_estimator"),
+        (["--unknown_flag"], "--unknown_flag"),
+    ],
+)
 def test_bad_arguments_are_one_clear_error(capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err
@@ -138,10 +142,16 @@ def test_bad_arguments_are_one_clear_error(capsys, args, message):
 
 def test_bad_data_is_one_clear_error(tmp_path, capsys):
     rows = tmp_path / "prompts.jsonl"
-    rows.write_text(json.dumps({"question": "1+1=", "data_source": "jaxflow/addition",
-                                "reward_model": {"ground_truth": "2"}}) + "\n")
-    args = [f"--config.data.train_files={rows}", f"--config.data.val_files={rows}",
-            f"--config.trainer.default_local_dir={tmp_path / 'run'}", "--config.jaxflow.sft.warm_start_steps=0"]
+    rows.write_text(
+        json.dumps({"question": "1+1=", "data_source": "jaxflow/addition", "reward_model": {"ground_truth": "2"}})
+        + "\n"
+    )
+    args = [
+        f"--config.data.train_files={rows}",
+        f"--config.data.val_files={rows}",
+        f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+        "--config.jaxflow.sft.warm_start_steps=0",
+    ]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert "'prompt'" in err and "prompts.jsonl" in err
@@ -150,6 +160,15 @@ def test_bad_data_is_one_clear_error(tmp_path, capsys):
 def test_help_lists_the_named_configs(capsys):
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    for name in ("ppo_tiny", "grpo_tiny", "remax_tiny", "rloo_tiny", "reinforce_pp_tiny", "safe_rlhf_tiny",
-                 "sft_tiny", "ppo_7b", "ppo_70b"):
+    for name in (
+        "ppo_tiny",
+        "grpo_tiny",
+        "remax_tiny",
+        "rloo_tiny",
+        "reinforce_pp_tiny",
+        "safe_rlhf_tiny",
+        "sft_tiny",
+        "ppo_7b",
+        "ppo_70b",
+    ):
         assert name in out

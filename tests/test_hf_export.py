@@ -67,8 +67,11 @@ RUN = [
 
 
 def _digest(path: Path) -> dict[str, str]:
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +93,10 @@ def sft(tmp_path_factory):
 def run_dir(tmp_path_factory, sft):
     path = tmp_path_factory.mktemp("run")
     model = os.path.relpath(sft[0])  # relative to this working directory; the saved config makes it absolute
-    assert run_main([*RUN, f"--config.actor_rollout_ref.model.path={model}",
-                     f"--config.trainer.default_local_dir={path}"]) == 0
+    assert (
+        run_main([*RUN, f"--config.actor_rollout_ref.model.path={model}", f"--config.trainer.default_local_dir={path}"])
+        == 0
+    )
     return path
 
 
@@ -139,7 +144,7 @@ def test_an_sft_run_writes_an_export_that_transformers_loads_and_ends_with_a_sum
     out, graphdef, params, console = sft
     _assert_lm_matches(out, nnx.merge(graphdef, params))
     assert (out / EXPORT_MARKER).is_file()
-    summary = console[console.index("sft done in"):].splitlines()
+    summary = console[console.index("sft done in") :].splitlines()
     assert summary[0].endswith("4 steps (1 -> 4)"), console
     assert summary[1].startswith("  training loss (sft/loss):") and "(first) ->" in summary[1]
     assert summary[2].startswith("  held-out accuracy (sft/val_accuracy):") and "(last, step 4)" in summary[2]
@@ -171,9 +176,24 @@ def test_export_cli_from_another_directory_converts_any_step_and_role(run_dir, t
     run's (whose actor was named by a relative path)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
-    proc = subprocess.run([sys.executable, "-m", "jaxflow.export", "--checkpoint", os.path.relpath(run_dir, tmp_path),
-                           "--step", "1", "--out", "actor1"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxflow.export",
+            "--checkpoint",
+            os.path.relpath(run_dir, tmp_path),
+            "--step",
+            "1",
+            "--out",
+            "actor1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0 and proc.stdout.startswith("wrote"), proc.stdout + proc.stderr
     _assert_lm_matches(tmp_path / "actor1", _restored(run_dir, "actor", 1))
 
@@ -181,7 +201,8 @@ def test_export_cli_from_another_directory_converts_any_step_and_role(run_dir, t
     critic = _restored(run_dir, "critic", 2)
     ids, mask = _prompt_batch(tmp_path / "critic")
     hf = transformers.AutoModelForTokenClassification.from_pretrained(
-        tmp_path / "critic", attn_implementation="eager").eval()
+        tmp_path / "critic", attn_implementation="eager"
+    ).eval()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits[..., 0].numpy()
     ours = np.asarray(critic(ids, attention_mask=mask))
@@ -218,8 +239,11 @@ def test_an_export_replaces_only_an_earlier_export_and_never_loses_it(run_dir, t
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
     run_before = _digest(run_dir)
-    for out, message in ((run_dir, "holds the run directory"), (run_dir.parent, "holds the run directory"),
-                         (mine, "is not empty and is not a jaxflow HF export")):
+    for out, message in (
+        (run_dir, "holds the run directory"),
+        (run_dir.parent, "holds the run directory"),
+        (mine, "is not empty and is not a jaxflow HF export"),
+    ):
         code, err = export(out)
         assert code == 2 and err.startswith("error: ") and message in err and "\n" not in err, err
     monkeypatch.chdir(mine)

@@ -12,14 +12,20 @@ import jaxflow
 ROOT = pathlib.Path(jaxflow.__file__).parent
 FLOORS = {
     "mesh": 0,
-    "models": 1, "data": 1, "rewards": 1,
-    "sampling": 2, "reshard": 2, "algos": 2,
+    "models": 1,
+    "data": 1,
+    "rewards": 1,
+    "sampling": 2,
+    "reshard": 2,
+    "algos": 2,
     "workers": 3,
-    "programs": 4, "configs": 4,
+    "programs": 4,
+    "configs": 4,
     "plan": 5,
     "automap": 6,
     "trainer": 7,
-    "run": 8, "export": 8,
+    "run": 8,
+    "export": 8,
 }
 # The planners: the dry run (plan) compiles a resolved placement; the auto-mapper (automap)
 # chooses one and checks it through the dry run; the trainer resolves `placement.type=auto`
@@ -38,7 +44,7 @@ def imports(path: pathlib.Path, modules: set[str], import_time: bool = False) ->
     when that is a module, else ``jaxflow.x``. ``import_time``: only the top-level imports."""
     out = set()
     tree = ast.parse(path.read_text())
-    for node in (tree.body if import_time else ast.walk(tree)):
+    for node in tree.body if import_time else ast.walk(tree):
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("jaxflow")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("jaxflow"):
@@ -95,7 +101,7 @@ def test_no_import_cycles():
         stack.append(m)
         for d in sorted(g[m]):
             if state.get(d) == 1:
-                cycles.append(stack[stack.index(d):] + [d])
+                cycles.append(stack[stack.index(d) :] + [d])
             elif d not in state:
                 visit(d)
         stack.pop()

@@ -27,8 +27,9 @@ from jaxflow.mesh import (
 from jaxflow.models import ModelConfig, init_model
 
 # hidden 64, 8 heads of 8, 8 kv heads: every Megatron dimension splits 8 ways.
-CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                  num_kv_heads=8, head_dim=8)
+CFG = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=8
+)
 GQA = CFG.replace(num_kv_heads=2)
 
 
@@ -37,8 +38,10 @@ def ids(devices) -> list[int]:
 
 
 def flat_params(state) -> dict[str, jax.Array]:
-    return {jax.tree_util.keystr(p): v.get_value()
-            for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    return {
+        jax.tree_util.keystr(p): v.get_value()
+        for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    }
 
 
 def random_state(cfg: ModelConfig, seed: int = 0):
@@ -47,8 +50,13 @@ def random_state(cfg: ModelConfig, seed: int = 0):
     rng = np.random.default_rng(seed)
     _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: np.ones(x.shape, x.dtype) if "norm" in jax.tree_util.keystr(p)
-        else rng.normal(0, 0.02, x.shape).astype(x.dtype), state)
+        lambda p, x: (
+            np.ones(x.shape, x.dtype)
+            if "norm" in jax.tree_util.keystr(p)
+            else rng.normal(0, 0.02, x.shape).astype(x.dtype)
+        ),
+        state,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,14 +76,17 @@ def test_split_pools_4_2_2_and_fill():
     assert filled["b"].device_ids == (2, 3, 4, 5, 6, 7)
 
 
-@pytest.mark.parametrize("sizes, match", [
-    ({"a": 4, "b": 2}, "add up to 6 but there are 8 devices"),
-    ({"a": 4, "b": 8}, "add up to 12 but there are 8 devices"),
-    ([("a", 4), ("a", 4)], "duplicate pool names"),
-    ({"a": -1, "b": -1}, "at most one pool may have size -1"),
-    ({"a": 0, "b": 8}, "sizes are positive"),
-    ({"a": 8, "b": -1}, "leave 0 devices"),
-])
+@pytest.mark.parametrize(
+    "sizes, match",
+    [
+        ({"a": 4, "b": 2}, "add up to 6 but there are 8 devices"),
+        ({"a": 4, "b": 8}, "add up to 12 but there are 8 devices"),
+        ([("a", 4), ("a", 4)], "duplicate pool names"),
+        ({"a": -1, "b": -1}, "at most one pool may have size -1"),
+        ({"a": 0, "b": 8}, "sizes are positive"),
+        ({"a": 8, "b": -1}, "leave 0 devices"),
+    ],
+)
 def test_split_pools_errors(sizes, match):
     with pytest.raises(ValueError, match=match):
         split_pools(sizes)
@@ -102,20 +113,32 @@ def test_mesh_spec_builds_over_pool_in_order():
     assert MeshSpec.parse({"fsdp": -1}).resolve(8) == {"dp": 1, "fsdp": 8, "tp": 1}
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: MeshSpec(fsdp=4, tp=4).build(jax.devices()), "has 16 devices but the pool has 8"),
-    (lambda: MeshSpec(fsdp=-1, tp=-1), "at most one mesh axis may be -1"),
-    (lambda: MeshSpec(fsdp=-1, tp=3).build(jax.devices()), "do not divide the pool of 8"),
-    (lambda: MeshSpec(tp=0), "sizes are positive"),
-    (lambda: MeshSpec.parse("fsdp=4,pp=2"), r"unknown mesh axes \['pp'\]"),
-    (lambda: MeshSpec.parse("fsdp=4,fsdp=2"), "names axis 'fsdp' twice"),
-    (lambda: MeshSpec.parse("fsdp4"), "axis=size pairs"),
-    (lambda: MeshSpec(fsdp=2, tp=4).build(jax.devices(), model=CFG.replace(num_heads=6, num_kv_heads=6, head_dim=8)),
-     r"tp=4 does not divide num_heads=6"),
-    (lambda: MeshSpec(fsdp=2, tp=4).build(jax.devices(), model=GQA), r"tp=4 does not divide num_kv_heads=2.*head_dim"),
-    (lambda: MeshSpec(fsdp=2, tp=4).build(jax.devices(), model=GQA, rules=HYBRID_TRAIN_RULES),
-     r"fsdp=2 x tp=4 does not divide num_heads=8|fsdp=2 x tp=4 does not divide num_kv_heads=2"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: MeshSpec(fsdp=4, tp=4).build(jax.devices()), "has 16 devices but the pool has 8"),
+        (lambda: MeshSpec(fsdp=-1, tp=-1), "at most one mesh axis may be -1"),
+        (lambda: MeshSpec(fsdp=-1, tp=3).build(jax.devices()), "do not divide the pool of 8"),
+        (lambda: MeshSpec(tp=0), "sizes are positive"),
+        (lambda: MeshSpec.parse("fsdp=4,pp=2"), r"unknown mesh axes \['pp'\]"),
+        (lambda: MeshSpec.parse("fsdp=4,fsdp=2"), "names axis 'fsdp' twice"),
+        (lambda: MeshSpec.parse("fsdp4"), "axis=size pairs"),
+        (
+            lambda: MeshSpec(fsdp=2, tp=4).build(
+                jax.devices(), model=CFG.replace(num_heads=6, num_kv_heads=6, head_dim=8)
+            ),
+            r"tp=4 does not divide num_heads=6",
+        ),
+        (
+            lambda: MeshSpec(fsdp=2, tp=4).build(jax.devices(), model=GQA),
+            r"tp=4 does not divide num_kv_heads=2.*head_dim",
+        ),
+        (
+            lambda: MeshSpec(fsdp=2, tp=4).build(jax.devices(), model=GQA, rules=HYBRID_TRAIN_RULES),
+            r"fsdp=2 x tp=4 does not divide num_heads=8|fsdp=2 x tp=4 does not divide num_kv_heads=2",
+        ),
+    ],
+)
 def test_mesh_spec_errors(make, match):
     with pytest.raises(ValueError, match=match):
         make()
@@ -186,13 +209,20 @@ def assert_placed(arr: jax.Array, spec: P, device_ids: list[int], shard_shape: t
 def test_placement_4_2_2_params_land_on_their_pools(tiny_state):
     placement = Placement.from_groups(
         [("actor", 4, ("actor", "ref")), ("critic", 2, ("critic",)), ("reward", 2, ("reward", "cost"))],
-        meshes={"actor": "fsdp=2,tp=2", "critic": "tp=2"}, gen_tp={"actor": 2}, models={"actor": CFG})
+        meshes={"actor": "fsdp=2,tp=2", "critic": "tp=2"},
+        gen_tp={"actor": 2},
+        models={"actor": CFG},
+    )
     assert placement.groups() == {"actor": ("actor", "ref"), "critic": ("critic",), "reward": ("reward", "cost")}
     assert placement.colocated_with("cost") == ("reward", "cost")
     assert placement.pool("ref").device_ids == (0, 1, 2, 3)
 
-    q, gate, emb, norm = ("['model']['layers'][0]['self_attn']['q_proj']", "['model']['layers'][1]['mlp']['gate_proj']",
-                          "['model']['embed_tokens']", "['model']['norm']['weight']")
+    q, gate, emb, norm = (
+        "['model']['layers'][0]['self_attn']['q_proj']",
+        "['model']['layers'][1]['mlp']['gate_proj']",
+        "['model']['embed_tokens']",
+        "['model']['norm']['weight']",
+    )
     actor = flat_params(placement.place("actor", tiny_state))
     # Hybrid training rules: Megatron dims split jointly over (fsdp, tp) = 4 ways on devices 0-3.
     assert_placed(actor[q], P(None, ("fsdp", "tp"), None), [0, 1, 2, 3], (64, 2, 8))
@@ -240,19 +270,34 @@ def test_placement_split_preset():
     assert standalone.colocated_with("actor") == ("actor",)
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: Placement.from_groups([("a", 4, ("actor",)), ("b", 4, ("actor",))]), "role 'actor' is placed twice"),
-    (lambda: Placement.from_groups([("a", 8, ("actor",))], meshes={"critic": "tp=2"}), r"roles \['critic'\] that no pool"),
-    (lambda: Placement.from_groups([("a", 8, ("actor",))], meshes={"actor": "fsdp=3"}), "role 'actor' on pool 'a'"),
-    (lambda: Placement.from_groups([("a", 6, ("actor",))]), "add up to 6 but there are 8"),
-    (lambda: Placement.from_groups([("a", 8, ("actor",))], meshes={"actor": "fsdp=2,tp=4"}, gen_tp={"actor": 3},
-                                   models={"actor": CFG}), "generation tp=3 does not divide fsdp\\*tp=8"),
-    (lambda: Placement.from_groups([("a", 8, ("critic",))], meshes={"critic": "tp=8"},
-                                   models={"critic": CFG.replace(num_heads=4, num_kv_heads=4, head_dim=16)}),
-     "role 'critic'.*tp=8 does not divide num_heads=4"),
-    (lambda: Placement.split(groups=(("actor",), ("critic",), ("ref",))), "do not split evenly"),
-    (lambda: make_placement("ring"), "unknown placement 'ring'"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: Placement.from_groups([("a", 4, ("actor",)), ("b", 4, ("actor",))]), "role 'actor' is placed twice"),
+        (
+            lambda: Placement.from_groups([("a", 8, ("actor",))], meshes={"critic": "tp=2"}),
+            r"roles \['critic'\] that no pool",
+        ),
+        (lambda: Placement.from_groups([("a", 8, ("actor",))], meshes={"actor": "fsdp=3"}), "role 'actor' on pool 'a'"),
+        (lambda: Placement.from_groups([("a", 6, ("actor",))]), "add up to 6 but there are 8"),
+        (
+            lambda: Placement.from_groups(
+                [("a", 8, ("actor",))], meshes={"actor": "fsdp=2,tp=4"}, gen_tp={"actor": 3}, models={"actor": CFG}
+            ),
+            "generation tp=3 does not divide fsdp\\*tp=8",
+        ),
+        (
+            lambda: Placement.from_groups(
+                [("a", 8, ("critic",))],
+                meshes={"critic": "tp=8"},
+                models={"critic": CFG.replace(num_heads=4, num_kv_heads=4, head_dim=16)},
+            ),
+            "role 'critic'.*tp=8 does not divide num_heads=4",
+        ),
+        (lambda: Placement.split(groups=(("actor",), ("critic",), ("ref",))), "do not split evenly"),
+        (lambda: make_placement("ring"), "unknown placement 'ring'"),
+    ],
+)
 def test_placement_errors(make, match):
     with pytest.raises((ValueError, KeyError), match=match):
         make()

@@ -75,5 +75,5 @@ def test_causality_gradient_to_later_tokens_is_exactly_zero(checkpoint):
     grad_fn = jax.jit(jax.grad(logits_at), static_argnums=1)
     for t in range(3, 7):
         g = np.asarray(grad_fn(embeds, t))
-        assert np.all(g[:, t + 1:] == 0.0), t
+        assert np.all(g[:, t + 1 :] == 0.0), t
         assert np.abs(g[0, : t + 1]).max() > 0  # earlier tokens do matter

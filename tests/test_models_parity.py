@@ -13,8 +13,9 @@ import transformers
 import jaxflow.models as models
 from tests.hf_reference import hf_logits, padded_batch, random_hf_model
 
-LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=16)
+LLAMA3_ROPE = dict(
+    rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
+)
 
 CASES = {
     "qwen2_tied_bias": ("qwen2", dict(tie_word_embeddings=True)),
@@ -103,13 +104,15 @@ def test_value_head_round_trips_as_token_classification(tmp_path):
     ids, mask = padded_batch(actor.cfg.vocab_size, [7, 3], total=7, seed=6)
     np.testing.assert_array_equal(np.asarray(critic(ids, attention_mask=mask)), 0.0)
     np.testing.assert_array_equal(
-        np.asarray(critic.model.embed_tokens.get_value()), np.asarray(actor.model.embed_tokens.get_value()))
+        np.asarray(critic.model.embed_tokens.get_value()), np.asarray(actor.model.embed_tokens.get_value())
+    )
     critic = models.init_model(models.get_preset("tiny_llama"), head="value", seed=6)
     critic.score[...] = jax.random.normal(jax.random.key(0), critic.score.get_value().shape) * 0.1
     critic.score_bias[...] = jnp.array([0.3])
     models.save_pretrained(critic, tmp_path / "critic")
     hf = transformers.AutoModelForTokenClassification.from_pretrained(
-        tmp_path / "critic", attn_implementation="eager").eval()
+        tmp_path / "critic", attn_implementation="eager"
+    ).eval()
     ref = hf_logits(hf, ids, mask)[..., 0]
     ours = np.asarray(critic(ids, attention_mask=mask))
     assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-5

@@ -41,8 +41,10 @@ def test_sharded_forward_equals_unsharded_and_specs_follow_rules(tiny_checkpoint
         ("lm_head",): P("fsdp", "tp"),
     }
     state = nnx.state(model)
-    flat = {tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p): v.get_value()
-            for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))}
+    flat = {
+        tuple(getattr(k, "key", getattr(k, "idx", None)) for k in p): v.get_value()
+        for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    }
     for path, spec in expected.items():
         arr = flat[path]
         assert arr.sharding.spec == spec, path
@@ -50,6 +52,7 @@ def test_sharded_forward_equals_unsharded_and_specs_follow_rules(tiny_checkpoint
     # Every parameter's sharding is what the rules give for its logical axes.
     names = jax.tree.leaves(logical_axes_tree(state), is_leaf=lambda x: isinstance(x, tuple))
     from jaxflow.mesh import logical_to_spec
+
     for axes, arr in zip(names, jax.tree.leaves(state)):
         assert arr.sharding.spec == logical_to_spec(axes, TRAIN_RULES, mesh)
     # The large matrices hold total/8 bytes on each device.

@@ -43,21 +43,25 @@ def make_batch(seed: int, rows: int = 8, tail: float | None = None) -> Batch:
     r[0] = R
     pm = (np.arange(P)[None] >= P - p[:, None]).astype(np.int32)
     rm = (np.arange(R)[None] < r[:, None]).astype(np.int32)
-    return Batch.from_dict({
-        "prompt_ids": (rng.integers(4, 64, (rows, P)) * pm).astype(np.int32), "prompt_mask": pm,
-        "responses": (rng.integers(4, 64, (rows, R)) * rm).astype(np.int32), "response_mask": rm,
-        "advantages": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
-        "ref_log_prob": ((rng.normal(size=(rows, R)) * 0.1 - 4) * rm).astype(np.float32),
-        "old_log_probs": ((rng.normal(size=(rows, R)) * 0.1 - 4) * rm).astype(np.float32),
-        "values": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
-        "returns": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
-    })
+    return Batch.from_dict(
+        {
+            "prompt_ids": (rng.integers(4, 64, (rows, P)) * pm).astype(np.int32),
+            "prompt_mask": pm,
+            "responses": (rng.integers(4, 64, (rows, R)) * rm).astype(np.int32),
+            "response_mask": rm,
+            "advantages": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
+            "ref_log_prob": ((rng.normal(size=(rows, R)) * 0.1 - 4) * rm).astype(np.float32),
+            "old_log_probs": ((rng.normal(size=(rows, R)) * 0.1 - 4) * rm).astype(np.float32),
+            "values": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
+            "returns": (rng.normal(size=(rows, R)) * rm).astype(np.float32),
+        }
+    )
 
 
 def mesh(spec: str):
     """A mesh over the first devices it needs."""
     parsed = MeshSpec.parse(spec)
-    return parsed.build(jax.devices()[:int(np.prod(list(parsed.as_dict().values())))])
+    return parsed.build(jax.devices()[: int(np.prod(list(parsed.as_dict().values())))])
 
 
 def host(batch: Batch) -> dict[str, np.ndarray]:
@@ -100,8 +104,9 @@ def model():
 @pytest.mark.parametrize("ranks,budget,rows_per_micro", [(1, None, None), (2, 32, None), (2, None, 3)])
 def test_plan_places_every_real_token_once(ranks, budget, rows_per_micro):
     b = host(make_batch(1, rows=12))
-    layout = plan_packing(b["prompt_mask"], b["response_mask"], ranks=ranks, max_token_len=budget,
-                          rows_per_micro=rows_per_micro)
+    layout = plan_packing(
+        b["prompt_mask"], b["response_mask"], ranks=ranks, max_token_len=budget, rows_per_micro=rows_per_micro
+    )
     t = pack_inputs(layout, b["prompt_ids"], b["prompt_mask"], b["responses"])
     k, N, C = t["packed_ids"].shape
     assert C == P + R and N % ranks == 0 and layout.rows.shape[1] % ranks == 0
@@ -109,13 +114,15 @@ def test_plan_places_every_real_token_once(ranks, budget, rows_per_micro):
     if budget is not None:  # every micro-batch within the token budget per rank
         assert (N // ranks) * C <= budget
     for i in range(12):
-        real = np.concatenate([b["prompt_ids"][i][b["prompt_mask"][i] > 0], b["responses"][i][b["response_mask"][i] > 0]])
+        real = np.concatenate(
+            [b["prompt_ids"][i][b["prompt_mask"][i] > 0], b["responses"][i][b["response_mask"][i] > 0]]
+        )
         j, s = layout.micro[i], layout.starts[i]
         flat_ids, flat_pos = t["packed_ids"][j].reshape(-1), t["packed_positions"][j].reshape(-1)
-        np.testing.assert_array_equal(flat_ids[s:s + len(real)], real)
-        np.testing.assert_array_equal(flat_pos[s:s + len(real)], np.arange(len(real)))
+        np.testing.assert_array_equal(flat_ids[s : s + len(real)], real)
+        np.testing.assert_array_equal(flat_pos[s : s + len(real)], np.arange(len(real)))
         seg = t["packed_segments"][j].reshape(-1)
-        assert len(set(seg[s:s + len(real)])) == 1 and seg[s] > 0 and s // C == (s + len(real) - 1) // C
+        assert len(set(seg[s : s + len(real)])) == 1 and seg[s] > 0 and s // C == (s + len(real) - 1) // C
         # the row sits in the row block of the rank that holds its bin
         q = list(layout.rows[j]).index(i)
         assert q // (layout.rows.shape[1] // ranks) == (s // C) // (N // ranks)
@@ -128,7 +135,20 @@ def test_plan_places_every_real_token_once(ranks, budget, rows_per_micro):
 
 
 def test_bucket_sizes_and_micro_grid():
-    assert [bucket(n) for n in (1, 2, 7, 8, 9, 11, 13, 16, 17, 21, 33, 100)] == [1, 2, 7, 8, 10, 12, 14, 16, 20, 24, 40, 112]
+    assert [bucket(n) for n in (1, 2, 7, 8, 9, 11, 13, 16, 17, 21, 33, 100)] == [
+        1,
+        2,
+        7,
+        8,
+        10,
+        12,
+        14,
+        16,
+        20,
+        24,
+        40,
+        112,
+    ]
     assert len({bucket(n) for n in range(1, 4097)}) == 44
     assert all(bucket(n) >= n and bucket(n) - n < bucket(n) / 5 for n in range(1, 5000))
     # (k, n): buckets (n may be the budget's bins), holding the bins, within the budget
@@ -179,13 +199,15 @@ def test_packed_logits_equal_padded(model):
     for i in range(len(ids)):
         real = np.flatnonzero(mask[i])
         s = layout.starts[i]
-        got = np.asarray(packed_NxCxV).reshape(-1, CFG.vocab_size)[s:s + len(real)]
+        got = np.asarray(packed_NxCxV).reshape(-1, CFG.vocab_size)[s : s + len(real)]
         np.testing.assert_allclose(got, np.asarray(padded_BxLxV[i, real]), atol=1e-5, rtol=1e-5)
         checked += len(real)
     assert checked == int(mask.sum())
     # the read-out picks the logits predicting each response token
-    lp = read_responses(jnp.arange(packed_NxCxV.shape[0] * packed_NxCxV.shape[1]).reshape(packed_NxCxV.shape[:2]),
-                        jnp.asarray(t["response_index"][0]))
+    lp = read_responses(
+        jnp.arange(packed_NxCxV.shape[0] * packed_NxCxV.shape[1]).reshape(packed_NxCxV.shape[:2]),
+        jnp.asarray(t["response_index"][0]),
+    )
     assert lp.shape == (layout.rows.shape[1], R)
 
 
@@ -247,10 +269,17 @@ def test_packed_loss_and_gradients_equal_padded(model, budget, agg):
 # ------------------------------------------------------------------ workers on a dp mesh
 
 
-BASE = ActorConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_device=2, use_kl_loss=True,
-                   optim=OptimConfig(lr=1e-3))
-DYNAMIC = dataclasses.replace(BASE, use_remove_padding=True, use_dynamic_bsz=True, ppo_max_token_len_per_device=32,
-                              log_prob_use_dynamic_bsz=True, log_prob_max_token_len_per_device=32)
+BASE = ActorConfig(
+    ppo_mini_batch_size=8, ppo_micro_batch_size_per_device=2, use_kl_loss=True, optim=OptimConfig(lr=1e-3)
+)
+DYNAMIC = dataclasses.replace(
+    BASE,
+    use_remove_padding=True,
+    use_dynamic_bsz=True,
+    ppo_max_token_len_per_device=32,
+    log_prob_use_dynamic_bsz=True,
+    log_prob_max_token_len_per_device=32,
+)
 
 
 def test_actor_packed_dynamic_update_equals_padded(model):
@@ -277,10 +306,14 @@ def test_on_policy_shortcut_runs_no_log_prob_program(model, monkeypatch):
     separate pass, from the same starting state."""
     calls = []
     packed_forward = actor_module.packed_forward
-    monkeypatch.setattr(actor_module, "packed_forward", lambda worker, name, *a, **k: (
-        calls.append(name), packed_forward(worker, name, *a, **k))[1])
-    batch = make_batch(5).select(["prompt_ids", "prompt_mask", "responses", "response_mask", "advantages",
-                                  "ref_log_prob"])
+    monkeypatch.setattr(
+        actor_module,
+        "packed_forward",
+        lambda worker, name, *a, **k: (calls.append(name), packed_forward(worker, name, *a, **k))[1],
+    )
+    batch = make_batch(5).select(
+        ["prompt_ids", "prompt_mask", "responses", "response_mask", "advantages", "ref_log_prob"]
+    )
     actor = ActorWorker(model, mesh("dp=2"), "train", DYNAMIC, RolloutConfig())
     start = jax.device_get(actor.state)
     lp = actor.log_probs(batch)
@@ -291,8 +324,14 @@ def test_on_policy_shortcut_runs_no_log_prob_program(model, monkeypatch):
     calls.clear()
     got = actor.update(batch)
     assert calls == []
-    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl", "actor/pg_clipfrac",
-                "actor/entropy"):
+    for key in (
+        "actor/pg_loss",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/ppo_kl",
+        "actor/pg_clipfrac",
+        "actor/entropy",
+    ):
         np.testing.assert_allclose(got[key], expected[key], rtol=1e-5, atol=1e-6, err_msg=key)
     for x, y in zip(jax.tree.leaves(jax.device_get(actor.params)), jax.tree.leaves(expected_params)):
         np.testing.assert_allclose(x, y, atol=1e-6)
@@ -306,9 +345,16 @@ def test_critic_packed_dynamic_update_equals_padded():
     b = host(batch)
     assert plan_packing(b["prompt_mask"], b["response_mask"], ranks=2, max_token_len=32).num_micro > 1
     base = CriticConfig(ppo_mini_batch_size=8, ppo_micro_batch_size_per_device=2, optim=OptimConfig(lr=1e-3))
-    configs = {"padded": base, "packed": dataclasses.replace(
-        base, use_remove_padding=True, use_dynamic_bsz=True, ppo_max_token_len_per_device=32,
-        forward_max_token_len_per_device=32)}
+    configs = {
+        "padded": base,
+        "packed": dataclasses.replace(
+            base,
+            use_remove_padding=True,
+            use_dynamic_bsz=True,
+            ppo_max_token_len_per_device=32,
+            forward_max_token_len_per_device=32,
+        ),
+    }
     values, metrics, params = {}, {}, {}
     for name, config in configs.items():
         critic = CriticWorker(critic_model, mesh("dp=2"), "train", config)
@@ -330,18 +376,33 @@ def test_packed_programs_compile_once_per_shape_bucket(model):
     fall into (counted from JAX's compile events), a handful, though the unbucketed shapes
     change nearly every step; and the reference and reward model match their padded paths."""
     dp = mesh("dp=2")
-    actor = ActorWorker(model, dp, "train", dataclasses.replace(
-        DYNAMIC, ppo_mini_batch_size=16, ppo_max_token_len_per_device=48, log_prob_max_token_len_per_device=48),
-        RolloutConfig())
+    actor = ActorWorker(
+        model,
+        dp,
+        "train",
+        dataclasses.replace(
+            DYNAMIC, ppo_mini_batch_size=16, ppo_max_token_len_per_device=48, log_prob_max_token_len_per_device=48
+        ),
+        RolloutConfig(),
+    )
     ref = ReferenceWorker(model, dp, "train", use_remove_padding=True, max_token_len_per_device=48)
     ref_padded = ReferenceWorker(model, dp, "train")
-    critic = CriticWorker(models.init_model(CFG, "value", seed=1), dp, "train", CriticConfig(
-        use_remove_padding=True, use_dynamic_bsz=True, forward_max_token_len_per_device=48))
+    critic = CriticWorker(
+        models.init_model(CFG, "value", seed=1),
+        dp,
+        "train",
+        CriticConfig(use_remove_padding=True, use_dynamic_bsz=True, forward_max_token_len_per_device=48),
+    )
     reward_model = models.init_model(CFG, "reward", seed=2)
     rm = RewardModelWorker(reward_model, dp, "train", use_remove_padding=True, max_token_len_per_device=48)
     rm_padded = RewardModelWorker(reward_model, dp, "train")
-    programs = ("packed_old_log_probs", "actor_train_step", "packed_ref_log_prob", "packed_values",
-                "packed_token_level_scores")  # all under a budget of 48 tokens (3 bins) per device
+    programs = (
+        "packed_old_log_probs",
+        "actor_train_step",
+        "packed_ref_log_prob",
+        "packed_values",
+        "packed_token_level_scores",
+    )  # all under a budget of 48 tokens (3 bins) per device
     buckets, raw = set(), set()
     with CompileCounter() as compiles:
         for step, (seed, tail) in enumerate(((10, 0.6), (12, 0.3), (13, 0.2), (15, 0.15), (11, 0.1))):
@@ -357,11 +418,12 @@ def test_packed_programs_compile_once_per_shape_bucket(model):
             scores = rm.scores(batch)["token_level_scores"]
             if step < 2:  # the reference and the reward model (several micro-batches) equal their padded paths
                 assert layout.num_micro > 1
-                np.testing.assert_allclose(np.asarray(ref_lp), np.asarray(ref_padded.log_probs(batch)["ref_log_prob"]),
-                                           atol=1e-5, rtol=1e-5)
-                np.testing.assert_allclose(np.asarray(scores),
-                                           np.asarray(rm_padded.scores(batch)["token_level_scores"]),
-                                           atol=1e-5, rtol=1e-5)
+                np.testing.assert_allclose(
+                    np.asarray(ref_lp), np.asarray(ref_padded.log_probs(batch)["ref_log_prob"]), atol=1e-5, rtol=1e-5
+                )
+                np.testing.assert_allclose(
+                    np.asarray(scores), np.asarray(rm_padded.scores(batch)["token_level_scores"]), atol=1e-5, rtol=1e-5
+                )
     assert len(raw) == 4 and len(buckets) == 2, (raw, buckets)  # 4 bin counts, 2 shape buckets
     for name in programs:
         assert compiles.of(name) == len(buckets), (name, compiles.counts, buckets)
@@ -375,10 +437,20 @@ def test_every_rank_gets_balanced_tokens_in_log_prob_and_update(model, monkeypat
     shards of the packed inputs) holds about the same number of real tokens, in the log-prob
     pass and in every mini-batch of a shuffled two-epoch update, though the batch order's
     contiguous blocks are far apart; the update logs verl's ``global_seqlen/*`` of it."""
-    actor = ActorWorker(model, mesh("dp=2,fsdp=2"), "train", dataclasses.replace(
-        DYNAMIC, ppo_mini_batch_size=8, ppo_epochs=2, shuffle=True, ppo_micro_batch_size_per_device=None,
-        log_balance=True),
-        RolloutConfig())
+    actor = ActorWorker(
+        model,
+        mesh("dp=2,fsdp=2"),
+        "train",
+        dataclasses.replace(
+            DYNAMIC,
+            ppo_mini_batch_size=8,
+            ppo_epochs=2,
+            shuffle=True,
+            ppo_micro_batch_size_per_device=None,
+            log_balance=True,
+        ),
+        RolloutConfig(),
+    )
     batch = make_batch(7, rows=16, tail=0.25)
     b = host(batch)
     lengths = b["prompt_mask"].sum(1) + b["response_mask"].sum(1)

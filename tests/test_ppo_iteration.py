@@ -31,19 +31,35 @@ NUM_PROMPTS, N, PROMPT_LEN, MAX_NEW = 8, 2, 8, 8
 ACTOR = ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4))  # 16 responses: 2 steps
 CRITIC = CriticConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4))
 TOKENIZER = CharTokenizer()
-ROLLOUT = RolloutConfig(train=SamplingParams(n=N, max_new_tokens=MAX_NEW, eos_token_ids=TOKENIZER.eos_token_id,
-                                             pad_token_id=TOKENIZER.pad_token_id, seed=0))
-PPO = algos.AlgorithmSettings(algos.AlgorithmConfig(
-    adv_estimator="gae", gamma=1.0, lam=0.95, use_kl_in_reward=True, kl_penalty="kl",
-    kl_ctrl=algos.KLControlConfig(type="adaptive", kl_coef=0.01, target_kl=0.1, horizon=100.0)))
+ROLLOUT = RolloutConfig(
+    train=SamplingParams(
+        n=N, max_new_tokens=MAX_NEW, eos_token_ids=TOKENIZER.eos_token_id, pad_token_id=TOKENIZER.pad_token_id, seed=0
+    )
+)
+PPO = algos.AlgorithmSettings(
+    algos.AlgorithmConfig(
+        adv_estimator="gae",
+        gamma=1.0,
+        lam=0.95,
+        use_kl_in_reward=True,
+        kl_penalty="kl",
+        kl_ctrl=algos.KLControlConfig(type="adaptive", kl_coef=0.01, target_kl=0.1, horizon=100.0),
+    )
+)
 GRPO = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator="grpo"))
 PLACEMENTS = {
     "colocated": lambda: Placement.colocated(
-        roles=("actor", "ref", "critic", "reward"), meshes={"actor": "dp=2,fsdp=2,tp=2"}, gen_tp={"actor": 2},
-        models=ROLE_MODELS),
+        roles=("actor", "ref", "critic", "reward"),
+        meshes={"actor": "dp=2,fsdp=2,tp=2"},
+        gen_tp={"actor": 2},
+        models=ROLE_MODELS,
+    ),
     "split": lambda: Placement.split(
-        groups=(("actor", "ref"), ("critic", "reward")), meshes={"actor": "fsdp=2,tp=2"}, gen_tp={"actor": 2},
-        models=ROLE_MODELS),
+        groups=(("actor", "ref"), ("critic", "reward")),
+        meshes={"actor": "fsdp=2,tp=2"},
+        gen_tp={"actor": 2},
+        models=ROLE_MODELS,
+    ),
 }
 
 
@@ -55,19 +71,25 @@ def prompts():
     for i, row in enumerate(rows):
         text = TOKENIZER.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         tokens = TOKENIZER.encode(text, add_special_tokens=False)  # "<bos>12+34="
-        ids[i, PROMPT_LEN - len(tokens):], mask[i, PROMPT_LEN - len(tokens):] = tokens, 1
-    return programs.batch_from_prompts({
-        "prompt_ids": ids, "prompt_mask": mask,
-        "data_source": [r["data_source"] for r in rows],
-        "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
-        "extra_info": [r["extra_info"] for r in rows],
-    })
+        ids[i, PROMPT_LEN - len(tokens) :], mask[i, PROMPT_LEN - len(tokens) :] = tokens, 1
+    return programs.batch_from_prompts(
+        {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "data_source": [r["data_source"] for r in rows],
+            "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+            "extra_info": [r["extra_info"] for r in rows],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def modules():
-    return {"lm": models.init_model(CFG, "lm", seed=0), "value": models.init_model(CFG, "value", seed=1),
-            "reward": models.init_model(CFG, "reward", seed=2)}
+    return {
+        "lm": models.init_model(CFG, "lm", seed=0),
+        "value": models.init_model(CFG, "value", seed=1),
+        "reward": models.init_model(CFG, "reward", seed=2),
+    }
 
 
 @pytest.fixture(scope="module", params=sorted(PLACEMENTS))
@@ -76,8 +98,16 @@ def workers(request, modules):
     # The split placement also runs a reward model (on the critic's pool) beside the rules.
     reward_model = modules["reward"] if request.param == "split" else None
     w = build_local_workers(
-        placement, actor=modules["lm"], ref=modules["lm"], critic=modules["value"], reward_model=reward_model,
-        rule_reward=RuleRewardWorker(TOKENIZER), actor_config=ACTOR, critic_config=CRITIC, rollout=ROLLOUT)
+        placement,
+        actor=modules["lm"],
+        ref=modules["lm"],
+        critic=modules["value"],
+        reward_model=reward_model,
+        rule_reward=RuleRewardWorker(TOKENIZER),
+        actor_config=ACTOR,
+        critic_config=CRITIC,
+        rollout=ROLLOUT,
+    )
     return request.param, placement, w
 
 
@@ -95,18 +125,33 @@ def test_ppo_iteration(workers, prompts):
         metrics = programs.ppo_iteration(w, prompts, PPO, kl_ctrl)
         _assert_finite(metrics)
     expected = {
-        "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm", "actor/lr",
-        "actor/update_skipped", "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm", "critic/vpred_mean",
-        "actor/reward_kl_penalty", "critic/score/mean", "critic/advantages/mean", "response_length/mean",
-        "reward/mean", "reward/source/jaxflow/addition/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "actor/lr",
+        "actor/update_skipped",
+        "critic/vf_loss",
+        "critic/vf_clipfrac",
+        "critic/grad_norm",
+        "critic/vpred_mean",
+        "actor/reward_kl_penalty",
+        "critic/score/mean",
+        "critic/advantages/mean",
+        "response_length/mean",
+        "reward/mean",
+        "reward/source/jaxflow/addition/mean",
     }
     assert expected <= metrics.keys(), expected - metrics.keys()
     assert metrics["actor/update_skipped"] == 0 and metrics["critic/update_skipped"] == 0
     assert 1 <= metrics["response_length/mean"] <= MAX_NEW
     assert kl_ctrl.value != PPO.algorithm.kl_ctrl.kl_coef  # the adaptive controller moved
     for before, group in ((actor0, w.actor), (critic0, w.critic)):
-        moved = max(np.abs(np.asarray(a) - np.asarray(b)).max()
-                    for a, b in zip(jax.tree.leaves(jax.device_get(group.worker.params)), jax.tree.leaves(before)))
+        moved = max(
+            np.abs(np.asarray(a) - np.asarray(b)).max()
+            for a, b in zip(jax.tree.leaves(jax.device_get(group.worker.params)), jax.tree.leaves(before))
+        )
         assert moved > 0, group.name
     # The params stayed on their pools.
     for role, group in (("actor", w.actor), ("critic", w.critic)):
@@ -126,8 +171,9 @@ def test_rollout_log_probs_match_recomputed(workers, prompts):
     np.testing.assert_array_equal(batch["ground_truth"], np.repeat(prompts["ground_truth"], N))
     batch |= w.actor.log_probs(batch)
     mask = np.asarray(batch["response_mask"]) > 0
-    np.testing.assert_allclose(np.asarray(batch["old_log_probs"])[mask], np.asarray(batch["rollout_log_probs"])[mask],
-                               atol=2e-5, rtol=0)
+    np.testing.assert_allclose(
+        np.asarray(batch["old_log_probs"])[mask], np.asarray(batch["rollout_log_probs"])[mask], atol=2e-5, rtol=0
+    )
     assert np.all(np.asarray(batch["old_log_probs"])[~mask] == 0)
 
 
@@ -150,23 +196,29 @@ def _rollout_like(rows=6, R=5, seed=0):
     scores = np.zeros((rows, R), np.float32)
     scores[np.arange(rows), lengths - 1] = rng.integers(0, 2, rows)
     return Batch.from_dict(
-        {"response_mask": mask, "token_level_scores": scores,
-         "old_log_probs": rng.normal(size=(rows, R)).astype(np.float32),
-         "ref_log_prob": rng.normal(size=(rows, R)).astype(np.float32),
-         "values": rng.normal(size=(rows, R)).astype(np.float32) * mask},
-        {"uid": ["a", "a", "b", "b", "c", "c"][:rows]})
+        {
+            "response_mask": mask,
+            "token_level_scores": scores,
+            "old_log_probs": rng.normal(size=(rows, R)).astype(np.float32),
+            "ref_log_prob": rng.normal(size=(rows, R)).astype(np.float32),
+            "values": rng.normal(size=(rows, R)).astype(np.float32) * mask,
+        },
+        {"uid": ["a", "a", "b", "b", "c", "c"][:rows]},
+    )
 
 
 def test_kl_penalty_and_gae_on_batch_columns():
     batch = _rollout_like()
     out, m = programs.apply_kl_penalty_to_batch(batch, 0.2, "kl")
-    rewards, kl = algos.apply_kl_penalty(batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"],
-                                         batch["response_mask"], 0.2, "kl")
+    rewards, kl = algos.apply_kl_penalty(
+        batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"], 0.2, "kl"
+    )
     np.testing.assert_allclose(out["token_level_rewards"], rewards, rtol=1e-6)
     assert m == {"actor/reward_kl_penalty": pytest.approx(float(kl)), "actor/reward_kl_penalty_coeff": 0.2}
     adv = programs.compute_advantage(out, "gae", gamma=0.9, lam=0.8)
-    want_a, want_r = algos.compute_gae_advantage_return(out["token_level_rewards"], batch["values"],
-                                                        batch["response_mask"], 0.9, 0.8)
+    want_a, want_r = algos.compute_gae_advantage_return(
+        out["token_level_rewards"], batch["values"], batch["response_mask"], 0.9, 0.8
+    )
     np.testing.assert_allclose(adv["advantages"], want_a, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(adv["returns"], want_r, rtol=1e-5, atol=1e-6)
 

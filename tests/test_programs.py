@@ -32,8 +32,14 @@ from jaxflow.workers import (
 )
 
 TOKENIZER = CharTokenizer()
-EXPECTED = {"ppo_tiny": "ppo", "grpo_tiny": "grpo", "rloo_tiny": "rloo", "reinforce_pp_tiny": "reinforce_pp",
-            "remax_tiny": "remax", "safe_rlhf_tiny": "safe_rlhf"}
+EXPECTED = {
+    "ppo_tiny": "ppo",
+    "grpo_tiny": "grpo",
+    "rloo_tiny": "rloo",
+    "reinforce_pp_tiny": "reinforce_pp",
+    "remax_tiny": "remax",
+    "safe_rlhf_tiny": "safe_rlhf",
+}
 
 
 # ------------------------------------------------------------------ registry and selection
@@ -46,8 +52,13 @@ def test_registry_and_selection():
     for name, program in EXPECTED.items():
         assert programs.select_algorithm(algorithm_settings(configs.get_config(name))) == program, name
     cfg = configs.get_config("ppo_tiny")
-    for estimator, program in (("grpo_passk", "grpo"), ("gpg", "grpo"), ("opo", "grpo"),
-                               ("reinforce_plus_plus_baseline", "reinforce_pp"), ("remax", "remax")):
+    for estimator, program in (
+        ("grpo_passk", "grpo"),
+        ("gpg", "grpo"),
+        ("opo", "grpo"),
+        ("reinforce_plus_plus_baseline", "reinforce_pp"),
+        ("remax", "remax"),
+    ):
         cfg.algorithm.adv_estimator = estimator
         assert programs.select_algorithm(algorithm_settings(cfg)) == program
     cfg.jaxflow.safe_rlhf.enable = True  # wins over the estimator
@@ -57,7 +68,9 @@ def test_registry_and_selection():
     with pytest.raises(algos.UnknownNameError, match="gae"):
         programs.select_algorithm(algorithm_settings(cfg))
     assert programs.select_algorithm(algos.AlgorithmSettings()) == "ppo"
-    assert programs.select_algorithm(algos.AlgorithmSettings(safe_rlhf=algos.SafeRLHFConfig(enable=True))) == "safe_rlhf"
+    assert (
+        programs.select_algorithm(algos.AlgorithmSettings(safe_rlhf=algos.SafeRLHFConfig(enable=True))) == "safe_rlhf"
+    )
 
     @programs.register_algorithm("my_algo")
     def my_algo(w, prompts, cfg, state):
@@ -104,9 +117,9 @@ def encode(texts, R, after_eos=""):
     mask = np.zeros_like(ids)
     for i, t in enumerate(texts):
         tok = TOKENIZER.encode(t, add_special_tokens=False) + [TOKENIZER.eos_token_id]
-        ids[i, :len(tok)], mask[i, :len(tok)] = tok, 1
-        junk = TOKENIZER.encode(after_eos, add_special_tokens=False)[:R - len(tok)]
-        ids[i, len(tok):len(tok) + len(junk)] = junk
+        ids[i, : len(tok)], mask[i, : len(tok)] = tok, 1
+        junk = TOKENIZER.encode(after_eos, add_special_tokens=False)[: R - len(tok)]
+        ids[i, len(tok) : len(tok) + len(junk)] = junk
     return ids, mask
 
 
@@ -155,8 +168,9 @@ def stub_prompts(num, answers=None):
     non_tensors = {}
     if answers is not None:
         non_tensors = {"data_source": ["jaxflow/addition"] * num, "ground_truth": answers}
-    return Batch.from_dict({"prompt_ids": np.ones((num, 2), np.int32), "prompt_mask": np.ones((num, 2), np.int32)},
-                           non_tensors)
+    return Batch.from_dict(
+        {"prompt_ids": np.ones((num, 2), np.int32), "prompt_mask": np.ones((num, 2), np.int32)}, non_tensors
+    )
 
 
 def reward_to_go(r, mask):
@@ -172,9 +186,14 @@ def test_remax_baseline_and_advantages_match_numpy():
     sampled = (rng.integers(4, 20, (B * n, R)) * s_mask).astype(np.int32)
     greedy = encode(["12", "3", "999"], R)
     w = Workers(actor=StubActor((sampled, s_mask), greedy), ref=StubRef(), reward=token_sum_reward)
-    cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(
-        adv_estimator="remax", use_kl_in_reward=True, kl_penalty="kl",
-        kl_ctrl=algos.KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=100.0)))
+    cfg = algos.AlgorithmSettings(
+        algos.AlgorithmConfig(
+            adv_estimator="remax",
+            use_kl_in_reward=True,
+            kl_penalty="kl",
+            kl_ctrl=algos.KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=100.0),
+        )
+    )
     state = programs.AlgoState.initial(cfg)
     metrics = programs.get_algorithm("remax")(w, stub_prompts(B), cfg, state)
     batch = w.actor.updates[-1]
@@ -213,10 +232,16 @@ def test_safe_rlhf_lagrangian_advantages_and_multiplier(scale):
     rng = np.random.default_rng(1)
     texts = [answers[i] if rng.random() < 0.5 else str(rng.integers(0, 100)) for i in range(B) for _ in range(n)]
     responses, mask = encode(texts, R, after_eos="9")  # a '9' after EOS (masked out) costs nothing
-    w = Workers(actor=StubActor((responses, mask)),
-                reward=RewardFn(rule=LocalWorkerGroup(RuleRewardWorker(TOKENIZER))))
-    safe = algos.SafeRLHFConfig(enable=True, cost_rule="forbidden_chars", forbidden_chars="9", cost_threshold=0.2,
-                                lambda_init=0.5, lambda_lr=0.3, lambda_update_scale=scale)
+    w = Workers(actor=StubActor((responses, mask)), reward=RewardFn(rule=LocalWorkerGroup(RuleRewardWorker(TOKENIZER))))
+    safe = algos.SafeRLHFConfig(
+        enable=True,
+        cost_rule="forbidden_chars",
+        forbidden_chars="9",
+        cost_threshold=0.2,
+        lambda_init=0.5,
+        lambda_lr=0.3,
+        lambda_update_scale=scale,
+    )
     cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator="grpo"), safe)
     state = programs.AlgoState.initial(cfg)
     lam = 0.5
@@ -256,8 +281,11 @@ def test_rule_costs_on_decoded_text():
 
 
 def test_multiplier_cap_and_projection():
-    for scale, init, j_c, cap, want in (("linear", 0.1, 0.0, None, 0.0), ("linear", 1.0, 10.0, 2.0, 2.0),
-                                        ("log", 1.0, 10.0, 3.0, 3.0)):
+    for scale, init, j_c, cap, want in (
+        ("linear", 0.1, 0.0, None, 0.0),
+        ("linear", 1.0, 10.0, 2.0, 2.0),
+        ("log", 1.0, 10.0, 3.0, 3.0),
+    ):
         state = programs.AlgoState(lagrange_multiplier=init)
         settings = algos.SafeRLHFConfig(cost_threshold=1.0, lambda_lr=0.5, lambda_update_scale=scale, lambda_max=cap)
         m = state.lagrange(settings)
@@ -270,9 +298,20 @@ def test_multiplier_cap_and_projection():
 
 CFG = models.get_preset("tiny_llama", vocab_size=128, num_layers=1)
 NUM_PROMPTS, N, PROMPT_LEN, MAX_NEW = 8, 2, 8, 8
-VERL_METRICS = {"critic/score/mean", "critic/rewards/mean", "critic/advantages/mean", "response_length/mean",
-                "actor/pg_loss", "actor/grad_norm", "timing_s/gen", "timing_s/old_log_prob", "timing_s/reward",
-                "timing_s/adv", "timing_s/update_actor", "timing_s/step"}
+VERL_METRICS = {
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "response_length/mean",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "timing_s/gen",
+    "timing_s/old_log_prob",
+    "timing_s/reward",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/step",
+}
 
 
 @pytest.fixture(scope="module")
@@ -283,25 +322,46 @@ def prompts():
     for i, row in enumerate(rows):
         text = TOKENIZER.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         tokens = TOKENIZER.encode(text, add_special_tokens=False)
-        ids[i, PROMPT_LEN - len(tokens):], mask[i, PROMPT_LEN - len(tokens):] = tokens, 1
-    return programs.batch_from_prompts({
-        "prompt_ids": ids, "prompt_mask": mask, "data_source": [r["data_source"] for r in rows],
-        "ground_truth": [r["reward_model"]["ground_truth"] for r in rows]})
+        ids[i, PROMPT_LEN - len(tokens) :], mask[i, PROMPT_LEN - len(tokens) :] = tokens, 1
+    return programs.batch_from_prompts(
+        {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "data_source": [r["data_source"] for r in rows],
+            "ground_truth": [r["reward_model"]["ground_truth"] for r in rows],
+        }
+    )
 
 
 @pytest.fixture(scope="module")
 def workers():
     """Actor (+ generation layout), reference, critic and cost model all on the 8 devices."""
-    placement = Placement.colocated(roles=("actor", "ref", "critic", "cost"), meshes={"actor": "dp=2,fsdp=2,tp=2"},
-                                    gen_tp={"actor": 2}, models={r: CFG for r in ("actor", "ref", "critic", "cost")})
+    placement = Placement.colocated(
+        roles=("actor", "ref", "critic", "cost"),
+        meshes={"actor": "dp=2,fsdp=2,tp=2"},
+        gen_tp={"actor": 2},
+        models={r: CFG for r in ("actor", "ref", "critic", "cost")},
+    )
     lm = models.init_model(CFG, "lm", seed=0)
     return build_local_workers(
-        placement, actor=lm, ref=lm, critic=models.init_model(CFG, "value", seed=1),
-        cost_model=models.init_model(CFG, "reward", seed=2), rule_reward=RuleRewardWorker(TOKENIZER),
+        placement,
+        actor=lm,
+        ref=lm,
+        critic=models.init_model(CFG, "value", seed=1),
+        cost_model=models.init_model(CFG, "reward", seed=2),
+        rule_reward=RuleRewardWorker(TOKENIZER),
         actor_config=ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
         critic_config=CriticConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
-        rollout=RolloutConfig(train=SamplingParams(n=N, max_new_tokens=MAX_NEW, eos_token_ids=TOKENIZER.eos_token_id,
-                                                   pad_token_id=TOKENIZER.pad_token_id, seed=0)))
+        rollout=RolloutConfig(
+            train=SamplingParams(
+                n=N,
+                max_new_tokens=MAX_NEW,
+                eos_token_ids=TOKENIZER.eos_token_id,
+                pad_token_id=TOKENIZER.pad_token_id,
+                seed=0,
+            )
+        ),
+    )
 
 
 def _run(w, prompts, cfg, extra=()):
@@ -323,8 +383,19 @@ def _run(w, prompts, cfg, extra=()):
 def test_ppo_end_to_end(workers, prompts):
     cfg = configs.get_config("ppo_tiny")
     w = Workers(actor=workers.actor, ref=workers.ref, critic=workers.critic, reward=workers.reward)
-    metrics, state = _run(w, prompts, cfg, ("critic/vf_loss", "critic/values/mean", "actor/reward_kl_penalty",
-                                            "timing_s/ref", "timing_s/values", "timing_s/update_critic"))
+    metrics, state = _run(
+        w,
+        prompts,
+        cfg,
+        (
+            "critic/vf_loss",
+            "critic/values/mean",
+            "actor/reward_kl_penalty",
+            "timing_s/ref",
+            "timing_s/values",
+            "timing_s/update_critic",
+        ),
+    )
     assert state.kl_coef == cfg.algorithm.kl_ctrl.kl_coef  # fixed controller
 
 
@@ -347,8 +418,9 @@ def test_remax_end_to_end(workers, prompts):
 def test_safe_rlhf_rule_cost_end_to_end(workers, prompts):
     cfg = configs.get_config("safe_rlhf_tiny")  # grpo, rule cost forbidden_chars "9"
     w = Workers(actor=workers.actor, ref=workers.ref, reward=workers.reward)
-    metrics, state = _run(w, prompts, cfg, ("safe_rlhf/episode_cost", "safe_rlhf/lambda",
-                                            "safe_rlhf/cost_violation", "timing_s/cost"))
+    metrics, state = _run(
+        w, prompts, cfg, ("safe_rlhf/episode_cost", "safe_rlhf/lambda", "safe_rlhf/cost_violation", "timing_s/cost")
+    )
     s = cfg.jaxflow.safe_rlhf
     assert metrics["safe_rlhf/lambda"] == s.lambda_init
     want = max(0.0, s.lambda_init + s.lambda_lr * (metrics["safe_rlhf/episode_cost"] - s.cost_threshold))

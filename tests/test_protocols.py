@@ -138,9 +138,7 @@ def test_dp_compute_split_pad_and_collect():
         if len(calls) % 2 == 0:  # not a collect rank: its output must be ignored
             return Batch(tensors={"out": np.full(len(batch), -999, np.int32)}, meta={"step": 1})
         out = batch["responses"].sum(axis=1) * scale + other["values"][:, 0]
-        return Batch.from_dict(
-            tensors={"out": out}, non_tensors={"uid": batch["uid"]}, meta=batch.meta
-        )
+        return Batch.from_dict(tensors={"out": out}, non_tensors={"uid": batch["uid"]}, meta=batch.meta)
 
     result = dispatch_method(info, DP_COMPUTE, fn, b, 3, other=extra)
     # 10 rows padded to 12 (rows 0, 1 repeated), 3 per shard; ranks 2d and 2d+1 read shard d.
@@ -268,9 +266,7 @@ def test_all_to_all():
 
 def test_dispatch_length_is_checked():
     info = WorkerGroupInfo(world_size=2, dp_size=1)
-    bad = register_protocol(
-        "test_bad_len", lambda i, a, k: [(a, k)], lambda i, o, s: o, overwrite=True
-    )
+    bad = register_protocol("test_bad_len", lambda i, a, k: [(a, k)], lambda i, o, s: o, overwrite=True)
     with pytest.raises(ValueError, match="dispatched 1 inputs for 2 ranks"):
         dispatch_method(info, bad, lambda: None)
 
@@ -296,9 +292,7 @@ def _by_group_collect(info, outputs, rows):
 
 
 def test_custom_group_protocol():
-    by_group = register_protocol(
-        "test_by_group", _by_group_dispatch, _by_group_collect, overwrite=True
-    )
+    by_group = register_protocol("test_by_group", _by_group_dispatch, _by_group_collect, overwrite=True)
     assert get_protocol("test_by_group") is by_group
     info = WorkerGroupInfo(world_size=4, dp_size=2)
     rng = np.random.default_rng(0)
@@ -330,8 +324,9 @@ def test_custom_group_protocol():
 # the 8 devices as a dp=4 x tp=2 mesh) and the Ray backend (4 processes x 2 devices, one
 # jax.distributed world). Every result is checked against NumPy on the padded batch.
 
-_RAY_CONFIG = dict(devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120,
-                   schedule_timeout_s=10)
+_RAY_CONFIG = dict(
+    devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120, schedule_timeout_s=10
+)
 
 
 @pytest.fixture(scope="module")
@@ -357,8 +352,9 @@ def toy(request, toy_groups):
 
 
 def _xs(n):
-    return Batch.from_dict({"x": np.arange(1, n + 1, dtype=np.float32)}, {"uid": [f"u{i}" for i in range(n)]},
-                           {"step": 3})
+    return Batch.from_dict(
+        {"x": np.arange(1, n + 1, dtype=np.float32)}, {"uid": [f"u{i}" for i in range(n)]}, {"step": 3}
+    )
 
 
 def test_groups_dp_compute_on_devices(toy):
@@ -424,6 +420,6 @@ def test_row_split_by_process():
     assert list(args[0].non_tensors["uid"]) == list(b["uid"])  # host columns go whole, once
     for p, first in enumerate([0, 0, 8, 8]):
         for slot in (0, 1):
-            np.testing.assert_array_equal(rows[p][slot]["responses"], b["responses"][first:first + 8])
+            np.testing.assert_array_equal(rows[p][slot]["responses"], b["responses"][first : first + 8])
     with pytest.raises(ValueError, match="10 rows do not split into 8"):
         dp8.split(make(10))

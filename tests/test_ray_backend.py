@@ -42,8 +42,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import ray_vs_local  # the experiment's runner and strict comparison (after the path)
 
-CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120,
-                   schedule_timeout_s=3)
+CONFIG = RayConfig(
+    devices_per_host=2, compile_deadline_s=120, step_deadline_s=60, sync_deadline_s=120, schedule_timeout_s=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +118,11 @@ def test_call_past_its_deadline_is_an_error(backend):
         group = backend.group(processes, Toy, name="slow", mesh="dp=2")
         group.busy(1)  # a first call with these shapes gets the compile deadline; later ones the step deadline
         start = time.monotonic()
-        with pytest.raises(DeadlineExceeded, match=r"worker group 'slow': slow.busy passed its deadline of 3s; "
-                                                   r"rank\(s\) \[0\] of 1 did not answer"):
+        with pytest.raises(
+            DeadlineExceeded,
+            match=r"worker group 'slow': slow.busy passed its deadline of 3s; "
+            r"rank\(s\) \[0\] of 1 did not answer",
+        ):
             group.busy(10**9)
         assert time.monotonic() - start < 30
         assert _wait_gone(processes.pids) == []
@@ -128,8 +132,11 @@ def test_call_past_its_deadline_is_an_error(backend):
 
 def test_unschedulable_group_is_reported(backend):
     start = time.monotonic()
-    with pytest.raises(Unschedulable, match=r"worker group 'huge': 64 host bundle\(s\) of \{'CPU': 1.0\} could not be "
-                                            r"scheduled within 3s"):
+    with pytest.raises(
+        Unschedulable,
+        match=r"worker group 'huge': 64 host bundle\(s\) of \{'CPU': 1.0\} could not be "
+        r"scheduled within 3s",
+    ):
         backend.process_group("huge", 64)
     assert time.monotonic() - start < 30
     assert "huge" not in backend.groups
@@ -151,8 +158,14 @@ group.busy(10**9)
 
 def test_ctrl_c_at_the_driver_leaves_no_worker_processes(backend):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    driver = subprocess.Popen([sys.executable, "-c", ORPHAN_DRIVER, ray.get_runtime_context().gcs_address],
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env, cwd=ROOT)
+    driver = subprocess.Popen(
+        [sys.executable, "-c", ORPHAN_DRIVER, ray.get_runtime_context().gcs_address],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     try:
         line = ""
         while not line.startswith("PIDS"):
@@ -170,21 +183,31 @@ def test_ctrl_c_at_the_driver_leaves_no_worker_processes(backend):
 
 
 def test_local_path_never_imports_ray():
-    code = ("import sys, jaxflow, jaxflow.workers, jaxflow.trainer, jaxflow.run; "
-            "import jaxflow.workers.ray_backend; assert 'ray' not in sys.modules, 'ray was imported'")
+    code = (
+        "import sys, jaxflow, jaxflow.workers, jaxflow.trainer, jaxflow.run; "
+        "import jaxflow.workers.ray_backend; assert 'ray' not in sys.modules, 'ray was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
 
 
 PPO_70B_PLAN = [
-    ("ray backend: 16 hosts x 8 gpu devices; one process per host per worker group, each group its own "
-     "jax.distributed world"),
-    ("group 'actor': hosts 0..7 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
-     "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"),
-    ("  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it; "
-     "generate: replica=1,tp=8,dp=8"),
+    (
+        "ray backend: 16 hosts x 8 gpu devices; one process per host per worker group, each group its own "
+        "jax.distributed world"
+    ),
+    (
+        "group 'actor': hosts 0..7 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+        "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"
+    ),
+    (
+        "  actor: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it; "
+        "generate: replica=1,tp=8,dp=8"
+    ),
     "  ref: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
-    ("group 'critic': hosts 8..15 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
-     "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"),
+    (
+        "group 'critic': hosts 8..15 (8 processes, ranks 0..7), 8 placement groups (one per node) of 1 x "
+        "{'CPU': 1.0, 'GPU': 8} (STRICT_PACK)"
+    ),
     "  critic: mesh dp=1,fsdp=8,tp=8 over 8 x 8 devices; each process holds a dp=1,fsdp=1,tp=8 block of it",
     "  reward: mesh dp=1,fsdp=64,tp=1 over 8 x 8 devices; each process holds a dp=1,fsdp=8,tp=1 block of it",
 ]
@@ -208,7 +231,7 @@ def test_ppo_70b_dry_run_prints_the_16_host_plan_without_a_cluster():
     finally:
         proc.kill()
         _, err = proc.communicate(timeout=60)
-    assert lines[:len(PPO_70B_PLAN)] == PPO_70B_PLAN, err[-2000:]
+    assert lines[: len(PPO_70B_PLAN)] == PPO_70B_PLAN, err[-2000:]
     assert lines[len(PPO_70B_PLAN)].startswith("jaxflow dry run: ppo_70b on 128 ")  # then the compile plan
     assert "Started a local Ray instance" not in err  # the plan needs no cluster
 
@@ -227,26 +250,39 @@ def test_pool_reservations():
     assert tpu_vms.placement_groups == ((({"CPU": 1.0, "TPU": 4},) * 4, "STRICT_SPREAD"),)
     tpu = RayConfig(devices_per_host=4, accelerator="tpu", tpu_topology="4x4", tpu_version="v5p").reservation(8)
     assert tpu.placement_groups == () and tpu.num_hosts == 8 and tpu.slot(5) == (0, 5)
-    assert tpu.tpu_slice == {"topology": "4x4", "accelerator_version": "v5p", "num_slices": 2,
-                             "resources_per_bundle": {"CPU": 1.0, "TPU": 4}}
+    assert tpu.tpu_slice == {
+        "topology": "4x4",
+        "accelerator_version": "v5p",
+        "num_slices": 2,
+        "resources_per_bundle": {"CPU": 1.0, "TPU": 4},
+    }
     assert tpu.describe() == "2 TPU slice(s) v5p 4x4 via ray.util.tpu, 8 x {'CPU': 1.0, 'TPU': 4}"
     assert tpu.fallback() == RayConfig(devices_per_host=4, accelerator="tpu").reservation(8)
-    with pytest.raises(ValueError, match=r"a pool of 6 TPU hosts is not a whole number of slices of topology 4x4 "
-                                         r"\(4 hosts each"):
+    with pytest.raises(
+        ValueError,
+        match=r"a pool of 6 TPU hosts is not a whole number of slices of topology 4x4 "
+        r"\(4 hosts each",
+    ):
         RayConfig(devices_per_host=4, accelerator="tpu", tpu_topology="4x4", tpu_version="v5p").reservation(6)
     with pytest.raises(ValueError, match="needs the form AxB"):
         RayConfig(accelerator="tpu", tpu_topology="4by4", tpu_version="v5p")
 
 
-@pytest.mark.parametrize("overrides, key, message", [
-    (["jaxflow.ray.devices_per_host=3"], "jaxflow.ray.devices_per_host", "not a whole number of hosts of 3"),
-    (["jaxflow.ray.devices_per_host=4", "jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=2,6"],
-     "jaxflow.placement.pool_sizes", "every pool takes whole hosts of 4 devices"),
-    (["jaxflow.ray.accelerator=npu"], "jaxflow.ray.accelerator", "must be one of cpu, gpu, tpu"),
-    (["jaxflow.ray.step_deadline_s=0"], "jaxflow.ray.step_deadline_s", "must be > 0"),
-    (["jaxflow.ray.tpu_topology=4by4"], "jaxflow.ray.tpu_topology", "is not a TPU topology"),
-    (["jaxflow.ray.tpu_topology=4x4"], "jaxflow.ray.tpu_version", "must name the TPU generation"),
-])
+@pytest.mark.parametrize(
+    "overrides, key, message",
+    [
+        (["jaxflow.ray.devices_per_host=3"], "jaxflow.ray.devices_per_host", "not a whole number of hosts of 3"),
+        (
+            ["jaxflow.ray.devices_per_host=4", "jaxflow.placement.type=split", "jaxflow.placement.pool_sizes=2,6"],
+            "jaxflow.placement.pool_sizes",
+            "every pool takes whole hosts of 4 devices",
+        ),
+        (["jaxflow.ray.accelerator=npu"], "jaxflow.ray.accelerator", "must be one of cpu, gpu, tpu"),
+        (["jaxflow.ray.step_deadline_s=0"], "jaxflow.ray.step_deadline_s", "must be > 0"),
+        (["jaxflow.ray.tpu_topology=4by4"], "jaxflow.ray.tpu_topology", "is not a TPU topology"),
+        (["jaxflow.ray.tpu_topology=4x4"], "jaxflow.ray.tpu_version", "must name the TPU generation"),
+    ],
+)
 def test_ray_settings_are_validated(overrides, key, message):
     with pytest.raises(configs.ConfigError, match=message) as e:
         configs.load_config("ppo_tiny", ["jaxflow.backend=ray", *overrides])
@@ -275,8 +311,7 @@ def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
     name = f"reader_{int(scan_layers)}"
     processes = backend.process_group(name, 4)
     try:
-        group = backend.group(processes, Loaded, name=name, path=str(path), mesh="fsdp=4,tp=2",
-                              scan_layers=scan_layers)
+        group = backend.group(processes, Loaded, name=name, path=str(path), mesh="fsdp=4,tp=2", scan_layers=scan_layers)
         stats = group.read_stats([None] * 4)
         params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
     finally:
@@ -308,15 +343,20 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
     sharded matrix plus the replicated norms, and the actor holds exactly those weights."""
     path, _ = tiny_hf
     graphdef, params = nnx.split(models.from_pretrained(path))
-    placement = Placement.from_groups([("ship", 8, ("actor",))], devices=backend.devices(8),
-                                      meshes={"actor": "fsdp=4,tp=2"}, models={"actor": models.get_preset("tiny_llama")})
+    placement = Placement.from_groups(
+        [("ship", 8, ("actor",))],
+        devices=backend.devices(8),
+        meshes={"actor": "fsdp=4,tp=2"},
+        models={"actor": models.get_preset("tiny_llama")},
+    )
     processes = backend.process_group("ship", 4)
     try:
         kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
         shipped, blocks = processes.ship_params("actor", kwargs, params)
         kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
-        actor = RayWorkerGroup(processes, "actor", role_class("actor"),
-                               processes.build("actor", "placement", kwargs, blocks))
+        actor = RayWorkerGroup(
+            processes, "actor", role_class("actor"), processes.build("actor", "placement", kwargs, blocks)
+        )
         received = [s["param_bytes"] for s in processes.io_stats()]
         got = _flat(actor.get_train_state()[0].params)
     finally:
@@ -363,8 +403,9 @@ def cli_runs(backend, tmp_path_factory):
     killer = threading.Thread(target=_kill_during_step_2, args=(out / "ray", killed, stop))
     killer.start()
     try:
-        ray_rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 2, str(out / "ray"),
-                                       [*RUN, "--config.jaxflow.ray.max_restarts=1"], env=env)
+        ray_rows, _ = ray_vs_local.run(
+            "ray", "grpo_tiny", "colocated", 2, str(out / "ray"), [*RUN, "--config.jaxflow.ray.max_restarts=1"], env=env
+        )
     finally:
         stop.set()
         killer.join()
@@ -382,8 +423,11 @@ def test_cli_ray_run_killed_and_restarted_equals_the_local_run(cli_runs):
     log_text = (ray_dir / "jaxflow.log").read_text()
     started = [[int(p) for p in m.group(2).split(",")] for m in STARTED.finditer(log_text)]
     assert len(started) == 2 and cli_runs["killed"][0] == started[0][1]  # the first world, then the restart's
-    assert re.search(r"worker failure: worker group 'global' rank 1 \(pid \d+\) died during .*; restart 1/1: "
-                     r"fresh worker processes, resuming from checkpoint step 1", log_text), log_text[-3000:]
+    assert re.search(
+        r"worker failure: worker group 'global' rank 1 \(pid \d+\) died during .*; restart 1/1: "
+        r"fresh worker processes, resuming from checkpoint step 1",
+        log_text,
+    ), log_text[-3000:]
     assert [r["step"] for r in cli_runs["ray"]] == [1, 2]
     diffs, bad = ray_vs_local.compare(cli_runs["local"], cli_runs["ray"], 1e-5)
     assert not bad, bad
@@ -396,9 +440,13 @@ def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, tmp_path):
     """Saved by 4 processes x 2 devices (actor fsdp=4,tp=2), resumed by 2 processes x 2 devices
     (fsdp=2,tp=2): step 2 continues with the 4-process run's metrics."""
     ray_dir = cli_runs["ray_dir"]
-    extra = [*RUN, "--config.jaxflow.num_devices=4", "--config.trainer.resume_mode=resume_path",
-             f"--config.trainer.resume_from_path={ray_dir / 'step_1'}",
-             f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}"]
+    extra = [
+        *RUN,
+        "--config.jaxflow.num_devices=4",
+        "--config.trainer.resume_mode=resume_path",
+        f"--config.trainer.resume_from_path={ray_dir / 'step_1'}",
+        f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}",
+    ]
     env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 2, str(tmp_path / "resumed"), extra, env=env)
     assert [r["step"] for r in rows] == [2]
@@ -413,13 +461,26 @@ def test_sigkill_without_restarts_is_an_error_naming_group_and_rank_and_stops_ev
     too, so no worker process is left."""
     from jaxflow.trainer.rl import RLTrainer
 
-    cfg = configs.load_config("grpo_tiny", [a.removeprefix("--config.") for a in (
-        *RUN, "--config.jaxflow.backend=ray", "--config.jaxflow.ray.devices_per_host=2",
-        "--config.trainer.total_training_steps=2", "--config.trainer.test_freq=-1",
-        "--config.trainer.val_before_train=false", f"--config.trainer.default_local_dir={tmp_path / 'run'}",
-        f"--config.actor_rollout_ref.model.path={cli_runs['ray_dir'] / 'sft_warm_start'}",
-        "--config.jaxflow.placement.type=custom", "--config.jaxflow.placement.groups=actor;ref",
-        "--config.jaxflow.placement.pool_sizes=4,4", "--config.jaxflow.ray.step_deadline_s=120")])
+    cfg = configs.load_config(
+        "grpo_tiny",
+        [
+            a.removeprefix("--config.")
+            for a in (
+                *RUN,
+                "--config.jaxflow.backend=ray",
+                "--config.jaxflow.ray.devices_per_host=2",
+                "--config.trainer.total_training_steps=2",
+                "--config.trainer.test_freq=-1",
+                "--config.trainer.val_before_train=false",
+                f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+                f"--config.actor_rollout_ref.model.path={cli_runs['ray_dir'] / 'sft_warm_start'}",
+                "--config.jaxflow.placement.type=custom",
+                "--config.jaxflow.placement.groups=actor;ref",
+                "--config.jaxflow.placement.pool_sizes=4,4",
+                "--config.jaxflow.ray.step_deadline_s=120",
+            )
+        ],
+    )
     trainer = RLTrainer(cfg)
     pids = {name: list(g.pids) for name, g in trainer.backend.groups.items()}
     assert sorted(pids) == ["actor", "ref"] and all(len(p) == 2 for p in pids.values())

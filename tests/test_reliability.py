@@ -50,15 +50,19 @@ def run_cli(args, run_dir, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
     cmd = [sys.executable, "-m", "jaxflow.run", *args, f"--config.trainer.default_local_dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     return proc.returncode, proc.stdout
 
 
 def tree_digest(path: Path) -> dict[str, str]:
     """sha256 of every file under ``path``, by relative name."""
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 def error_lines(out: str) -> list[str]:
@@ -68,8 +72,10 @@ def error_lines(out: str) -> list[str]:
 def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_cost_a_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # Files of the user's that sit where earlier versions wrote the built-in task.
-    user_files = {run_dir / "data" / "train.parquet": b"the user's own train file",
-                  run_dir / "data" / "test.parquet": b"the user's own test file"}
+    user_files = {
+        run_dir / "data" / "train.parquet": b"the user's own train file",
+        run_dir / "data" / "test.parquet": b"the user's own test file",
+    }
     for path, data in user_files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
@@ -94,7 +100,8 @@ def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_
     # An infinite learning rate is refused by validation, naming the key.
     code, out = run_cli([*TINY, "--config.actor_rollout_ref.actor.optim.lr=inf"], run_dir)
     assert code == 2 and error_lines(out) == [
-        "error: actor_rollout_ref.actor.optim.lr: must be a finite number, got inf"], out
+        "error: actor_rollout_ref.actor.optim.lr: must be a finite number, got inf"
+    ], out
 
     # The newest checkpoint is damaged (its array files truncated): the rerun warns in one line naming
     # the step and item, moves it aside and resumes from step 1. There lr=1e39 (valid, but inf in
@@ -104,9 +111,16 @@ def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_
     assert data_files
     for data_file in data_files:
         data_file.write_bytes(data_file.read_bytes()[:100])  # the array data files, truncated
-    code, out = run_cli([*TINY, *keep_two, "--config.trainer.total_training_steps=6",
-                         "--config.actor_rollout_ref.actor.optim.lr=1e39",
-                         "--config.jaxflow.trainer.max_nonfinite_steps=2"], run_dir)
+    code, out = run_cli(
+        [
+            *TINY,
+            *keep_two,
+            "--config.trainer.total_training_steps=6",
+            "--config.actor_rollout_ref.actor.optim.lr=1e39",
+            "--config.jaxflow.trainer.max_nonfinite_steps=2",
+        ],
+        run_dir,
+    )
     assert code == 3, out
     (warning,) = [line for line in out.splitlines() if "damaged" in line]
     assert "skipping damaged checkpoint step 2 (item 'actor' cannot be read" in warning
@@ -131,10 +145,14 @@ def _reward_file(tmp_path, name, body):
 
 def test_reward_functions_that_cannot_work_stop_the_run_in_one_line(tmp_path):
     # verl's per-dataset signature: refused when loading, before any model is built.
-    two_args = _reward_file(tmp_path, "two_args.py", """
+    two_args = _reward_file(
+        tmp_path,
+        "two_args.py",
+        """
         def compute_score(solution_str, ground_truth):
             return float(solution_str == ground_truth)
-    """)
+    """,
+    )
     code, out = run_cli([*TINY, f"--config.custom_reward_function.path={two_args}"], tmp_path / "a")
     assert code == 2, out
     (line,) = error_lines(out)
@@ -142,23 +160,35 @@ def test_reward_functions_that_cannot_work_stop_the_run_in_one_line(tmp_path):
     assert "jaxflow:" not in out  # stopped before the run was built
 
     # A file that hangs at import: cut off at the load limit, before any model is built.
-    hangs = _reward_file(tmp_path, "hangs.py", """
+    hangs = _reward_file(
+        tmp_path,
+        "hangs.py",
+        """
         import time
         time.sleep(1000)
-    """)
-    code, out = run_cli([*TINY, f"--config.custom_reward_function.path={hangs}",
-                         "--config.jaxflow.reward.load_timeout_s=2"], tmp_path / "b")
+    """,
+    )
+    code, out = run_cli(
+        [*TINY, f"--config.custom_reward_function.path={hangs}", "--config.jaxflow.reward.load_timeout_s=2"],
+        tmp_path / "b",
+    )
     assert code == 2, out
     (line,) = error_lines(out)
     assert "did not finish within 2 s" in line and "hangs.py" in line
 
     # Fails on every sample: the run stops within the first step, exit 2, one line naming the error.
-    raises = _reward_file(tmp_path, "raises.py", """
+    raises = _reward_file(
+        tmp_path,
+        "raises.py",
+        """
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             return {"answer": solution_str}["answr"]  # a typo: KeyError on every sample
-    """)
-    code, out = run_cli([*TINY, f"--config.custom_reward_function.path={raises}", "--config.trainer.total_training_steps=3"],
-                        tmp_path / "c")
+    """,
+    )
+    code, out = run_cli(
+        [*TINY, f"--config.custom_reward_function.path={raises}", "--config.trainer.total_training_steps=3"],
+        tmp_path / "c",
+    )
     assert code == 2, out
     (line,) = error_lines(out)
     assert "failed on every sample of a batch (4: 4 errors, 0 timeouts); the first: KeyError: 'answr'" in line
@@ -183,17 +213,28 @@ def _dead(pid):
 
 def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_a_killed_driver(tmp_path):
     marker = tmp_path / "called"
-    hang = _reward_file(tmp_path, "hang.py", f"""
+    hang = _reward_file(
+        tmp_path,
+        "hang.py",
+        f"""
         import pathlib, time
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             pathlib.Path({str(marker)!r}).touch()
             time.sleep(1000)
-    """)
+    """,
+    )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "jaxflow.run", *TINY, f"--config.custom_reward_function.path={hang}",
-           "--config.jaxflow.reward.timeout_s=1", "--config.jaxflow.reward.batch_timeout_s=120",
-           f"--config.trainer.default_local_dir={tmp_path / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxflow.run",
+        *TINY,
+        f"--config.custom_reward_function.path={hang}",
+        "--config.jaxflow.reward.timeout_s=1",
+        "--config.jaxflow.reward.batch_timeout_s=120",
+        f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+    ]
     driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in driver.stdout], daemon=True).start()
@@ -228,8 +269,13 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
 
 
 def _jsonl(path, truths):
-    path.write_text("".join(json.dumps({"prompt": "1+1=", "data_source": "jaxflow/addition",
-                                        "reward_model": {"ground_truth": t}}) + "\n" for t in truths))
+    path.write_text(
+        "".join(
+            json.dumps({"prompt": "1+1=", "data_source": "jaxflow/addition", "reward_model": {"ground_truth": t}})
+            + "\n"
+            for t in truths
+        )
+    )
     return path
 
 
@@ -240,8 +286,12 @@ def test_data_and_tokenizers_that_do_not_fit_are_refused_before_training(tmp_pat
     # A null ground truth would be compared as the text "None"; a list never equals an answer.
     for name, truths, where in (("null", ["2", None], "line 2"), ("list", [["2", "two"], "2"], "line 1")):
         data = _jsonl(tmp_path / f"{name}.jsonl", truths)
-        cases.append(([f"--config.data.train_files={data}", f"--config.data.val_files={data}"],
-                      [f"{data}: {where}: reward_model.ground_truth is", "custom reward function"]))
+        cases.append(
+            (
+                [f"--config.data.train_files={data}", f"--config.data.val_files={data}"],
+                [f"{data}: {where}: reward_model.ground_truth is", "custom reward function"],
+            )
+        )
     # An actor checkpoint that ships its own tokenizer, run with the default char tokenizer.
     import jaxflow.models as models
     from jaxflow.data.char_tokenizer import CharTokenizer
@@ -249,15 +299,27 @@ def test_data_and_tokenizers_that_do_not_fit_are_refused_before_training(tmp_pat
     ckpt = tmp_path / "hf_model"
     models.save_pretrained(models.init_model(models.get_preset("tiny_llama", vocab_size=128, num_layers=1)), ckpt)
     CharTokenizer(chars="0123456789+=").save_pretrained(ckpt)
-    cases.append(([f"--config.actor_rollout_ref.model.path={ckpt}"],
-                  ["jaxflow.data.tokenizer: is 'char'", "ships its own tokenizer", "jaxflow.data.tokenizer=model"]))
+    cases.append(
+        (
+            [f"--config.actor_rollout_ref.model.path={ckpt}"],
+            ["jaxflow.data.tokenizer: is 'char'", "ships its own tokenizer", "jaxflow.data.tokenizer=model"],
+        )
+    )
     # A tokenizer with more ids than the model has embedding rows.
     big = tmp_path / "big_tokenizer"
     CharTokenizer(chars="".join(chr(c) for c in range(0x100, 0x100 + 200))).save_pretrained(big)
-    cases.append(([f"--config.jaxflow.data.tokenizer={big}"],
-                  ["jaxflow.model.vocab_size: 128 is smaller than the tokenizer's 204 ids"]))
-    cases.append(([f"--config.actor_rollout_ref.model.path={ckpt}", f"--config.jaxflow.data.tokenizer={big}"],
-                  [f"the tokenizer has 204 ids but the actor model {ckpt} has 128 vocabulary rows"]))
+    cases.append(
+        (
+            [f"--config.jaxflow.data.tokenizer={big}"],
+            ["jaxflow.model.vocab_size: 128 is smaller than the tokenizer's 204 ids"],
+        )
+    )
+    cases.append(
+        (
+            [f"--config.actor_rollout_ref.model.path={ckpt}", f"--config.jaxflow.data.tokenizer={big}"],
+            [f"the tokenizer has 204 ids but the actor model {ckpt} has 128 vocabulary rows"],
+        )
+    )
     for args, messages in cases:
         assert main([*base, *args]) == 2, args
         err = capsys.readouterr().err.strip()
@@ -266,14 +328,21 @@ def test_data_and_tokenizers_that_do_not_fit_are_refused_before_training(tmp_pat
             assert message in err, (message, err)
 
 
-@pytest.mark.parametrize("body, message", [
-    ("def get_config():\n    raise RuntimeError('no such cluster')\n",
-     "get_config() of {path} failed: RuntimeError: no such cluster"),
-    ("import sys\nsys.exit(0)\n", "importing {path} failed: it called sys.exit(0)"),
-    ("import sys\ndef get_config():\n    sys.exit(0)\n", "get_config() of {path} failed: it called sys.exit(0)"),
-    ("from ml_collections import ConfigDict\ndef get_config():\n    return ConfigDict({'data': {'train_batch_size': 4}})\n",
-     "keys (e.g. data.train_files, data.val_files, data.prompt_key); build it on jaxflow.configs.base.get_base_config()"),
-])
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (
+            "def get_config():\n    raise RuntimeError('no such cluster')\n",
+            "get_config() of {path} failed: RuntimeError: no such cluster",
+        ),
+        ("import sys\nsys.exit(0)\n", "importing {path} failed: it called sys.exit(0)"),
+        ("import sys\ndef get_config():\n    sys.exit(0)\n", "get_config() of {path} failed: it called sys.exit(0)"),
+        (
+            "from ml_collections import ConfigDict\ndef get_config():\n    return ConfigDict({'data': {'train_batch_size': 4}})\n",
+            "keys (e.g. data.train_files, data.val_files, data.prompt_key); build it on jaxflow.configs.base.get_base_config()",
+        ),
+    ],
+)
 def test_config_files_that_fail_are_one_line(tmp_path, capsys, body, message):
     path = tmp_path / "my_config.py"
     path.write_text(body)
@@ -286,13 +355,24 @@ def test_ctrl_c_during_a_save_exits_in_one_line_and_the_next_run_resumes(tmp_pat
     """A model large enough that each save (~400 MB with Adam's moments) outlasts a training
     step, so the SIGINT lands while a step is being written."""
     run_dir = tmp_path / "run"
-    big = ["--config.jaxflow.model.hidden_size=1024", "--config.jaxflow.model.intermediate_size=4096",
-           "--config.jaxflow.model.num_layers=2", "--config.trainer.save_freq=1",
-           "--config.trainer.max_actor_ckpt_to_keep=2"]
+    big = [
+        "--config.jaxflow.model.hidden_size=1024",
+        "--config.jaxflow.model.intermediate_size=4096",
+        "--config.jaxflow.model.num_layers=2",
+        "--config.trainer.save_freq=1",
+        "--config.trainer.max_actor_ckpt_to_keep=2",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "jaxflow.run", *TINY, *big, "--config.trainer.total_training_steps=100",
-           f"--config.trainer.default_local_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxflow.run",
+        *TINY,
+        *big,
+        "--config.trainer.total_training_steps=100",
+        f"--config.trainer.default_local_dir={run_dir}",
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -310,8 +390,11 @@ def test_ctrl_c_during_a_save_exits_in_one_line_and_the_next_run_resumes(tmp_pat
     assert proc.returncode == 130, out
     assert "Traceback" not in out and "ERROR" not in out, out
     (line,) = [line for line in out.splitlines() if line.startswith("interrupted:")]
-    complete = sorted(int(p.name.split("_")[1]) for p in run_dir.glob("step_*") if p.name.split("_")[1].isdigit()
-                      and (p / "jaxflow_checkpoint.json").exists())
+    complete = sorted(
+        int(p.name.split("_")[1])
+        for p in run_dir.glob("step_*")
+        if p.name.split("_")[1].isdigit() and (p / "jaxflow_checkpoint.json").exists()
+    )
     if complete:
         assert f"the latest complete checkpoint is step {complete[-1]}" in line, (line, complete)
     # The log file has the details the console left out.
@@ -336,12 +419,27 @@ def run_on_tmpfs(args, mount: Path, options: str, timeout=600):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["PYTHONPATH"] = str(REPO)
     run_dir = mount / "run"
-    script = ('mount -t tmpfs -o "$1" tmpfs "$0" || exit 99; shift; "$@"; rc=$?; echo "LEFT:"; '
-              f'ls -a {run_dir} 2>/dev/null; exit $rc')
-    cmd = ["unshare", "-rm", "sh", "-c", script, str(mount), options, sys.executable, "-m", "jaxflow.run", *args,
-           f"--config.trainer.default_local_dir={run_dir}"]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
+    script = (
+        'mount -t tmpfs -o "$1" tmpfs "$0" || exit 99; shift; "$@"; rc=$?; echo "LEFT:"; '
+        f"ls -a {run_dir} 2>/dev/null; exit $rc"
+    )
+    cmd = [
+        "unshare",
+        "-rm",
+        "sh",
+        "-c",
+        script,
+        str(mount),
+        options,
+        sys.executable,
+        "-m",
+        "jaxflow.run",
+        *args,
+        f"--config.trainer.default_local_dir={run_dir}",
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+    )
     out, _, left = proc.stdout.rpartition("LEFT:\n")
     return proc.returncode, out, sorted(set(left.split()) - {".", ".."})
 
@@ -351,19 +449,27 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
     code, out, _ = run_on_tmpfs([*TINY, "--config.trainer.total_training_steps=1"], tmp_path / "ro", "ro")
     assert code == 2, out
     (line,) = error_lines(out)
-    assert line == f"error: cannot write {tmp_path / 'ro' / 'run'}: Read-only file system (the run directory " \
-                   f"{tmp_path / 'ro' / 'run'})", line
+    assert (
+        line == f"error: cannot write {tmp_path / 'ro' / 'run'}: Read-only file system (the run directory "
+        f"{tmp_path / 'ro' / 'run'})"
+    ), line
     assert len(out.strip().splitlines()) == 1, out
 
     # A disk that fills up while the first checkpoint is written (512 KiB: the logs and the
     # config fit, the actor's arrays do not): one line naming the file and the cause, no
     # traceback, no error records of orbax's threads; the cut-short save is never a complete step.
-    code, out, left = run_on_tmpfs([*TINY, "--config.trainer.total_training_steps=1",
-                                    "--config.trainer.save_freq=1"], tmp_path / "full", "size=512k")
+    code, out, left = run_on_tmpfs(
+        [*TINY, "--config.trainer.total_training_steps=1", "--config.trainer.save_freq=1"],
+        tmp_path / "full",
+        "size=512k",
+    )
     assert code == 2, out
     (line,) = error_lines(out)
-    assert re.fullmatch(rf"error: cannot write {tmp_path / 'full' / 'run'}/step_1\.orbax-checkpoint-tmp\S*/\S+: "
-                        r"No space left on device \(is the disk full\?\)", line), line
+    assert re.fullmatch(
+        rf"error: cannot write {tmp_path / 'full' / 'run'}/step_1\.orbax-checkpoint-tmp\S*/\S+: "
+        r"No space left on device \(is the disk full\?\)",
+        line,
+    ), line
     assert "Traceback" not in out and "ERROR" not in out, out
     assert "step 1 |" in out and "step_1" not in left and "jaxflow.log" in left, left
 
@@ -392,8 +498,11 @@ def test_every_float_key_refuses_nan_and_inf():
     from jaxflow import configs
     from jaxflow.configs.base import FIELDS, KEY_TYPES
 
-    float_keys = [key for key, _, _ in FIELDS if KEY_TYPES[key][0] is float
-                  or (KEY_TYPES[key][0] in (tuple, list) and key.endswith(".betas"))]
+    float_keys = [
+        key
+        for key, _, _ in FIELDS
+        if KEY_TYPES[key][0] is float or (KEY_TYPES[key][0] in (tuple, list) and key.endswith(".betas"))
+    ]
     assert len(float_keys) > 30 and "actor_rollout_ref.actor.optim.lr" in float_keys
     for key in float_keys:
         for bad in (float("nan"), float("inf"), float("-inf")):
@@ -410,10 +519,12 @@ def test_every_float_key_refuses_nan_and_inf():
 
 def test_a_warm_start_that_cannot_draw_its_batch_is_refused_by_validation(tmp_path, capsys):
     """Found by trying: this passed validation and then failed inside the warm start (exit 1)."""
-    assert main([*TINY, "--config.jaxflow.sft.warm_start_steps=2",
-                 f"--config.trainer.default_local_dir={tmp_path}"]) == 2
-    assert capsys.readouterr().err.strip() == ("error: jaxflow.sft.batch_size: 64 demonstrations per step, but "
-                                               "jaxflow.data.num_train_examples draws only 8")
+    assert (
+        main([*TINY, "--config.jaxflow.sft.warm_start_steps=2", f"--config.trainer.default_local_dir={tmp_path}"]) == 2
+    )
+    assert capsys.readouterr().err.strip() == (
+        "error: jaxflow.sft.batch_size: 64 demonstrations per step, but jaxflow.data.num_train_examples draws only 8"
+    )
 
 
 def test_save_refuses_non_finite_params(tmp_path):
@@ -427,21 +538,25 @@ def test_save_refuses_non_finite_params(tmp_path):
     from jaxflow.trainer.guard import NonFiniteError
     from jaxflow.trainer.rl import RLTrainer
     from jaxflow.workers import TrainState
-
     from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
     from jaxflow.workers.train_state import tree_all_finite
 
     state = TrainState(params={"w": jnp.array([1.0, jnp.nan])}, opt_state=(), step=jnp.zeros((), jnp.int32))
     # The actor's worker group as the trainer calls it (one answer per process), writing for real.
-    actor = SimpleNamespace(params_finite=lambda: [bool(tree_all_finite(state.params))],
-                            save_train_state=lambda path: [save_item(path, state)],
-                            restore_train_state=lambda path: [restore_item(path, state)],
-                            abstract_train_state=lambda: [abstract_tree(state)])
+    actor = SimpleNamespace(
+        params_finite=lambda: [bool(tree_all_finite(state.params))],
+        save_train_state=lambda path: [save_item(path, state)],
+        restore_train_state=lambda path: [restore_item(path, state)],
+        abstract_train_state=lambda: [abstract_tree(state)],
+    )
     trainer = object.__new__(RLTrainer)  # the method under test needs only its workers and checkpoints
     trainer.workers = SimpleNamespace(actor=actor, critic=None)
     with CheckpointManager(tmp_path) as trainer.ckpt:
-        with pytest.raises(NonFiniteError, match=r"step 3: the actor parameters hold NaN or Inf; not saving them "
-                                                 r"\(latest good checkpoint: step None\)"):
+        with pytest.raises(
+            NonFiniteError,
+            match=r"step 3: the actor parameters hold NaN or Inf; not saving them "
+            r"\(latest good checkpoint: step None\)",
+        ):
             trainer.save(3, [])
     assert sorted(p.name for p in tmp_path.iterdir()) == [".jaxflow.lock"]
 
@@ -458,8 +573,7 @@ def test_user_meshes_that_the_auto_mapper_replaces_are_said_in_one_line(caplog):
     assert resolved.jaxflow.mesh.actor.train.tp != 8  # the plan's choice for the tiny model
     with caplog.at_level(logging.WARNING):
         ignored = warn_ignored_under_auto(cfg, resolved)
-    assert sorted(i.split("=")[0] for i in ignored) == ["jaxflow.mesh.actor.generate.tp",
-                                                        "jaxflow.mesh.actor.train.tp"]
+    assert sorted(i.split("=")[0] for i in ignored) == ["jaxflow.mesh.actor.generate.tp", "jaxflow.mesh.actor.train.tp"]
     (record,) = caplog.records
     message = record.getMessage()
     assert "\n" not in message and "jaxflow.mesh.actor.train.tp=8 (auto: " in message
@@ -481,16 +595,33 @@ def test_a_rerun_without_checkpoints_keeps_the_previous_outputs(tmp_path):
     into previous-<time>/, byte for byte. Each run ends with a summary whose wall time covers
     the whole run (its supervised warm start included)."""
     run_dir = tmp_path / "run"
-    args = [*TINY, "--config.trainer.total_training_steps=1", "--config.jaxflow.sft.warm_start_steps=2",
-            "--config.jaxflow.sft.batch_size=4", "--config.jaxflow.sft.micro_batch_size_per_device=4",
-            "--config.jaxflow.sft.test_freq=-1", "--config.trainer.logger=console,jsonl,tensorboard"]
+    args = [
+        *TINY,
+        "--config.trainer.total_training_steps=1",
+        "--config.jaxflow.sft.warm_start_steps=2",
+        "--config.jaxflow.sft.batch_size=4",
+        "--config.jaxflow.sft.micro_batch_size_per_device=4",
+        "--config.jaxflow.sft.test_freq=-1",
+        "--config.trainer.logger=console,jsonl,tensorboard",
+    ]
     code, out = run_cli(args, run_dir)
     assert code == 0, out
-    outputs = ["config.json", "hf_actor", "metrics.jsonl", "metrics.png", "sft_warm_start", "sft_warm_start_run",
-               "tensorboard"]
+    outputs = [
+        "config.json",
+        "hf_actor",
+        "metrics.jsonl",
+        "metrics.png",
+        "sft_warm_start",
+        "sft_warm_start_run",
+        "tensorboard",
+    ]
     assert all((run_dir / name).exists() for name in outputs)
-    first = {name: tree_digest(run_dir / name) if (run_dir / name).is_dir() else
-             hashlib.sha256((run_dir / name).read_bytes()).hexdigest() for name in outputs}
+    first = {
+        name: tree_digest(run_dir / name)
+        if (run_dir / name).is_dir()
+        else hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
+        for name in outputs
+    }
     # The summary's clock started with the run: it covers the warm start (its own summary) and the steps.
     rl_done = next(line for line in out.splitlines() if line.startswith("done in"))
     sft_done = next(line for line in out.splitlines() if line.startswith("sft done in"))
@@ -529,5 +660,7 @@ def test_a_run_never_writes_over_what_is_not_its_own_and_one_run_per_directory(t
     with RunDirLock(busy):
         assert main([*TINY, f"--config.trainer.default_local_dir={busy}"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: {busy} is in use by another jaxflow run (pid {os.getpid()}); wait for it to end, or give "
-                   "this run another directory (trainer.default_local_dir)"), err
+    assert err == (
+        f"error: {busy} is in use by another jaxflow run (pid {os.getpid()}); wait for it to end, or give "
+        "this run another directory (trainer.default_local_dir)"
+    ), err

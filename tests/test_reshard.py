@@ -26,8 +26,9 @@ from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, containment_violations, derive_generation_rules, hlo, table2
 from jaxflow.sampling import SamplingParams, generate_from_state
 
-CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                  num_kv_heads=8, head_dim=8)
+CFG = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=8
+)
 GQA = CFG.replace(num_kv_heads=2)
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]  # (fsdp, tp) of the training mesh, as in the experiment
 
@@ -37,8 +38,13 @@ def random_state(cfg: ModelConfig, seed: int = 0):
     rng = np.random.default_rng(seed)
     _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: np.ones(x.shape, x.dtype) if "norm" in jax.tree_util.keystr(p)
-        else rng.normal(0, 0.02, x.shape).astype(x.dtype), state)
+        lambda p, x: (
+            np.ones(x.shape, x.dtype)
+            if "norm" in jax.tree_util.keystr(p)
+            else rng.normal(0, 0.02, x.shape).astype(x.dtype)
+        ),
+        state,
+    )
 
 
 def abstract_state(cfg: ModelConfig):
@@ -92,12 +98,15 @@ def test_table2_formulas():
 # --- acceptance 4: bit-exact round trip, training weights untouched ----------------------
 
 
-@pytest.mark.parametrize("cfg, fsdp, tp, gen_tp, strategy, dp", [
-    (CFG, 4, 2, 2, "hybrid", 1),
-    (GQA, 2, 4, 4, "hybrid", 1),
-    (CFG, 2, 2, 2, "hybrid", 2),  # training dp=2: a 'replica' axis in generation
-    (GQA, 4, 2, 2, "naive", 1),
-])
+@pytest.mark.parametrize(
+    "cfg, fsdp, tp, gen_tp, strategy, dp",
+    [
+        (CFG, 4, 2, 2, "hybrid", 1),
+        (GQA, 2, 4, 4, "hybrid", 1),
+        (CFG, 2, 2, 2, "hybrid", 2),  # training dp=2: a 'replica' axis in generation
+        (GQA, 4, 2, 2, "naive", 1),
+    ],
+)
 def test_round_trip_is_bit_exact_and_training_weights_untouched(cfg, fsdp, tp, gen_tp, strategy, dp):
     engine = engine_for(cfg, fsdp, tp, gen_tp, strategy, dp)
     host = random_state(cfg, seed=fsdp * 10 + tp)
@@ -185,9 +194,16 @@ def test_hybrid_meets_table2_and_naive_does_not(fsdp, tp):
         assert hybrid.gather_groups == sorted(engine_for(GQA, fsdp, tp, gen_tp).micro_dp_groups)
         assert all(g == list(range(g[0], g[0] + len(g))) for g in hybrid.gather_groups)
         assert not hybrid.full_remat and hybrid.whole_weights == []
-        largest_leaf = max(int(np.prod(s.shard_shape(x.shape))) * 4 for x, s in zip(
-            jax.tree.leaves(state), jax.tree.leaves(engine_for(GQA, fsdp, tp, gen_tp).gen_shardings(state),
-                                                    is_leaf=lambda x: isinstance(x, NamedSharding))))
+        largest_leaf = max(
+            int(np.prod(s.shard_shape(x.shape))) * 4
+            for x, s in zip(
+                jax.tree.leaves(state),
+                jax.tree.leaves(
+                    engine_for(GQA, fsdp, tp, gen_tp).gen_shardings(state),
+                    is_leaf=lambda x: isinstance(x, NamedSharding),
+                ),
+            )
+        )
         assert hybrid.largest_buffer_bytes <= largest_leaf
         # Naive, beside it: gathers the whole model on every device.
         assert naive.ring_received_bytes >= hybrid.ring_received_bytes
@@ -261,6 +277,7 @@ ENTRY %main {
     assert len(groups) == 64 and groups[0][:5] == [0, 16, 32, 48, 128]
     # The device order given separately: mesh of (4, 1, 2) over devices iota([2, 4]).T
     # = [0, 4, 1, 5, 2, 6, 3, 7]; groups along axis_0.
-    groups = hlo._parse_groups("replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) "
-                               "{'axis_0'}, dimensions={0}", 8)
+    groups = hlo._parse_groups(
+        "replica_groups=mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}, dimensions={0}", 8
+    )
     assert groups == [[0, 1, 2, 3], [4, 5, 6, 7]]

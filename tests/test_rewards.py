@@ -249,9 +249,7 @@ def test_user_function_failures_score_zero_and_are_counted(user_scorer, caplog):
     start = time.monotonic()
     result = user_scorer.score("my/source", responses, ["1"] * len(responses))
     elapsed = time.monotonic() - start
-    np.testing.assert_array_equal(
-        result.scores, np.array([1.25, 0.25, 0, 0, 0.5, 0, 0, 0, 0, 1.25], np.float32)
-    )
+    np.testing.assert_array_equal(result.scores, np.array([1.25, 0.25, 0, 0, 0.5, 0, 0, 0, 0, 1.25], np.float32))
     assert result.scores.dtype == np.float32
     np.testing.assert_array_equal(result.status, [OK, OK, ERROR, TIMEOUT, OK, ERROR, ERROR, ERROR, ERROR, OK])
     assert result.metrics["reward/num_errors"] == 5
@@ -267,8 +265,9 @@ def test_user_function_failures_score_zero_and_are_counted(user_scorer, caplog):
     assert sum("failed on sample" in m for m in warnings) == 1
     assert sum("timed out on sample" in m for m in warnings) == 1
     assert "user function exploded" in warnings[0] and all("\n" not in m for m in warnings), warnings
-    (traceback,) = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "failed on sample" in
-                    r.getMessage()]
+    (traceback,) = [
+        r.getMessage() for r in caplog.records if r.levelno == logging.INFO and "failed on sample" in r.getMessage()
+    ]
     assert "Traceback" in traceback and "user function exploded" in traceback
     # The scorer keeps working afterwards, with the same worker pool.
     again = user_scorer.score("my/source", ["1", "0"], ["1", "1"])
@@ -358,14 +357,20 @@ def _write(tmp_path, name, body):
 
 
 def test_a_verl_per_dataset_signature_is_refused_when_loading(tmp_path):
-    path = _write(tmp_path, "two_args.py", """
+    path = _write(
+        tmp_path,
+        "two_args.py",
+        """
         def compute_score(solution_str, ground_truth):
             return float(solution_str == ground_truth)
-    """)
+    """,
+    )
     for isolation in ("process", "inline"):
-        with pytest.raises(RewardFunctionError if isolation == "process" else TypeError,
-                           match=r"compute_score\(solution_str, ground_truth\) in .*two_args.py cannot be called as "
-                                 r"compute_score\(data_source=\.\.\..*unexpected keyword argument 'data_source'") as e:
+        with pytest.raises(
+            RewardFunctionError if isolation == "process" else TypeError,
+            match=r"compute_score\(solution_str, ground_truth\) in .*two_args.py cannot be called as "
+            r"compute_score\(data_source=\.\.\..*unexpected keyword argument 'data_source'",
+        ) as e:
             RewardScorer(custom_reward_path=path, isolation=isolation)
         assert "\n" not in str(e.value)
 
@@ -380,12 +385,18 @@ def _exits(**kw):
     sys.exit(0)
 
 
-@pytest.mark.parametrize("fn", [lambda **kw: None, lambda **kw: float("nan"), lambda **kw: "1.0", _raises_key_error,
-                                _exits], ids=["None", "nan", "str", "raises", "sys.exit"])
+@pytest.mark.parametrize(
+    "fn",
+    [lambda **kw: None, lambda **kw: float("nan"), lambda **kw: "1.0", _raises_key_error, _exits],
+    ids=["None", "nan", "str", "raises", "sys.exit"],
+)
 def test_a_function_that_fails_on_every_sample_raises(fn):
     scorer = RewardScorer(compute_score=fn, isolation="inline")
-    with pytest.raises(RewardFunctionError, match=r"failed on every sample of a batch \(3: 3 errors, 0 timeouts\); "
-                                                  r"the first: \w+"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"failed on every sample of a batch \(3: 3 errors, 0 timeouts\); "
+        r"the first: \w+",
+    ):
         scorer.score("s", ["a", "b", "c"], ["a", "b", "c"])
 
 
@@ -399,8 +410,11 @@ def test_a_function_that_fails_on_most_samples_over_several_batches_raises():
     batch = ["ok", "x", "y", "z"]  # 3 of 4 fail
     scorer.score("s", batch, ["1"] * 4)
     scorer.score("s", batch, ["1"] * 4)  # a full window is needed before judging
-    with pytest.raises(RewardFunctionError, match=r"failed on 9 of the 12 samples of the last 3 batches, more than "
-                                                  r"max_failure_fraction=0.5"):
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"failed on 9 of the 12 samples of the last 3 batches, more than "
+        r"max_failure_fraction=0.5",
+    ):
         scorer.score("s", batch, ["1"] * 4)
     tolerant = RewardScorer(compute_score=fn, isolation="inline", max_failure_fraction=0.8, failure_window=3)
     for _ in range(5):
@@ -408,12 +422,16 @@ def test_a_function_that_fails_on_most_samples_over_several_batches_raises():
 
 
 def test_a_file_that_hangs_at_import_is_cut_off(tmp_path):
-    path = _write(tmp_path, "hangs.py", """
+    path = _write(
+        tmp_path,
+        "hangs.py",
+        """
         import time
         time.sleep(1000)
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             return 0.0
-    """)
+    """,
+    )
     start = time.monotonic()
     with pytest.raises(RewardFunctionError, match=r"hangs.py\) did not finish within 2 s .*load_timeout_s"):
         RewardScorer(custom_reward_path=path, load_timeout_s=2.0)
@@ -421,11 +439,15 @@ def test_a_file_that_hangs_at_import_is_cut_off(tmp_path):
 
 
 def test_a_hanging_function_ends_at_the_batch_deadline_and_logs_the_first_timeout_at_once(tmp_path, caplog):
-    path = _write(tmp_path, "slow.py", """
+    path = _write(
+        tmp_path,
+        "slow.py",
+        """
         import time
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             time.sleep(1000)
-    """)
+    """,
+    )
     caplog.set_level(logging.WARNING, logger="jaxflow.rewards.scorer")
     with RewardScorer(custom_reward_path=path, timeout_s=0.5, batch_timeout_s=2.0) as scorer:
         start = time.monotonic()
@@ -466,12 +488,16 @@ def _dead(pid):
 
 def test_workers_die_with_a_sigkilled_driver(tmp_path):
     marker = tmp_path / "called"
-    path = _write(tmp_path, "hang.py", f"""
+    path = _write(
+        tmp_path,
+        "hang.py",
+        f"""
         import pathlib, time
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             pathlib.Path({str(marker)!r}).touch()
             time.sleep(1000)
-    """)
+    """,
+    )
     env = {**os.environ, "PYTHONPATH": REPO}
     driver = subprocess.Popen([sys.executable, "-c", _DRIVER, path], env=env)
     try:

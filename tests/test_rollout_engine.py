@@ -51,8 +51,17 @@ LENGTHS = (3, 9, 14, 6, 5, 1)
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    hf = random_hf_model("llama", seed=3, std=0.3, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         bos_token_id=None, eos_token_id=None, pad_token_id=PAD)
+    hf = random_hf_model(
+        "llama",
+        seed=3,
+        std=0.3,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
     path = tmp_path_factory.mktemp("llama_paged")
     hf.save_pretrained(path)
     return hf, from_pretrained(path, dtype=jnp.float32)
@@ -64,17 +73,25 @@ def _prompts(lengths=LENGTHS, seed=0):
     ids = np.full((len(lengths), width), PAD, np.int32)
     mask = np.zeros_like(ids)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = rng.integers(4, VOCAB, size=n)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = rng.integers(4, VOCAB, size=n)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
 def _hf_greedy(hf, ids, mask, log_probs=False):
     """HF's greedy tokens [B, NEW] (and with ``log_probs`` their log-softmax)."""
-    out = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
-                      do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW, pad_token_id=PAD, eos_token_id=None,
-                      output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[:, ids.shape[1]:].numpy()
+    out = hf.generate(
+        torch.tensor(ids, dtype=torch.long),
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=NEW,
+        min_new_tokens=NEW,
+        pad_token_id=PAD,
+        eos_token_id=None,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[:, ids.shape[1] :].numpy()
     if not log_probs:
         return tokens
     logp = torch.log_softmax(torch.stack(out.scores, dim=1), -1).numpy()
@@ -94,8 +111,9 @@ def test_paged_attention_matches_dense():
     q = rng.normal(size=(B, L, N * G, K)).astype(np.float32)
     positions = np.array([[3, 4, 5, 6, 7], [20, 21, 22, 23, -1], [0, 1, -1, -1, -1]], np.int32)
     for window in (None, 5):
-        got = np.asarray(paged_attention(q, k_pages, v_pages, table, positions, sliding_window=window,
-                                         pages_per_block=2))
+        got = np.asarray(
+            paged_attention(q, k_pages, v_pages, table, positions, sliding_window=window, pages_per_block=2)
+        )
         for b in range(B):
             keys = k_pages[:, table[b]].reshape(N, M * T, K)
             values = v_pages[:, table[b]].reshape(N, M * T, K)
@@ -140,14 +158,18 @@ def test_kernel_paths_equal_pure_jax():
             np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
         args = [np.asarray(a) for a in ragged_arguments(table, positions)]
         flat_q = q.reshape(B * L, N * G, K)
-        dynamic_validate_inputs(flat_q, kv_pool, *args, sm_scale=K ** -0.5)
+        dynamic_validate_inputs(flat_q, kv_pool, *args, sm_scale=K**-0.5)
         # the reference loops over the sequences in Python: jitted with its int arguments fixed
-        got = jax.jit(lambda q, kv, args=args: ref_ragged_paged_attention(q, kv, *args, sm_scale=K ** -0.5))(
-            flat_q, kv_pool)
+        got = jax.jit(lambda q, kv, args=args: ref_ragged_paged_attention(q, kv, *args, sm_scale=K**-0.5))(
+            flat_q, kv_pool
+        )
         np.testing.assert_allclose(np.asarray(got).reshape(q.shape)[real], want[real], atol=1e-5)
         if L == 1:
-            gpu = jax.jit(lambda q, pool, positions: PoolLayout("gpu", interpret=True).attend(
-                q, pool, table, positions, sliding_window=None, pages_per_block=8))(q, pool, positions)
+            gpu = jax.jit(
+                lambda q, pool, positions: PoolLayout("gpu", interpret=True).attend(
+                    q, pool, table, positions, sliding_window=None, pages_per_block=8
+                )
+            )(q, pool, positions)
             np.testing.assert_allclose(np.asarray(gpu), want, atol=1e-5)
 
 
@@ -224,8 +246,9 @@ def test_small_pool_equals_unconstrained(llama):
     limits = np.array([5, NEW, 9, 17, 3, 11, NEW, 2, 20, 14, 8, NEW])
     params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.9, n=2, eos_token_ids=(7, 11), seed=4)
     shape = engine_shape(model.cfg, len(ids), ids.shape[1], NEW, n=2, slots=6, page_size=4)
-    big = generate(model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4,
-                   kv_tokens=shape.worst_case_pages * 4)
+    big = generate(
+        model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4, kv_tokens=shape.worst_case_pages * 4
+    )
     small = generate(model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4, kv_tokens=4 * 44)
     assert big.stats["pages_per_replica"] == shape.worst_case_pages and int(big.stats["waits"][0]) == 0
     assert small.stats["pages_per_replica"] == 45 < shape.worst_case_pages
@@ -249,9 +272,13 @@ def test_prefix_sharing_equals_separate_prompts(llama):
     params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, n=4, eos_token_ids=(7, 11), seed=5)
     kw = dict(slots=8, page_size=4, kv_tokens=4 * 1000)  # more than the worst case: nobody waits
     shared = generate(model, ids, mask, params, **kw)
-    separate = generate(model, np.repeat(ids, 4, 0), np.repeat(mask, 4, 0),
-                        SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, eos_token_ids=(7, 11), seed=5),
-                        **kw)
+    separate = generate(
+        model,
+        np.repeat(ids, 4, 0),
+        np.repeat(mask, 4, 0),
+        SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, eos_token_ids=(7, 11), seed=5),
+        **kw,
+    )
     np.testing.assert_array_equal(np.asarray(shared.responses), np.asarray(separate.responses))
     np.testing.assert_array_equal(np.asarray(shared.lengths), np.asarray(separate.lengths))
     np.testing.assert_allclose(np.asarray(shared.log_probs), np.asarray(separate.log_probs), atol=1e-5)
@@ -302,7 +329,7 @@ def test_stop_strings(llama):
     kw = dict(slots=3, kv_tokens=1 << 20)  # the worst-case pool (no waits) whatever the stops
     free = generate(model, ids, mask, params, **kw)
     texts = [tok.decode([int(t) for t in row]) for row in np.asarray(free.responses)]
-    stops = tuple(texts[r][r % 5 + 2:r % 5 + 4] for r in range(0, 12, 2))  # strings that occur mid-response
+    stops = tuple(texts[r][r % 5 + 2 : r % 5 + 4] for r in range(0, 12, 2))  # strings that occur mid-response
     out = generate(model, ids, mask, dataclasses.replace(params, stop=stops), tokenizer=tok, **kw)
     lengths = np.asarray(out.lengths)
     for row, full_row in enumerate(np.asarray(free.responses)):
@@ -326,31 +353,44 @@ def test_worker_generate_with_configured_stops_and_limits(llama):
     EOS / stop id, or stop string (decoded prefixes)."""
     _, model = llama
     tok = CharTokenizer()
-    keys = ["data.max_response_length=24", "actor_rollout_ref.rollout.n=2", "jaxflow.placement.type=colocated",
-            "actor_rollout_ref.rollout.max_total_tokens=2048"]
+    keys = [
+        "data.max_response_length=24",
+        "actor_rollout_ref.rollout.n=2",
+        "jaxflow.placement.type=colocated",
+        "actor_rollout_ref.rollout.max_total_tokens=2048",
+    ]
 
     def worker(*overrides):
-        spec = describe_run(load_config("grpo_tiny", keys + list(overrides)), eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+        spec = describe_run(
+            load_config("grpo_tiny", keys + list(overrides)),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         mesh = MeshSpec(fsdp=2).build(jax.devices()[:2])
         return spec, ActorWorker(nnx.split(model), mesh, "train", rollout=spec.rollout)
 
     ids, mask = _prompts(LENGTHS[:4])
     spec, free_worker = worker()
     assert spec.rollout.train.stop == () and spec.rollout.tokenizer is None
-    free = np.asarray(free_worker.generate(Batch.from_dict({"prompt_ids": ids, "prompt_mask": mask}), step=3)["responses"])
+    free = np.asarray(
+        free_worker.generate(Batch.from_dict({"prompt_ids": ids, "prompt_mask": mask}), step=3)["responses"]
+    )
     texts = [tok.decode([int(t) for t in row]) for row in free]
     stops, stop_id = (texts[1][4:6], texts[4][7:9]), int(free[6, 10])
-    spec, actor = worker(f"actor_rollout_ref.rollout.stop={list(stops)!r}",
-                         f"actor_rollout_ref.rollout.stop_token_ids=[{stop_id}]")
+    spec, actor = worker(
+        f"actor_rollout_ref.rollout.stop={list(stops)!r}", f"actor_rollout_ref.rollout.stop_token_ids=[{stop_id}]"
+    )
     assert spec.rollout.train.stop == stops and stop_id in spec.rollout.train.eos_token_ids
     limits = np.array([24, 24, 5, 24], np.int32)
     out = actor.generate(Batch.from_dict({"prompt_ids": ids, "prompt_mask": mask, "max_new_tokens": limits}), step=3)
     tokens, response_mask = np.asarray(out["responses"]), np.asarray(out["response_mask"])
     ends = set(spec.rollout.train.eos_token_ids)
     for row, full in enumerate(free):
-        want = min(np.repeat(limits, 2)[row], _reference_stop(tok, full, stops),
-                   next((k + 1 for k, t in enumerate(full) if int(t) in ends), len(full)))
+        want = min(
+            np.repeat(limits, 2)[row],
+            _reference_stop(tok, full, stops),
+            next((k + 1 for k, t in enumerate(full) if int(t) in ends), len(full)),
+        )
         assert response_mask[row].sum() == want, row
         np.testing.assert_array_equal(tokens[row, :want], full[:want])
     assert response_mask[1].sum() < 24 and response_mask[4].sum() < 24 and response_mask[6].sum() <= 11
@@ -367,8 +407,10 @@ def _bpe_tokenizer() -> Tokenizer:
     backend = tokenizers.Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    backend.train_from_iterator([" ".join(rng.choice(words, size=20)) for _ in range(200)], trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    backend.train_from_iterator(
+        [" ".join(rng.choice(words, size=20)) for _ in range(200)],
+        trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False),
+    )
     return Tokenizer(backend)
 
 

@@ -39,9 +39,18 @@ PROMPT_LENGTHS = (3, 9, 14, 6)
 def _hf_model(kind: str, seed: int):
     """A random-init tiny HF model (every parameter random, biases and norm scales included)
     with large weights (std 0.3), so that logits are far from flat."""
-    return random_hf_model(kind, seed=seed, std=0.3, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                           tie_word_embeddings=kind == "qwen2", bos_token_id=None, eos_token_id=None,
-                           pad_token_id=PAD)
+    return random_hf_model(
+        kind,
+        seed=seed,
+        std=0.3,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        tie_word_embeddings=kind == "qwen2",
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=PAD,
+    )
 
 
 def _prompts(lengths=PROMPT_LENGTHS, seed=0, width=None):
@@ -50,16 +59,23 @@ def _prompts(lengths=PROMPT_LENGTHS, seed=0, width=None):
     ids = np.full((len(lengths), width), PAD, np.int32)
     mask = np.zeros((len(lengths), width), np.int32)
     for i, n in enumerate(lengths):
-        ids[i, width - n:] = rng.integers(1, VOCAB, size=n)
-        mask[i, width - n:] = 1
+        ids[i, width - n :] = rng.integers(1, VOCAB, size=n)
+        mask[i, width - n :] = 1
     return ids, mask
 
 
 def _hf_generate(hf, ids, mask, eos=None):
-    out = hf.generate(torch.tensor(ids, dtype=torch.long), attention_mask=torch.tensor(mask, dtype=torch.long),
-                      do_sample=False, max_new_tokens=NEW, pad_token_id=PAD, eos_token_id=eos,
-                      output_scores=True, return_dict_in_generate=True)
-    tokens = out.sequences[:, ids.shape[1]:].numpy()
+    out = hf.generate(
+        torch.tensor(ids, dtype=torch.long),
+        attention_mask=torch.tensor(mask, dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=NEW,
+        pad_token_id=PAD,
+        eos_token_id=eos,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    tokens = out.sequences[:, ids.shape[1] :].numpy()
     tokens = np.pad(tokens, ((0, 0), (0, NEW - tokens.shape[1])), constant_values=PAD)
     scores = torch.stack(out.scores, dim=1).numpy()  # [B, steps, V]
     return tokens, scores
@@ -122,8 +138,9 @@ def test_eos_matches_hf_and_stops_early(llama):
     np.testing.assert_array_equal(np.asarray(out.log_probs)[np.asarray(out.response_mask) == 0], 0.0)
 
 
-SAMPLED = SamplingParams(max_new_tokens=40, temperature=0.7, top_k=40, top_p=0.95, n=2,
-                         eos_token_ids=tuple(range(5, VOCAB, 11)), seed=3)
+SAMPLED = SamplingParams(
+    max_new_tokens=40, temperature=0.7, top_k=40, top_p=0.95, n=2, eos_token_ids=tuple(range(5, VOCAB, 11)), seed=3
+)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +156,7 @@ def _teacher_forced_logits(model, ids, mask, out, n):
     seq_mask = np.concatenate([np.repeat(mask, n, axis=0), np.asarray(out.response_mask)], axis=1)
     logits = jax.jit(lambda s, x, m: nnx.merge(*s)(x, attention_mask=m))(nnx.split(model), seq, seq_mask)
     L = ids.shape[1]
-    return np.asarray(logits)[:, L - 1: L - 1 + out.responses.shape[1]]  # logits that predict response j
+    return np.asarray(logits)[:, L - 1 : L - 1 + out.responses.shape[1]]  # logits that predict response j
 
 
 def test_cached_logits_equal_full_forward(llama, sampled):
@@ -261,8 +278,10 @@ def test_scan_layers_matches_unrolled(llama, tmp_path):
     hf.save_pretrained(tmp_path)
     scanned = from_pretrained(tmp_path, dtype=jnp.float32, scan_layers=True)
     ids, mask = _prompts()
-    np.testing.assert_array_equal(np.asarray(generate(scanned, ids, mask, GREEDY).responses),
-                                  np.asarray(generate(model, ids, mask, GREEDY).responses))
+    np.testing.assert_array_equal(
+        np.asarray(generate(scanned, ids, mask, GREEDY).responses),
+        np.asarray(generate(model, ids, mask, GREEDY).responses),
+    )
 
 
 class _CompileCounter:

@@ -173,6 +173,7 @@ def test_blocks_that_tile_vocabulary_shards():
         assert _block_width(48, shards) == width
         keys = jax.random.split(jax.random.key(shards), DRAWS)
         tokens = jax.jit(functools.partial(sample_tokens, vocab_shards=shards, use_top_p=False))(
-            keys, np.broadcast_to(logits, (DRAWS, 48)))
+            keys, np.broadcast_to(logits, (DRAWS, 48))
+        )
         counts = np.bincount(np.asarray(tokens), minlength=48)
         assert stats.chisquare(counts, DRAWS * target).pvalue > 1e-3

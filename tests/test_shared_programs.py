@@ -28,55 +28,101 @@ from jaxflow.workers import base as workers_base
 from jaxflow.workers.base import RoleWorker
 from jaxflow.workers.train_state import abstract_train_state
 
-SMALL = ["jaxflow.placement.type=colocated", "jaxflow.model.num_layers=1", "jaxflow.model.hidden_size=64",
-         "jaxflow.model.intermediate_size=128", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
-         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
-         "jaxflow.data.num_train_examples=64", "jaxflow.data.num_val_examples=8", "trainer.total_training_steps=3",
-         "jaxflow.sft.warm_start_steps=0"]
+SMALL = [
+    "jaxflow.placement.type=colocated",
+    "jaxflow.model.num_layers=1",
+    "jaxflow.model.hidden_size=64",
+    "jaxflow.model.intermediate_size=128",
+    "data.train_batch_size=8",
+    "actor_rollout_ref.rollout.n=2",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "critic.ppo_mini_batch_size=4",
+    "jaxflow.data.num_train_examples=64",
+    "jaxflow.data.num_val_examples=8",
+    "trainer.total_training_steps=3",
+    "jaxflow.sft.warm_start_steps=0",
+]
 # Remove padding packs each row's real tokens; with every response at full length (the
 # recorder's rollouts) and prompts longer than R, each row fills its own bin, as in the dry
 # run's worst case.
 PACKED = ["actor_rollout_ref.model.use_remove_padding=True"]
 PAPER_SHRUNK = [  # a paper workload on 8 devices: split pools of 4, the same key choices at toy sizes
-    "jaxflow.num_devices=8", "jaxflow.placement.pool_sizes=(4,4)", "jaxflow.mesh.actor.train.dp=1",
-    "jaxflow.mesh.actor.train.fsdp=2", "jaxflow.mesh.actor.train.tp=2", "jaxflow.mesh.actor.generate.tp=2",
-    "jaxflow.mesh.critic.dp=1", "jaxflow.mesh.critic.fsdp=2", "jaxflow.mesh.critic.tp=2",
-    "jaxflow.mesh.ref.fsdp=-1", "jaxflow.mesh.reward.fsdp=-1",
-    "jaxflow.model.vocab_size=128", "jaxflow.model.hidden_size=64", "jaxflow.model.intermediate_size=128",
-    "jaxflow.model.num_layers=2", "jaxflow.model.num_heads=8", "jaxflow.model.num_kv_heads=4",
-    "data.max_prompt_length=8", "data.max_response_length=4", "data.train_batch_size=16",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4", "critic.ppo_mini_batch_size=4",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=2", "critic.ppo_micro_batch_size_per_device=2",
-    "actor_rollout_ref.rollout.max_num_seqs=4", "jaxflow.data.num_train_examples=64",
-    "jaxflow.data.num_val_examples=8", "trainer.total_training_steps=2", "jaxflow.sft.warm_start_steps=0"]
+    "jaxflow.num_devices=8",
+    "jaxflow.placement.pool_sizes=(4,4)",
+    "jaxflow.mesh.actor.train.dp=1",
+    "jaxflow.mesh.actor.train.fsdp=2",
+    "jaxflow.mesh.actor.train.tp=2",
+    "jaxflow.mesh.actor.generate.tp=2",
+    "jaxflow.mesh.critic.dp=1",
+    "jaxflow.mesh.critic.fsdp=2",
+    "jaxflow.mesh.critic.tp=2",
+    "jaxflow.mesh.ref.fsdp=-1",
+    "jaxflow.mesh.reward.fsdp=-1",
+    "jaxflow.model.vocab_size=128",
+    "jaxflow.model.hidden_size=64",
+    "jaxflow.model.intermediate_size=128",
+    "jaxflow.model.num_layers=2",
+    "jaxflow.model.num_heads=8",
+    "jaxflow.model.num_kv_heads=4",
+    "data.max_prompt_length=8",
+    "data.max_response_length=4",
+    "data.train_batch_size=16",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "critic.ppo_mini_batch_size=4",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=2",
+    "critic.ppo_micro_batch_size_per_device=2",
+    "actor_rollout_ref.rollout.max_num_seqs=4",
+    "jaxflow.data.num_train_examples=64",
+    "jaxflow.data.num_val_examples=8",
+    "trainer.total_training_steps=2",
+    "jaxflow.sft.warm_start_steps=0",
+]
 CASES = {
     # a reward model and the in-reward KL (reference), micro-batched forwards and updates
-    "ppo_tiny": SMALL + ["reward_model.enable=True", "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device=1",
-                         "reward_model.micro_batch_size_per_device=1", "critic.ppo_micro_batch_size_per_device=1",
-                         "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=1",
-                         "critic.forward_micro_batch_size_per_device=1"],
+    "ppo_tiny": SMALL
+    + [
+        "reward_model.enable=True",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device=1",
+        "reward_model.micro_batch_size_per_device=1",
+        "critic.ppo_micro_batch_size_per_device=1",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=1",
+        "critic.forward_micro_batch_size_per_device=1",
+    ],
     # epoch mode (the schedules' length from the data); one mini-batch of one epoch: on-policy
     "grpo_tiny": SMALL + ["trainer.total_training_steps=None", "actor_rollout_ref.actor.ppo_mini_batch_size=8"],
     # the greedy baseline rollout; actor and reference forwards over packed tokens
     "remax_tiny": SMALL + PACKED,
     "rloo_tiny": SMALL,
     # packed updates by a token budget (dynamic micro-batches)
-    "reinforce_pp_tiny": SMALL + PACKED + ["actor_rollout_ref.actor.use_dynamic_bsz=True",
-                                           "actor_rollout_ref.actor.ppo_max_token_len_per_device=24"],
+    "reinforce_pp_tiny": SMALL
+    + PACKED
+    + ["actor_rollout_ref.actor.use_dynamic_bsz=True", "actor_rollout_ref.actor.ppo_max_token_len_per_device=24"],
     # a cost model beside the reward model, both over packed tokens
-    "safe_rlhf_tiny": SMALL + ["jaxflow.safe_rlhf.cost_model_path=preset:tiny_llama", "reward_model.enable=True",
-                               "reward_model.model.use_remove_padding=True"],
+    "safe_rlhf_tiny": SMALL
+    + [
+        "jaxflow.safe_rlhf.cost_model_path=preset:tiny_llama",
+        "reward_model.enable=True",
+        "reward_model.model.use_remove_padding=True",
+    ],
     **{name: PAPER_SHRUNK for name in ("ppo_7b", "ppo_13b", "ppo_34b", "ppo_70b")},
 }
 ROLES = {"ActorWorker": "actor", "ReferenceWorker": "ref", "CriticWorker": "critic"}
 # the workers' program keys (packed forwards: by the column they compute) -> the plan's kinds
-KINDS = {"log_probs": "log_probs", "values": "values", "scores": "scores", "update": "train_step",
-         "old_log_probs": "log_probs", "ref_log_prob": "log_probs", "token_level_scores": "scores",
-         "token_level_cost": "scores"}
+KINDS = {
+    "log_probs": "log_probs",
+    "values": "values",
+    "scores": "scores",
+    "update": "train_step",
+    "old_log_probs": "log_probs",
+    "ref_log_prob": "log_probs",
+    "token_level_scores": "scores",
+    "token_level_cost": "scores",
+}
 
 
 def abstract(tree):
     """Arguments as ``ShapeDtypeStruct`` leaves (device arrays keep their shardings)."""
+
     def leaf(x):
         if isinstance(x, jax.Array):
             return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
@@ -115,17 +161,34 @@ class Recorder:
 
             return call
 
-        def recording_generate(graphdef, state, ids, mask, params, *, mesh, rules, rng, slots, kv_tokens,
-                               max_new_tokens=None, tokenizer=None):
+        def recording_generate(
+            graphdef,
+            state,
+            ids,
+            mask,
+            params,
+            *,
+            mesh,
+            rules,
+            rng,
+            slots,
+            kv_tokens,
+            max_new_tokens=None,
+            tokenizer=None,
+        ):
             assert max_new_tokens is None and tokenizer is None  # no per-row limits or stop strings here
             names = {spec.rollout.train: "actor/generate", spec.rollout.resolve("greedy"): "actor/generate_greedy"}
-            lowered = lower_generate(graphdef, abstract(state), ids, mask, params, mesh=mesh, rules=rules, slots=slots,
-                                     kv_tokens=kv_tokens)
+            lowered = lower_generate(
+                graphdef, abstract(state), ids, mask, params, mesh=mesh, rules=rules, slots=slots, kv_tokens=kv_tokens
+            )
             recorder.add(names[params], lowered.as_text())
             rows, length = len(ids) * params.n, params.max_new_tokens
             responses = np.random.default_rng(0).integers(10, 60, (rows, length)).astype(np.int32)
-            return types.SimpleNamespace(responses=responses, response_mask=np.ones((rows, length), np.int32),
-                                         log_probs=np.zeros((rows, length), np.float32))
+            return types.SimpleNamespace(
+                responses=responses,
+                response_mask=np.ones((rows, length), np.int32),
+                log_probs=np.zeros((rows, length), np.float32),
+            )
 
         def recording_to_generation(engine, train_state, **kwargs):
             lowered = engine.lowered(abstract(train_state))
@@ -200,8 +263,11 @@ def test_dry_run_lowers_the_programs_the_run_calls(config, tmp_path, monkeypatch
     if config == "remax_tiny":
         assert "actor/generate_greedy" in ran
     if config in ("remax_tiny", "reinforce_pp_tiny", "safe_rlhf_tiny"):
-        packed = [p for p in ("actor/train_step", "ref/log_probs", "reward/scores", "cost/scores")
-                  if p in planned and "packed" in planned[p].description]
+        packed = [
+            p
+            for p in ("actor/train_step", "ref/log_probs", "reward/scores", "cost/scores")
+            if p in planned and "packed" in planned[p].description
+        ]
         assert packed, [p.description for p in programs]
     if config == "ppo_tiny":  # 16 rows over 8 data-parallel ranks at 1 per device: 2 micro-batches
         for role, program in (("ref", "ref/log_probs"), ("reward", "reward/scores"), ("critic", "critic/values")):

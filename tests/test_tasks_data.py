@@ -31,7 +31,12 @@ def test_task_rows_schema_answers_and_lengths(name):
         question = row["prompt"][0]["content"]
         assert row["data_source"] == f"jaxflow/{name}" and row["prompt"][0]["role"] == "user"
         assert row["reward_model"] == {"style": "rule", "ground_truth": CHECKS[name](question)}
-        assert row["extra_info"] == {"split": "train", "index": i, "question": question, "answer": CHECKS[name](question)}
+        assert row["extra_info"] == {
+            "split": "train",
+            "index": i,
+            "question": question,
+            "answer": CHECKS[name](question),
+        }
         assert len(question) <= 12 and len(row["reward_model"]["ground_truth"]) <= 6
         assert row["ability"]
 
@@ -159,7 +164,11 @@ def test_load_tokenizer_matches_transformers(tmp_path, template):
             assert ours.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True) == hf.encode(
                 rendered, add_special_tokens=False
             )
-    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (hf.bos_token_id, hf.eos_token_id, hf.pad_token_id)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        hf.bos_token_id,
+        hf.eos_token_id,
+        hf.pad_token_id,
+    )
     assert ours.vocab_size == len(hf)
 
 
@@ -229,7 +238,9 @@ def test_round_trip_and_left_padded_batches(tmp_path, char_tok, ext):
 
 def test_parquet_and_jsonl_give_identical_batches(tmp_path, char_tok):
     written = ds.write_builtin_datasets(tmp_path / "pq", tasks=["addition", "reverse"], n_train=24, n_test=8)
-    written_j = ds.write_builtin_datasets(tmp_path / "js", tasks=["addition", "reverse"], n_train=24, n_test=8, fmt="jsonl")
+    written_j = ds.write_builtin_datasets(
+        tmp_path / "js", tasks=["addition", "reverse"], n_train=24, n_test=8, fmt="jsonl"
+    )
     for split in ("train", "test"):
         a = next(ds.PromptDataLoader(ds.PromptDataset(written[split], char_tok, max_prompt_length=12), 8, seed=5))
         b = next(ds.PromptDataLoader(ds.PromptDataset(written_j[split], char_tok, max_prompt_length=12), 8, seed=5))
@@ -319,10 +330,22 @@ GOOD = json.dumps({"prompt": "1+1=", "data_source": "d", "reward_model": {"groun
         ([GOOD, b'{"prompt": "caf\xe9", "data_source": "d"}'], r"line 2 is not valid UTF-8"),
         ([GOOD, GOOD, b'{"prompt": "1+1=", '], r"line 3 is not valid JSON"),
         ([GOOD, b"[1, 2]"], r"line 2 is a JSON list, expected an object"),
-        ([GOOD, b'{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}'], r"line 2 has no key 'data_source'; present keys: \['prompt', 'reward_model'\]"),
-        ([b'{"prompt": 5, "data_source": "d", "reward_model": {"ground_truth": "2"}}'], r"line 1: column 'prompt' must be a string or"),
-        ([b'{"prompt": [{"role": "user"}], "data_source": "d", "reward_model": {"ground_truth": "2"}}'], r"line 1: column 'prompt' must be"),
-        ([b'{"prompt": "1+1=", "data_source": "d", "reward_model": {"answer": "2"}}'], r"line 1: reward_model must be a dict with a 'ground_truth' key"),
+        (
+            [GOOD, b'{"prompt": "1+1=", "reward_model": {"ground_truth": "2"}}'],
+            r"line 2 has no key 'data_source'; present keys: \['prompt', 'reward_model'\]",
+        ),
+        (
+            [b'{"prompt": 5, "data_source": "d", "reward_model": {"ground_truth": "2"}}'],
+            r"line 1: column 'prompt' must be a string or",
+        ),
+        (
+            [b'{"prompt": [{"role": "user"}], "data_source": "d", "reward_model": {"ground_truth": "2"}}'],
+            r"line 1: column 'prompt' must be",
+        ),
+        (
+            [b'{"prompt": "1+1=", "data_source": "d", "reward_model": {"answer": "2"}}'],
+            r"line 1: reward_model must be a dict with a 'ground_truth' key",
+        ),
         ([b"", b"  "], r"dataset is empty: no rows in"),
     ],
     ids=["utf8", "json", "not_object", "missing_key", "prompt_type", "message_keys", "ground_truth", "empty"],
@@ -340,8 +363,12 @@ def test_file_level_errors(tmp_path, char_tok):
     (tmp_path / "data.csv").write_text("prompt\n1+1=\n")
     with pytest.raises(ds.DatasetError, match=r"unsupported file extension '\.csv'; supported: \.parquet, \.jsonl"):
         ds.PromptDataset(tmp_path / "data.csv", char_tok)
-    path = ds.write_rows([{"text": "1+1=", "data_source": "d", "reward_model": {"ground_truth": "2"}}], tmp_path / "x.parquet")
-    with pytest.raises(ds.DatasetError, match=r"column 'prompt' not found; present columns: \['data_source', 'reward_model', 'text'\]"):
+    path = ds.write_rows(
+        [{"text": "1+1=", "data_source": "d", "reward_model": {"ground_truth": "2"}}], tmp_path / "x.parquet"
+    )
+    with pytest.raises(
+        ds.DatasetError, match=r"column 'prompt' not found; present columns: \['data_source', 'reward_model', 'text'\]"
+    ):
         ds.PromptDataset(path, char_tok)
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(ds.DatasetError, match="junk.parquet: cannot read parquet"):

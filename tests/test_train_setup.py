@@ -19,8 +19,13 @@ from jaxflow.trainer.rl import RLTrainer
 from jaxflow.workers.roles import RoleSettings, make_role_worker
 from jaxflow.workers.train_state import minibatch_indices
 
-SMALL = ["jaxflow.placement.type=colocated", "jaxflow.model.num_layers=1", "jaxflow.model.hidden_size=64",
-         "jaxflow.model.intermediate_size=128", "jaxflow.sft.warm_start_steps=0"]
+SMALL = [
+    "jaxflow.placement.type=colocated",
+    "jaxflow.model.num_layers=1",
+    "jaxflow.model.hidden_size=64",
+    "jaxflow.model.intermediate_size=128",
+    "jaxflow.sft.warm_start_steps=0",
+]
 
 
 def _spec(cfg):
@@ -62,8 +67,11 @@ def _adam_moments(opt_state):
 
 
 def test_bf16_params_with_fp32_moments_from_init_and_one_compile():
-    cfg = load_config("ppo_tiny", SMALL + ["jaxflow.model.dtype=bfloat16", "jaxflow.model.compute_dtype=bfloat16",
-                                           "jaxflow.optim.state_dtype=float32"])
+    cfg = load_config(
+        "ppo_tiny",
+        SMALL
+        + ["jaxflow.model.dtype=bfloat16", "jaxflow.model.compute_dtype=bfloat16", "jaxflow.optim.state_dtype=float32"],
+    )
     spec = _spec(cfg)
     assert spec.actor.optim.state_dtype == "float32"
     p = spec.placement
@@ -78,10 +86,14 @@ def test_bf16_params_with_fp32_moments_from_init_and_one_compile():
     rows = spec.actor.ppo_mini_batch_size
     P, R = spec.prompt_length, spec.response_length
     rng = np.random.default_rng(0)
-    batch = {"prompt_ids": rng.integers(4, 100, (rows, P)).astype(np.int32), "prompt_mask": np.ones((rows, P), np.int32),
-             "responses": rng.integers(4, 100, (rows, R)).astype(np.int32), "response_mask": np.ones((rows, R), np.int32),
-             "old_log_probs": np.full((rows, R), -4.6, np.float32),
-             "advantages": rng.normal(size=(rows, R)).astype(np.float32)}
+    batch = {
+        "prompt_ids": rng.integers(4, 100, (rows, P)).astype(np.int32),
+        "prompt_mask": np.ones((rows, P), np.int32),
+        "responses": rng.integers(4, 100, (rows, R)).astype(np.int32),
+        "response_mask": np.ones((rows, R), np.int32),
+        "old_log_probs": np.full((rows, R), -4.6, np.float32),
+        "advantages": rng.normal(size=(rows, R)).astype(np.float32),
+    }
     first = actor.train_step(batch)  # compiles the step
     with CompileCounter() as compiles:
         later = [actor.train_step(batch) for _ in range(2)]
@@ -101,18 +113,41 @@ def test_schedules_are_sized_by_the_optimizer_steps_of_the_run(tmp_path):
     the data filter size the run; the actor skips the critic warm-up steps; each update makes
     ppo_epochs * (train_batch_size / ppo_mini_batch_size) optimizer steps."""
     path = tmp_path / "train.jsonl"
-    rows = [{"data_source": "jaxflow/addition", "prompt": f"{i % 10}+{i % 7}=", "ability": "math",
-             "reward_model": {"ground_truth": str(i % 10 + i % 7)}, "extra_info": {}} for i in range(43)]
+    rows = [
+        {
+            "data_source": "jaxflow/addition",
+            "prompt": f"{i % 10}+{i % 7}=",
+            "ability": "math",
+            "reward_model": {"ground_truth": str(i % 10 + i % 7)},
+            "extra_info": {},
+        }
+        for i in range(43)
+    ]
     rows += [{**rows[0], "prompt": "1+" * 20 + "1="}] * 5  # longer than max_prompt_length: filtered out
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    cfg = load_config("ppo_tiny", SMALL + [
-        f"data.train_files={path}", f"data.val_files={path}", "data.truncation=filter",
-        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.total_training_steps=None", "trainer.total_epochs=2",
-        "trainer.critic_warmup=3", "data.train_batch_size=8", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_epochs=3",
-        "critic.ppo_mini_batch_size=4", "critic.ppo_epochs=1",
-        "actor_rollout_ref.actor.optim.warmup_style=cosine", "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
-        "critic.optim.warmup_style=cosine", "critic.optim.min_lr_ratio=0.2"])
+    cfg = load_config(
+        "ppo_tiny",
+        SMALL
+        + [
+            f"data.train_files={path}",
+            f"data.val_files={path}",
+            "data.truncation=filter",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.total_training_steps=None",
+            "trainer.total_epochs=2",
+            "trainer.critic_warmup=3",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.ppo_epochs=3",
+            "critic.ppo_mini_batch_size=4",
+            "critic.ppo_epochs=1",
+            "actor_rollout_ref.actor.optim.warmup_style=cosine",
+            "actor_rollout_ref.actor.optim.min_lr_ratio=0.1",
+            "critic.optim.warmup_style=cosine",
+            "critic.optim.min_lr_ratio=0.2",
+        ],
+    )
     trainer = RLTrainer(cfg)
     assert len(trainer.train_data) == 43  # the 5 long prompts were filtered
     # By hand: 43 // 8 = 5 batches per epoch, 2 epochs = 10 steps; the actor updates in
@@ -126,7 +161,9 @@ def test_schedules_are_sized_by_the_optimizer_steps_of_the_run(tmp_path):
     responses = cfg.data.train_batch_size * 2
     gen = np.random.default_rng(0)
     assert len(minibatch_indices(responses, actor.config.ppo_mini_batch_size, actor.config.ppo_epochs, True, gen)) == 12
-    assert len(minibatch_indices(responses, critic.config.ppo_mini_batch_size, critic.config.ppo_epochs, True, gen)) == 2
+    assert (
+        len(minibatch_indices(responses, critic.config.ppo_mini_batch_size, critic.config.ppo_epochs, True, gen)) == 2
+    )
     # The cosine schedules reach their floor exactly at the last optimizer step.
     for worker, total, floor in ((actor, 84, 0.1), (critic, 20, 0.2)):
         lr = worker.config.optim.lr
@@ -147,9 +184,16 @@ def test_init_program_holds_one_shard_per_device(role):
     across weights (measured here: 1.4-1.5 shards, at every model size tried; a GPU or TPU lowers threefry unrolled and
     fused, without them). Initialising the whole model and then placing it would put 8
     shards on a device."""
-    cfg = load_config("ppo_tiny", ["jaxflow.placement.type=colocated", "jaxflow.model.hidden_size=128",
-                                   "jaxflow.model.intermediate_size=512", "jaxflow.model.vocab_size=512",
-                                   "jaxflow.model.num_layers=1"])
+    cfg = load_config(
+        "ppo_tiny",
+        [
+            "jaxflow.placement.type=colocated",
+            "jaxflow.model.hidden_size=128",
+            "jaxflow.model.intermediate_size=512",
+            "jaxflow.model.vocab_size=512",
+            "jaxflow.model.num_layers=1",
+        ],
+    )
     spec = _spec(cfg)
     m = spec.models[role]
     mesh, rules = spec.placement.mesh(role, "train"), spec.placement.rules(role, "train")
@@ -196,10 +240,20 @@ def test_warm_start_hands_its_weights_to_rl_in_memory(tmp_path, monkeypatch):
     monkeypatch.setattr(sft, "run_sft", recording)
     monkeypatch.setattr(jaxflow.models, "from_pretrained", refuse)
     monkeypatch.setattr(jaxflow.workers.base, "from_pretrained", refuse)
-    cfg = load_config("grpo_tiny", [o for o in SMALL if "warm_start" not in o] + [
-        "jaxflow.sft.warm_start_steps=3", "jaxflow.sft.test_freq=-1", "jaxflow.sft.batch_size=16",
-        "jaxflow.sft.micro_batch_size_per_device=4", "jaxflow.data.num_train_examples=64",
-        "jaxflow.data.num_val_examples=8", "data.train_batch_size=16", f"trainer.default_local_dir={tmp_path}"])
+    cfg = load_config(
+        "grpo_tiny",
+        [o for o in SMALL if "warm_start" not in o]
+        + [
+            "jaxflow.sft.warm_start_steps=3",
+            "jaxflow.sft.test_freq=-1",
+            "jaxflow.sft.batch_size=16",
+            "jaxflow.sft.micro_batch_size_per_device=4",
+            "jaxflow.data.num_train_examples=64",
+            "jaxflow.data.num_val_examples=8",
+            "data.train_batch_size=16",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+    )
     trainer = RLTrainer(cfg)
     assert (tmp_path / "sft_warm_start" / "config.json").is_file()
     assert trainer.spec.models["actor"].path == str(tmp_path / "sft_warm_start")  # the reference's provenance

@@ -46,7 +46,10 @@ def _targets(abstract_state, mesh):
     shardings = state_shardings(abstract_state, TRAIN_RULES, mesh)
     return jax.tree.map(
         lambda v, s: v.replace(jax.ShapeDtypeStruct(v.get_value().shape, v.get_value().dtype, sharding=s)),
-        abstract_state, shardings, is_leaf=_is_var)
+        abstract_state,
+        shardings,
+        is_leaf=_is_var,
+    )
 
 
 def _small(step: int = 0):
@@ -70,8 +73,10 @@ def _assert_bit_exact(restored, expected):
     assert r_def == e_def
     for r, e in zip(r_leaves, e_leaves):
         assert r.dtype == e.dtype
-        np.testing.assert_array_equal(np.asarray(jax.device_get(r)).reshape(-1).view(np.uint8),
-                                      np.asarray(jax.device_get(e)).reshape(-1).view(np.uint8))
+        np.testing.assert_array_equal(
+            np.asarray(jax.device_get(r)).reshape(-1).view(np.uint8),
+            np.asarray(jax.device_get(e)).reshape(-1).view(np.uint8),
+        )
 
 
 def test_sharded_round_trip_restores_into_target_shardings(tmp_path, tiny):
@@ -82,10 +87,14 @@ def test_sharded_round_trip_restores_into_target_shardings(tmp_path, tiny):
     opt_tx = optax.adam(1e-3)
     pure = jax.tree.map(lambda v: v.get_value(), actor, is_leaf=_is_var)
     # an adam state with non-zero moments, built on the host (no per-shape compiles)
-    opt_state = (optax.ScaleByAdamState(
-        count=jnp.asarray(3, jnp.int32),
-        mu=jax.tree.map(lambda x: jax.device_put(np.asarray(x) * 0.5, x.sharding), pure),
-        nu=jax.tree.map(lambda x: jax.device_put(np.asarray(x) ** 2, x.sharding), pure)), optax.EmptyState())
+    opt_state = (
+        optax.ScaleByAdamState(
+            count=jnp.asarray(3, jnp.int32),
+            mu=jax.tree.map(lambda x: jax.device_put(np.asarray(x) * 0.5, x.sharding), pure),
+            nu=jax.tree.map(lambda x: jax.device_put(np.asarray(x) ** 2, x.sharding), pure),
+        ),
+        optax.EmptyState(),
+    )
     assert jax.tree.structure(opt_state) == jax.tree.structure(jax.eval_shape(opt_tx.init, pure))
     critic, critic_opt = _small(1)
     gen = np.random.default_rng(7)
@@ -93,25 +102,39 @@ def test_sharded_round_trip_restores_into_target_shardings(tmp_path, tiny):
     legacy = np.random.RandomState(3)
     host = HostState(
         data_loader={"epoch": 2, "index": 17, "order_seed": 5},
-        rng={"key": jax.random.key(42), "raw": jax.random.PRNGKey(1), "np": gen.bit_generator.state,
-             "legacy": legacy.get_state()},
+        rng={
+            "key": jax.random.key(42),
+            "raw": jax.random.PRNGKey(1),
+            "np": gen.bit_generator.state,
+            "legacy": legacy.get_state(),
+        },
         kl_coef=0.0123,
         metrics_tail=[{"step": 9, "actor/pg_loss": -0.5}, {"step": 10, "actor/pg_loss": float("nan")}],
     )
     with CheckpointManager(tmp_path / "ckpt") as ckpt:
-        assert ckpt.save(10, {"actor_params": actor, "actor_opt_state": opt_state,
-                              "critic_params": critic, "critic_opt_state": critic_opt}, host)
+        assert ckpt.save(
+            10,
+            {
+                "actor_params": actor,
+                "actor_opt_state": opt_state,
+                "critic_params": critic,
+                "critic_opt_state": critic_opt,
+            },
+            host,
+        )
         assert ckpt.latest_step() == 10 and is_complete(ckpt.step_dir(10))
 
     # A fresh manager (new process in real life) restores onto a different mesh layout.
     targets_actor = _targets(abstract, mesh_b)
     opt_target = jax.eval_shape(opt_tx.init, jax.tree.map(lambda v: v.get_value(), targets_actor, is_leaf=_is_var))
     opt_target = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh_b, P())), opt_target)
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh_b, P())), opt_target
+    )
     critic_target = _abstract(critic, lambda x: NamedSharding(mesh_b, P(("fsdp", "tp")) if x.ndim else P()))
     with CheckpointManager(tmp_path / "ckpt") as ckpt:
-        r = ckpt.restore(targets={"actor_params": targets_actor, "actor_opt_state": opt_target,
-                                  "critic_params": critic_target})
+        r = ckpt.restore(
+            targets={"actor_params": targets_actor, "actor_opt_state": opt_target, "critic_params": critic_target}
+        )
     assert r.step == 10 and set(r.arrays) == {"actor_params", "actor_opt_state", "critic_params"}
     restored = r.arrays["actor_params"]
     for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(targets_actor)):
@@ -146,8 +169,9 @@ def test_sharded_round_trip_restores_into_target_shardings(tmp_path, tiny):
 
 def test_host_json_encoding_round_trips_and_rejects_objects():
     key = jax.random.key(3, impl="rbg")
-    back = decode_json(encode_json({"k": key, "t": (1, "a"), "a": np.arange(6, dtype=np.int16).reshape(2, 3),
-                                    "s": np.float32(1.5)}))
+    back = decode_json(
+        encode_json({"k": key, "t": (1, "a"), "a": np.arange(6, dtype=np.int16).reshape(2, 3), "s": np.float32(1.5)})
+    )
     assert str(jax.random.key_impl(back["k"])) == str(jax.random.key_impl(key))
     np.testing.assert_array_equal(jax.random.key_data(back["k"]), jax.random.key_data(key))
     assert back["t"] == (1, "a") and back["s"] == 1.5
@@ -185,20 +209,23 @@ def test_resume_modes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
 
     # resume_path: a given step dir; later saves go to the manager's own directory
-    with CheckpointManager(tmp_path / "branch", resume_mode="resume_path",
-                           resume_path=tmp_path / "run" / "step_3") as ckpt:
+    with CheckpointManager(
+        tmp_path / "branch", resume_mode="resume_path", resume_path=tmp_path / "run" / "step_3"
+    ) as ckpt:
         r = ckpt.resume(target)
         assert r.step == 3 and r.path == (tmp_path / "run" / "step_3").absolute()
         ckpt.save(4, {"p": params})
         assert ckpt.all_steps() == [4]
     with pytest.raises(FileNotFoundError, match="resume_path .*step_9 does not exist"):
-        CheckpointManager(tmp_path / "x", resume_mode="resume_path",
-                          resume_path=tmp_path / "run" / "step_9").resume(target)
+        CheckpointManager(tmp_path / "x", resume_mode="resume_path", resume_path=tmp_path / "run" / "step_9").resume(
+            target
+        )
 
     # resuming from step 3 inside the same directory: saving step 4 moves the abandoned step 5
     # aside, intact (never deleted)
-    with CheckpointManager(tmp_path / "run", resume_mode="resume_path",
-                           resume_path=tmp_path / "run" / "step_3") as ckpt:
+    with CheckpointManager(
+        tmp_path / "run", resume_mode="resume_path", resume_path=tmp_path / "run" / "step_3"
+    ) as ckpt:
         assert ckpt.resume(target).step == 3
         ckpt.save(4, {"p": params})
         assert ckpt.all_steps() == [3, 4]
@@ -232,8 +259,13 @@ _KILLED_SAVE = textwrap.dedent("""
 def test_save_killed_mid_write_leaves_previous_checkpoint_usable(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("XLA_FLAGS", None)
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        text=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.strip() == "WRITING", "the save did not reach the commit point"
@@ -271,8 +303,9 @@ def test_step_without_commit_marker_is_ignored(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         CheckpointManager(tmp_path, read_only=True).restore(2, targets=target)
     with pytest.raises(FileNotFoundError, match="no .*jaxflow_checkpoint.json"):
-        CheckpointManager(tmp_path / "other", resume_mode="resume_path",
-                          resume_path=tmp_path / "step_2", read_only=True).resume(target)
+        CheckpointManager(
+            tmp_path / "other", resume_mode="resume_path", resume_path=tmp_path / "step_2", read_only=True
+        ).resume(target)
     with CheckpointManager(tmp_path, max_to_keep=1) as ckpt:
         assert not (tmp_path / "step_2").exists()
         r = ckpt.resume(target)
@@ -287,8 +320,11 @@ def test_mismatched_targets_name_the_key_and_shapes(tmp_path):
     with CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, {"p": params, "o": opt})
         bad_shape = {"p": {"w": jax.ShapeDtypeStruct((64, 8), jnp.float32), "b": params["b"]}}
-        with pytest.raises(CheckpointMismatchError, match=r"'p' key 'w' has shape \(64, 16\) in the checkpoint "
-                                                          r"but the target expects \(64, 8\)"):
+        with pytest.raises(
+            CheckpointMismatchError,
+            match=r"'p' key 'w' has shape \(64, 16\) in the checkpoint "
+            r"but the target expects \(64, 8\)",
+        ):
             ckpt.restore(targets=bad_shape)
         with pytest.raises(CheckpointMismatchError, match="key 'b' .* that the restore target lacks"):
             ckpt.restore(targets={"p": {"w": params["w"]}})
@@ -355,10 +391,14 @@ def test_damaged_newest_checkpoint_falls_back_in_one_line(tmp_path, caplog):
     for data in (p for p in (tmp_path / "step_2" / "p").rglob("*") if p.is_file() and p.parent.name == "d"):
         data.write_bytes(data.read_bytes()[:20])  # the array data files
 
-    with pytest.raises(DamagedCheckpointError, match=r"step_3 is damaged: item 'host' cannot be read .*; resume from "
-                                                     r"an earlier step") as e:
-        CheckpointManager(tmp_path, resume_mode="resume_path", resume_path=tmp_path / "step_3",
-                          read_only=True).resume(target)
+    with pytest.raises(
+        DamagedCheckpointError,
+        match=r"step_3 is damaged: item 'host' cannot be read .*; resume from "
+        r"an earlier step",
+    ) as e:
+        CheckpointManager(tmp_path, resume_mode="resume_path", resume_path=tmp_path / "step_3", read_only=True).resume(
+            target
+        )
     assert "\n" not in str(e.value)
 
     with caplog.at_level(logging.WARNING, logger="jaxflow.trainer.checkpoint"):
@@ -366,8 +406,11 @@ def test_damaged_newest_checkpoint_falls_back_in_one_line(tmp_path, caplog):
             r = ckpt.resume(target)
     assert r.step == 1 and r.host.data_loader == {"i": 1}
     _assert_bit_exact(r.arrays["p"], _small(1)[0])
-    warnings = [rec.getMessage() for rec in caplog.records
-                if rec.name == "jaxflow.trainer.checkpoint" and rec.levelno >= logging.WARNING]
+    warnings = [
+        rec.getMessage()
+        for rec in caplog.records
+        if rec.name == "jaxflow.trainer.checkpoint" and rec.levelno >= logging.WARNING
+    ]
     assert len(warnings) == 2 and all("\n" not in w for w in warnings)
     assert "step 3 (item 'host'" in warnings[0] and "step 2 (item 'p'" in warnings[1]
     names = sorted(p.name.split("-")[0] for p in tmp_path.iterdir() if p.name.startswith("step_"))

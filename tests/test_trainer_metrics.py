@@ -18,10 +18,17 @@ from jaxflow.trainer.summary import format_duration, run_summary
 
 
 def _metrics(step):
-    return {"critic/score/mean": 0.5 + step / 100, "critic/rewards/mean": 0.25 + step / 200,
-            "actor/pg_loss": -0.0123456 * step, "actor/ppo_kl": 1.23456e-4 * step,
-            "response_length/mean": 123.456, "timing_s/step": 4.56789, "perf/throughput": 12345.678,
-            "actor/entropy": jnp.float32(1.5), "other/not_on_console": np.float64(7.0)}
+    return {
+        "critic/score/mean": 0.5 + step / 100,
+        "critic/rewards/mean": 0.25 + step / 200,
+        "actor/pg_loss": -0.0123456 * step,
+        "actor/ppo_kl": 1.23456e-4 * step,
+        "response_length/mean": 123.456,
+        "timing_s/step": 4.56789,
+        "perf/throughput": 12345.678,
+        "actor/entropy": jnp.float32(1.5),
+        "other/not_on_console": np.float64(7.0),
+    }
 
 
 def test_console_line_four_significant_digits():
@@ -29,8 +36,10 @@ def test_console_line_four_significant_digits():
     console = ConsoleBackend(stream=out)
     console.log({k: float(v) for k, v in _metrics(3).items()}, 3)
     line = out.getvalue().strip()
-    assert line == ("step 3 | score 0.53 | reward 0.265 | pg_loss -0.03704 | ppo_kl 0.0003704 | "
-                    "entropy 1.5 | resp_len 123.5 | step_s 4.568 | tok/s 12346")
+    assert line == (
+        "step 3 | score 0.53 | reward 0.265 | pg_loss -0.03704 | ppo_kl 0.0003704 | "
+        "entropy 1.5 | resp_len 123.5 | step_s 4.568 | tok/s 12346"
+    )
     assert fmt4(float("nan")) == "nan" and fmt4(12.0) == "12" and fmt4(-2.5e-7) == "-2.5e-07"
     assert fmt4(2.5e7) == "2.5e+07" and fmt4(-1234.56) == "-1235"
     assert ConsoleBackend(["a/b"]).format({"a/b": 2.0, "c": 1.0}, 1) == "step 1 | a/b 2"
@@ -169,8 +178,13 @@ def test_png_plot_of_reward_and_kl(tmp_path):
     assert (img.sum(axis=-1) < 100).sum() > 500 and (img == 255).all(axis=-1).mean() > 0.5
 
     # one panel per key, a single point, a constant series, missing keys dropped
-    one = plot_metrics([{"step": 5, "k": 2.0}, {"step": 6, "c": 1.0}, {"step": 7, "c": 1.0}],
-                       ["k", "c", "absent"], tmp_path / "small.png", width=300, panel_height=150)
+    one = plot_metrics(
+        [{"step": 5, "k": 2.0}, {"step": 6, "c": 1.0}, {"step": 7, "c": 1.0}],
+        ["k", "c", "absent"],
+        tmp_path / "small.png",
+        width=300,
+        panel_height=150,
+    )
     assert _read_png(one).shape == (300, 300, 3)
     with pytest.raises(ValueError, match="none of the metrics"):
         plot_metrics([{"step": 1, "a": 1.0}], ["b"], tmp_path / "x.png")
@@ -192,8 +206,9 @@ def test_guard_refuses_bad_steps_and_stops_after_k(caplog):
     guard = NonFiniteGuard(max_consecutive=3)
     assert guard.check({"actor/pg_loss": 0.1, "timing_s/step": float("nan")}, 1)  # timing not watched
     with caplog.at_level(logging.WARNING, logger="jaxflow.trainer.guard"):
-        assert not guard.check({"actor/pg_loss": jnp.float32(jnp.nan), "critic/grad_norm": float("inf"),
-                                "critic/vf_loss": 0.2}, 2)
+        assert not guard.check(
+            {"actor/pg_loss": jnp.float32(jnp.nan), "critic/grad_norm": float("inf"), "critic/vf_loss": 0.2}, 2
+        )
     msg = caplog.records[-1].getMessage()
     assert msg.startswith("step 2: non-finite ") and "not saving checkpoints" in msg
     assert "actor/pg_loss=nan" in msg and "critic/grad_norm=inf" in msg and "vf_loss" not in msg
@@ -221,13 +236,23 @@ def test_end_of_run_summary():
     history[250]["val/score/mean"] = 0.914
     history[300]["val/score/mean"] = 0.902
     history[120]["val/score/mean"] = 0.914  # a tie: the earlier step is the best
-    text = run_summary(history, wall_s=412.4, outputs={"metrics": "run/metrics.jsonl", "plot": "run/metrics.png",
-                                                       "checkpoints": None, "HF export": "run/hf_actor"})
+    text = run_summary(
+        history,
+        wall_s=412.4,
+        outputs={
+            "metrics": "run/metrics.jsonl",
+            "plot": "run/metrics.png",
+            "checkpoints": None,
+            "HF export": "run/hf_actor",
+        },
+    )
     assert text.splitlines() == [
         "done in 6m52s: 300 steps (1 -> 300)",
         "  training score (critic/score/mean): 0.103 (first) -> 0.850 (last)",
-        ("  held-out score (val/score/mean):    0.160 (first, step 0) -> 0.914 (best, step 120) -> "
-         "0.902 (last, step 300)"),
+        (
+            "  held-out score (val/score/mean):    0.160 (first, step 0) -> 0.914 (best, step 120) -> "
+            "0.902 (last, step 300)"
+        ),
         "  metrics    run/metrics.jsonl",
         "  plot       run/metrics.png",
         "  HF export  run/hf_actor",
@@ -236,8 +261,13 @@ def test_end_of_run_summary():
     # An SFT run: its loss and held-out greedy accuracy.
     sft = [{"step": s, "sft/loss": 2.0 / s} for s in range(1, 5)]
     sft[1]["sft/val_accuracy"], sft[3]["sft/val_accuracy"] = 0.25, 0.5
-    assert run_summary(sft, wall_s=75, outputs={"HF export": "out"}, train=("training loss", "sft/loss"),
-                       val=("held-out accuracy", "sft/val_accuracy")).splitlines() == [
+    assert run_summary(
+        sft,
+        wall_s=75,
+        outputs={"HF export": "out"},
+        train=("training loss", "sft/loss"),
+        val=("held-out accuracy", "sft/val_accuracy"),
+    ).splitlines() == [
         "done in 1m15s: 4 steps (1 -> 4)",
         "  training loss (sft/loss):             2.000 (first) -> 0.500 (last)",
         "  held-out accuracy (sft/val_accuracy): 0.250 (first, step 2) -> 0.500 (best, step 4) -> 0.500 (last, step 4)",

@@ -17,8 +17,16 @@ from jaxflow.workers import ActorConfig, ActorWorker, LocalWorkerGroup, OptimCon
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RuleRewardWorker
 
-CFG = models.get_preset("tiny_llama", vocab_size=128, num_layers=1, hidden_size=64, intermediate_size=128,
-                         num_heads=8, num_kv_heads=8, head_dim=8)
+CFG = models.get_preset(
+    "tiny_llama",
+    vocab_size=128,
+    num_layers=1,
+    hidden_size=64,
+    intermediate_size=128,
+    num_heads=8,
+    num_kv_heads=8,
+    head_dim=8,
+)
 T = 0.7
 ROLLOUT = RolloutConfig(train=SamplingParams(max_new_tokens=4, n=2, temperature=T, eos_token_ids=(), seed=0))
 B, P, R = 8, 5, 4
@@ -29,17 +37,22 @@ def workers():
     mesh = MeshSpec(fsdp=4, tp=2).build(jax.devices())
     train_rules, _ = hybrid_rules(CFG, 8)
     model = models.init_model(CFG, seed=0)
-    actor = ActorWorker(model, mesh, train_rules, ActorConfig(ppo_mini_batch_size=B, optim=OptimConfig(lr=1e-2)),
-                        ROLLOUT, gen_tp=2)
+    actor = ActorWorker(
+        model, mesh, train_rules, ActorConfig(ppo_mini_batch_size=B, optim=OptimConfig(lr=1e-2)), ROLLOUT, gen_tp=2
+    )
     ref = ReferenceWorker(model, MeshSpec(fsdp=8).build(jax.devices()), "train", temperature=T)
     return actor, ref
 
 
 def _batch(meta):
     rng = np.random.default_rng(0)
-    tensors = {"prompt_ids": rng.integers(4, 100, (B, P)).astype(np.int32), "prompt_mask": np.ones((B, P), np.int32),
-               "responses": rng.integers(4, 100, (B, R)).astype(np.int32), "response_mask": np.ones((B, R), np.int32),
-               "advantages": rng.normal(size=(B, R)).astype(np.float32)}
+    tensors = {
+        "prompt_ids": rng.integers(4, 100, (B, P)).astype(np.int32),
+        "prompt_mask": np.ones((B, P), np.int32),
+        "responses": rng.integers(4, 100, (B, R)).astype(np.int32),
+        "response_mask": np.ones((B, R), np.int32),
+        "advantages": rng.normal(size=(B, R)).astype(np.float32),
+    }
     return Batch.from_dict(tensors, meta=meta)
 
 
@@ -81,10 +94,11 @@ def test_update_ignores_a_bogus_meta_temperature(workers):
 def test_rollout_metrics_are_returned_not_carried(workers):
     actor, _ = workers
     tok = CharTokenizer()
-    w = Workers(actor=LocalWorkerGroup(actor),
-                reward=RewardFn(rule=LocalWorkerGroup(RuleRewardWorker(tok))))
-    prompts = Batch.from_dict({"prompt_ids": np.full((4, P), 10, np.int32), "prompt_mask": np.ones((4, P), np.int32)},
-                              {"data_source": ["jaxflow/addition"] * 4, "ground_truth": ["1", "2", "3", "4"]})
+    w = Workers(actor=LocalWorkerGroup(actor), reward=RewardFn(rule=LocalWorkerGroup(RuleRewardWorker(tok))))
+    prompts = Batch.from_dict(
+        {"prompt_ids": np.full((4, P), 10, np.int32), "prompt_mask": np.ones((4, P), np.int32)},
+        {"data_source": ["jaxflow/addition"] * 4, "ground_truth": ["1", "2", "3", "4"]},
+    )
     batch, metrics = steps.rollout(w, prompts, steps.StepTimer(), step=0)
     assert len(batch) == 8
     assert {"reward/mean", "reward/num_errors"} <= set(metrics)

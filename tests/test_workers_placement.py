@@ -52,7 +52,9 @@ def _build(placement, modules):
 def split(modules):
     placement = Placement.from_groups(
         [("actor", 4, ("actor", "ref")), ("critic", 2, ("critic",)), ("reward", 2, ("reward",))],
-        meshes={"actor": "fsdp=2,tp=2"}, gen_tp={"actor": 2}, models=ROLE_MODELS,
+        meshes={"actor": "fsdp=2,tp=2"},
+        gen_tp={"actor": 2},
+        models=ROLE_MODELS,
     )
     return placement, _build(placement, modules)
 
@@ -60,7 +62,9 @@ def split(modules):
 @pytest.fixture(scope="module")
 def colocated(modules):
     placement = Placement.colocated(
-        roles=("actor", "ref", "critic", "reward"), meshes={"actor": "dp=2,fsdp=2,tp=2"}, gen_tp={"actor": 2},
+        roles=("actor", "ref", "critic", "reward"),
+        meshes={"actor": "dp=2,fsdp=2,tp=2"},
+        gen_tp={"actor": 2},
         models=ROLE_MODELS,
     )
     return placement, _build(placement, modules)
@@ -89,7 +93,9 @@ def _check_placement(placement, w):
             assert {d.id for d in x.sharding.device_set} == pool_ids, role
             assert x.sharding.mesh == mesh and x.sharding.spec == logical_to_spec(names, rules, mesh), (role, names)
             # The bytes per device are what the spec says: no device holds a replica it should not.
-            n_shards = int(np.prod([mesh.shape[a] for s in x.sharding.spec if s for a in ((s,) if isinstance(s, str) else s)]))
+            n_shards = int(
+                np.prod([mesh.shape[a] for s in x.sharding.spec if s for a in ((s,) if isinstance(s, str) else s)])
+            )
             assert {s.data.nbytes for s in x.addressable_shards} == {x.nbytes // n_shards}, (role, names)
         if role in ("actor", "critic"):  # Adam's moments live where their parameters do
             mu = optax.tree_utils.tree_get(worker.state.opt_state, "mu")  # Adam's first moment
@@ -114,9 +120,18 @@ def test_split_pools_4_2_2(split):
     assert _param(critic.params, "model", "embed_tokens").sharding.spec == P("tp", "fsdp")
     assert _param(reward.params, "score").sharding.spec == P("fsdp", None)
     assert actor.dp_size == 2 and ref.dp_size == 4 and critic.dp_size == 2
-    assert w.actor.methods() == ["abstract_train_state", "export_hf", "generate", "get_train_state", "log_probs",
-                                 "params_finite", "restore_train_state", "save_train_state", "set_train_state",
-                                 "update"]
+    assert w.actor.methods() == [
+        "abstract_train_state",
+        "export_hf",
+        "generate",
+        "get_train_state",
+        "log_probs",
+        "params_finite",
+        "restore_train_state",
+        "save_train_state",
+        "set_train_state",
+        "update",
+    ]
     # A train state from the host (e.g. a checkpoint) goes back into the critic's layout.
     (state,) = w.critic.get_train_state()
     w.critic.set_train_state(jax.device_get(state))

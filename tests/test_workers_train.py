@@ -101,8 +101,15 @@ def test_sharded_step_equals_single_device(actors, minibatch):
     m8, m1 = sharded.train_step(minibatch), single.train_step(minibatch)
     _compare_metrics(m8, m1, rtol=1e-5)
     assert m8["actor/update_skipped"] == 0.0
-    assert {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/kl_loss",
-            "actor/grad_norm", "actor/lr"} <= m8.keys()
+    assert {
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/entropy",
+        "actor/kl_loss",
+        "actor/grad_norm",
+        "actor/lr",
+    } <= m8.keys()
     after8, after1 = _leaves(sharded.params), _leaves(single.params)
     moved = max(np.abs(a - b).max() for a, b in zip(after8, before))
     assert moved > 1e-4  # the step did something (about lr)
@@ -165,8 +172,9 @@ def test_update_runs_epochs_of_shuffled_minibatches(actors, minibatch):
 def test_schedule_warmup_constant_and_cosine():
     const = make_schedule(OptimConfig(lr=1.0, lr_warmup_steps=4))
     np.testing.assert_allclose([float(const(s)) for s in (0, 2, 4, 100)], [0.0, 0.5, 1.0, 1.0])
-    cos = make_schedule(OptimConfig(lr=2.0, lr_warmup_steps=2, total_training_steps=12, warmup_style="cosine",
-                                    min_lr_ratio=0.1))
+    cos = make_schedule(
+        OptimConfig(lr=2.0, lr_warmup_steps=2, total_training_steps=12, warmup_style="cosine", min_lr_ratio=0.1)
+    )
     got = [float(cos(s)) for s in (1, 2, 7, 12, 50)]
     want = [1.0, 2.0, 2.0 * (0.1 + 0.9 * 0.5), 0.2, 0.2]
     np.testing.assert_allclose(got, want, rtol=1e-6)
@@ -195,8 +203,16 @@ def test_update_that_overflows_the_weights_is_refused(lr, refused):
         err = model(micro["x"])[:, 0] - micro["response_mask"].sum(-1)
         return jnp.mean(err**2), {}
 
-    step = make_train_step(graphdef, tx, schedule, loss_fn, mesh=mesh, rules=TRAIN_RULES, state_shardings=shardings,
-                           batch_ndims={"x": 2, "response_mask": 2})
+    step = make_train_step(
+        graphdef,
+        tx,
+        schedule,
+        loss_fn,
+        mesh=mesh,
+        rules=TRAIN_RULES,
+        state_shardings=shardings,
+        batch_ndims={"x": 2, "response_mask": 2},
+    )
     before = jax.device_get(state)
     batch = {"x": np.ones((2, 3), np.float32), "response_mask": np.ones((2, 4), np.int32)}
     state, metrics = step(state, batch, {})

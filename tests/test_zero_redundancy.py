@@ -4,6 +4,7 @@ from their addressable shards) at the moment the sampler runs, on 8 simulated de
 train -> generate -> train stays bit-identical."""
 
 import gc
+
 import jax
 import numpy as np
 import pytest
@@ -17,8 +18,9 @@ from jaxflow.reshard import shard_bytes
 from jaxflow.sampling import SamplingParams
 from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, RolloutConfig
 
-CFG = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                  num_kv_heads=8, head_dim=8)
+CFG = ModelConfig(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=8
+)
 
 
 def live_bytes_per_device(shapes: set[tuple[int, ...]], exclude: set[int]) -> dict[int, int]:
@@ -42,8 +44,14 @@ def actor():
     mesh = MeshSpec(fsdp=4, tp=2).build(jax.devices())
     train_rules, _ = hybrid_rules(CFG, 8)
     rollout = RolloutConfig(train=SamplingParams(max_new_tokens=4, n=2, eos_token_ids=(), seed=0))
-    return ActorWorker(init_model(CFG, seed=0), mesh, train_rules,
-                       ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-3)), rollout, gen_tp=2)
+    return ActorWorker(
+        init_model(CFG, seed=0),
+        mesh,
+        train_rules,
+        ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-3)),
+        rollout,
+        gen_tp=2,
+    )
 
 
 def test_generation_holds_one_generation_shard_of_the_weights(actor, monkeypatch):
@@ -94,11 +102,17 @@ def test_train_generate_train_is_bit_identical(actor):
     with no rollout between them (a copy of the actor that never generates)."""
     rng = np.random.default_rng(0)
     R, P = 4, 4
-    mini = {"prompt_ids": rng.integers(1, 200, (8, P)).astype(np.int32), "prompt_mask": np.ones((8, P), np.int32),
-            "responses": rng.integers(1, 200, (8, R)).astype(np.int32), "response_mask": np.ones((8, R), np.int32),
-            "old_log_probs": np.full((8, R), -5.0, np.float32), "advantages": rng.normal(size=(8, R)).astype(np.float32)}
-    twin = ActorWorker((actor.graphdef, jax.device_get(actor.params)), actor.mesh, actor.rules, actor.config,
-                       actor.rollout, gen_tp=2)
+    mini = {
+        "prompt_ids": rng.integers(1, 200, (8, P)).astype(np.int32),
+        "prompt_mask": np.ones((8, P), np.int32),
+        "responses": rng.integers(1, 200, (8, R)).astype(np.int32),
+        "response_mask": np.ones((8, R), np.int32),
+        "old_log_probs": np.full((8, R), -5.0, np.float32),
+        "advantages": rng.normal(size=(8, R)).astype(np.float32),
+    }
+    twin = ActorWorker(
+        (actor.graphdef, jax.device_get(actor.params)), actor.mesh, actor.rules, actor.config, actor.rollout, gen_tp=2
+    )
     twin.set_train_state(jax.device_get(actor.state))
     actor.train_step(mini)
     twin.train_step(mini)

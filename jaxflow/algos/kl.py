@@ -43,9 +43,7 @@ def get_kl_estimator(name: str) -> Callable[[Array, Array], Array]:
     """The estimator ``name`` (a ``+`` suffix gives its straight-through k2-gradient variant)."""
     base_name = name[:-1] if isinstance(name, str) and name.endswith("+") else name
     if base_name not in KL_ESTIMATOR_REGISTRY:
-        raise UnknownNameError(
-            f"unknown KL estimator {name!r}; valid names: {', '.join(kl_estimator_names())}"
-        )
+        raise UnknownNameError(f"unknown KL estimator {name!r}; valid names: {', '.join(kl_estimator_names())}")
     base = KL_ESTIMATOR_REGISTRY.get(base_name)
     if base_name is name:
         return base

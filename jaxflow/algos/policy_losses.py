@@ -305,9 +305,7 @@ def compute_policy_loss_gspo(
     l2 = -advantages * jnp.clip(s, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = jnp.maximum(l1, l2)
     loss = _agg(pg_losses, response_mask, "seq-mean-token-mean", rollout_is_weights, global_batch_info)
-    return loss, _metrics(
-        _frac(l2 > l1, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss
-    )
+    return loss, _metrics(_frac(l2 > l1, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss)
 
 
 @register_policy_loss("gpg")
@@ -425,9 +423,7 @@ def compute_policy_loss_clip_cov(
     corr = 1 - detached.astype(dtype)
     pg_losses = jnp.maximum(l1, l2) * corr
     loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(
-        _frac(detached, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss
-    )
+    return loss, _metrics(_frac(detached, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss)
 
 
 @register_policy_loss("kl_cov")

@@ -52,8 +52,7 @@ class Registry:
             old = self._fns.get(name)
             if old is not None and old is not fn and not override:
                 raise ValueError(
-                    f"{self.kind} {name!r} is already registered ({old!r}); "
-                    "pass override=True to replace it"
+                    f"{self.kind} {name!r} is already registered ({old!r}); pass override=True to replace it"
                 )
             self._fns[name] = fn
             return fn
@@ -65,9 +64,7 @@ class Registry:
         try:
             return self._fns[name]
         except (KeyError, TypeError):
-            raise UnknownNameError(
-                f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}"
-            ) from None
+            raise UnknownNameError(f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}") from None
 
     def unregister(self, name: str) -> None:
         """Removes ``name`` (mainly for tests that register throw-away entries)."""
@@ -86,9 +83,7 @@ class Registry:
         return len(self._fns)
 
 
-def accepts_keywords(
-    fn: Callable[..., Any], droppable: Iterable[str] | None = None
-) -> Callable[..., Any]:
+def accepts_keywords(fn: Callable[..., Any], droppable: Iterable[str] | None = None) -> Callable[..., Any]:
     """Wraps ``fn`` so that keyword arguments it does not declare are dropped.
 
     This lets a caller hand every column it has to any registered function:
@@ -103,9 +98,7 @@ def accepts_keywords(
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         return fn
     known = frozenset(
-        p.name
-        for p in params
-        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        p.name for p in params if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     )
     drop = None if droppable is None else frozenset(droppable) - known
 

@@ -31,9 +31,7 @@ Array = jax.Array
 LAGRANGE_SCALES = ("linear", "log")
 
 
-def compute_lagrangian_advantages(
-    reward_advantages: Array, cost_advantages: Array, lagrange_multiplier: Any
-) -> Array:
+def compute_lagrangian_advantages(reward_advantages: Array, cost_advantages: Array, lagrange_multiplier: Any) -> Array:
     """Safe-RLHF surrogate advantage ``(A_R - lambda A_C) / (1 + lambda)`` (``[B, T]``).
 
     Dividing by ``1 + lambda`` keeps the advantage scale bounded as ``lambda`` grows.

@@ -39,28 +39,38 @@ def _flag(rest: list[str], name: str, default: Any = None) -> Any:
 
 
 def _format_plan(rank: int, d: dict[str, Any]) -> str:
-    lines = [f"#{rank}  predicted {d['predicted_iteration_s']:.2f} s / iteration (analytic), "
-             f"memory {d['memory_gib']:.2f} GiB per device (analytic)"]
+    lines = [
+        f"#{rank}  predicted {d['predicted_iteration_s']:.2f} s / iteration (analytic), "
+        f"memory {d['memory_gib']:.2f} GiB per device (analytic)"
+    ]
     for p in d["pools"]:
         lines.append(f"  pool {'+'.join(p['roles'])}: {p['devices']} devices, {p['memory_gib']:.2f} GiB")
         for role, meshes in p["meshes"].items():
             text = "; ".join(f"{ph} " + " ".join(f"{a}={n}" for a, n in m.items()) for ph, m in meshes.items())
             lines.append(f"    {role:<7} {text}")
     stages = sorted(d["predicted_stage_s"].items(), key=lambda kv: kv[1]["start"])
-    lines.append("  stages (s, analytic): " + ", ".join(
-        f"{n} {s['seconds']:.2f} [{s['start']:.1f}-{s['end']:.1f}]" for n, s in stages))
-    lines.append("  overrides: " + " ".join(f"--config.{k}={v if not isinstance(v, list) else tuple(v)}"
-                                            for k, v in d["overrides"].items()))
+    lines.append(
+        "  stages (s, analytic): "
+        + ", ".join(f"{n} {s['seconds']:.2f} [{s['start']:.1f}-{s['end']:.1f}]" for n, s in stages)
+    )
+    lines.append(
+        "  overrides: "
+        + " ".join(f"--config.{k}={v if not isinstance(v, list) else tuple(v)}" for k, v in d["overrides"].items())
+    )
     if "compiled" in d:
         c = d["compiled"]
-        lines.append(f"  compiled on {d['overrides']['jaxflow.num_devices']} simulated devices: "
-                     f"{'fits' if c['fits'] else 'REJECTED: ' + str(c['rejected'])}; largest program total "
-                     f"{c['compiled_max_total_gib']:.2f} GiB (compiled) vs pool peak {c['estimated_max_pool_gib']:.2f} "
-                     f"GiB (analytic)")
+        lines.append(
+            f"  compiled on {d['overrides']['jaxflow.num_devices']} simulated devices: "
+            f"{'fits' if c['fits'] else 'REJECTED: ' + str(c['rejected'])}; largest program total "
+            f"{c['compiled_max_total_gib']:.2f} GiB (compiled) vs pool peak {c['estimated_max_pool_gib']:.2f} "
+            f"GiB (analytic)"
+        )
         for r in c["programs"]:
-            lines.append(f"    {r['program']:<18} compiled peak {r['compiled_peak_gib']:7.2f} + resident "
-                         f"{r['resident_gib']:6.2f} = {r['compiled_total_gib']:7.2f} GiB  "
-                         f"(analytic pool peak {r['estimated_pool_peak_gib']:.2f})  {'fits' if r['fits'] else 'NO'}")
+            lines.append(
+                f"    {r['program']:<18} compiled peak {r['compiled_peak_gib']:7.2f} + resident "
+                f"{r['resident_gib']:6.2f} = {r['compiled_total_gib']:7.2f} GiB  "
+                f"(analytic pool peak {r['estimated_pool_peak_gib']:.2f})  {'fits' if r['fits'] else 'NO'}"
+            )
     return "\n".join(lines)
 
 
@@ -76,8 +86,18 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in rest or "-h" in rest:
         print(USAGE)
         return 0
-    known = ("--devices", "--device_kind", "--devices_per_host", "--memory_gib", "--top", "--verify", "--json",
-             "--time_limit_s", "--concurrent", "--memory_scale")
+    known = (
+        "--devices",
+        "--device_kind",
+        "--devices_per_host",
+        "--memory_gib",
+        "--top",
+        "--verify",
+        "--json",
+        "--time_limit_s",
+        "--concurrent",
+        "--memory_scale",
+    )
     unknown = [a for a in rest if a.split("=", 1)[0] not in known]
     if unknown:
         print(f"error: unknown argument(s) {unknown}\n{USAGE}", file=sys.stderr)
@@ -94,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         verify_top = 0 if verify is False else (1 if verify is True else int(verify))
         time_limit = float(_flag(rest, "time_limit_s", 60.0))
         concurrent = bool(_flag(rest, "concurrent", False))
-        scales = {phase: float(f) for phase, f in (item.split(":") for item in
-                                                    filter(None, str(_flag(rest, "memory_scale", "")).split(",")))}
+        scales = {
+            phase: float(f)
+            for phase, f in (item.split(":") for item in filter(None, str(_flag(rest, "memory_scale", "")).split(",")))
+        }
     except (configs.ConfigError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -120,34 +142,54 @@ def main(argv: list[str] | None = None) -> int:
         search_s = time.perf_counter() - t0
         best = plans[0]
         if verify_top:
-            best, plans = search_verified(cfg, mapper, devices, attempts=verify_top, log=say, top=max(top, 20),
-                                          time_limit_s=time_limit)
+            best, plans = search_verified(
+                cfg, mapper, devices, attempts=verify_top, log=say, top=max(top, 20), time_limit_s=time_limit
+            )
     except (ValueError, KeyError, configs.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     result = {
-        "config": name, "devices": devices, "device_kind": prof.name, "devices_per_host": prof.devices_per_host,
-        "profile": prof.to_dict(), "search_s": search_s, "truncated": mapper.truncated,
-        "search": {"time_limit_s": time_limit, "truncated": mapper.truncated, "concurrent": mapper.concurrent,
-                   "placements_explored": mapper.placements_done, "placements_total": mapper.placements_total,
-                   "allocations_evaluated": mapper.evaluated, "layouts_simulated": mapper.layouts_simulated},
+        "config": name,
+        "devices": devices,
+        "device_kind": prof.name,
+        "devices_per_host": prof.devices_per_host,
+        "profile": prof.to_dict(),
+        "search_s": search_s,
+        "truncated": mapper.truncated,
+        "search": {
+            "time_limit_s": time_limit,
+            "truncated": mapper.truncated,
+            "concurrent": mapper.concurrent,
+            "placements_explored": mapper.placements_done,
+            "placements_total": mapper.placements_total,
+            "allocations_evaluated": mapper.evaluated,
+            "layouts_simulated": mapper.layouts_simulated,
+        },
         "plans_evaluated": mapper.evaluated,
-        "best": best.to_dict(devices), "best_rank": plans.index(best) + 1, "memory_scale": mapper.memory_scale,
+        "best": best.to_dict(devices),
+        "best_rank": plans.index(best) + 1,
+        "memory_scale": mapper.memory_scale,
         "candidates": [p.to_dict(devices) for p in plans[:top]],
     }
     if as_json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"auto-mapper: {name} on {devices} x {prof.name} ({prof.devices_per_host} per host, "
-          f"{prof.budget_bytes / 2**30:.1f} GiB usable each; profile {prof.source}); searched "
-          f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
-          f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}")
+    print(
+        f"auto-mapper: {name} on {devices} x {prof.name} ({prof.devices_per_host} per host, "
+        f"{prof.budget_bytes / 2**30:.1f} GiB usable each; profile {prof.source}); searched "
+        f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
+        f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}"
+    )
     if mapper.memory_scale:
-        print("estimated working memory scaled to what the compiled programs hold: "
-              + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items()))
+        print(
+            "estimated working memory scaled to what the compiled programs hold: "
+            + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items())
+        )
     if mapper.truncated:
-        print(f"WARNING: search cut short at the {time_limit:g} s time limit: {mapper.placements_done} of "
-              f"{mapper.placements_total} placements explored; the ranking covers only those (raise --time_limit_s)")
+        print(
+            f"WARNING: search cut short at the {time_limit:g} s time limit: {mapper.placements_done} of "
+            f"{mapper.placements_total} placements explored; the ranking covers only those (raise --time_limit_s)"
+        )
     for i, p in enumerate(plans[:top], 1):
         print(_format_plan(i, p.to_dict(devices)))
     if best is not plans[0]:

@@ -38,7 +38,10 @@ def placement_profile(cfg: ConfigDict) -> DeviceProfile:
 def describe(plan: Plan) -> str:
     pools = "; ".join(
         f"{'+'.join(pc.roles)} on {pc.devices} ("
-        + ", ".join(f"{r} {rl.layout.text()}" for r, rl in pc.layouts.items()) + ")" for pc in plan.pools)
+        + ", ".join(f"{r} {rl.layout.text()}" for r, rl in pc.layouts.items())
+        + ")"
+        for pc in plan.pools
+    )
     return f"{pools}; predicted {plan.iteration_s:.3g} s per iteration (analytic)"
 
 
@@ -67,8 +70,13 @@ def resolve_placement(cfg: ConfigDict, log: Callable[[str], None] | None = print
     if log is not None:
         cut = " (search cut short by its time limit: the best plan found so far)" if mapper.truncated else ""
         if mapper.memory_scale:
-            cut += " (working memory scaled to the compiled programs: " + ", ".join(
-                f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items()) + ")"
-        log(f"jaxflow: auto-mapper ({prof.name} profile, {n} devices, {mapper.evaluated} plans in "
-            f"{time.perf_counter() - t0:.1f} s){cut}: {describe(plan)}")
+            cut += (
+                " (working memory scaled to the compiled programs: "
+                + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items())
+                + ")"
+            )
+        log(
+            f"jaxflow: auto-mapper ({prof.name} profile, {n} devices, {mapper.evaluated} plans in "
+            f"{time.perf_counter() - t0:.1f} s){cut}: {describe(plan)}"
+        )
     return out

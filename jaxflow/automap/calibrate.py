@@ -72,9 +72,17 @@ def sample_workload(base: Any, s: Sample) -> Any:
     ``prompt_len + response_len`` tokens (generate: ``rows`` prompts, one response each),
     one mini-batch, one micro-batch."""
     return dataclasses.replace(
-        base, prompts=s.rows, n=1, prompt_len=s.prompt_len, response_len=s.response_len,
-        mini_batch_rows={"actor": s.rows}, train_micro={"actor": None}, epochs={"actor": 1},
-        forward_micro={"actor": None}, max_num_seqs=0)
+        base,
+        prompts=s.rows,
+        n=1,
+        prompt_len=s.prompt_len,
+        response_len=s.response_len,
+        mini_batch_rows={"actor": s.rows},
+        train_micro={"actor": None},
+        epochs={"actor": 1},
+        forward_micro={"actor": None},
+        max_num_seqs=0,
+    )
 
 
 def cases(base: Any, samples: Sequence[Sample], devices: int) -> list[tuple[Any, Any, str]]:
@@ -95,8 +103,14 @@ def predict(prof: Any, calls: Sequence[tuple[Any, Any, str]]) -> list[float]:
     return [stage_time(w, phase, rl, prof).seconds for w, rl, phase in calls]
 
 
-def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int, int, int]] = SHAPES,
-            collective_bytes: Sequence[int] = (1 << 14, 1 << 22), log: Callable[[str], None] = print) -> dict[str, Any]:
+def measure(
+    cfg: Any,
+    devices: int,
+    repeats: int = 5,
+    shapes: Sequence[tuple[int, int, int]] = SHAPES,
+    collective_bytes: Sequence[int] = (1 << 14, 1 << 22),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """Times on this machine (see the module docstring): ``flops``, ``hbm_bw``,
     ``call_s`` (a trivial program), ``collectives`` ``[(k, bytes, seconds)]`` (all-reduces
     over 2, 4, 8 devices of ``collective_bytes``) and the stage ``samples`` at ``shapes``."""
@@ -137,8 +151,10 @@ def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int
     tiny = jax.device_put(jnp.ones((devices,), jnp.float32), rows_sharding)
     inc = jax.jit(lambda a: a + 1.0)
     out["call_s"] = _median_time(lambda: inc(tiny), 3 * repeats)
-    log(f"  host {out['flops'] / 1e9:.1f} GFLOP/s, {out['hbm_bw'] / 1e9:.1f} GB/s streaming, one program call "
-        f"{out['call_s'] * 1e3:.2f} ms (measured)")
+    log(
+        f"  host {out['flops'] / 1e9:.1f} GFLOP/s, {out['hbm_bw'] / 1e9:.1f} GB/s streaming, one program call "
+        f"{out['call_s'] * 1e3:.2f} ms (measured)"
+    )
 
     collectives = []
     for g in (2, 4, 8):
@@ -148,8 +164,10 @@ def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int
         for nbytes in collective_bytes:
             elems = nbytes // 4
             a = jax.device_put(jnp.ones((g, elems), jnp.float32), NamedSharding(gmesh, Ps("d")))
-            ar = jax.jit(lambda v: jnp.broadcast_to(v.sum(0, keepdims=True), v.shape),
-                         out_shardings=NamedSharding(gmesh, Ps("d")))
+            ar = jax.jit(
+                lambda v: jnp.broadcast_to(v.sum(0, keepdims=True), v.shape),
+                out_shardings=NamedSharding(gmesh, Ps("d")),
+            )
             collectives.append((g, elems * 4, max(0.0, _median_time(lambda: ar(a), repeats) - out["call_s"])))
     out["collectives"] = collectives
 
@@ -167,8 +185,12 @@ def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int
         shardings = state_shardings(params, rl.rules, fmesh)
         layout = RoleLayout(graphdef, fmesh, rl.rules, shardings)
         batch_rows = NamedSharding(fmesh, Ps(layout.batch_axes))
-        ones = {"prompt_ids": jnp.ones((rows, P), jnp.int32), "prompt_mask": jnp.ones((rows, P), jnp.int32),
-                "responses": jnp.ones((rows, R), jnp.int32), "response_mask": jnp.ones((rows, R), jnp.int32)}
+        ones = {
+            "prompt_ids": jnp.ones((rows, P), jnp.int32),
+            "prompt_mask": jnp.ones((rows, P), jnp.int32),
+            "responses": jnp.ones((rows, R), jnp.int32),
+            "response_mask": jnp.ones((rows, R), jnp.int32),
+        }
         tensors = jax.device_put(ones, batch_rows)
         scalars = {"temperature": jnp.float32(1.0)}
         placed = jax.device_put(params, shardings)
@@ -189,11 +211,27 @@ def measure(cfg: Any, devices: int, repeats: int = 5, shapes: Sequence[tuple[int
         gen_params = jax.device_put(params, state_shardings(params, engine.gen_rules, engine.gen_mesh))
         prompts = np.ones((rows, P), np.int32)
         sp = SamplingParams(max_new_tokens=R, n=1, eos_token_ids=())
-        samples.append(Sample("generate", rows, P, R, _median_time(
-            lambda: generate_from_state(graphdef, gen_params, prompts, prompts, sp, mesh=engine.gen_mesh,
-                                        rules=engine.gen_rules).responses, repeats)))
-        log("  " + ", ".join(f"{s.phase} {s.seconds * 1e3:.1f} ms" for s in samples[-3:])
-            + f" ({rows} x {P}+{R} tokens; measured)")
+        samples.append(
+            Sample(
+                "generate",
+                rows,
+                P,
+                R,
+                _median_time(
+                    lambda: (
+                        generate_from_state(
+                            graphdef, gen_params, prompts, prompts, sp, mesh=engine.gen_mesh, rules=engine.gen_rules
+                        ).responses
+                    ),
+                    repeats,
+                ),
+            )
+        )
+        log(
+            "  "
+            + ", ".join(f"{s.phase} {s.seconds * 1e3:.1f} ms" for s in samples[-3:])
+            + f" ({rows} x {P}+{R} tokens; measured)"
+        )
     out["samples"] = samples
     out["base"] = base
     return out
@@ -228,9 +266,20 @@ def fit_profile(m: dict[str, Any], devices: int, source: str, log: Callable[[str
     protocol, link_bw = fit_collectives(m["collectives"])
     link_bw = min(link_bw, m["hbm_bw"])  # copies between simulated devices go through the host's memory
     prof = DeviceProfile(
-        name="cpu", flops=m["flops"], hbm_bw=m["hbm_bw"], memory_gib=ram_gib / 2 / devices, intra_bw=link_bw,
-        inter_bw=link_bw, devices_per_host=devices, hbm_eff=1.0, protocols=(protocol,),
-        kernel_overhead_s=0.0, call_overhead_s=m["call_s"], shared_host=True, source=source)
+        name="cpu",
+        flops=m["flops"],
+        hbm_bw=m["hbm_bw"],
+        memory_gib=ram_gib / 2 / devices,
+        intra_bw=link_bw,
+        inter_bw=link_bw,
+        devices_per_host=devices,
+        hbm_eff=1.0,
+        protocols=(protocol,),
+        kernel_overhead_s=0.0,
+        call_overhead_s=m["call_s"],
+        shared_host=True,
+        source=source,
+    )
     samples = m["samples"]
     calls = cases(m["base"], samples, devices)
     measured = np.log([s.seconds for s in samples])
@@ -245,10 +294,15 @@ def fit_profile(m: dict[str, Any], devices: int, source: str, log: Callable[[str
     fitted = dataclasses.replace(prof, **dict(zip(FIT_FIELDS, (float(t) for t in fit.x))))
     predicted = predict(fitted, calls)
     for s, p in zip(samples, predicted):
-        log(f"    {s.phase:<8} {s.rows:>4} x {s.prompt_len}+{s.response_len}: measured {s.seconds * 1e3:8.2f} ms, "
-            f"fitted model {p * 1e3:8.2f} ms")
-    log("  fit: " + ", ".join(f"{f}={getattr(fitted, f):.3g}" for f in FIT_FIELDS)
-        + f"; rms log error {float(np.sqrt(np.mean(fit.fun ** 2))):.3f}")
+        log(
+            f"    {s.phase:<8} {s.rows:>4} x {s.prompt_len}+{s.response_len}: measured {s.seconds * 1e3:8.2f} ms, "
+            f"fitted model {p * 1e3:8.2f} ms"
+        )
+    log(
+        "  fit: "
+        + ", ".join(f"{f}={getattr(fitted, f):.3g}" for f in FIT_FIELDS)
+        + f"; rms log error {float(np.sqrt(np.mean(fit.fun**2))):.3f}"
+    )
     return fitted
 
 
@@ -268,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = configs.get_config(args.get("config", "ppo_tiny"))
     load = os.getloadavg()[0]
-    print(f"calibrating the cpu profile on {devices} simulated devices ({cfg.trainer.experiment_name}'s model; "
-          f"load average {load:.1f})", flush=True)
+    print(
+        f"calibrating the cpu profile on {devices} simulated devices ({cfg.trainer.experiment_name}'s model; "
+        f"load average {load:.1f})",
+        flush=True,
+    )
     m = measure(cfg, devices, repeats=int(args.get("repeats", 5)))
     prof = fit_profile(m, devices, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} (load {load:.1f})")
     path = args.get("out", calibrated_path())

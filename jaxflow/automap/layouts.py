@@ -141,8 +141,9 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
     heads_axes = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes)
     weight_degree = math.prod(sizes[a] for a in heads_axes)
     param_bytes = sharded_bytes(rm, rules, mesh, rm.param_itemsize)
-    plan = RolePlan(role=role, pool="", head=rm.head, model={}, num_params=rm.num_params,
-                       meshes={}, param_bytes=param_bytes)
+    plan = RolePlan(
+        role=role, pool="", head=rm.head, model={}, num_params=rm.num_params, meshes={}, param_bytes=param_bytes
+    )
     dp_ranks = layout.dp * layout.fsdp
     micro: dict[str, int] = {}
     if role in w.mini_batch_rows:
@@ -164,8 +165,15 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         gen_mesh = abstract_mesh(gsizes)
         gen_dp = layout.devices // layout.gen_tp
         # the rollout engine: the whole rollout in one call, max_num_seqs decode slots per replica
-        shape = engine_shape(mc, max(1, w.rows // w.n), P, R, n=w.n, replicas=gen_dp,
-                             slots=(layout.max_num_seqs or w.max_num_seqs) or None)
+        shape = engine_shape(
+            mc,
+            max(1, w.rows // w.n),
+            P,
+            R,
+            n=w.n,
+            replicas=gen_dp,
+            slots=(layout.max_num_seqs or w.max_num_seqs) or None,
+        )
         plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
         plan.kv_cache_bytes = kv_pool_bytes(mc, shape, gen_rules, gen_mesh)
         plan.activation_bytes["generate"] = generate_activation_bytes(mc, shape, gen_rules, gen_mesh)

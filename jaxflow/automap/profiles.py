@@ -132,17 +132,36 @@ class DeviceProfile:
         return cls(**data)
 
 
-def _gpu(name: str, tflops: float, tbps: float, gib: float, link_gbps: float, net_gbps: float,
-         **kw: Any) -> DeviceProfile:
-    return DeviceProfile(name=name, flops=tflops * 1e12, hbm_bw=tbps * 1e12, memory_gib=gib,
-                         intra_bw=link_gbps * 1e9, inter_bw=net_gbps * 1e9, devices_per_host=8, **kw)
+def _gpu(
+    name: str, tflops: float, tbps: float, gib: float, link_gbps: float, net_gbps: float, **kw: Any
+) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        flops=tflops * 1e12,
+        hbm_bw=tbps * 1e12,
+        memory_gib=gib,
+        intra_bw=link_gbps * 1e9,
+        inter_bw=net_gbps * 1e9,
+        devices_per_host=8,
+        **kw,
+    )
 
 
-def _tpu(name: str, tflops: float, tbps: float, gib: float, ici_gbps: float, dcn_gbps: float,
-         per_host: int, slice_chips: int) -> DeviceProfile:
-    return DeviceProfile(name=name, flops=tflops * 1e12, hbm_bw=tbps * 1e12, memory_gib=gib, intra_bw=ici_gbps * 1e9,
-                         inter_bw=dcn_gbps * 1e9, devices_per_host=per_host, link_domain=slice_chips,
-                         protocols=TPU_ICI, kernel_overhead_s=1e-6)
+def _tpu(
+    name: str, tflops: float, tbps: float, gib: float, ici_gbps: float, dcn_gbps: float, per_host: int, slice_chips: int
+) -> DeviceProfile:
+    return DeviceProfile(
+        name=name,
+        flops=tflops * 1e12,
+        hbm_bw=tbps * 1e12,
+        memory_gib=gib,
+        intra_bw=ici_gbps * 1e9,
+        inter_bw=dcn_gbps * 1e9,
+        devices_per_host=per_host,
+        link_domain=slice_chips,
+        protocols=TPU_ICI,
+        kernel_overhead_s=1e-6,
+    )
 
 
 # Sources.
@@ -176,9 +195,20 @@ PROFILES: dict[str, DeviceProfile] = {
     "tpu-v6e": _tpu("tpu-v6e", 918, 1.638, 32, 200, 3.1, 8, 256),
     # This CPU, uncalibrated (a guess for a few loaded cores simulating 8 devices); run
     # `python -m jaxflow.automap.calibrate` to replace it with a fitted profile.
-    "cpu": DeviceProfile(name="cpu", flops=20e9, hbm_bw=10e9, memory_gib=2.0, intra_bw=5e9, inter_bw=5e9,
-                         devices_per_host=8, hbm_eff=1.0, protocols=(Protocol("host", 50e-6, 20e-6, 20e-6, 1.0),),
-                         kernel_overhead_s=20e-6, call_overhead_s=2e-3, shared_host=True),
+    "cpu": DeviceProfile(
+        name="cpu",
+        flops=20e9,
+        hbm_bw=10e9,
+        memory_gib=2.0,
+        intra_bw=5e9,
+        inter_bw=5e9,
+        devices_per_host=8,
+        hbm_eff=1.0,
+        protocols=(Protocol("host", 50e-6, 20e-6, 20e-6, 1.0),),
+        kernel_overhead_s=20e-6,
+        call_overhead_s=2e-3,
+        shared_host=True,
+    ),
 }
 
 
@@ -224,8 +254,15 @@ def local_device_kind(device: Any) -> str:
     platform = getattr(device, "platform", "cpu")
     if platform == "cpu":
         return "cpu"
-    for key, name in (("h200", "h200"), ("h100", "h100"), ("a100", "a100-80g"), ("v6", "tpu-v6e"),
-                      ("v5p", "tpu-v5p"), ("v5", "tpu-v5e"), ("v4", "tpu-v4")):
+    for key, name in (
+        ("h200", "h200"),
+        ("h100", "h100"),
+        ("a100", "a100-80g"),
+        ("v6", "tpu-v6e"),
+        ("v5p", "tpu-v5p"),
+        ("v5", "tpu-v5e"),
+        ("v4", "tpu-v4"),
+    ):
         if key in kind:
             if name == "a100-80g" and "40" in kind:
                 return "a100-40g"

@@ -47,7 +47,7 @@ def set_partitions(items: Sequence[str]) -> Iterator[list[tuple[str, ...]]]:
     first, rest = items[0], items[1:]
     for part in set_partitions(rest):
         for i in range(len(part)):
-            yield part[:i] + [(first,) + part[i]] + part[i + 1:]
+            yield part[:i] + [(first,) + part[i]] + part[i + 1 :]
         yield [(first,)] + part
 
 
@@ -95,8 +95,9 @@ class Plan:
     compiled: dict[str, Any] | None = None  # filled by jaxflow.automap.verify
 
     def key(self) -> tuple:
-        return tuple(sorted((p.roles, p.devices, tuple(sorted((r, l.layout) for r, l in p.layouts.items())))
-                            for p in self.pools))
+        return tuple(
+            sorted((p.roles, p.devices, tuple(sorted((r, l.layout) for r, l in p.layouts.items()))) for p in self.pools)
+        )
 
     def pool_of(self, role: str) -> PoolChoice:
         return next(p for p in self.pools if role in p.roles)
@@ -126,14 +127,27 @@ class Plan:
     def to_dict(self, num_devices: int) -> dict[str, Any]:
         pools = []
         for p in self.pools:
-            pools.append({
-                "roles": list(p.roles), "devices": p.devices,
-                "meshes": {r: rl.meshes for r, rl in p.layouts.items()},
-                "memory_gib": p.peak_bytes / GiB,
-            })
-        stages = {name: {"seconds": t.seconds, "compute": t.compute, "comm": t.comm, "memory": t.memory,
-                         "overhead": t.overhead, "start": self.stage_spans[name][0], "end": self.stage_spans[name][1]}
-                  for p in self.pools for name, t in p.stage_times.items()}
+            pools.append(
+                {
+                    "roles": list(p.roles),
+                    "devices": p.devices,
+                    "meshes": {r: rl.meshes for r, rl in p.layouts.items()},
+                    "memory_gib": p.peak_bytes / GiB,
+                }
+            )
+        stages = {
+            name: {
+                "seconds": t.seconds,
+                "compute": t.compute,
+                "comm": t.comm,
+                "memory": t.memory,
+                "overhead": t.overhead,
+                "start": self.stage_spans[name][0],
+                "end": self.stage_spans[name][1],
+            }
+            for p in self.pools
+            for name, t in p.stage_times.items()
+        }
         return {
             "pools": pools,
             "predicted_iteration_s": self.iteration_s,
@@ -222,8 +236,9 @@ class Mapper:
     ``placements_done`` of ``placements_total``, ``evaluated`` allocations,
     ``layouts_simulated`` (each (role, pool size, layout) is simulated once)."""
 
-    def __init__(self, w: Workload, num_devices: int, prof: DeviceProfile, *, concurrent: bool = False,
-                 whole_hosts: bool = False):
+    def __init__(
+        self, w: Workload, num_devices: int, prof: DeviceProfile, *, concurrent: bool = False, whole_hosts: bool = False
+    ):
         self.w, self.n, self.prof = w, num_devices, prof
         self.concurrent = concurrent and not prof.shared_host
         self.whole_hosts = whole_hosts
@@ -265,8 +280,15 @@ class Mapper:
         """The layout's largest transient over its phases, each phase's working memory (what
         the analytic model estimates roughly: activations, the KV cache) times its memory
         scale, plus what it counts exactly (gradients, the generation copy of the weights)."""
-        return int(max((exact + rough * self.memory_scale.get(phase, 1.0)
-                        for phase, (exact, rough) in transient_parts(rl).items()), default=0))
+        return int(
+            max(
+                (
+                    exact + rough * self.memory_scale.get(phase, 1.0)
+                    for phase, (exact, rough) in transient_parts(rl).items()
+                ),
+                default=0,
+            )
+        )
 
     def scale_memory(self, phase: str, factor: float) -> None:
         """Scale the estimated working memory of ``phase`` by ``factor`` (kept if larger than the
@@ -315,8 +337,13 @@ class Mapper:
         if best[1] is not None:
             combo = best[1]
             peak = sum(o.kept for o in combo) + max(o.transient for o in combo)
-            choice = PoolChoice(roles, n, {r: o.layout for r, o in zip(roles, combo)},
-                                {name: t for o in combo for name, t in o.times.items()}, int(peak))
+            choice = PoolChoice(
+                roles,
+                n,
+                {r: o.layout for r, o in zip(roles, combo)},
+                {name: t for o in combo for name, t in o.times.items()},
+                int(peak),
+            )
         self._pool_cache[key] = choice
         return choice
 
@@ -359,9 +386,11 @@ class Mapper:
         ranked = sorted(plans.values(), key=lambda p: p.iteration_s)
         if not ranked:
             if self.truncated:
-                raise ValueError(f"no plan found for {self.w.name} on {self.n} {self.prof.name} devices within the "
-                                 f"search's time limit of {time_limit_s:g} s ({self.placements_done} of "
-                                 f"{self.placements_total} placements explored); raise the limit")
+                raise ValueError(
+                    f"no plan found for {self.w.name} on {self.n} {self.prof.name} devices within the "
+                    f"search's time limit of {time_limit_s:g} s ({self.placements_done} of "
+                    f"{self.placements_total} placements explored); raise the limit"
+                )
             raise ValueError(self.nothing_fits())
         return ranked[:top]
 
@@ -381,16 +410,24 @@ class Mapper:
             transient = max(transient, min(o.transient for o in opts))
             p = lean.layout.plan
             need = lean.kept + lean.transient
-            parts.append(f"{role} needs {need / GiB:.1f} GiB per device at best ({lean.layout.layout.text()}: "
-                         f"parameters {p.param_bytes / GiB:.1f}, optimizer {p.optimizer_bytes / GiB:.1f}, largest "
-                         f"transient {lean.transient / GiB:.1f})" + ("" if need <= budget else " > the budget"))
-        return (f"no plan fits {self.w.name} on {self.n} {self.prof.name} devices ({budget / GiB:.1f} GiB usable each): "
-                f"alone on all {self.n} devices, " + "; ".join(parts) + f"; all colocated they need at least "
-                f"{(kept + transient) / GiB:.1f} GiB per device, and on smaller pools each role needs more")
+            parts.append(
+                f"{role} needs {need / GiB:.1f} GiB per device at best ({lean.layout.layout.text()}: "
+                f"parameters {p.param_bytes / GiB:.1f}, optimizer {p.optimizer_bytes / GiB:.1f}, largest "
+                f"transient {lean.transient / GiB:.1f})" + ("" if need <= budget else " > the budget")
+            )
+        return (
+            f"no plan fits {self.w.name} on {self.n} {self.prof.name} devices ({budget / GiB:.1f} GiB usable each): "
+            f"alone on all {self.n} devices, " + "; ".join(parts) + f"; all colocated they need at least "
+            f"{(kept + transient) / GiB:.1f} GiB per device, and on smaller pools each role needs more"
+        )
 
 
-def evaluate(w: Workload, prof: DeviceProfile, pools: Sequence[tuple[tuple[str, ...], int, dict[str, Any]]],
-             concurrent: bool = False) -> Plan:
+def evaluate(
+    w: Workload,
+    prof: DeviceProfile,
+    pools: Sequence[tuple[tuple[str, ...], int, dict[str, Any]]],
+    concurrent: bool = False,
+) -> Plan:
     """The predicted plan for a given placement and layouts: ``pools`` as ``(roles, devices,
     {role: Layout})`` (used to predict plans that the search did not choose); ``concurrent``
     as in :class:`Mapper`."""
@@ -417,5 +454,18 @@ def bell(k: int) -> int:
     return row[0]
 
 
-__all__ = ["Mapper", "Option", "Plan", "PoolChoice", "SearchTimeout", "allocations", "bell", "evaluate",
-           "pareto_front", "pool_sizes", "schedule", "set_partitions", "transient_parts"]
+__all__ = [
+    "Mapper",
+    "Option",
+    "Plan",
+    "PoolChoice",
+    "SearchTimeout",
+    "allocations",
+    "bell",
+    "evaluate",
+    "pareto_front",
+    "pool_sizes",
+    "schedule",
+    "set_partitions",
+    "transient_parts",
+]

@@ -111,8 +111,13 @@ def collective(prof: DeviceProfile, kind: str, count: int, stride: int, nbytes: 
     bw = prof.inter_bw if hosts > 1 else prof.intra_bw
     if prof.shared_host:
         bw /= busy
-    return min(p.base_s + (steps - net_steps) * p.hop_s + net_steps * p.net_hop_s
-               + steps / count * nbytes / (p.bw_fraction * bw) for p in prof.protocols)
+    return min(
+        p.base_s
+        + (steps - net_steps) * p.hop_s
+        + net_steps * p.net_hop_s
+        + steps / count * nbytes / (p.bw_fraction * bw)
+        for p in prof.protocols
+    )
 
 
 def _share(prof: DeviceProfile, busy: int) -> int:
@@ -140,8 +145,10 @@ def pass_flops(rm: RoleModel, rows: float, T: int, head_tokens: float, tp: int) 
 def activation_traffic(rm: RoleModel, tokens: float, tp: int) -> float:
     """HBM bytes per device of one forward's activations (each written and read once)."""
     mc = rm.config
-    per_token = 4 * mc.hidden_size + (3 * mc.intermediate_size + 2 * mc.num_heads * mc.head_dim
-                                      + 2 * mc.num_kv_heads * mc.head_dim) / tp
+    per_token = (
+        4 * mc.hidden_size
+        + (3 * mc.intermediate_size + 2 * mc.num_heads * mc.head_dim + 2 * mc.num_kv_heads * mc.head_dim) / tp
+    )
     return 2 * rm.compute_itemsize * tokens * mc.num_layers * per_token
 
 
@@ -154,12 +161,20 @@ def _head_tokens(rm: RoleModel, rows: float, T: int, R: int) -> float:
     return rows * (R if rm.head == "lm" else T)
 
 
-def _combine(prof: DeviceProfile, compute: float, memory: float, overlapped: float, serial: float,
-             extra_memory: float, overhead: float) -> StageTime:
+def _combine(
+    prof: DeviceProfile,
+    compute: float,
+    memory: float,
+    overlapped: float,
+    serial: float,
+    extra_memory: float,
+    overhead: float,
+) -> StageTime:
     busy = max(compute, memory)
     work = busy + overlapped if prof.shared_host else max(busy, overlapped)
-    return StageTime(work + serial + extra_memory + overhead, compute, memory + extra_memory,
-                     overlapped + serial, overhead)
+    return StageTime(
+        work + serial + extra_memory + overhead, compute, memory + extra_memory, overlapped + serial, overhead
+    )
 
 
 def train_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime:
@@ -182,9 +197,11 @@ def train_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime:
         kv = b * T * mc.num_kv_heads * mc.head_dim * rm.compute_itemsize
         serial += micros * mc.num_layers * (6 + 2 * r) * collective(prof, "all_gather", tp, 1, kv, n)
     W = rm.weight_bytes
-    overlapped = micros * ((2 + r) * collective(prof, "all_gather", lay.fsdp, tp, W / tp, n)
-                           + collective(prof, "reduce_scatter", lay.fsdp, tp, W / tp, n)
-                           + collective(prof, "all_reduce", lay.dp, lay.fsdp * tp, W / (lay.fsdp * tp), n))
+    overlapped = micros * (
+        (2 + r) * collective(prof, "all_gather", lay.fsdp, tp, W / tp, n)
+        + collective(prof, "reduce_scatter", lay.fsdp, tp, W / tp, n)
+        + collective(prof, "all_reduce", lay.dp, lay.fsdp * tp, W / (lay.fsdp * tp), n)
+    )
     p = rl.plan  # Adam: read parameters, gradients and moments; write parameters and moments
     adam = steps * roofline(prof, n, 0, 3 * p.param_bytes + 2 * p.optimizer_bytes, 1.0)[1]
     layer_kernels = mc.num_layers * KERNELS_PER_LAYER + HEAD_KERNELS
@@ -207,8 +224,7 @@ def infer_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime:
         kv = b * T * mc.num_kv_heads * mc.head_dim * rm.compute_itemsize
         serial += k * mc.num_layers * 2 * collective(prof, "all_gather", tp, 1, kv, n)
     overlapped = k * collective(prof, "all_gather", lay.fsdp, tp, rm.weight_bytes / tp, n)
-    overhead = (kernels_time(prof, n, k * (mc.num_layers * KERNELS_PER_LAYER + HEAD_KERNELS))
-                + prof.call_overhead_s)
+    overhead = kernels_time(prof, n, k * (mc.num_layers * KERNELS_PER_LAYER + HEAD_KERNELS)) + prof.call_overhead_s
     return _combine(prof, compute, memory, overlapped, serial, 0.0, overhead)
 
 

@@ -39,8 +39,9 @@ def _program_key(spec: Any) -> tuple:
     return spec.name, tuple(spec.mesh.shape.items()), spec.description
 
 
-def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DeviceProfile,
-                  programs: Any = None, cache: dict | None = None) -> dict[str, Any]:
+def compile_check(
+    cfg: ConfigDict, plan: Plan, num_devices: int, prof: DeviceProfile, programs: Any = None, cache: dict | None = None
+) -> dict[str, Any]:
     """Compile the plan's programs (the dry run's default set, or ``programs``) for
     ``num_devices`` devices, in the order of a step, and judge them against the profile's
     device memory; stop at the first that does not fit. ``cache`` (a dict shared across
@@ -68,34 +69,66 @@ def compile_check(cfg: ConfigDict, plan: Plan, num_devices: int, prof: DevicePro
         p = compile_program(report, spec)
         if not cached:
             compiled_now += 1
-            cache[key] = CompiledMemory(p.argument_bytes, p.output_bytes, p.alias_bytes, p.temp_bytes,
-                                        p.generated_code_bytes, p.compile_seconds, p.extra)
-        rows.append({"program": p.name, "role": p.role, "phase": p.phase, "mesh": p.mesh,
-                     "compiled_peak_bytes": p.peak_bytes, "compiled_peak_gib": p.peak_bytes / GiB,
-                     "resident_gib": p.resident_bytes / GiB, "compiled_total_gib": p.total_bytes / GiB,
-                     "estimated_pool_peak_gib": estimates[p.role] / GiB, "fits": p.fits,
-                     "compile_s": p.compile_seconds, "cached": cached})
+            cache[key] = CompiledMemory(
+                p.argument_bytes,
+                p.output_bytes,
+                p.alias_bytes,
+                p.temp_bytes,
+                p.generated_code_bytes,
+                p.compile_seconds,
+                p.extra,
+            )
+        rows.append(
+            {
+                "program": p.name,
+                "role": p.role,
+                "phase": p.phase,
+                "mesh": p.mesh,
+                "compiled_peak_bytes": p.peak_bytes,
+                "compiled_peak_gib": p.peak_bytes / GiB,
+                "resident_gib": p.resident_bytes / GiB,
+                "compiled_total_gib": p.total_bytes / GiB,
+                "estimated_pool_peak_gib": estimates[p.role] / GiB,
+                "fits": p.fits,
+                "compile_s": p.compile_seconds,
+                "cached": cached,
+            }
+        )
         if not p.fits:
             bad = p
             break
     rejected = None
     if bad is not None:
-        rejected = (f"{bad.name} needs {bad.total_bytes / GiB:.2f} GiB per device (compiled peak "
-                    f"{bad.peak_bytes / GiB:.2f} + resident {bad.resident_bytes / GiB:.2f}) > "
-                    f"{prof.memory_gib:.1f} GiB")
+        rejected = (
+            f"{bad.name} needs {bad.total_bytes / GiB:.2f} GiB per device (compiled peak "
+            f"{bad.peak_bytes / GiB:.2f} + resident {bad.resident_bytes / GiB:.2f}) > "
+            f"{prof.memory_gib:.1f} GiB"
+        )
     elif not report.fits:
         pools = [pp.name for pp in report.pools if not pp.fits]
         rejected = f"the dry run's analytic estimate of pool(s) {pools} exceeds {prof.memory_gib:.1f} GiB"
-    result = {"fits": rejected is None, "programs": rows, "rejected": rejected, "compiled_now": compiled_now,
-              "compiled_max_total_gib": max((r["compiled_total_gib"] for r in rows), default=0.0),
-              "estimated_max_pool_gib": max(pc.peak_bytes for pc in plan.pools) / GiB,
-              "wall_s": time.perf_counter() - t0}
+    result = {
+        "fits": rejected is None,
+        "programs": rows,
+        "rejected": rejected,
+        "compiled_now": compiled_now,
+        "compiled_max_total_gib": max((r["compiled_total_gib"] for r in rows), default=0.0),
+        "estimated_max_pool_gib": max(pc.peak_bytes for pc in plan.pools) / GiB,
+        "wall_s": time.perf_counter() - t0,
+    }
     plan.compiled = result
     return result
 
 
-def choose_verified(cfg: ConfigDict, plans: list[Plan], num_devices: int, prof: DeviceProfile,
-                    attempts: int = 1, log: Any = None, programs: Any = None) -> Plan:
+def choose_verified(
+    cfg: ConfigDict,
+    plans: list[Plan],
+    num_devices: int,
+    prof: DeviceProfile,
+    attempts: int = 1,
+    log: Any = None,
+    programs: Any = None,
+) -> Plan:
     """Go down the ranked ``plans`` and return the first whose programs compile and fit
     (``programs`` as in :func:`compile_check`). Programs compiled once are not compiled
     again, so a plan that shares a program already too big is rejected at once; at most
@@ -106,9 +139,12 @@ def choose_verified(cfg: ConfigDict, plans: list[Plan], num_devices: int, prof: 
         result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
         if log is not None:
             how = "" if result["compiled_now"] else " (programs compiled before)"
-            log(f"compiled plan {i}: " + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
+            log(
+                f"compiled plan {i}: "
+                + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
                 + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
-                  f"{result['estimated_max_pool_gib']:.2f} GiB per device){how}")
+                f"{result['estimated_max_pool_gib']:.2f} GiB per device){how}"
+            )
         if result["fits"]:
             return plan
         rejected.append(f"plan {i}: {result['rejected']}")
@@ -132,13 +168,24 @@ def memory_correction(plan: Plan, row: dict[str, Any]) -> tuple[str, float] | No
     exact, rough = parts
     # The arguments that stay in the pool: the train step's state; the forwards' weights; the
     # rollout's training weights (donated into its generation copy, counted in ``exact``).
-    kept = {"train": rl.plan.param_bytes + rl.plan.optimizer_bytes, "infer": rl.plan.param_bytes,
-            "generate": rl.plan.param_bytes}.get(row["phase"], 0)
+    kept = {
+        "train": rl.plan.param_bytes + rl.plan.optimizer_bytes,
+        "infer": rl.plan.param_bytes,
+        "generate": rl.plan.param_bytes,
+    }.get(row["phase"], 0)
     return row["phase"], (row["compiled_peak_bytes"] - kept - exact) / rough
 
 
-def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: int = 3, log: Any = None,
-                    programs: Any = None, top: int = 5, time_limit_s: float = 60.0) -> tuple[Plan, list[Plan]]:
+def search_verified(
+    cfg: ConfigDict,
+    mapper: Any,
+    num_devices: int,
+    attempts: int = 3,
+    log: Any = None,
+    programs: Any = None,
+    top: int = 5,
+    time_limit_s: float = 60.0,
+) -> tuple[Plan, list[Plan]]:
     """The mapper's best plan that compiles and fits: search, compile the best plan; when a
     program holds more than its analytic estimate and does not fit, scale that phase's
     estimated working memory by what the compiler allocated (:meth:`Mapper.scale_memory`)
@@ -157,9 +204,12 @@ def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: in
         result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
         rank = plans.index(plan) + 1
         if log is not None:
-            log(f"compiled plan {rank} of the ranking: " + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
+            log(
+                f"compiled plan {rank} of the ranking: "
+                + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
                 + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
-                  f"{result['estimated_max_pool_gib']:.2f} GiB per device)")
+                f"{result['estimated_max_pool_gib']:.2f} GiB per device)"
+            )
         if result["fits"]:
             return plan, plans
         rejected[plan.key()] = result["rejected"]
@@ -169,9 +219,13 @@ def search_verified(cfg: ConfigDict, mapper: Any, num_devices: int, attempts: in
         if correction is not None and correction[1] > mapper.memory_scale.get(correction[0], 1.0) * 1.001:
             mapper.scale_memory(*correction)
             if log is not None:
-                log(f"  the compiled {bad['program']} holds {correction[1]:.2f} x the estimated {correction[0]} "
-                    f"working memory: planning with that and searching again")
+                log(
+                    f"  the compiled {bad['program']} holds {correction[1]:.2f} x the estimated {correction[0]} "
+                    f"working memory: planning with that and searching again"
+                )
         if tried >= attempts:
             break
-    raise ValueError(f"no plan of {mapper.w.name} on {num_devices} {prof.name} devices fits when compiled "
-                     f"({len(rejected)} rejected): " + "; ".join(rejected.values()))
+    raise ValueError(
+        f"no plan of {mapper.w.name} on {num_devices} {prof.name} devices fits when compiled "
+        f"({len(rejected)} rejected): " + "; ".join(rejected.values())
+    )

@@ -32,8 +32,13 @@ from jaxflow.plan.lowering import forward_of
 TRAINING_ROLES = ("actor", "critic")
 # Each role's forward program over the rollout (the dry run's names; `forward_of` gives its
 # builder and micro-batch setting).
-FORWARD_PROGRAM = {"actor": "actor/log_probs", "ref": "ref/log_probs", "critic": "critic/values",
-                   "reward": "reward/scores", "cost": "cost/scores"}
+FORWARD_PROGRAM = {
+    "actor": "actor/log_probs",
+    "ref": "ref/log_probs",
+    "critic": "critic/values",
+    "reward": "reward/scores",
+    "cost": "cost/scores",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +97,11 @@ def role_model(role: str, head: str, mc: ModelConfig) -> RoleModel:
     total = sum(math.prod(s) for s in shapes)
     embed = mc.vocab_size * mc.hidden_size
     # Parameters outside the decoder (`model`): the untied LM head, or the score head.
-    outside = sum(math.prod(v.shape) for path, v in jax.tree_util.tree_leaves_with_path(state)
-                  if getattr(path[0], "key", None) != "model")
+    outside = sum(
+        math.prod(v.shape)
+        for path, v in jax.tree_util.tree_leaves_with_path(state)
+        if getattr(path[0], "key", None) != "model"
+    )
     head_matmul = embed if head == "lm" else mc.hidden_size
     return RoleModel(role, head, mc, leaves, total, total - embed - outside, head_matmul, embed)
 
@@ -136,13 +144,16 @@ class Workload:
 def dataflow(roles: tuple[str, ...], old_log_probs: bool = True) -> tuple[Stage, ...]:
     """The stages of one iteration over ``roles`` (HybridFlow's PPO dataflow);
     ``old_log_probs``: whether the actor scores the rollout before its update."""
-    stages = [Stage("actor/reshard", "actor", "reshard", ()),
-              Stage("actor/generate", "actor", "generate", ("actor/reshard",))]
+    stages = [
+        Stage("actor/reshard", "actor", "reshard", ()),
+        Stage("actor/generate", "actor", "generate", ("actor/reshard",)),
+    ]
     scored = [r for r in roles if r != "actor" or old_log_probs]
     forwards = [FORWARD_PROGRAM[r] for r in scored]
     stages += [Stage(FORWARD_PROGRAM[r], r, "infer", ("actor/generate",)) for r in scored]
-    stages += [Stage(f"{r}/train", r, "train", tuple(forwards) or ("actor/generate",))
-               for r in TRAINING_ROLES if r in roles]
+    stages += [
+        Stage(f"{r}/train", r, "train", tuple(forwards) or ("actor/generate",)) for r in TRAINING_ROLES if r in roles
+    ]
     return tuple(stages)
 
 
@@ -160,15 +171,20 @@ def workload_from_spec(spec: RunSpec) -> Workload:
     train = {r: c for r, c in train.items() if r in spec.roles}
     old_log_probs = not spec.actor.is_on_policy(spec.rollout_rows)
     return Workload(
-        name=spec.name, models=models, prompts=spec.train_batch_size, n=spec.n,
-        prompt_len=spec.prompt_length, response_len=spec.response_length,
+        name=spec.name,
+        models=models,
+        prompts=spec.train_batch_size,
+        n=spec.n,
+        prompt_len=spec.prompt_length,
+        response_len=spec.response_length,
         mini_batch_rows={r: c.ppo_mini_batch_size for r, c in train.items()},
         train_micro={r: c.ppo_micro_batch_size_per_device for r, c in train.items()},
         epochs={r: c.ppo_epochs for r, c in train.items()},
         forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).micro_batch_size_per_device for r in spec.roles},
         max_num_seqs=spec.rollout.max_num_seqs,
         state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
-        stages=dataflow(spec.roles, old_log_probs))
+        stages=dataflow(spec.roles, old_log_probs),
+    )
 
 
 def workload_from_config(cfg: Any) -> Workload:

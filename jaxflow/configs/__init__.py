@@ -52,8 +52,17 @@ DEFAULT_CONFIG = "grpo_tiny"
 NAMED: dict[str, str] = {
     name: f"jaxflow.configs.{name}"
     for name in (
-        "ppo_tiny", "grpo_tiny", "remax_tiny", "rloo_tiny", "reinforce_pp_tiny", "safe_rlhf_tiny", "sft_tiny",
-        "ppo_7b", "ppo_13b", "ppo_34b", "ppo_70b",
+        "ppo_tiny",
+        "grpo_tiny",
+        "remax_tiny",
+        "rloo_tiny",
+        "reinforce_pp_tiny",
+        "safe_rlhf_tiny",
+        "sft_tiny",
+        "ppo_7b",
+        "ppo_13b",
+        "ppo_34b",
+        "ppo_70b",
     )
 }
 
@@ -101,11 +110,16 @@ def get_config(name_or_path: str = DEFAULT_CONFIG) -> ConfigDict:
     else:
         close = difflib.get_close_matches(name_or_path, list(NAMED), n=2)
         hint = f"did you mean {' or '.join(close)}? " if close else ""
-        raise ConfigError("--config", f"unknown config {name_or_path!r}; {hint}named configs: {', '.join(NAMED)}; "
-                                      "or give the path of a .py file defining get_config()")
+        raise ConfigError(
+            "--config",
+            f"unknown config {name_or_path!r}; {hint}named configs: {', '.join(NAMED)}; "
+            "or give the path of a .py file defining get_config()",
+        )
     if not isinstance(cfg, ConfigDict):
-        raise ConfigError("--config", f"get_config() of {name_or_path!r} returned {type(cfg).__name__}, "
-                                      "not an ml_collections.ConfigDict")
+        raise ConfigError(
+            "--config",
+            f"get_config() of {name_or_path!r} returned {type(cfg).__name__}, not an ml_collections.ConfigDict",
+        )
     cfg.lock()
     return cfg
 

@@ -64,292 +64,522 @@ def _optim_fields(prefix: str, lr: float) -> list[tuple[str, Any, str]]:
 
 
 # (key, default, one-line description). ``_opt(T)`` defaults to None and otherwise holds a T.
-FIELDS: tuple[tuple[str, Any, str], ...] = tuple([
-    # --- data (verl) ---------------------------------------------------------------------
-    ("data.train_files", "",
-     "Training prompts: a .parquet/.jsonl path, or comma-separated paths (verl schema); empty = the built-in task "
-     "jaxflow.data.builtin_task."),
-    ("data.val_files", "", "Validation prompts, same format; empty = the built-in task's test split."),
-    ("data.prompt_key", "prompt", "Column holding the prompt (a chat message list or a string)."),
-    ("data.reward_fn_key", "data_source",
-     "Column that selects the rule-based reward function (verl's key; only data_source is supported)."),
-    ("data.max_prompt_length", 16, "Prompt length P in tokens; prompts are left-padded to P."),
-    ("data.max_response_length", 8, "Response length R in tokens; generation stops at EOS or R."),
-    ("data.train_batch_size", 64, "Prompts per training step (each gets rollout.n responses)."),
-    ("data.val_batch_size", _opt(int), "Prompts per validation batch; None = the whole validation set at once."),
-    ("data.truncation", "error", "Prompts longer than P: error | left | right | filter (drop)."),
-    ("data.shuffle", True, "Shuffle the training prompts each epoch."),
-    ("data.seed", 1, "Seed of the prompt shuffling."),
-    # --- actor / rollout / reference (verl) ------------------------------------------------
-    ("actor_rollout_ref.model.path", "",
-     "Actor (and reference) weights: an HF checkpoint directory (e.g. the sft_tiny output), 'preset:NAME', or empty "
-     "= jaxflow.model.preset randomly initialised."),
-    ("actor_rollout_ref.model.use_remove_padding", False,
-     "Actor and reference log-prob / update forwards over packed real tokens (no padding; same values)."),
-    ("actor_rollout_ref.actor.ppo_mini_batch_size", 32,
-     "Prompts per PPO mini-batch (one optimizer step); holds ppo_mini_batch_size * rollout.n responses."),
-    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_device", 4,
-     "Responses per data-parallel rank per forward/backward pass (gradient accumulation)."),
-    ("actor_rollout_ref.actor.ppo_epochs", 1, "Passes over each training batch."),
-    ("actor_rollout_ref.actor.use_dynamic_bsz", False,
-     "With use_remove_padding: update micro-batches by a token budget (ppo_max_token_len_per_device), not rows."),
-    ("actor_rollout_ref.actor.ppo_max_token_len_per_device", 16384,
-     "Token budget of one update micro-batch per data-parallel rank (use_dynamic_bsz)."),
-    ("actor_rollout_ref.actor.shuffle", False, "Reshuffle the batch into mini-batches at every PPO epoch."),
-    ("actor_rollout_ref.actor.grad_clip", 1.0, "Global gradient-norm clip; <= 0 disables clipping."),
-    ("actor_rollout_ref.actor.clip_ratio_low", 0.2, "PPO ratio clip below: 1 - clip_ratio_low."),
-    ("actor_rollout_ref.actor.clip_ratio_high", 0.2, "PPO ratio clip above: 1 + clip_ratio_high."),
-    ("actor_rollout_ref.actor.clip_ratio_c", 3.0, "Dual-clip PPO bound for negative advantages (> 1)."),
-    ("actor_rollout_ref.actor.loss_agg_mode", "token-mean",
-     "Policy-loss aggregation: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-"
-     "sum-norm."),
-    ("actor_rollout_ref.actor.policy_loss.loss_mode", "vanilla",
-     "Policy loss from the registry: vanilla | gspo | gpg | cispo | clip_cov | kl_cov | geo_mean | a registered "
-     "name."),
-    ("actor_rollout_ref.actor.policy_loss.clip_cov_ratio", 0.0002,
-     "clip_cov: fraction of tokens whose gradient is clipped."),
-    ("actor_rollout_ref.actor.policy_loss.clip_cov_lb", 1.0, "clip_cov: lower bound of the covariance window."),
-    ("actor_rollout_ref.actor.policy_loss.clip_cov_ub", 5.0, "clip_cov: upper bound of the covariance window."),
-    ("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", 0.0002,
-     "kl_cov: fraction of tokens that get the KL penalty."),
-    ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", 0.1, "kl_cov: coefficient of that KL penalty."),
-    ("actor_rollout_ref.actor.entropy_coeff", 0.0, "Entropy bonus coefficient in the actor loss."),
-    ("actor_rollout_ref.actor.use_kl_loss", False,
-     "Add a KL(actor || ref) loss term (GRPO style) instead of / besides the in-reward penalty."),
-    ("actor_rollout_ref.actor.kl_loss_type", "low_var_kl",
-     "KL estimator of that loss: kl (k1) | abs | mse (k2) | low_var_kl (k3), '+' suffix = straight-through k2"
-     " gradient."),
-    ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "Coefficient of the KL loss."),
-    *_optim_fields("actor_rollout_ref.actor.optim", 1e-4),
-    ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_device", 16,
-     "Responses per data-parallel rank per reference log-prob forward pass."),
-    ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", False,
-     "With use_remove_padding: reference forward micro-batches by a token budget, not rows."),
-    ("actor_rollout_ref.ref.log_prob_max_token_len_per_device", 16384,
-     "Token budget of one reference forward micro-batch per data-parallel rank."),
-    ("actor_rollout_ref.rollout.n", 1, "Responses sampled per prompt (>= 2 for group baselines: grpo, rloo, ...)."),
-    ("actor_rollout_ref.rollout.temperature", 1.0, "Sampling temperature."),
-    ("actor_rollout_ref.rollout.top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off."),
-    ("actor_rollout_ref.rollout.top_k", -1, "Top-k sampling; -1 or 0 = off."),
-    ("actor_rollout_ref.rollout.do_sample", True, "Sample (True) or decode greedily (False)."),
-    ("actor_rollout_ref.rollout.ignore_eos", False,
-     "Keep generating past EOS to the full response length (throughput benchmarks)."),
-    ("actor_rollout_ref.rollout.max_num_seqs", 0,
-     "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled; "
-     "0 = the engine's default (every row, at most 256)."),
-    ("actor_rollout_ref.rollout.max_total_tokens", 0,
-     "KV-cache budget per generation data-parallel group, in tokens (sglang's max_total_tokens): the page pool's "
-     "size; a sequence that finds no free page waits for one; 0 = the engine's default (the prompts alive and a "
-     "quarter of every slot's response length)."),
-    ("actor_rollout_ref.rollout.stop", [],
-     "Stop strings (vLLM's stop): a response ends after the token that completes one (kept, like EOS); matched "
-     "on the device through the tokenizer. Training and validation rollouts."),
-    ("actor_rollout_ref.rollout.stop_token_ids", [],
-     "Token ids that end a response like EOS (vLLM's stop_token_ids), besides the tokenizer's EOS."),
-    ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device", 16,
-     "Responses per data-parallel rank per old-log-prob forward pass of the actor."),
-    ("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", False,
-     "With use_remove_padding: old-log-prob forward micro-batches by a token budget, not rows."),
-    ("actor_rollout_ref.rollout.log_prob_max_token_len_per_device", 16384,
-     "Token budget of one old-log-prob forward micro-batch per data-parallel rank."),
-    ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt."),
-    ("actor_rollout_ref.rollout.val_kwargs.temperature", 0.0,
-     "Validation: sampling temperature (0 with do_sample=False = greedy)."),
-    ("actor_rollout_ref.rollout.val_kwargs.top_p", 1.0, "Validation: nucleus sampling mass."),
-    ("actor_rollout_ref.rollout.val_kwargs.top_k", -1, "Validation: top-k; -1 or 0 = off."),
-    ("actor_rollout_ref.rollout.val_kwargs.do_sample", False, "Validation: sample (True) or greedy (False)."),
-    # --- critic (verl) ---------------------------------------------------------------------
-    ("critic.enable", _opt(bool), "Run a critic (value model); None = only when algorithm.adv_estimator is gae."),
-    ("critic.model.path", "",
-     "Critic weights (value head on the decoder): HF checkpoint directory, 'preset:NAME', or empty = the actor's "
-     "model."),
-    *_optim_fields("critic.optim", 1e-3),
-    ("critic.model.use_remove_padding", False, "Critic value / update forwards over packed real tokens."),
-    ("critic.use_dynamic_bsz", False,
-     "With critic.model.use_remove_padding: critic micro-batches by token budgets, not rows."),
-    ("critic.ppo_max_token_len_per_device", 32768, "Token budget of one critic update micro-batch per rank."),
-    ("critic.forward_max_token_len_per_device", 32768, "Token budget of one value forward micro-batch per rank."),
-    ("critic.ppo_mini_batch_size", 32, "Prompts per critic mini-batch (times rollout.n responses), as the actor's."),
-    ("critic.ppo_micro_batch_size_per_device", 4,
-     "Responses per data-parallel rank per critic forward/backward pass."),
-    ("critic.forward_micro_batch_size_per_device", 16, "Responses per data-parallel rank per value forward pass."),
-    ("critic.ppo_epochs", 1, "Critic passes over each training batch."),
-    ("critic.shuffle", False, "Reshuffle the critic's mini-batches at every epoch."),
-    ("critic.grad_clip", 1.0, "Critic global gradient-norm clip; <= 0 disables clipping."),
-    ("critic.cliprange_value", 0.5, "Value clipping range around the old values."),
-    ("critic.loss_agg_mode", "token-mean", "Value-loss aggregation (same modes as the actor's)."),
-    # --- reward (verl) ---------------------------------------------------------------------
-    ("reward_model.enable", False,
-     "Score responses with a reward model (else only the rule-based / custom reward function)."),
-    ("reward_model.model.path", "",
-     "Reward model: HF checkpoint directory, 'preset:NAME', or empty = jaxflow.model.preset randomly initialised "
-     "(benchmarks)."),
-    ("reward_model.model.use_remove_padding", False,
-     "Reward (and cost) model forwards over packed real tokens (no padding; same scores)."),
-    ("reward_model.micro_batch_size_per_device", 16,
-     "Responses per data-parallel rank per reward-model forward pass."),
-    ("custom_reward_function.path", _opt(str),
-     "Python file with a user reward function; None = built-in scorers by data_source."),
-    ("custom_reward_function.name", "compute_score", "Function name in that file."),
-    # --- algorithm (verl) --------------------------------------------------------------------
-    ("algorithm.adv_estimator", "gae",
-     "Advantage estimator: gae | grpo | remax | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | "
-     "gpg | grpo_passk | a registered name."),
-    ("algorithm.gamma", 1.0, "Discount factor (gae, reinforce_plus_plus)."),
-    ("algorithm.lam", 1.0, "GAE lambda."),
-    ("algorithm.norm_adv_by_std_in_grpo", True, "GRPO: divide by the group's reward std (False = Dr. GRPO)."),
-    ("algorithm.use_kl_in_reward", False, "Subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards."),
-    ("algorithm.kl_penalty", "kl",
-     "KL estimator of the in-reward penalty: kl | abs | mse | low_var_kl (+ suffix allowed)."),
-    ("algorithm.kl_ctrl.type", "fixed", "KL coefficient controller: fixed | adaptive."),
-    ("algorithm.kl_ctrl.kl_coef", 0.001, "(Initial) in-reward KL coefficient."),
-    ("algorithm.kl_ctrl.horizon", 10000, "Adaptive controller horizon (responses)."),
-    ("algorithm.kl_ctrl.target_kl", 0.1, "Adaptive controller target KL."),
-    # --- trainer (verl) ----------------------------------------------------------------------
-    ("trainer.total_epochs", 1, "Passes over the training prompts (when total_training_steps is None)."),
-    ("trainer.total_training_steps", _opt(int),
-     "Training steps; None = total_epochs * steps per epoch. When set it wins (the data loader wraps around)."),
-    ("trainer.project_name", "jaxflow", "Project name (loggers, checkpoint directory)."),
-    ("trainer.experiment_name", "base", "Experiment name (loggers, checkpoint directory)."),
-    ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
-    ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
-    ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
-    ("trainer.save_hf", False,
-     "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
-     "the end of a run always writes <run dir>/hf_actor."),
-    ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
-    ("trainer.val_before_train", True, "Validate once before the first step."),
-    ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
-    ("trainer.balance_batch", False,
-     "Log verl's global_seqlen/* metrics: real tokens per actor data-parallel rank in the packed update, as "
-     "contiguous blocks would give them and as dealt. Packed passes (use_remove_padding) always deal rows to ranks "
-     "balanced by tokens, per pass; padded passes compute the same padded rows on every rank."),
-    ("trainer.resume_mode", "auto",
-     "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (resume_from_path)."),
-    ("trainer.resume_from_path", _opt(str), "Checkpoint directory to resume from when resume_mode is resume_path."),
-    ("trainer.default_local_dir", "", "Checkpoint directory; empty = checkpoints/<project_name>/<experiment_name>."),
-    ("trainer.max_actor_ckpt_to_keep", _opt(int), "Keep this many latest actor checkpoints; None = all."),
-    ("trainer.max_critic_ckpt_to_keep", _opt(int), "Keep this many latest critic checkpoints; None = all."),
-    ("trainer.seed", 0, "Seed of parameter init, sampling and dropout-free randomness."),
-    # --- jaxflow: system -------------------------------------------------------------------
-    ("jaxflow.job", "rl", "What the run does: rl (the RL loop) | sft (supervised warm start, see jaxflow.sft)."),
-    ("jaxflow.backend", "local",
-     "Driver: local (one process drives all devices) | ray (one Ray actor per host per worker group)."),
-    ("jaxflow.ray.address", "",
-     "ray backend: cluster to join (e.g. 'auto' or 'ray://head:10001'); empty = a running cluster if there is one, "
-     "else a local Ray started by the run."),
-    ("jaxflow.ray.devices_per_host", 8,
-     "ray backend: accelerators per host, one process per host per worker group (CPU: simulated devices per "
-     "process); jaxflow.num_devices / devices_per_host hosts, and every pool takes whole hosts."),
-    ("jaxflow.ray.accelerator", "cpu", "ray backend: cpu | gpu | tpu (what a host bundle asks Ray for)."),
-    ("jaxflow.ray.cpus_per_host", 1.0, "ray backend: CPU cores in each host's bundle."),
-    ("jaxflow.ray.tpu_topology", "",
-     "ray backend on TPU: each pool reserves whole slices of this topology (e.g. '4x4', with jaxflow.ray.tpu_version) "
-     "through ray.util.tpu; empty = one bundle per TPU VM (STRICT_SPREAD)."),
-    ("jaxflow.ray.tpu_version", "", "ray backend on TPU: the slices' TPU generation (e.g. 'v5p', 'v6e')."),
-    ("jaxflow.ray.compile_deadline_s", 900.0,
-     "ray backend: deadline of a worker call that compiles (a method's first call with given shapes, role builds)."),
-    ("jaxflow.ray.step_deadline_s", 600.0, "ray backend: deadline of every other worker call."),
-    ("jaxflow.ray.sync_deadline_s", 180.0,
-     "ray backend: deadline of world set-up (jax.distributed.initialize) and of the other ranks after one failed."),
-    ("jaxflow.ray.schedule_timeout_s", 60.0,
-     "ray backend: a worker group whose host bundles the cluster cannot place within this is reported."),
-    ("jaxflow.ray.max_restarts", 0,
-     "ray backend: after a worker process dies or a call passes its deadline, stop every group, start fresh "
-     "processes and resume from the last complete checkpoint, at most this many times; 0 = stop with the error."),
-    ("jaxflow.num_devices", 8,
-     "Devices the run uses; on CPU this many devices are simulated (XLA host platform device count)."),
-    ("jaxflow.placement.type", "auto",
-     "auto (the auto-mapper picks pools and every mesh at start-up; jaxflow.mesh.* are then set by it) | colocated "
-     "(all roles on all devices) | split (actor+ref / critic+reward+cost) | custom (jaxflow.placement.groups)."),
-    ("jaxflow.placement.device_kind", "",
-     "auto: device profile the auto-mapper plans for (a100-80g, h100, tpu-v5p, cpu, ... or a profile .json); "
-     "empty = the local devices' kind."),
-    ("jaxflow.placement.devices_per_host", 0,
-     "auto: devices per host (tensor parallelism stays within a host); 0 = the device profile's."),
-    ("jaxflow.placement.groups", "",
-     "custom: pools in device order, ';' between pools, ',' between the roles of a pool, e.g. "
-     "'actor,ref;critic;reward'."),
-    ("jaxflow.placement.pool_sizes", (),
-     "split / custom: devices per pool, in pool order, summing to num_devices; empty = equal pools."),
-    *_mesh_fields("jaxflow.mesh.actor.train", "actor training / log-prob", tp=2),
-    ("jaxflow.mesh.actor.generate.tp", 2,
-     "actor generation tensor parallelism; must divide the training weight-parallel degree fsdp*tp (the rest becomes"
-     " generation dp)."),
-    *_mesh_fields("jaxflow.mesh.critic", "critic"),
-    *_mesh_fields("jaxflow.mesh.ref", "reference policy"),
-    *_mesh_fields("jaxflow.mesh.reward", "reward model"),
-    *_mesh_fields("jaxflow.mesh.cost", "cost model (safe_rlhf)"),
-    # --- jaxflow: model --------------------------------------------------------------------
-    ("jaxflow.model.preset", "tiny_llama",
-     "Shape preset from jaxflow.models.PRESETS for models whose path is empty."),
-    ("jaxflow.model.vocab_size", 128, "Preset override: vocabulary rows (>= the tokenizer's); 0 = the preset's."),
-    ("jaxflow.model.hidden_size", 128, "Preset override: model width; 0 = the preset's."),
-    ("jaxflow.model.intermediate_size", 384, "Preset override: MLP width; 0 = the preset's."),
-    ("jaxflow.model.num_layers", 4, "Preset override: decoder layers; 0 = the preset's."),
-    ("jaxflow.model.num_heads", 8,
-     "Preset override: query heads (head_dim = hidden_size / num_heads); 0 = the preset's."),
-    ("jaxflow.model.num_kv_heads", 4, "Preset override: key/value heads (GQA); 0 = the preset's."),
-    ("jaxflow.model.dtype", "float32", "Parameter dtype: float32 | bfloat16 | float16."),
-    ("jaxflow.model.compute_dtype", "float32",
-     "Matmul dtype: float32 | bfloat16 | float16 (norms, softmax, log-softmax stay float32)."),
-    ("jaxflow.model.scan_layers", False,
-     "Scan over stacked layers (one compiled layer: faster compiles for deep models)."),
-    ("jaxflow.model.remat_policy", "none", "Rematerialisation in training: none | full | dots | dots_no_batch."),
-    ("jaxflow.optim.state_dtype", "float32", "dtype of the AdamW moments: float32 | bfloat16."),
-    # --- jaxflow: data / reward / trainer ----------------------------------------------------
-    ("jaxflow.data.builtin_task", "addition", "Built-in task when data files are empty: addition | sort | reverse | reverse_digits."),
-    ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
-    ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
-    ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
-    ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),
-    ("jaxflow.reward.timeout_s", 5.0, "Per-response time limit of a custom reward function (then it scores 0)."),
-    ("jaxflow.reward.batch_timeout_s", 60.0,
-     "Time limit of one batch's custom reward calls; samples unscored by then score 0 (counted as timeouts)."),
-    ("jaxflow.reward.load_timeout_s", 60.0,
-     "Time limit for importing custom_reward_function.path (in a worker, before the run builds anything else)."),
-    ("jaxflow.reward.max_failure_fraction", 0.5,
-     "Stop the run when more than this fraction of the reward calls of the last 5 batches failed (errors and "
-     "timeouts); a batch whose every sample fails always stops it. 1.0 = only that."),
-    ("jaxflow.trainer.max_nonfinite_steps", 3,
-     "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped)."),
-    # --- jaxflow: SFT warm start -------------------------------------------------------------
-    ("jaxflow.sft.steps", 300, "sft job: optimizer steps on the built-in task's demonstrations."),
-    ("jaxflow.sft.warm_start_steps", 0,
-     "rl job: first run this many sft steps (jaxflow.sft.*) and start RL from them, when "
-     "actor_rollout_ref.model.path is empty; 0 = no warm start."),
-    ("jaxflow.sft.lr", 1e-3, "sft job: peak learning rate (AdamW, linear warmup then constant)."),
-    ("jaxflow.sft.warmup_steps", 10, "sft job: warmup steps."),
-    ("jaxflow.sft.weight_decay", 0.0, "sft job: AdamW weight decay."),
-    ("jaxflow.sft.batch_size", 64, "sft job: demonstrations per optimizer step."),
-    ("jaxflow.sft.micro_batch_size_per_device", 8,
-     "sft job: demonstrations per data-parallel rank per forward/backward pass."),
-    ("jaxflow.sft.test_freq", 50, "sft job: greedy accuracy on the test split every this many steps; -1 = never."),
-    ("jaxflow.sft.output_dir", "checkpoints/jaxflow/sft_tiny",
-     "sft job: where the final HF checkpoint (+ tokenizer) is written; RL configs start from it via "
-     "actor_rollout_ref.model.path."),
-    # --- jaxflow: Safe RLHF ------------------------------------------------------------------
-    ("jaxflow.safe_rlhf.enable", False,
-     "Safe RLHF: maximise reward subject to E[cost] <= cost_threshold via a Lagrange multiplier."),
-    ("jaxflow.safe_rlhf.cost_model_path", "",
-     "Cost model: HF checkpoint directory or 'preset:NAME'; empty = the rule cost_rule."),
-    ("jaxflow.safe_rlhf.cost_rule", "forbidden_chars",
-     "Rule-based cost: forbidden_chars (1 if the response contains any of forbidden_chars, else 0) | length "
-     "(response tokens incl. EOS)."),
-    ("jaxflow.safe_rlhf.forbidden_chars", "9", "Characters the forbidden_chars rule penalises."),
-    ("jaxflow.safe_rlhf.cost_threshold", 0.1, "Constraint threshold d on the mean episode cost."),
-    ("jaxflow.safe_rlhf.lambda_init", 1.0, "Initial Lagrange multiplier (> 0 for the log scale)."),
-    ("jaxflow.safe_rlhf.lambda_lr", 0.05, "Multiplier step size eta: lambda <- lambda + eta (J_C - d)."),
-    ("jaxflow.safe_rlhf.lambda_update_scale", "linear",
-     "Multiplier update on a linear scale (projected at 0) or a log scale."),
-    ("jaxflow.safe_rlhf.lambda_max", _opt(float), "Upper bound on the multiplier; None = unbounded."),
-    # --- jaxflow: dry run --------------------------------------------------------------------
-    ("jaxflow.dry_run.enable", False,
-     "Plan and compile ahead of time on jaxflow.num_devices simulated CPU devices (abstract inputs, no weights); "
-     "report per-device memory, train nothing."),
-    ("jaxflow.dry_run.device_memory_gib", 80.0,
-     "Dry run: per-device memory budget the compiled programs are checked against."),
-])
+FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
+    [
+        # --- data (verl) ---------------------------------------------------------------------
+        (
+            "data.train_files",
+            "",
+            "Training prompts: a .parquet/.jsonl path, or comma-separated paths (verl schema); empty = the built-in task "
+            "jaxflow.data.builtin_task.",
+        ),
+        ("data.val_files", "", "Validation prompts, same format; empty = the built-in task's test split."),
+        ("data.prompt_key", "prompt", "Column holding the prompt (a chat message list or a string)."),
+        (
+            "data.reward_fn_key",
+            "data_source",
+            "Column that selects the rule-based reward function (verl's key; only data_source is supported).",
+        ),
+        ("data.max_prompt_length", 16, "Prompt length P in tokens; prompts are left-padded to P."),
+        ("data.max_response_length", 8, "Response length R in tokens; generation stops at EOS or R."),
+        ("data.train_batch_size", 64, "Prompts per training step (each gets rollout.n responses)."),
+        ("data.val_batch_size", _opt(int), "Prompts per validation batch; None = the whole validation set at once."),
+        ("data.truncation", "error", "Prompts longer than P: error | left | right | filter (drop)."),
+        ("data.shuffle", True, "Shuffle the training prompts each epoch."),
+        ("data.seed", 1, "Seed of the prompt shuffling."),
+        # --- actor / rollout / reference (verl) ------------------------------------------------
+        (
+            "actor_rollout_ref.model.path",
+            "",
+            "Actor (and reference) weights: an HF checkpoint directory (e.g. the sft_tiny output), 'preset:NAME', or empty "
+            "= jaxflow.model.preset randomly initialised.",
+        ),
+        (
+            "actor_rollout_ref.model.use_remove_padding",
+            False,
+            "Actor and reference log-prob / update forwards over packed real tokens (no padding; same values).",
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_mini_batch_size",
+            32,
+            "Prompts per PPO mini-batch (one optimizer step); holds ppo_mini_batch_size * rollout.n responses.",
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_device",
+            4,
+            "Responses per data-parallel rank per forward/backward pass (gradient accumulation).",
+        ),
+        ("actor_rollout_ref.actor.ppo_epochs", 1, "Passes over each training batch."),
+        (
+            "actor_rollout_ref.actor.use_dynamic_bsz",
+            False,
+            "With use_remove_padding: update micro-batches by a token budget (ppo_max_token_len_per_device), not rows.",
+        ),
+        (
+            "actor_rollout_ref.actor.ppo_max_token_len_per_device",
+            16384,
+            "Token budget of one update micro-batch per data-parallel rank (use_dynamic_bsz).",
+        ),
+        ("actor_rollout_ref.actor.shuffle", False, "Reshuffle the batch into mini-batches at every PPO epoch."),
+        ("actor_rollout_ref.actor.grad_clip", 1.0, "Global gradient-norm clip; <= 0 disables clipping."),
+        ("actor_rollout_ref.actor.clip_ratio_low", 0.2, "PPO ratio clip below: 1 - clip_ratio_low."),
+        ("actor_rollout_ref.actor.clip_ratio_high", 0.2, "PPO ratio clip above: 1 + clip_ratio_high."),
+        ("actor_rollout_ref.actor.clip_ratio_c", 3.0, "Dual-clip PPO bound for negative advantages (> 1)."),
+        (
+            "actor_rollout_ref.actor.loss_agg_mode",
+            "token-mean",
+            "Policy-loss aggregation: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-"
+            "sum-norm.",
+        ),
+        (
+            "actor_rollout_ref.actor.policy_loss.loss_mode",
+            "vanilla",
+            "Policy loss from the registry: vanilla | gspo | gpg | cispo | clip_cov | kl_cov | geo_mean | a registered "
+            "name.",
+        ),
+        (
+            "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
+            0.0002,
+            "clip_cov: fraction of tokens whose gradient is clipped.",
+        ),
+        ("actor_rollout_ref.actor.policy_loss.clip_cov_lb", 1.0, "clip_cov: lower bound of the covariance window."),
+        ("actor_rollout_ref.actor.policy_loss.clip_cov_ub", 5.0, "clip_cov: upper bound of the covariance window."),
+        (
+            "actor_rollout_ref.actor.policy_loss.kl_cov_ratio",
+            0.0002,
+            "kl_cov: fraction of tokens that get the KL penalty.",
+        ),
+        ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", 0.1, "kl_cov: coefficient of that KL penalty."),
+        ("actor_rollout_ref.actor.entropy_coeff", 0.0, "Entropy bonus coefficient in the actor loss."),
+        (
+            "actor_rollout_ref.actor.use_kl_loss",
+            False,
+            "Add a KL(actor || ref) loss term (GRPO style) instead of / besides the in-reward penalty.",
+        ),
+        (
+            "actor_rollout_ref.actor.kl_loss_type",
+            "low_var_kl",
+            "KL estimator of that loss: kl (k1) | abs | mse (k2) | low_var_kl (k3), '+' suffix = straight-through k2"
+            " gradient.",
+        ),
+        ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "Coefficient of the KL loss."),
+        *_optim_fields("actor_rollout_ref.actor.optim", 1e-4),
+        (
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
+            16,
+            "Responses per data-parallel rank per reference log-prob forward pass.",
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+            False,
+            "With use_remove_padding: reference forward micro-batches by a token budget, not rows.",
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_device",
+            16384,
+            "Token budget of one reference forward micro-batch per data-parallel rank.",
+        ),
+        ("actor_rollout_ref.rollout.n", 1, "Responses sampled per prompt (>= 2 for group baselines: grpo, rloo, ...)."),
+        ("actor_rollout_ref.rollout.temperature", 1.0, "Sampling temperature."),
+        ("actor_rollout_ref.rollout.top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off."),
+        ("actor_rollout_ref.rollout.top_k", -1, "Top-k sampling; -1 or 0 = off."),
+        ("actor_rollout_ref.rollout.do_sample", True, "Sample (True) or decode greedily (False)."),
+        (
+            "actor_rollout_ref.rollout.ignore_eos",
+            False,
+            "Keep generating past EOS to the full response length (throughput benchmarks).",
+        ),
+        (
+            "actor_rollout_ref.rollout.max_num_seqs",
+            0,
+            "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled; "
+            "0 = the engine's default (every row, at most 256).",
+        ),
+        (
+            "actor_rollout_ref.rollout.max_total_tokens",
+            0,
+            "KV-cache budget per generation data-parallel group, in tokens (sglang's max_total_tokens): the page pool's "
+            "size; a sequence that finds no free page waits for one; 0 = the engine's default (the prompts alive and a "
+            "quarter of every slot's response length).",
+        ),
+        (
+            "actor_rollout_ref.rollout.stop",
+            [],
+            "Stop strings (vLLM's stop): a response ends after the token that completes one (kept, like EOS); matched "
+            "on the device through the tokenizer. Training and validation rollouts.",
+        ),
+        (
+            "actor_rollout_ref.rollout.stop_token_ids",
+            [],
+            "Token ids that end a response like EOS (vLLM's stop_token_ids), besides the tokenizer's EOS.",
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device",
+            16,
+            "Responses per data-parallel rank per old-log-prob forward pass of the actor.",
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
+            False,
+            "With use_remove_padding: old-log-prob forward micro-batches by a token budget, not rows.",
+        ),
+        (
+            "actor_rollout_ref.rollout.log_prob_max_token_len_per_device",
+            16384,
+            "Token budget of one old-log-prob forward micro-batch per data-parallel rank.",
+        ),
+        ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt."),
+        (
+            "actor_rollout_ref.rollout.val_kwargs.temperature",
+            0.0,
+            "Validation: sampling temperature (0 with do_sample=False = greedy).",
+        ),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p", 1.0, "Validation: nucleus sampling mass."),
+        ("actor_rollout_ref.rollout.val_kwargs.top_k", -1, "Validation: top-k; -1 or 0 = off."),
+        ("actor_rollout_ref.rollout.val_kwargs.do_sample", False, "Validation: sample (True) or greedy (False)."),
+        # --- critic (verl) ---------------------------------------------------------------------
+        ("critic.enable", _opt(bool), "Run a critic (value model); None = only when algorithm.adv_estimator is gae."),
+        (
+            "critic.model.path",
+            "",
+            "Critic weights (value head on the decoder): HF checkpoint directory, 'preset:NAME', or empty = the actor's "
+            "model.",
+        ),
+        *_optim_fields("critic.optim", 1e-3),
+        ("critic.model.use_remove_padding", False, "Critic value / update forwards over packed real tokens."),
+        (
+            "critic.use_dynamic_bsz",
+            False,
+            "With critic.model.use_remove_padding: critic micro-batches by token budgets, not rows.",
+        ),
+        ("critic.ppo_max_token_len_per_device", 32768, "Token budget of one critic update micro-batch per rank."),
+        ("critic.forward_max_token_len_per_device", 32768, "Token budget of one value forward micro-batch per rank."),
+        (
+            "critic.ppo_mini_batch_size",
+            32,
+            "Prompts per critic mini-batch (times rollout.n responses), as the actor's.",
+        ),
+        (
+            "critic.ppo_micro_batch_size_per_device",
+            4,
+            "Responses per data-parallel rank per critic forward/backward pass.",
+        ),
+        ("critic.forward_micro_batch_size_per_device", 16, "Responses per data-parallel rank per value forward pass."),
+        ("critic.ppo_epochs", 1, "Critic passes over each training batch."),
+        ("critic.shuffle", False, "Reshuffle the critic's mini-batches at every epoch."),
+        ("critic.grad_clip", 1.0, "Critic global gradient-norm clip; <= 0 disables clipping."),
+        ("critic.cliprange_value", 0.5, "Value clipping range around the old values."),
+        ("critic.loss_agg_mode", "token-mean", "Value-loss aggregation (same modes as the actor's)."),
+        # --- reward (verl) ---------------------------------------------------------------------
+        (
+            "reward_model.enable",
+            False,
+            "Score responses with a reward model (else only the rule-based / custom reward function).",
+        ),
+        (
+            "reward_model.model.path",
+            "",
+            "Reward model: HF checkpoint directory, 'preset:NAME', or empty = jaxflow.model.preset randomly initialised "
+            "(benchmarks).",
+        ),
+        (
+            "reward_model.model.use_remove_padding",
+            False,
+            "Reward (and cost) model forwards over packed real tokens (no padding; same scores).",
+        ),
+        (
+            "reward_model.micro_batch_size_per_device",
+            16,
+            "Responses per data-parallel rank per reward-model forward pass.",
+        ),
+        (
+            "custom_reward_function.path",
+            _opt(str),
+            "Python file with a user reward function; None = built-in scorers by data_source.",
+        ),
+        ("custom_reward_function.name", "compute_score", "Function name in that file."),
+        # --- algorithm (verl) --------------------------------------------------------------------
+        (
+            "algorithm.adv_estimator",
+            "gae",
+            "Advantage estimator: gae | grpo | remax | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | "
+            "gpg | grpo_passk | a registered name.",
+        ),
+        ("algorithm.gamma", 1.0, "Discount factor (gae, reinforce_plus_plus)."),
+        ("algorithm.lam", 1.0, "GAE lambda."),
+        ("algorithm.norm_adv_by_std_in_grpo", True, "GRPO: divide by the group's reward std (False = Dr. GRPO)."),
+        ("algorithm.use_kl_in_reward", False, "Subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards."),
+        (
+            "algorithm.kl_penalty",
+            "kl",
+            "KL estimator of the in-reward penalty: kl | abs | mse | low_var_kl (+ suffix allowed).",
+        ),
+        ("algorithm.kl_ctrl.type", "fixed", "KL coefficient controller: fixed | adaptive."),
+        ("algorithm.kl_ctrl.kl_coef", 0.001, "(Initial) in-reward KL coefficient."),
+        ("algorithm.kl_ctrl.horizon", 10000, "Adaptive controller horizon (responses)."),
+        ("algorithm.kl_ctrl.target_kl", 0.1, "Adaptive controller target KL."),
+        # --- trainer (verl) ----------------------------------------------------------------------
+        ("trainer.total_epochs", 1, "Passes over the training prompts (when total_training_steps is None)."),
+        (
+            "trainer.total_training_steps",
+            _opt(int),
+            "Training steps; None = total_epochs * steps per epoch. When set it wins (the data loader wraps around).",
+        ),
+        ("trainer.project_name", "jaxflow", "Project name (loggers, checkpoint directory)."),
+        ("trainer.experiment_name", "base", "Experiment name (loggers, checkpoint directory)."),
+        ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
+        ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
+        ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
+        (
+            "trainer.save_hf",
+            False,
+            "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
+            "the end of a run always writes <run dir>/hf_actor.",
+        ),
+        ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
+        ("trainer.val_before_train", True, "Validate once before the first step."),
+        ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
+        (
+            "trainer.balance_batch",
+            False,
+            "Log verl's global_seqlen/* metrics: real tokens per actor data-parallel rank in the packed update, as "
+            "contiguous blocks would give them and as dealt. Packed passes (use_remove_padding) always deal rows to ranks "
+            "balanced by tokens, per pass; padded passes compute the same padded rows on every rank.",
+        ),
+        (
+            "trainer.resume_mode",
+            "auto",
+            "disable | auto (latest checkpoint in default_local_dir, if any) | resume_path (resume_from_path).",
+        ),
+        ("trainer.resume_from_path", _opt(str), "Checkpoint directory to resume from when resume_mode is resume_path."),
+        (
+            "trainer.default_local_dir",
+            "",
+            "Checkpoint directory; empty = checkpoints/<project_name>/<experiment_name>.",
+        ),
+        ("trainer.max_actor_ckpt_to_keep", _opt(int), "Keep this many latest actor checkpoints; None = all."),
+        ("trainer.max_critic_ckpt_to_keep", _opt(int), "Keep this many latest critic checkpoints; None = all."),
+        ("trainer.seed", 0, "Seed of parameter init, sampling and dropout-free randomness."),
+        # --- jaxflow: system -------------------------------------------------------------------
+        ("jaxflow.job", "rl", "What the run does: rl (the RL loop) | sft (supervised warm start, see jaxflow.sft)."),
+        (
+            "jaxflow.backend",
+            "local",
+            "Driver: local (one process drives all devices) | ray (one Ray actor per host per worker group).",
+        ),
+        (
+            "jaxflow.ray.address",
+            "",
+            "ray backend: cluster to join (e.g. 'auto' or 'ray://head:10001'); empty = a running cluster if there is one, "
+            "else a local Ray started by the run.",
+        ),
+        (
+            "jaxflow.ray.devices_per_host",
+            8,
+            "ray backend: accelerators per host, one process per host per worker group (CPU: simulated devices per "
+            "process); jaxflow.num_devices / devices_per_host hosts, and every pool takes whole hosts.",
+        ),
+        ("jaxflow.ray.accelerator", "cpu", "ray backend: cpu | gpu | tpu (what a host bundle asks Ray for)."),
+        ("jaxflow.ray.cpus_per_host", 1.0, "ray backend: CPU cores in each host's bundle."),
+        (
+            "jaxflow.ray.tpu_topology",
+            "",
+            "ray backend on TPU: each pool reserves whole slices of this topology (e.g. '4x4', with jaxflow.ray.tpu_version) "
+            "through ray.util.tpu; empty = one bundle per TPU VM (STRICT_SPREAD).",
+        ),
+        ("jaxflow.ray.tpu_version", "", "ray backend on TPU: the slices' TPU generation (e.g. 'v5p', 'v6e')."),
+        (
+            "jaxflow.ray.compile_deadline_s",
+            900.0,
+            "ray backend: deadline of a worker call that compiles (a method's first call with given shapes, role builds).",
+        ),
+        ("jaxflow.ray.step_deadline_s", 600.0, "ray backend: deadline of every other worker call."),
+        (
+            "jaxflow.ray.sync_deadline_s",
+            180.0,
+            "ray backend: deadline of world set-up (jax.distributed.initialize) and of the other ranks after one failed.",
+        ),
+        (
+            "jaxflow.ray.schedule_timeout_s",
+            60.0,
+            "ray backend: a worker group whose host bundles the cluster cannot place within this is reported.",
+        ),
+        (
+            "jaxflow.ray.max_restarts",
+            0,
+            "ray backend: after a worker process dies or a call passes its deadline, stop every group, start fresh "
+            "processes and resume from the last complete checkpoint, at most this many times; 0 = stop with the error.",
+        ),
+        (
+            "jaxflow.num_devices",
+            8,
+            "Devices the run uses; on CPU this many devices are simulated (XLA host platform device count).",
+        ),
+        (
+            "jaxflow.placement.type",
+            "auto",
+            "auto (the auto-mapper picks pools and every mesh at start-up; jaxflow.mesh.* are then set by it) | colocated "
+            "(all roles on all devices) | split (actor+ref / critic+reward+cost) | custom (jaxflow.placement.groups).",
+        ),
+        (
+            "jaxflow.placement.device_kind",
+            "",
+            "auto: device profile the auto-mapper plans for (a100-80g, h100, tpu-v5p, cpu, ... or a profile .json); "
+            "empty = the local devices' kind.",
+        ),
+        (
+            "jaxflow.placement.devices_per_host",
+            0,
+            "auto: devices per host (tensor parallelism stays within a host); 0 = the device profile's.",
+        ),
+        (
+            "jaxflow.placement.groups",
+            "",
+            "custom: pools in device order, ';' between pools, ',' between the roles of a pool, e.g. "
+            "'actor,ref;critic;reward'.",
+        ),
+        (
+            "jaxflow.placement.pool_sizes",
+            (),
+            "split / custom: devices per pool, in pool order, summing to num_devices; empty = equal pools.",
+        ),
+        *_mesh_fields("jaxflow.mesh.actor.train", "actor training / log-prob", tp=2),
+        (
+            "jaxflow.mesh.actor.generate.tp",
+            2,
+            "actor generation tensor parallelism; must divide the training weight-parallel degree fsdp*tp (the rest becomes"
+            " generation dp).",
+        ),
+        *_mesh_fields("jaxflow.mesh.critic", "critic"),
+        *_mesh_fields("jaxflow.mesh.ref", "reference policy"),
+        *_mesh_fields("jaxflow.mesh.reward", "reward model"),
+        *_mesh_fields("jaxflow.mesh.cost", "cost model (safe_rlhf)"),
+        # --- jaxflow: model --------------------------------------------------------------------
+        (
+            "jaxflow.model.preset",
+            "tiny_llama",
+            "Shape preset from jaxflow.models.PRESETS for models whose path is empty.",
+        ),
+        ("jaxflow.model.vocab_size", 128, "Preset override: vocabulary rows (>= the tokenizer's); 0 = the preset's."),
+        ("jaxflow.model.hidden_size", 128, "Preset override: model width; 0 = the preset's."),
+        ("jaxflow.model.intermediate_size", 384, "Preset override: MLP width; 0 = the preset's."),
+        ("jaxflow.model.num_layers", 4, "Preset override: decoder layers; 0 = the preset's."),
+        (
+            "jaxflow.model.num_heads",
+            8,
+            "Preset override: query heads (head_dim = hidden_size / num_heads); 0 = the preset's.",
+        ),
+        ("jaxflow.model.num_kv_heads", 4, "Preset override: key/value heads (GQA); 0 = the preset's."),
+        ("jaxflow.model.dtype", "float32", "Parameter dtype: float32 | bfloat16 | float16."),
+        (
+            "jaxflow.model.compute_dtype",
+            "float32",
+            "Matmul dtype: float32 | bfloat16 | float16 (norms, softmax, log-softmax stay float32).",
+        ),
+        (
+            "jaxflow.model.scan_layers",
+            False,
+            "Scan over stacked layers (one compiled layer: faster compiles for deep models).",
+        ),
+        ("jaxflow.model.remat_policy", "none", "Rematerialisation in training: none | full | dots | dots_no_batch."),
+        ("jaxflow.optim.state_dtype", "float32", "dtype of the AdamW moments: float32 | bfloat16."),
+        # --- jaxflow: data / reward / trainer ----------------------------------------------------
+        (
+            "jaxflow.data.builtin_task",
+            "addition",
+            "Built-in task when data files are empty: addition | sort | reverse | reverse_digits.",
+        ),
+        ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
+        ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
+        ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
+        ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),
+        ("jaxflow.reward.timeout_s", 5.0, "Per-response time limit of a custom reward function (then it scores 0)."),
+        (
+            "jaxflow.reward.batch_timeout_s",
+            60.0,
+            "Time limit of one batch's custom reward calls; samples unscored by then score 0 (counted as timeouts).",
+        ),
+        (
+            "jaxflow.reward.load_timeout_s",
+            60.0,
+            "Time limit for importing custom_reward_function.path (in a worker, before the run builds anything else).",
+        ),
+        (
+            "jaxflow.reward.max_failure_fraction",
+            0.5,
+            "Stop the run when more than this fraction of the reward calls of the last 5 batches failed (errors and "
+            "timeouts); a batch whose every sample fails always stops it. 1.0 = only that.",
+        ),
+        (
+            "jaxflow.trainer.max_nonfinite_steps",
+            3,
+            "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped).",
+        ),
+        # --- jaxflow: SFT warm start -------------------------------------------------------------
+        ("jaxflow.sft.steps", 300, "sft job: optimizer steps on the built-in task's demonstrations."),
+        (
+            "jaxflow.sft.warm_start_steps",
+            0,
+            "rl job: first run this many sft steps (jaxflow.sft.*) and start RL from them, when "
+            "actor_rollout_ref.model.path is empty; 0 = no warm start.",
+        ),
+        ("jaxflow.sft.lr", 1e-3, "sft job: peak learning rate (AdamW, linear warmup then constant)."),
+        ("jaxflow.sft.warmup_steps", 10, "sft job: warmup steps."),
+        ("jaxflow.sft.weight_decay", 0.0, "sft job: AdamW weight decay."),
+        ("jaxflow.sft.batch_size", 64, "sft job: demonstrations per optimizer step."),
+        (
+            "jaxflow.sft.micro_batch_size_per_device",
+            8,
+            "sft job: demonstrations per data-parallel rank per forward/backward pass.",
+        ),
+        ("jaxflow.sft.test_freq", 50, "sft job: greedy accuracy on the test split every this many steps; -1 = never."),
+        (
+            "jaxflow.sft.output_dir",
+            "checkpoints/jaxflow/sft_tiny",
+            "sft job: where the final HF checkpoint (+ tokenizer) is written; RL configs start from it via "
+            "actor_rollout_ref.model.path.",
+        ),
+        # --- jaxflow: Safe RLHF ------------------------------------------------------------------
+        (
+            "jaxflow.safe_rlhf.enable",
+            False,
+            "Safe RLHF: maximise reward subject to E[cost] <= cost_threshold via a Lagrange multiplier.",
+        ),
+        (
+            "jaxflow.safe_rlhf.cost_model_path",
+            "",
+            "Cost model: HF checkpoint directory or 'preset:NAME'; empty = the rule cost_rule.",
+        ),
+        (
+            "jaxflow.safe_rlhf.cost_rule",
+            "forbidden_chars",
+            "Rule-based cost: forbidden_chars (1 if the response contains any of forbidden_chars, else 0) | length "
+            "(response tokens incl. EOS).",
+        ),
+        ("jaxflow.safe_rlhf.forbidden_chars", "9", "Characters the forbidden_chars rule penalises."),
+        ("jaxflow.safe_rlhf.cost_threshold", 0.1, "Constraint threshold d on the mean episode cost."),
+        ("jaxflow.safe_rlhf.lambda_init", 1.0, "Initial Lagrange multiplier (> 0 for the log scale)."),
+        ("jaxflow.safe_rlhf.lambda_lr", 0.05, "Multiplier step size eta: lambda <- lambda + eta (J_C - d)."),
+        (
+            "jaxflow.safe_rlhf.lambda_update_scale",
+            "linear",
+            "Multiplier update on a linear scale (projected at 0) or a log scale.",
+        ),
+        ("jaxflow.safe_rlhf.lambda_max", _opt(float), "Upper bound on the multiplier; None = unbounded."),
+        # --- jaxflow: dry run --------------------------------------------------------------------
+        (
+            "jaxflow.dry_run.enable",
+            False,
+            "Plan and compile ahead of time on jaxflow.num_devices simulated CPU devices (abstract inputs, no weights); "
+            "report per-device memory, train nothing.",
+        ),
+        (
+            "jaxflow.dry_run.device_memory_gib",
+            80.0,
+            "Dry run: per-device memory budget the compiled programs are checked against.",
+        ),
+    ]
+)
 
 KEY_DOCS: dict[str, str] = {key: doc for key, _, doc in FIELDS}
 
@@ -363,9 +593,7 @@ def _type_of(default: Any) -> tuple[type, bool]:
 # key -> (type, optional). Used by apply_overrides (for fields whose value is None) and validate.
 KEY_TYPES: dict[str, tuple[type, bool]] = {key: _type_of(default) for key, default, _ in FIELDS}
 
-DEFAULTS: dict[str, Any] = {
-    key: (None if isinstance(default, Optional_) else default) for key, default, _ in FIELDS
-}
+DEFAULTS: dict[str, Any] = {key: (None if isinstance(default, Optional_) else default) for key, default, _ in FIELDS}
 
 
 def get_base_config() -> ConfigDict:

@@ -90,8 +90,14 @@ _NONE = ("none", "null", "~")
 
 
 def type_name(typ: type, optional: bool) -> str:
-    name = {bool: "bool (true/false/1/0)", int: "int", float: "float", str: "str",
-            tuple: "tuple, e.g. (8, 8)", list: "list, e.g. [a,b] or a,b"}.get(typ, typ.__name__)
+    name = {
+        bool: "bool (true/false/1/0)",
+        int: "int",
+        float: "float",
+        str: "str",
+        tuple: "tuple, e.g. (8, 8)",
+        list: "list, e.g. [a,b] or a,b",
+    }.get(typ, typ.__name__)
     return f"{name} or None" if optional else name
 
 
@@ -195,7 +201,7 @@ def apply_overrides(cfg: ConfigDict, overrides: Iterable[str]) -> ConfigDict:
         text = item.strip()
         for prefix in ("--config.", "config."):
             if text.startswith(prefix):
-                text = text[len(prefix):]
+                text = text[len(prefix) :]
         if "=" not in text:
             raise ConfigError(text or "<empty>", f"override {item!r} is not of the form key=value")
         key, raw = text.split("=", 1)

@@ -60,22 +60,27 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     them (all roles, active or not; pools are named after their first role)."""
     p, n = cfg.jaxflow.placement, cfg.jaxflow.num_devices
     if p.type == "auto" and cfg.jaxflow.job == "rl":
-        raise ConfigError("jaxflow.placement.type",
-                          "'auto' is resolved at start-up by jaxflow.automap.resolve_placement, which sets the pools "
-                          "and meshes; resolve the config before building its placement")
+        raise ConfigError(
+            "jaxflow.placement.type",
+            "'auto' is resolved at start-up by jaxflow.automap.resolve_placement, which sets the pools "
+            "and meshes; resolve the config before building its placement",
+        )
     if p.type != "custom" and p.groups:
         raise ConfigError("jaxflow.placement.groups", f"is only used by placement type 'custom' (type is {p.type!r})")
     if p.type in ("colocated", "auto"):  # auto for an sft job: the actor alone, on every device
         if p.pool_sizes:
-            raise ConfigError("jaxflow.placement.pool_sizes",
-                              f"is only used by placement types 'split' and 'custom' (type is {p.type!r})")
+            raise ConfigError(
+                "jaxflow.placement.pool_sizes",
+                f"is only used by placement types 'split' and 'custom' (type is {p.type!r})",
+            )
         return [("global", n, ROLES)]
     if p.type == "split":
         groups = [tuple(g) for g in SPLIT_GROUPS]
     elif p.type == "custom":
         if not p.groups.strip():
-            raise ConfigError("jaxflow.placement.groups",
-                              "placement type 'custom' needs the pools, e.g. 'actor,ref;critic;reward'")
+            raise ConfigError(
+                "jaxflow.placement.groups", "placement type 'custom' needs the pools, e.g. 'actor,ref;critic;reward'"
+            )
         groups = [tuple(r.strip() for r in g.split(",") if r.strip()) for g in p.groups.split(";")]
         seen: set[str] = set()
         for g in groups:
@@ -83,8 +88,9 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
                 raise ConfigError("jaxflow.placement.groups", f"{p.groups!r} has an empty pool")
             for role in g:
                 if role not in ROLES:
-                    raise ConfigError("jaxflow.placement.groups",
-                                      f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+                    raise ConfigError(
+                        "jaxflow.placement.groups", f"unknown role {role!r}; roles are {', '.join(ROLES)}"
+                    )
                 if role in seen:
                     raise ConfigError("jaxflow.placement.groups", f"role {role!r} is placed on two pools")
                 seen.add(role)
@@ -96,13 +102,16 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     sizes = list(p.pool_sizes) or _equal_sizes(n, len(groups), "jaxflow.placement.pool_sizes")
     if len(sizes) != len(groups):
         pools = ["+".join(g) for g in groups]
-        raise ConfigError("jaxflow.placement.pool_sizes",
-                          f"{len(sizes)} sizes {tuple(sizes)} for {len(groups)} pools {pools}")
+        raise ConfigError(
+            "jaxflow.placement.pool_sizes", f"{len(sizes)} sizes {tuple(sizes)} for {len(groups)} pools {pools}"
+        )
     if any(s < 1 for s in sizes):
         raise ConfigError("jaxflow.placement.pool_sizes", f"pool sizes must be >= 1, got {tuple(sizes)}")
     if sum(sizes) != n:
-        raise ConfigError("jaxflow.placement.pool_sizes",
-                          f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}")
+        raise ConfigError(
+            "jaxflow.placement.pool_sizes",
+            f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}",
+        )
     return [(g[0], s, g) for g, s in zip(groups, sizes)]
 
 
@@ -136,12 +145,16 @@ def mesh_sizes(cfg: ConfigDict, role: str) -> dict[str, int]:
     known = math.prod(s for s in axes.values() if s != -1)
     if fills:
         if pool % known:
-            raise ConfigError(key, f"({text}): the other axes ({known} devices) do not divide the {role}'s pool "
-                                   f"of {pool} devices")
+            raise ConfigError(
+                key, f"({text}): the other axes ({known} devices) do not divide the {role}'s pool of {pool} devices"
+            )
         axes[fills[0]] = pool // known
     elif known != pool:
-        raise ConfigError(key, f"({text}) is {known} devices, but the {role}'s pool has {pool} (jaxflow.num_devices="
-                               f"{cfg.jaxflow.num_devices}, placement {cfg.jaxflow.placement.type})")
+        raise ConfigError(
+            key,
+            f"({text}) is {known} devices, but the {role}'s pool has {pool} (jaxflow.num_devices="
+            f"{cfg.jaxflow.num_devices}, placement {cfg.jaxflow.placement.type})",
+        )
     return axes
 
 
@@ -186,14 +199,16 @@ def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
 
     m = cfg.jaxflow.model
     options = dict(
-        param_dtype=getattr(jnp, m.dtype), dtype=getattr(jnp, m.compute_dtype),
-        scan_layers=m.scan_layers, remat_policy=m.remat_policy,
+        param_dtype=getattr(jnp, m.dtype),
+        dtype=getattr(jnp, m.compute_dtype),
+        scan_layers=m.scan_layers,
+        remat_policy=m.remat_policy,
     )
     path = model_path(cfg, role)
     if path and not path.startswith(PRESET_PREFIX):
         config_json = os.path.join(os.path.expanduser(path), "config.json")
         return ModelConfig.from_json_file(config_json, **options) if os.path.isfile(config_json) else None
-    preset = path[len(PRESET_PREFIX):] if path else m.preset
+    preset = path[len(PRESET_PREFIX) :] if path else m.preset
     base = PRESETS[preset]
     shape = {k: m[k] for k in SHAPE_KEYS if m[k]}
     if "hidden_size" in shape or "num_heads" in shape:
@@ -233,8 +248,10 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
 
         available = jax.devices()
         if len(available) < n:
-            raise ConfigError("jaxflow.num_devices",
-                              f"{n} devices requested but only {len(available)} {available[0].platform} devices exist")
+            raise ConfigError(
+                "jaxflow.num_devices",
+                f"{n} devices requested but only {len(available)} {available[0].platform} devices exist",
+            )
         devices = available[:n]
     roles = active_roles(cfg)
     groups = [(name, size, tuple(r for r in group if r in roles)) for name, size, group in placement_groups(cfg)]
@@ -250,11 +267,19 @@ def ray_config(cfg: ConfigDict) -> Any:
     from jaxflow.workers.ray_backend import RayConfig
 
     r = cfg.jaxflow.ray
-    return RayConfig(address=r.address, devices_per_host=r.devices_per_host, cpus_per_host=float(r.cpus_per_host),
-                     accelerator=r.accelerator, compile_deadline_s=r.compile_deadline_s,
-                     step_deadline_s=r.step_deadline_s, sync_deadline_s=r.sync_deadline_s,
-                     schedule_timeout_s=r.schedule_timeout_s, tpu_topology=r.tpu_topology, tpu_version=r.tpu_version,
-                     local_num_cpus=math.ceil(cfg.jaxflow.num_devices // r.devices_per_host * r.cpus_per_host))
+    return RayConfig(
+        address=r.address,
+        devices_per_host=r.devices_per_host,
+        cpus_per_host=float(r.cpus_per_host),
+        accelerator=r.accelerator,
+        compile_deadline_s=r.compile_deadline_s,
+        step_deadline_s=r.step_deadline_s,
+        sync_deadline_s=r.sync_deadline_s,
+        schedule_timeout_s=r.schedule_timeout_s,
+        tpu_topology=r.tpu_topology,
+        tpu_version=r.tpu_version,
+        local_num_cpus=math.ceil(cfg.jaxflow.num_devices // r.devices_per_host * r.cpus_per_host),
+    )
 
 
 def ray_devices(cfg: ConfigDict) -> tuple[Any, ...]:

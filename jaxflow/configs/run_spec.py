@@ -220,9 +220,12 @@ def build_tokenizer(cfg: ConfigDict) -> Any:
         path = model_path(cfg, "actor")
         own = os.path.join(os.path.expanduser(path), "tokenizer.json") if path else ""
         if own and os.path.isfile(own) and load_tokenizer(own).backend.get_vocab() != tokenizer.backend.get_vocab():
-            raise ConfigError("jaxflow.data.tokenizer", f"is 'char' (the built-in character tokenizer) but the actor "
-                              f"checkpoint {path} ships its own tokenizer, whose ids mean other tokens; set "
-                              "jaxflow.data.tokenizer=model (or the path of the tokenizer the model was trained with)")
+            raise ConfigError(
+                "jaxflow.data.tokenizer",
+                f"is 'char' (the built-in character tokenizer) but the actor "
+                f"checkpoint {path} ships its own tokenizer, whose ids mean other tokens; set "
+                "jaxflow.data.tokenizer=model (or the path of the tokenizer the model was trained with)",
+            )
         return tokenizer
     if name == "model":
         name = cfg.actor_rollout_ref.model.path
@@ -238,8 +241,9 @@ def training_steps(cfg: ConfigDict, num_train_prompts: int | None) -> int:
     prompts = cfg.jaxflow.data.num_train_examples if num_train_prompts is None else num_train_prompts
     per_epoch = prompts // cfg.data.train_batch_size
     if per_epoch < 1:
-        raise ValueError(f"{prompts} training prompts make no batch of data.train_batch_size="
-                         f"{cfg.data.train_batch_size}")
+        raise ValueError(
+            f"{prompts} training prompts make no batch of data.train_batch_size={cfg.data.train_batch_size}"
+        )
     return int(t.total_epochs) * per_epoch
 
 
@@ -252,10 +256,17 @@ def optimizer_steps(steps: int, train_batch_size: int, mini_batch_size: int, epo
 def _optim(section: ConfigDict, total_steps: int, state_dtype: str) -> OptimConfig:
     o = section.optim
     return OptimConfig(
-        lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), grad_clip=section.grad_clip,
-        lr_warmup_steps=o.lr_warmup_steps, lr_warmup_steps_ratio=o.lr_warmup_steps_ratio,
-        total_training_steps=max(1, total_steps), warmup_style=o.warmup_style, min_lr_ratio=o.min_lr_ratio,
-        state_dtype=state_dtype)
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        betas=tuple(o.betas),
+        grad_clip=section.grad_clip,
+        lr_warmup_steps=o.lr_warmup_steps,
+        lr_warmup_steps_ratio=o.lr_warmup_steps_ratio,
+        total_training_steps=max(1, total_steps),
+        warmup_style=o.warmup_style,
+        min_lr_ratio=o.min_lr_ratio,
+        state_dtype=state_dtype,
+    )
 
 
 def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
@@ -267,20 +278,32 @@ def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
     return ActorConfig(
         ppo_mini_batch_size=a.ppo_mini_batch_size * n,
         ppo_micro_batch_size_per_device=a.ppo_micro_batch_size_per_device,
-        ppo_epochs=a.ppo_epochs, shuffle=a.shuffle, seed=cfg.trainer.seed,
-        loss_mode=mode, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+        ppo_epochs=a.ppo_epochs,
+        shuffle=a.shuffle,
+        seed=cfg.trainer.seed,
+        loss_mode=mode,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
         policy_loss_kwargs=tuple((k, a.policy_loss[k]) for k in POLICY_LOSS_OPTIONS.get(mode, ())),
-        entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+        entropy_coeff=a.entropy_coeff,
+        use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef,
         kl_loss_type=a.kl_loss_type,
         log_prob_micro_batch_size_per_device=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device,
-        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding, use_dynamic_bsz=a.use_dynamic_bsz,
+        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
+        use_dynamic_bsz=a.use_dynamic_bsz,
         ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
         log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
         log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
         log_balance=cfg.trainer.balance_batch,
-        optim=_optim(a, optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
-                     cfg.jaxflow.optim.state_dtype))
+        optim=_optim(
+            a,
+            optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
+            cfg.jaxflow.optim.state_dtype,
+        ),
+    )
 
 
 def critic_config(cfg: ConfigDict, steps: int, n: int) -> CriticConfig:
@@ -289,40 +312,61 @@ def critic_config(cfg: ConfigDict, steps: int, n: int) -> CriticConfig:
     return CriticConfig(
         ppo_mini_batch_size=c.ppo_mini_batch_size * n,
         ppo_micro_batch_size_per_device=c.ppo_micro_batch_size_per_device,
-        ppo_epochs=c.ppo_epochs, shuffle=c.shuffle, seed=cfg.trainer.seed,
-        cliprange_value=c.cliprange_value, loss_agg_mode=c.loss_agg_mode,
+        ppo_epochs=c.ppo_epochs,
+        shuffle=c.shuffle,
+        seed=cfg.trainer.seed,
+        cliprange_value=c.cliprange_value,
+        loss_agg_mode=c.loss_agg_mode,
         forward_micro_batch_size_per_device=c.forward_micro_batch_size_per_device,
-        use_remove_padding=c.model.use_remove_padding, use_dynamic_bsz=c.use_dynamic_bsz,
+        use_remove_padding=c.model.use_remove_padding,
+        use_dynamic_bsz=c.use_dynamic_bsz,
         ppo_max_token_len_per_device=c.ppo_max_token_len_per_device,
         forward_max_token_len_per_device=c.forward_max_token_len_per_device,
-        optim=_optim(c, optimizer_steps(steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs),
-                     cfg.jaxflow.optim.state_dtype))
+        optim=_optim(
+            c,
+            optimizer_steps(steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs),
+            cfg.jaxflow.optim.state_dtype,
+        ),
+    )
 
 
-def sampling_params(cfg: ConfigDict, section: ConfigDict, eos_token_id: int | None,
-                    pad_token_id: int | None) -> SamplingParams:
+def sampling_params(
+    cfg: ConfigDict, section: ConfigDict, eos_token_id: int | None, pad_token_id: int | None
+) -> SamplingParams:
     """A rollout section (``rollout`` or ``rollout.val_kwargs``) as `SamplingParams`."""
     r = cfg.actor_rollout_ref.rollout
     greedy = not section.do_sample or section.temperature == 0
     eos = () if r.ignore_eos or eos_token_id is None else (eos_token_id,)
     eos += tuple(t for t in r.stop_token_ids if t not in eos)
     return SamplingParams(
-        max_new_tokens=cfg.data.max_response_length, greedy=greedy, temperature=1.0 if greedy else section.temperature,
-        top_k=max(0, section.top_k), top_p=section.top_p, n=section.n, eos_token_ids=eos, seed=cfg.trainer.seed,
-        pad_token_id=pad_token_id, stop=tuple(r.stop))
+        max_new_tokens=cfg.data.max_response_length,
+        greedy=greedy,
+        temperature=1.0 if greedy else section.temperature,
+        top_k=max(0, section.top_k),
+        top_p=section.top_p,
+        n=section.n,
+        eos_token_ids=eos,
+        seed=cfg.trainer.seed,
+        pad_token_id=pad_token_id,
+        stop=tuple(r.stop),
+    )
 
 
-def rollout_config(cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None,
-                   tokenizer: Any = None) -> RolloutConfig:
+def rollout_config(
+    cfg: ConfigDict, eos_token_id: int | None, pad_token_id: int | None, tokenizer: Any = None
+) -> RolloutConfig:
     """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``),
     with the run's tokenizer (built here when stop strings need one and none is given)."""
     r = cfg.actor_rollout_ref.rollout
     if r.stop and tokenizer is None:
         tokenizer = build_tokenizer(cfg)
-    return RolloutConfig(train=sampling_params(cfg, r, eos_token_id, pad_token_id),
-                         val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
-                         max_num_seqs=r.max_num_seqs, max_total_tokens=r.max_total_tokens,
-                         tokenizer=tokenizer if r.stop else None)
+    return RolloutConfig(
+        train=sampling_params(cfg, r, eos_token_id, pad_token_id),
+        val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
+        max_num_seqs=r.max_num_seqs,
+        max_total_tokens=r.max_total_tokens,
+        tokenizer=tokenizer if r.stop else None,
+    )
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
@@ -331,23 +375,42 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
     k = a.kl_ctrl
     return AlgorithmSettings(
         algorithm=AlgorithmConfig(
-            adv_estimator=a.adv_estimator, gamma=a.gamma, lam=a.lam, norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
-            use_kl_in_reward=a.use_kl_in_reward, kl_penalty=a.kl_penalty,
-            kl_ctrl=KLControlConfig(type=k.type, kl_coef=k.kl_coef, horizon=k.horizon, target_kl=k.target_kl)),
+            adv_estimator=a.adv_estimator,
+            gamma=a.gamma,
+            lam=a.lam,
+            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
+            use_kl_in_reward=a.use_kl_in_reward,
+            kl_penalty=a.kl_penalty,
+            kl_ctrl=KLControlConfig(type=k.type, kl_coef=k.kl_coef, horizon=k.horizon, target_kl=k.target_kl),
+        ),
         safe_rlhf=SafeRLHFConfig(
-            enable=s.enable, cost_model_path=s.cost_model_path, cost_rule=s.cost_rule,
-            forbidden_chars=s.forbidden_chars, cost_threshold=s.cost_threshold, lambda_init=s.lambda_init,
-            lambda_lr=s.lambda_lr, lambda_update_scale=s.lambda_update_scale, lambda_max=s.lambda_max))
+            enable=s.enable,
+            cost_model_path=s.cost_model_path,
+            cost_rule=s.cost_rule,
+            forbidden_chars=s.forbidden_chars,
+            cost_threshold=s.cost_threshold,
+            lambda_init=s.lambda_init,
+            lambda_lr=s.lambda_lr,
+            lambda_update_scale=s.lambda_update_scale,
+            lambda_max=s.lambda_max,
+        ),
+    )
 
 
 def reward_spec(cfg: ConfigDict) -> RewardSpec:
     """``reward_model``, ``custom_reward_function`` and ``jaxflow.reward``."""
     fn, r = cfg.custom_reward_function, cfg.jaxflow.reward
-    return RewardSpec(model="reward" in active_roles(cfg), micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
-                      custom_function_path=fn.path, custom_function_name=fn.name, timeout_s=r.timeout_s,
-                      batch_timeout_s=r.batch_timeout_s, load_timeout_s=r.load_timeout_s,
-                      max_failure_fraction=r.max_failure_fraction,
-                      use_remove_padding=cfg.reward_model.model.use_remove_padding)
+    return RewardSpec(
+        model="reward" in active_roles(cfg),
+        micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
+        custom_function_path=fn.path,
+        custom_function_name=fn.name,
+        timeout_s=r.timeout_s,
+        batch_timeout_s=r.batch_timeout_s,
+        load_timeout_s=r.load_timeout_s,
+        max_failure_fraction=r.max_failure_fraction,
+        use_remove_padding=cfg.reward_model.model.use_remove_padding,
+    )
 
 
 def data_spec(cfg: ConfigDict) -> DataSpec:
@@ -358,9 +421,17 @@ def data_spec(cfg: ConfigDict) -> DataSpec:
     return DataSpec(
         train_files=tuple(f for f in d.train_files.split(",") if f),
         val_files=tuple(f for f in d.val_files.split(",") if f),
-        builtin_task=task, task_params=params, num_train_examples=j.num_train_examples,
-        num_val_examples=j.num_val_examples, prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-        truncation=d.truncation, shuffle=d.shuffle, seed=d.seed, val_batch_size=d.val_batch_size)
+        builtin_task=task,
+        task_params=params,
+        num_train_examples=j.num_train_examples,
+        num_val_examples=j.num_val_examples,
+        prompt_key=d.prompt_key,
+        max_prompt_length=d.max_prompt_length,
+        truncation=d.truncation,
+        shuffle=d.shuffle,
+        seed=d.seed,
+        val_batch_size=d.val_batch_size,
+    )
 
 
 def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
@@ -368,25 +439,43 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
     t = cfg.trainer
     keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
     return TrainerSpec(
-        project_name=t.project_name, experiment_name=t.experiment_name, run_dir=checkpoint_dir(cfg),
-        logger=tuple(t.logger), log_val_generations=t.log_val_generations, test_freq=t.test_freq,
-        val_before_train=t.val_before_train, save_freq=t.save_freq, save_hf=t.save_hf, resume_mode=t.resume_mode,
-        resume_from_path=t.resume_from_path, max_ckpt_to_keep=min(keep) if keep else None,
-        max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps, backend=cfg.jaxflow.backend,
-        max_restarts=cfg.jaxflow.ray.max_restarts)
+        project_name=t.project_name,
+        experiment_name=t.experiment_name,
+        run_dir=checkpoint_dir(cfg),
+        logger=tuple(t.logger),
+        log_val_generations=t.log_val_generations,
+        test_freq=t.test_freq,
+        val_before_train=t.val_before_train,
+        save_freq=t.save_freq,
+        save_hf=t.save_hf,
+        resume_mode=t.resume_mode,
+        resume_from_path=t.resume_from_path,
+        max_ckpt_to_keep=min(keep) if keep else None,
+        max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps,
+        backend=cfg.jaxflow.backend,
+        max_restarts=cfg.jaxflow.ray.max_restarts,
+    )
 
 
 def sft_spec(cfg: ConfigDict) -> SFTSpec:
     """``jaxflow.sft``."""
     s = cfg.jaxflow.sft
-    return SFTSpec(steps=s.steps, warm_start_steps=s.warm_start_steps, lr=s.lr, warmup_steps=s.warmup_steps,
-                   weight_decay=s.weight_decay, batch_size=s.batch_size,
-                   micro_batch_size_per_device=s.micro_batch_size_per_device, test_freq=s.test_freq,
-                   output_dir=s.output_dir)
+    return SFTSpec(
+        steps=s.steps,
+        warm_start_steps=s.warm_start_steps,
+        lr=s.lr,
+        warmup_steps=s.warmup_steps,
+        weight_decay=s.weight_decay,
+        batch_size=s.batch_size,
+        micro_batch_size_per_device=s.micro_batch_size_per_device,
+        test_freq=s.test_freq,
+        output_dir=s.output_dir,
+    )
 
 
-def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
-               pad_token_id: int | None = None) -> ModelSpec:
+def model_spec(
+    cfg: ConfigDict, role: str, eos_token_id: int | None = None, pad_token_id: int | None = None
+) -> ModelSpec:
     """A role's weights: a checkpoint directory, or a preset (its eos / pad ids the tokenizer's)."""
     path = model_path(cfg, role)
     mc = model_config(cfg, role)
@@ -396,9 +485,16 @@ def model_spec(cfg: ConfigDict, role: str, eos_token_id: int | None = None,
     return ModelSpec(role=role, head=HEADS[role], path=path if checkpoint else "", config=mc, seed=cfg.trainer.seed)
 
 
-def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int | None = None, num_train_prompts: int | None = None,
-                 with_placement: bool = True, tokenizer: Any = None) -> RunSpec:
+def describe_run(
+    cfg: ConfigDict,
+    *,
+    devices: Sequence[Any] | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    num_train_prompts: int | None = None,
+    with_placement: bool = True,
+    tokenizer: Any = None,
+) -> RunSpec:
     """The `RunSpec` of a validated config.
 
     ``devices``: those of the placement (default: the first ``jaxflow.num_devices``).
@@ -414,8 +510,11 @@ def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_t
     rollout = rollout_config(cfg, eos_token_id, pad_token_id, tokenizer)
     n = rollout.train.n  # rollout.n, read once
     return RunSpec(
-        name=cfg.trainer.experiment_name, job=cfg.jaxflow.job, num_devices=cfg.jaxflow.num_devices,
-        placement=build_placement(cfg, devices) if with_placement else None, roles=roles,
+        name=cfg.trainer.experiment_name,
+        job=cfg.jaxflow.job,
+        num_devices=cfg.jaxflow.num_devices,
+        placement=build_placement(cfg, devices) if with_placement else None,
+        roles=roles,
         models={r: model_spec(cfg, r, eos_token_id, pad_token_id) for r in roles},
         actor=actor_config(cfg, steps, n),
         rollout=rollout,
@@ -423,9 +522,19 @@ def describe_run(cfg: ConfigDict, *, devices: Sequence[Any] | None = None, eos_t
         critic=critic_config(cfg, steps, n) if "critic" in roles else None,
         reward=reward_spec(cfg),
         algorithm=algorithm_settings(cfg),
-        prompt_length=cfg.data.max_prompt_length, response_length=cfg.data.max_response_length,
-        train_batch_size=cfg.data.train_batch_size, training_steps=steps, critic_warmup=cfg.trainer.critic_warmup,
-        seed=cfg.trainer.seed, data=data_spec(cfg), trainer=trainer_spec(cfg), sft=sft_spec(cfg),
+        prompt_length=cfg.data.max_prompt_length,
+        response_length=cfg.data.max_response_length,
+        train_batch_size=cfg.data.train_batch_size,
+        training_steps=steps,
+        critic_warmup=cfg.trainer.critic_warmup,
+        seed=cfg.trainer.seed,
+        data=data_spec(cfg),
+        trainer=trainer_spec(cfg),
+        sft=sft_spec(cfg),
         ref_use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
-        ref_max_token_len_per_device=(cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_device
-                                      if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz else None))
+        ref_max_token_len_per_device=(
+            cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_device
+            if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz
+            else None
+        ),
+    )

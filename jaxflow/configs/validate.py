@@ -60,7 +60,13 @@ KL_CTRL_TYPES = ("fixed", "adaptive")
 COST_RULES = ("forbidden_chars", "length")
 # Estimators whose baseline comes from the other responses to the same prompt.
 GROUP_ESTIMATORS = (
-    "grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
+    "grpo",
+    "grpo_vectorized",
+    "grpo_passk",
+    "rloo",
+    "rloo_vectorized",
+    "opo",
+    "gpg",
     "reinforce_plus_plus_baseline",
 )
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
@@ -147,9 +153,12 @@ def _check_schema(c: _Checker) -> None:
     present = set(keys)
     missing = [key for key in KEY_TYPES if key not in present]
     if len(missing) > 3:  # not built on the base config: one line, not one per key
-        c.add("--config", f"the config lacks {len(missing)} of the {len(KEY_TYPES)} keys (e.g. "
-                          f"{', '.join(missing[:3])}); build it on jaxflow.configs.base.get_base_config() and change "
-                          "what you need")
+        c.add(
+            "--config",
+            f"the config lacks {len(missing)} of the {len(KEY_TYPES)} keys (e.g. "
+            f"{', '.join(missing[:3])}); build it on jaxflow.configs.base.get_base_config() and change "
+            "what you need",
+        )
     else:
         for key in missing:
             c.add(key, "missing; configs start from jaxflow.configs.base.get_base_config()")
@@ -194,64 +203,121 @@ def _check_enums(c: _Checker) -> None:
         c.one_of(key, valid)
     # Accepted keys whose other values jaxflow does not implement yet: refuse them rather than
     # run something else than asked.
-    c.check(c.cfg.data.reward_fn_key == "data_source", "data.reward_fn_key",
-            "rule-based rewards are dispatched by the data_source column only")
+    c.check(
+        c.cfg.data.reward_fn_key == "data_source",
+        "data.reward_fn_key",
+        "rule-based rewards are dispatched by the data_source column only",
+    )
     for name in c.cfg.trainer.logger:
-        c.check(name in LOGGERS, "trainer.logger",
-                f"unknown logger {name!r}; loggers are {', '.join(LOGGERS)}{suggest(name, LOGGERS)}")
+        c.check(
+            name in LOGGERS,
+            "trainer.logger",
+            f"unknown logger {name!r}; loggers are {', '.join(LOGGERS)}{suggest(name, LOGGERS)}",
+        )
     rollout = c.cfg.actor_rollout_ref.rollout
     c.check("" not in rollout.stop, f"{ROLLOUT}.stop", f"stop strings must not be empty, got {list(rollout.stop)!r}")
-    c.check(all(not isinstance(t, int) or t >= 0 for t in rollout.stop_token_ids), f"{ROLLOUT}.stop_token_ids",
-            f"must be token ids >= 0, got {list(rollout.stop_token_ids)!r}")
+    c.check(
+        all(not isinstance(t, int) or t >= 0 for t in rollout.stop_token_ids),
+        f"{ROLLOUT}.stop_token_ids",
+        f"must be token ids >= 0, got {list(rollout.stop_token_ids)!r}",
+    )
 
 
 def _check_ranges(c: _Checker) -> None:
     cfg = c.cfg
     for key in (
-        "data.max_prompt_length", "data.max_response_length", "data.train_batch_size", "data.val_batch_size",
-        f"{ACTOR}.ppo_mini_batch_size", f"{ACTOR}.ppo_micro_batch_size_per_device", f"{ACTOR}.ppo_epochs",
-        f"{ROLLOUT}.n", f"{ROLLOUT}.val_kwargs.n", f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device", "reward_model.micro_batch_size_per_device",
-        "trainer.total_epochs", "trainer.total_training_steps", "trainer.max_actor_ckpt_to_keep",
-        "trainer.max_critic_ckpt_to_keep", "jaxflow.num_devices", "jaxflow.mesh.actor.generate.tp",
+        "data.max_prompt_length",
+        "data.max_response_length",
+        "data.train_batch_size",
+        "data.val_batch_size",
+        f"{ACTOR}.ppo_mini_batch_size",
+        f"{ACTOR}.ppo_micro_batch_size_per_device",
+        f"{ACTOR}.ppo_epochs",
+        f"{ROLLOUT}.n",
+        f"{ROLLOUT}.val_kwargs.n",
+        f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
+        "reward_model.micro_batch_size_per_device",
+        "trainer.total_epochs",
+        "trainer.total_training_steps",
+        "trainer.max_actor_ckpt_to_keep",
+        "trainer.max_critic_ckpt_to_keep",
+        "jaxflow.num_devices",
+        "jaxflow.mesh.actor.generate.tp",
         "jaxflow.data.num_val_examples",
     ):
         c.at_least(key)
-    for key in (f"{ROLLOUT}.max_num_seqs", f"{ROLLOUT}.max_total_tokens", "trainer.log_val_generations", "trainer.critic_warmup",
-                "jaxflow.ray.max_restarts",
-                "jaxflow.trainer.max_nonfinite_steps", f"{ACTOR}.kl_loss_coef", "algorithm.kl_ctrl.kl_coef"):
+    for key in (
+        f"{ROLLOUT}.max_num_seqs",
+        f"{ROLLOUT}.max_total_tokens",
+        "trainer.log_val_generations",
+        "trainer.critic_warmup",
+        "jaxflow.ray.max_restarts",
+        "jaxflow.trainer.max_nonfinite_steps",
+        f"{ACTOR}.kl_loss_coef",
+        "algorithm.kl_ctrl.kl_coef",
+    ):
         c.at_least(key, 0)
     row = cfg.data.max_prompt_length + cfg.data.max_response_length
     for flag, budget, padding in (
         (f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_device", "actor_rollout_ref.model"),
-        (f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_device",
-         "actor_rollout_ref.model"),
-        ("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "actor_rollout_ref.ref.log_prob_max_token_len_per_device",
-         "actor_rollout_ref.model"),
+        (
+            f"{ROLLOUT}.log_prob_use_dynamic_bsz",
+            f"{ROLLOUT}.log_prob_max_token_len_per_device",
+            "actor_rollout_ref.model",
+        ),
+        (
+            "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_device",
+            "actor_rollout_ref.model",
+        ),
         ("critic.use_dynamic_bsz", "critic.ppo_max_token_len_per_device", "critic.model"),
         ("critic.use_dynamic_bsz", "critic.forward_max_token_len_per_device", "critic.model"),
     ):
         if get_value(cfg, flag):
-            c.check(get_value(cfg, f"{padding}.use_remove_padding"), flag,
-                    f"dynamic micro-batches need {padding}.use_remove_padding=True (token budgets pack rows)")
-            c.check(get_value(cfg, budget) >= row, budget,
-                    f"must hold one padded row: >= max_prompt_length + max_response_length = {row} tokens")
-    for key in ("jaxflow.ray.cpus_per_host", "jaxflow.ray.compile_deadline_s", "jaxflow.ray.step_deadline_s",
-                "jaxflow.ray.sync_deadline_s", "jaxflow.ray.schedule_timeout_s"):
+            c.check(
+                get_value(cfg, f"{padding}.use_remove_padding"),
+                flag,
+                f"dynamic micro-batches need {padding}.use_remove_padding=True (token budgets pack rows)",
+            )
+            c.check(
+                get_value(cfg, budget) >= row,
+                budget,
+                f"must hold one padded row: >= max_prompt_length + max_response_length = {row} tokens",
+            )
+    for key in (
+        "jaxflow.ray.cpus_per_host",
+        "jaxflow.ray.compile_deadline_s",
+        "jaxflow.ray.step_deadline_s",
+        "jaxflow.ray.sync_deadline_s",
+        "jaxflow.ray.schedule_timeout_s",
+    ):
         c.positive(key)
     if c.at_least("jaxflow.ray.devices_per_host") and cfg.jaxflow.backend == "ray":
         per = cfg.jaxflow.ray.devices_per_host
-        c.check(cfg.jaxflow.num_devices % per == 0, "jaxflow.ray.devices_per_host",
-                f"jaxflow.num_devices={cfg.jaxflow.num_devices} is not a whole number of hosts of {per} devices")
-        c.check(all(size % per == 0 for size in cfg.jaxflow.placement.pool_sizes), "jaxflow.placement.pool_sizes",
-                f"{tuple(cfg.jaxflow.placement.pool_sizes)}: with the ray backend every pool takes whole hosts of "
-                f"{per} devices (jaxflow.ray.devices_per_host)")
+        c.check(
+            cfg.jaxflow.num_devices % per == 0,
+            "jaxflow.ray.devices_per_host",
+            f"jaxflow.num_devices={cfg.jaxflow.num_devices} is not a whole number of hosts of {per} devices",
+        )
+        c.check(
+            all(size % per == 0 for size in cfg.jaxflow.placement.pool_sizes),
+            "jaxflow.placement.pool_sizes",
+            f"{tuple(cfg.jaxflow.placement.pool_sizes)}: with the ray backend every pool takes whole hosts of "
+            f"{per} devices (jaxflow.ray.devices_per_host)",
+        )
     topology = cfg.jaxflow.ray.tpu_topology
     if topology:
-        c.check(all(n.isdigit() and int(n) > 0 for n in str(topology).lower().split("x")), "jaxflow.ray.tpu_topology",
-                f"{topology!r} is not a TPU topology such as '4x4' or '2x2x4'")
-        c.check(bool(cfg.jaxflow.ray.tpu_version), "jaxflow.ray.tpu_version",
-                "must name the TPU generation (e.g. 'v5p') when jaxflow.ray.tpu_topology is set")
+        c.check(
+            all(n.isdigit() and int(n) > 0 for n in str(topology).lower().split("x")),
+            "jaxflow.ray.tpu_topology",
+            f"{topology!r} is not a TPU topology such as '4x4' or '2x2x4'",
+        )
+        c.check(
+            bool(cfg.jaxflow.ray.tpu_version),
+            "jaxflow.ray.tpu_version",
+            "must name the TPU generation (e.g. 'v5p') when jaxflow.ray.tpu_topology is set",
+        )
     for key in ("trainer.save_freq", "trainer.test_freq", "jaxflow.sft.test_freq"):
         value = get_value(cfg, key)
         c.check(value == -1 or value >= 1, key, f"must be -1 (never) or >= 1 steps, got {value}")
@@ -259,8 +325,12 @@ def _check_ranges(c: _Checker) -> None:
     optims = [f"{ACTOR}.optim"]
     if critic_enabled(cfg):
         optims.append("critic.optim")
-        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_device", "ppo_epochs",
-                    "forward_micro_batch_size_per_device"):
+        for key in (
+            "ppo_mini_batch_size",
+            "ppo_micro_batch_size_per_device",
+            "ppo_epochs",
+            "forward_micro_batch_size_per_device",
+        ):
             c.at_least(f"critic.{key}")
         c.positive("critic.cliprange_value")
     for prefix in optims:
@@ -273,8 +343,11 @@ def _check_ranges(c: _Checker) -> None:
 
     c.within(f"{ACTOR}.clip_ratio_low", 0, 1, "()")
     c.positive(f"{ACTOR}.clip_ratio_high")
-    c.check(cfg.actor_rollout_ref.actor.clip_ratio_c > 1, f"{ACTOR}.clip_ratio_c",
-            f"must be > 1 (the dual-clip bound), got {cfg.actor_rollout_ref.actor.clip_ratio_c}")
+    c.check(
+        cfg.actor_rollout_ref.actor.clip_ratio_c > 1,
+        f"{ACTOR}.clip_ratio_c",
+        f"must be > 1 (the dual-clip bound), got {cfg.actor_rollout_ref.actor.clip_ratio_c}",
+    )
     c.within("algorithm.gamma", 0, 1)
     c.within("algorithm.lam", 0, 1)
     if cfg.algorithm.kl_ctrl.type == "adaptive":
@@ -284,8 +357,11 @@ def _check_ranges(c: _Checker) -> None:
     for prefix in (ROLLOUT, f"{ROLLOUT}.val_kwargs"):
         s = get_value(cfg, prefix)
         if c.at_least(f"{prefix}.temperature", 0):
-            c.check(not (s.do_sample and s.temperature == 0), f"{prefix}.temperature",
-                    f"is 0 but {prefix}.do_sample is true; use a temperature > 0, or do_sample=false (greedy)")
+            c.check(
+                not (s.do_sample and s.temperature == 0),
+                f"{prefix}.temperature",
+                f"is 0 but {prefix}.do_sample is true; use a temperature > 0, or do_sample=false (greedy)",
+            )
         c.within(f"{prefix}.top_p", 0, 1, "(]")
         c.check(s.top_k >= -1, f"{prefix}.top_k", f"must be -1 or 0 (off) or a positive k, got {s.top_k}")
     c.positive("jaxflow.reward.timeout_s", " seconds")
@@ -301,13 +377,18 @@ def _check_algorithm(c: _Checker) -> None:
         return
     est, n = cfg.algorithm.adv_estimator, cfg.actor_rollout_ref.rollout.n
     if est in GROUP_ESTIMATORS:
-        c.check(n >= 2, f"{ROLLOUT}.n",
-                f"algorithm.adv_estimator={est!r} compares the responses to one prompt and needs rollout.n >= 2, "
-                f"got {n}")
+        c.check(
+            n >= 2,
+            f"{ROLLOUT}.n",
+            f"algorithm.adv_estimator={est!r} compares the responses to one prompt and needs rollout.n >= 2, got {n}",
+        )
     if est == "gae" and cfg.critic.enable is False:
-        c.add("critic.enable", "algorithm.adv_estimator='gae' needs a critic (value model), but critic.enable is "
-                               "false; enable it or use a critic-free estimator (grpo, rloo, remax, "
-                               "reinforce_plus_plus, ...)")
+        c.add(
+            "critic.enable",
+            "algorithm.adv_estimator='gae' needs a critic (value model), but critic.enable is "
+            "false; enable it or use a critic-free estimator (grpo, rloo, remax, "
+            "reinforce_plus_plus, ...)",
+        )
     s = cfg.jaxflow.safe_rlhf
     if s.enable:
         c.positive("jaxflow.safe_rlhf.lambda_lr")
@@ -316,11 +397,17 @@ def _check_algorithm(c: _Checker) -> None:
         else:
             c.at_least("jaxflow.safe_rlhf.lambda_init", 0)
         if s.lambda_max is not None:
-            c.check(s.lambda_max >= s.lambda_init, "jaxflow.safe_rlhf.lambda_max",
-                    f"{s.lambda_max} is below jaxflow.safe_rlhf.lambda_init={s.lambda_init}")
+            c.check(
+                s.lambda_max >= s.lambda_init,
+                "jaxflow.safe_rlhf.lambda_max",
+                f"{s.lambda_max} is below jaxflow.safe_rlhf.lambda_init={s.lambda_init}",
+            )
         if not s.cost_model_path and s.cost_rule == "forbidden_chars":
-            c.check(bool(s.forbidden_chars), "jaxflow.safe_rlhf.forbidden_chars",
-                    "the forbidden_chars cost rule needs at least one character")
+            c.check(
+                bool(s.forbidden_chars),
+                "jaxflow.safe_rlhf.forbidden_chars",
+                "the forbidden_chars cost rule needs at least one character",
+            )
 
 
 def _check_sft(c: _Checker) -> None:
@@ -336,15 +423,22 @@ def _check_sft(c: _Checker) -> None:
     c.at_least("jaxflow.sft.warmup_steps", 0)
     c.at_least("jaxflow.sft.weight_decay", 0)
     c.positive("jaxflow.sft.lr")
-    c.check(s.batch_size <= cfg.jaxflow.data.num_train_examples, "jaxflow.sft.batch_size",
-            f"{s.batch_size} demonstrations per step, but jaxflow.data.num_train_examples draws only "
-            f"{cfg.jaxflow.data.num_train_examples}")
+    c.check(
+        s.batch_size <= cfg.jaxflow.data.num_train_examples,
+        "jaxflow.sft.batch_size",
+        f"{s.batch_size} demonstrations per step, but jaxflow.data.num_train_examples draws only "
+        f"{cfg.jaxflow.data.num_train_examples}",
+    )
     if warm_start:
         return
-    c.check(bool(cfg.jaxflow.sft.output_dir), "jaxflow.sft.output_dir",
-            "must name the directory to write the checkpoint to")
-    c.check(not cfg.data.train_files, "data.train_files",
-            "the sft job trains on the built-in task's demonstrations; leave data.train_files empty")
+    c.check(
+        bool(cfg.jaxflow.sft.output_dir), "jaxflow.sft.output_dir", "must name the directory to write the checkpoint to"
+    )
+    c.check(
+        not cfg.data.train_files,
+        "data.train_files",
+        "the sft job trains on the built-in task's demonstrations; leave data.train_files empty",
+    )
 
 
 def _check_paths(c: _Checker) -> None:
@@ -354,21 +448,30 @@ def _check_paths(c: _Checker) -> None:
     crf = cfg.custom_reward_function
     if crf.path is not None:
         path = os.path.expanduser(crf.path)
-        c.check(os.path.isfile(path), "custom_reward_function.path",
-                f"file not found: {crf.path!r} (resolved to {os.path.abspath(path)})")
+        c.check(
+            os.path.isfile(path),
+            "custom_reward_function.path",
+            f"file not found: {crf.path!r} (resolved to {os.path.abspath(path)})",
+        )
         c.check(bool(crf.name), "custom_reward_function.name", "must name the function in custom_reward_function.path")
     for key in ("data.train_files", "data.val_files"):
         for f in filter(None, (p.strip() for p in get_value(cfg, key).split(","))):
             c.check(os.path.isfile(os.path.expanduser(f)), key, f"file not found: {f!r}")
     if cfg.trainer.resume_mode == "resume_path":
-        c.check(bool(cfg.trainer.resume_from_path), "trainer.resume_from_path",
-                "trainer.resume_mode is 'resume_path' but no checkpoint path is given")
+        c.check(
+            bool(cfg.trainer.resume_from_path),
+            "trainer.resume_from_path",
+            "trainer.resume_mode is 'resume_path' but no checkpoint path is given",
+        )
     for role in ROLES:
         path = model_path(cfg, role)
         if path.startswith(PRESET_PREFIX):
-            name = path[len(PRESET_PREFIX):]
-            c.check(name in PRESETS, path_key(role),
-                    f"unknown preset {name!r}{suggest(name, PRESETS)}; presets: {', '.join(PRESETS)}")
+            name = path[len(PRESET_PREFIX) :]
+            c.check(
+                name in PRESETS,
+                path_key(role),
+                f"unknown preset {name!r}{suggest(name, PRESETS)}; presets: {', '.join(PRESETS)}",
+            )
 
 
 def _check_model_shape(c: _Checker) -> None:
@@ -388,12 +491,16 @@ def _check_model_shape(c: _Checker) -> None:
     c.check(heads % kv == 0, "jaxflow.model.num_kv_heads", f"num_kv_heads={kv} does not divide num_heads={heads}")
     if cfg.jaxflow.data.tokenizer == "char" and not cfg.actor_rollout_ref.model.path:
         need, vocab = len(SPECIAL_TOKENS) + len(DEFAULT_CHARS), m.vocab_size or base.vocab_size
-        c.check(vocab >= need, "jaxflow.model.vocab_size",
-                f"{vocab} rows are fewer than the char tokenizer's {need} ids")
+        c.check(
+            vocab >= need, "jaxflow.model.vocab_size", f"{vocab} rows are fewer than the char tokenizer's {need} ids"
+        )
     if not cfg.data.train_files:
-        c.check(cfg.jaxflow.data.num_train_examples >= cfg.data.train_batch_size, "jaxflow.data.num_train_examples",
-                f"{cfg.jaxflow.data.num_train_examples} built-in prompts are fewer than "
-                f"data.train_batch_size={cfg.data.train_batch_size}")
+        c.check(
+            cfg.jaxflow.data.num_train_examples >= cfg.data.train_batch_size,
+            "jaxflow.data.num_train_examples",
+            f"{cfg.jaxflow.data.num_train_examples} built-in prompts are fewer than "
+            f"data.train_batch_size={cfg.data.train_batch_size}",
+        )
 
 
 # ----------------------------------------------------------------------------- stage 3: structure
@@ -410,13 +517,19 @@ def _check_batches(c: _Checker) -> None:
     cfg = c.cfg
     if cfg.jaxflow.job == "sft":
         s, dp = cfg.jaxflow.sft, data_parallel_size(cfg, "actor")
-        if c.check(s.batch_size % dp == 0, "jaxflow.sft.batch_size",
-                   f"{s.batch_size} demonstrations do not split over the actor's {dp} data-parallel ranks "
-                   "(dp*fsdp of jaxflow.mesh.actor.train)"):
+        if c.check(
+            s.batch_size % dp == 0,
+            "jaxflow.sft.batch_size",
+            f"{s.batch_size} demonstrations do not split over the actor's {dp} data-parallel ranks "
+            "(dp*fsdp of jaxflow.mesh.actor.train)",
+        ):
             per = s.batch_size // dp
-            c.check(per % s.micro_batch_size_per_device == 0, "jaxflow.sft.micro_batch_size_per_device",
-                    f"{per} demonstrations per data-parallel rank ({s.batch_size}/{dp}) are not a multiple "
-                    f"of {s.micro_batch_size_per_device}")
+            c.check(
+                per % s.micro_batch_size_per_device == 0,
+                "jaxflow.sft.micro_batch_size_per_device",
+                f"{per} demonstrations per data-parallel rank ({s.batch_size}/{dp}) are not a multiple "
+                f"of {s.micro_batch_size_per_device}",
+            )
         return
     batch, n = cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n
     for role, prefix in (("actor", ACTOR), ("critic", "critic")):
@@ -424,29 +537,40 @@ def _check_batches(c: _Checker) -> None:
             continue
         mini = get_value(cfg, f"{prefix}.ppo_mini_batch_size")
         micro = get_value(cfg, f"{prefix}.ppo_micro_batch_size_per_device")
-        if not c.check(batch % mini == 0, f"{prefix}.ppo_mini_batch_size",
-                       f"data.train_batch_size={batch} prompts do not split into mini-batches of {mini} prompts"):
+        if not c.check(
+            batch % mini == 0,
+            f"{prefix}.ppo_mini_batch_size",
+            f"data.train_batch_size={batch} prompts do not split into mini-batches of {mini} prompts",
+        ):
             continue
         if _auto(cfg):  # the auto-mapper proposes only meshes whose data-parallel ranks split the batches
             continue
         dp = data_parallel_size(cfg, role)
         responses = mini * n
-        if not c.check(responses % dp == 0, f"{prefix}.ppo_mini_batch_size",
-                       f"a mini-batch of {mini} prompts x rollout.n={n} = {responses} responses does not split "
-                       f"over the {role}'s {dp} data-parallel ranks (dp*fsdp of {mesh_key(role)})"):
+        if not c.check(
+            responses % dp == 0,
+            f"{prefix}.ppo_mini_batch_size",
+            f"a mini-batch of {mini} prompts x rollout.n={n} = {responses} responses does not split "
+            f"over the {role}'s {dp} data-parallel ranks (dp*fsdp of {mesh_key(role)})",
+        ):
             continue
         per = responses // dp
         # A micro-batch bounds memory: one larger than a rank's rows means a single pass.
-        c.check(per <= micro or per % micro == 0, f"{prefix}.ppo_micro_batch_size_per_device",
-                f"{per} responses per data-parallel rank per mini-batch ({mini} prompts x n={n} / {dp} ranks) "
-                f"are not a multiple of the micro-batch size {micro}")
+        c.check(
+            per <= micro or per % micro == 0,
+            f"{prefix}.ppo_micro_batch_size_per_device",
+            f"{per} responses per data-parallel rank per mini-batch ({mini} prompts x n={n} / {dp} ranks) "
+            f"are not a multiple of the micro-batch size {micro}",
+        )
 
 
 def _describe(model: Any, role: str, cfg: ConfigDict) -> str:
     path = model_path(cfg, role) or f"{PRESET_PREFIX}{cfg.jaxflow.model.preset}"
-    return (f"{role} model {path}: heads={model.num_heads}, kv_heads={model.num_kv_heads}, "
-            f"head_dim={model.head_dim}, hidden={model.hidden_size}, mlp={model.intermediate_size}, "
-            f"vocab={model.vocab_size}")
+    return (
+        f"{role} model {path}: heads={model.num_heads}, kv_heads={model.num_kv_heads}, "
+        f"head_dim={model.head_dim}, hidden={model.hidden_size}, mlp={model.intermediate_size}, "
+        f"vocab={model.vocab_size}"
+    )
 
 
 def _check_model_fit(c: _Checker) -> None:
@@ -485,12 +609,18 @@ def _check_model_lengths(c: _Checker) -> None:
     actor = model_config(cfg, "actor")
     if actor is not None:
         total = cfg.data.max_prompt_length + cfg.data.max_response_length
-        c.check(total <= actor.max_position_embeddings, "data.max_response_length",
-                f"data.max_prompt_length + data.max_response_length = {total} exceeds the actor model's "
-                f"max_position_embeddings={actor.max_position_embeddings}")
+        c.check(
+            total <= actor.max_position_embeddings,
+            "data.max_response_length",
+            f"data.max_prompt_length + data.max_response_length = {total} exceeds the actor model's "
+            f"max_position_embeddings={actor.max_position_embeddings}",
+        )
         if cfg.jaxflow.data.tokenizer == "char" and cfg.actor_rollout_ref.model.path:
-            c.check(actor.vocab_size >= 100, "actor_rollout_ref.model.path",
-                    f"the model's vocab_size={actor.vocab_size} is smaller than the char tokenizer's 100 ids")
+            c.check(
+                actor.vocab_size >= 100,
+                "actor_rollout_ref.model.path",
+                f"the model's vocab_size={actor.vocab_size} is smaller than the char tokenizer's 100 ids",
+            )
 
 
 def _check_structure(c: _Checker) -> None:
@@ -504,9 +634,12 @@ def _check_structure(c: _Checker) -> None:
         return
     sizes, tp = mesh_sizes(cfg, "actor"), cfg.jaxflow.mesh.actor.generate.tp
     n = sizes["fsdp"] * sizes["tp"]
-    c.check(n % tp == 0, "jaxflow.mesh.actor.generate.tp",
-            f"generation tp={tp} must divide the actor's training weight-parallel degree fsdp*tp = "
-            f"{sizes['fsdp']}*{sizes['tp']} = {n} (jaxflow.mesh.actor.train)")
+    c.check(
+        n % tp == 0,
+        "jaxflow.mesh.actor.generate.tp",
+        f"generation tp={tp} must divide the actor's training weight-parallel degree fsdp*tp = "
+        f"{sizes['fsdp']}*{sizes['tp']} = {n} (jaxflow.mesh.actor.train)",
+    )
     _check_batches(c)
     if not c.items:
         _check_model_fit(c)
@@ -539,7 +672,9 @@ def warn_ignored_under_auto(given: ConfigDict, resolved: ConfigDict) -> list[str
     if ignored:
         logging.getLogger(__name__).warning(
             "jaxflow.placement.type is auto, so the auto-mapper's plan replaced %s; to run with your own settings, "
-            "set jaxflow.placement.type=colocated (or split, or custom)", ", ".join(ignored))
+            "set jaxflow.placement.type=colocated (or split, or custom)",
+            ", ".join(ignored),
+        )
     return ignored
 
 
@@ -556,8 +691,11 @@ def validate(cfg: ConfigDict) -> None:
         # and validates the config it produces; here only what does not depend on a mesh.
         p = cfg.jaxflow.placement
         c.check(not p.groups, "jaxflow.placement.groups", "is only used by placement type 'custom' (type is 'auto')")
-        c.check(not p.pool_sizes, "jaxflow.placement.pool_sizes",
-                "is only used by placement types 'split' and 'custom' (type is 'auto')")
+        c.check(
+            not p.pool_sizes,
+            "jaxflow.placement.pool_sizes",
+            "is only used by placement types 'split' and 'custom' (type is 'auto')",
+        )
         _check_batches(c)
         _check_model_lengths(c)
         c.raise_if_any()

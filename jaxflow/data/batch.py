@@ -102,11 +102,7 @@ def values_equal(a: Any, b: Any) -> bool:
     if isinstance(a, Mapping) and isinstance(b, Mapping):
         return a.keys() == b.keys() and all(values_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return (
-            type(a) is type(b)
-            and len(a) == len(b)
-            and all(values_equal(x, y) for x, y in zip(a, b))
-        )
+        return type(a) is type(b) and len(a) == len(b) and all(values_equal(x, y) for x, y in zip(a, b))
     try:
         return bool(a == b)
     except Exception:  # noqa: BLE001  (objects whose == is not a truth value)
@@ -127,13 +123,9 @@ def _as_tensor(key: str, value: Any) -> Array:
     try:
         arr = np.asarray(value)
     except ValueError as e:  # ragged nested lists
-        raise ValueError(
-            f"tensor column {key!r} is ragged ({e}); pad it or put it in non_tensors"
-        ) from e
+        raise ValueError(f"tensor column {key!r} is ragged ({e}); pad it or put it in non_tensors") from e
     if arr.dtype.kind not in _NUMERIC_KINDS:
-        raise TypeError(
-            f"tensor column {key!r} is not numeric (dtype {arr.dtype}); put it in non_tensors"
-        )
+        raise TypeError(f"tensor column {key!r} is not numeric (dtype {arr.dtype}); put it in non_tensors")
     return arr
 
 
@@ -190,8 +182,7 @@ def _concat_column(key: str, parts: list[Any]) -> Array:
     for i, p in enumerate(parts[1:], start=1):
         if p.dtype != first.dtype or p.shape[1:] != first.shape[1:]:
             raise ValueError(
-                f"cannot concatenate column {key!r}: batch {i} has {_describe(p)} but "
-                f"batch 0 has {_describe(first)}"
+                f"cannot concatenate column {key!r}: batch {i} has {_describe(p)} but batch 0 has {_describe(first)}"
             )
     if all(isinstance(p, np.ndarray) for p in parts):
         return np.concatenate(parts, axis=0)
@@ -460,13 +451,11 @@ class Batch:
         for i, b in enumerate(batches[1:], start=1):
             if set(b.tensors) != set(first.tensors):
                 raise ValueError(
-                    f"batch {i} has tensor keys {sorted(b.tensors)} but batch 0 has "
-                    f"{sorted(first.tensors)}"
+                    f"batch {i} has tensor keys {sorted(b.tensors)} but batch 0 has {sorted(first.tensors)}"
                 )
             if set(b.non_tensors) != set(first.non_tensors):
                 raise ValueError(
-                    f"batch {i} has non-tensor keys {sorted(b.non_tensors)} but batch 0 has "
-                    f"{sorted(first.non_tensors)}"
+                    f"batch {i} has non-tensor keys {sorted(b.non_tensors)} but batch 0 has {sorted(first.non_tensors)}"
                 )
         meta: dict[str, Any] = {}
         for b in batches:
@@ -559,6 +548,5 @@ def assert_batch_equal(a: Batch, b: Batch) -> None:
         for k in da:
             if not values_equal(da[k], db[k]):
                 raise AssertionError(
-                    f"{kind} {k!r} differs: {_describe(da[k])} vs {_describe(db[k])}\n"
-                    f"{da[k]!r}\nvs\n{db[k]!r}"
+                    f"{kind} {k!r} differs: {_describe(da[k])} vs {_describe(db[k])}\n{da[k]!r}\nvs\n{db[k]!r}"
                 )

@@ -39,9 +39,7 @@ class CharTokenizer(Tokenizer):
         vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(chars))}
         backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
         backend.decoder = decoders.Fuse()
-        backend.add_special_tokens(
-            [tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS]
-        )
+        backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
         self.chars = chars
         super().__init__(
             backend,

@@ -162,7 +162,9 @@ def _read_rows_with_location(path: str) -> list[tuple[dict[str, Any], str]]:
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise DatasetError(f"{path}: line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line)") from None
+            raise DatasetError(
+                f"{path}: line {lineno} is not valid UTF-8 ({e.reason} at byte {e.start} of the line)"
+            ) from None
         try:
             row = json.loads(text)
         except json.JSONDecodeError as e:
@@ -277,7 +279,11 @@ class PromptDataset:
                 if truncation == "filter":
                     continue
                 num_truncated += 1
-                token_ids = token_ids[-self.max_prompt_length :] if truncation == "left" else token_ids[: self.max_prompt_length]
+                token_ids = (
+                    token_ids[-self.max_prompt_length :]
+                    if truncation == "left"
+                    else token_ids[: self.max_prompt_length]
+                )
             keep.append(k)
             self._ids.append(np.asarray(token_ids, np.int32))
         num_filtered = len(located) - len(keep)
@@ -298,7 +304,12 @@ class PromptDataset:
         if num_truncated or num_filtered:
             logger.info(
                 "prompt dataset %s: %d rows, %d truncated (%s), %d filtered as longer than %d tokens",
-                ", ".join(files), len(located), num_truncated, truncation, num_filtered, self.max_prompt_length,
+                ", ".join(files),
+                len(located),
+                num_truncated,
+                truncation,
+                num_filtered,
+                self.max_prompt_length,
             )
 
     def _render(self, prompt: Any, path: str, where: str) -> str:
@@ -308,16 +319,19 @@ class PromptDataset:
             prompt = [{"role": "user", "content": prompt}]
         elif not self.use_chat_template:
             raise DatasetError(f"{path}: {where}: prompt is a list of messages but use_chat_template=False")
-        if not isinstance(prompt, (list, tuple)) or not prompt or not all(
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+        if (
+            not isinstance(prompt, (list, tuple))
+            or not prompt
+            or not all(
+                isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prompt
+            )
         ):
             raise DatasetError(
                 f"{path}: {where}: column {self.prompt_key!r} must be a string or a non-empty list of "
                 f"{{'role': str, 'content': str}} messages, got {prompt!r:.200}"
             )
-        return self.tokenizer.apply_chat_template(
-            [dict(m) for m in prompt], add_generation_prompt=True, tokenize=False
-        )
+        return self.tokenizer.apply_chat_template([dict(m) for m in prompt], add_generation_prompt=True, tokenize=False)
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -328,8 +342,9 @@ class PromptDataset:
         for where, columns in zip(self._where, self._columns):
             truth = columns["ground_truth"]
             if not isinstance(truth, allowed) or isinstance(truth, bool):
-                raise DatasetError(f"{where}: reward_model.ground_truth is {truth!r:.100} "
-                                   f"({type(truth).__name__}); {why}")
+                raise DatasetError(
+                    f"{where}: reward_model.ground_truth is {truth!r:.100} ({type(truth).__name__}); {why}"
+                )
 
     def prompt_ids(self, i: int) -> np.ndarray:
         """The (possibly truncated) token ids of row ``i``."""
@@ -545,4 +560,9 @@ def tokenize_sft_examples(
         prompt_mask[i, max_prompt_length - len(p_ids) :] = 1
         responses[i, : len(r_ids)] = r_ids
         response_mask[i, : len(r_ids)] = 1
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "responses": responses, "response_mask": response_mask}
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "response_mask": response_mask,
+    }

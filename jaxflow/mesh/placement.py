@@ -150,7 +150,10 @@ class Placement:
             for role in roles:
                 if role in specs:
                     raise ValueError(f"role {role!r} is placed twice (pools {specs[role].pool!r} and {pool_name!r})")
-                role_rules = {**DEFAULT_ROLE_RULES.get(role, {"train": "train", "infer": "train"}), **rules.get(role, {})}
+                role_rules = {
+                    **DEFAULT_ROLE_RULES.get(role, {"train": "train", "infer": "train"}),
+                    **rules.get(role, {}),
+                }
                 tp_g = gen_tp.get(role, 1 if role == "actor" else None)
                 specs[role] = RoleSpec(pool_name, MeshSpec.parse(meshes.get(role, MeshSpec(fsdp=-1))), tp_g, role_rules)
         unknown = sorted((set(meshes) | set(gen_tp) | set(rules) | set(models or {})) - set(specs))

@@ -79,14 +79,10 @@ def split_pools(
     if fills:
         rest = len(devices) - fixed
         if rest <= 0:
-            raise ValueError(
-                f"pool sizes {dict(items)} leave {rest} devices for {fills[0]!r} out of {len(devices)}"
-            )
+            raise ValueError(f"pool sizes {dict(items)} leave {rest} devices for {fills[0]!r} out of {len(devices)}")
         items = [(name, rest if size == -1 else size) for name, size in items]
     elif fixed != len(devices):
-        raise ValueError(
-            f"pool sizes {dict(items)} add up to {fixed} but there are {len(devices)} devices"
-        )
+        raise ValueError(f"pool sizes {dict(items)} add up to {fixed} but there are {len(devices)} devices")
     pools: dict[str, ResourcePool] = {}
     start = 0
     for name, size in items:

@@ -76,9 +76,7 @@ def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
     return tuple(axes)
 
 
-def logical_to_spec(
-    logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh | None = None
-) -> PartitionSpec:
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh | None = None) -> PartitionSpec:
     """Turn logical names into a PartitionSpec.
 
     A mesh axis is used at most once per spec (the first dimension that asks for it wins),
@@ -123,8 +121,7 @@ def logical_axes_tree(state: Any) -> Any:
         axes = v.get_metadata().get("logical_axes")
         if axes is None or len(axes) != len(v.get_value().shape):
             raise ValueError(
-                f"parameter {jax.tree_util.keystr(path)} has logical axes {axes} for shape "
-                f"{v.get_value().shape}"
+                f"parameter {jax.tree_util.keystr(path)} has logical axes {axes} for shape {v.get_value().shape}"
             )
         return tuple(axes)
 
@@ -139,9 +136,7 @@ def state_shardings(state: Any, rules: Rules, mesh: Mesh) -> Any:
         axes = v.get_metadata().get("logical_axes")
         shape = tuple(v.get_value().shape)
         if axes is None or len(axes) != len(shape):
-            raise ValueError(
-                f"parameter {jax.tree_util.keystr(path)} has logical axes {axes} for shape {shape}"
-            )
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)} has logical axes {axes} for shape {shape}")
         spec = logical_to_spec(axes, rules, mesh)
         _check_divisible(jax.tree_util.keystr(path), shape, spec, mesh)
         return NamedSharding(mesh, spec)
@@ -269,7 +264,8 @@ HYBRID_GENERATE_RULES_KV_HEAD_DIM: Rules = _with(HYBRID_GENERATE_RULES, kv_heads
 # and the transition all-gathers over fsdp and inside the micro-DP groups. Generation uses
 # the HYBRID_GENERATE_RULES* unchanged (embed is never split in generation).
 HYBRID_TRAIN_RULES_EMBED: Rules = _with(
-    HYBRID_TRAIN_RULES, vocab="tp", embed="fsdp", heads="tp", kv_heads="tp", mlp="tp")
+    HYBRID_TRAIN_RULES, vocab="tp", embed="fsdp", heads="tp", kv_heads="tp", mlp="tp"
+)
 HYBRID_TRAIN_RULES_EMBED_KV_HEAD_DIM: Rules = _with(HYBRID_TRAIN_RULES_EMBED, kv_heads=None, head_dim="tp")
 
 RULE_SETS: dict[str, Rules] = {

@@ -100,9 +100,7 @@ class MeshSpec:
                 )
             sizes[fill[0]] = num_devices // known
         elif known != num_devices:
-            raise ValueError(
-                f"mesh {self._text(sizes)} has {known} devices but the pool has {num_devices}"
-            )
+            raise ValueError(f"mesh {self._text(sizes)} has {known} devices but the pool has {num_devices}")
         return sizes
 
     def build(
@@ -152,9 +150,7 @@ def check_model_fits(model: Any, sizes: Mapping[str, int], rules: Rules = TRAIN_
                     "; lower tp, or use a rule set that splits k/v over head_dim "
                     "(jaxflow.mesh.hybrid_rules picks one for the model)"
                 )
-            raise ValueError(
-                f"{axes_txt} does not divide {field}={value} (rule {name!r} -> {tuple(axes)}){hint}"
-            )
+            raise ValueError(f"{axes_txt} does not divide {field}={value} (rule {name!r} -> {tuple(axes)}){hint}")
 
 
 def weight_axes(rules: Rules, mesh: Mesh) -> tuple[str, ...]:
@@ -163,9 +159,7 @@ def weight_axes(rules: Rules, mesh: Mesh) -> tuple[str, ...]:
     return tuple(a for a in _rule_axes(rules, "heads") if a in mesh.shape)
 
 
-def generation_mesh(
-    train_mesh: Mesh, gen_tp: int, train_weight_axes: Sequence[str], grouping: str = "hybrid"
-) -> Mesh:
+def generation_mesh(train_mesh: Mesh, gen_tp: int, train_weight_axes: Sequence[str], grouping: str = "hybrid") -> Mesh:
     """The generation mesh on the training mesh's devices, *in the same device order*.
 
     Let the training weights' Megatron dimension be split ``n`` ways over

@@ -70,17 +70,12 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(
-                f"unsupported model_type {self.model_type!r}; supported: {sorted(MODEL_TYPES)}"
-            )
+            raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {sorted(MODEL_TYPES)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.rope_scaling.rope_type not in SUPPORTED_ROPE_TYPES:
             raise ValueError(
-                f"unsupported rope_scaling type {self.rope_scaling.rope_type!r}; "
-                f"supported: {SUPPORTED_ROPE_TYPES}"
+                f"unsupported rope_scaling type {self.rope_scaling.rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}"
             )
         if self.remat_policy not in ("none", "full", "dots", "dots_no_batch"):
             raise ValueError(f"unknown remat_policy {self.remat_policy!r}")
@@ -195,8 +190,9 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             # Both spellings, so transformers 4 and 5 read the same RoPE.
             "rope_theta": self.rope_theta,
-            "rope_scaling": None if self.rope_scaling.rope_type == "default" else
-            {k: v for k, v in rope.items() if k != "rope_theta"},
+            "rope_scaling": None
+            if self.rope_scaling.rope_type == "default"
+            else {k: v for k, v in rope.items() if k != "rope_theta"},
             "rope_parameters": rope,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,

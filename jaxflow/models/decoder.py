@@ -121,7 +121,7 @@ def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Ar
     # Rows M = (G, L) of one matmul per (batch, kv head), both operands in matmul order.
     q_BxNxMxK = q_BxLxHxK.reshape(B, L, N, G, K).transpose(0, 2, 3, 1, 4).reshape(B, N, G * L, K)
     sdt = wide(q_BxLxHxK.dtype)
-    scores = jnp.einsum("BNMK,BNKS->BNMS", q_BxNxMxK, k_BxNxKxS).astype(sdt) * (K ** -0.5)
+    scores = jnp.einsum("BNMK,BNKS->BNMS", q_BxNxMxK, k_BxNxKxS).astype(sdt) * (K**-0.5)
     scores = scores.reshape(B, N, G, L, S)
     scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(sdt).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
@@ -182,15 +182,24 @@ class Decoder(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.embed_tokens = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype)
+        self.embed_tokens = _param(
+            rngs, _normal, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg.param_dtype
+        )
         if cfg.scan_layers:
             self.layers = _stacked_blocks(cfg, rngs)
         else:
             self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
 
-    def __call__(self, input_ids_BxL, attention_mask_BxL=None, positions_BxL=None, cache: Any = None,
-                 inputs_embeds_BxLxD=None, segment_ids_BxL=None):
+    def __call__(
+        self,
+        input_ids_BxL,
+        attention_mask_BxL=None,
+        positions_BxL=None,
+        cache: Any = None,
+        inputs_embeds_BxLxD=None,
+        segment_ids_BxL=None,
+    ):
         """Hidden states [B, L, D] after the final norm, and the updated cache (or None).
 
         Without a cache, tokens attend causally to the real tokens of their row. With

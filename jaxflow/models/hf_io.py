@@ -270,25 +270,33 @@ def from_pretrained(
         name, layout = table[key]
         if head == "value" and key[0] in ("score", "score_bias") and name not in ckpt:
             log.info("%s has no value head (%s): initialising it to zero", path, name)
-            return sharded_array(shape, target_dtype, sharding,
-                                 lambda index: np.zeros([s.stop - s.start for s in index], target_dtype))
+            return sharded_array(
+                shape, target_dtype, sharding, lambda index: np.zeros([s.stop - s.start for s in index], target_dtype)
+            )
         if layer is not None or key[0] != "layers":
             hf_shape = _hf_shape(layout.to_hf, shape)
-            return sharded_array(shape, target_dtype, sharding,
-                                 lambda index: layout.read(ckpt, name.format(i=layer), hf_shape, index))
+            return sharded_array(
+                shape, target_dtype, sharding, lambda index: layout.read(ckpt, name.format(i=layer), hf_shape, index)
+            )
         # A scanned stack [L, ...]: a block covers some layers, each read from its own tensor.
         hf_shape = _hf_shape(layout.to_hf, shape[1:])
 
         def read_layers(index):
-            return np.stack([layout.read(ckpt, name.format(i=i), hf_shape, index[1:])
-                             for i in range(index[0].start, index[0].stop)])
+            return np.stack(
+                [layout.read(ckpt, name.format(i=i), hf_shape, index[1:]) for i in range(index[0].start, index[0].stop)]
+            )
 
         return sharded_array(shape, target_dtype, sharding, read_layers)
 
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     # A progress bar on a terminal only (a log file gets nothing).
-    with tqdm(total=len(jax.tree.leaves(state, is_leaf=is_var)), desc=f"loading {os.path.basename(path)}",
-              unit="tensor", leave=False, disable=not sys.stderr.isatty()) as progress:
+    with tqdm(
+        total=len(jax.tree.leaves(state, is_leaf=is_var)),
+        desc=f"loading {os.path.basename(path)}",
+        unit="tensor",
+        leave=False,
+        disable=not sys.stderr.isatty(),
+    ) as progress:
 
         def load_and_count(p, v, s):
             out = v.replace(load(p, v, s))
@@ -301,8 +309,9 @@ def from_pretrained(
     return nnx.merge(graphdef, values)
 
 
-def sharded_array(shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding,
-                  read: Callable[[tuple[slice, ...]], np.ndarray]) -> jax.Array:
+def sharded_array(
+    shape: tuple[int, ...], dtype: Any, sharding: jax.sharding.Sharding, read: Callable[[tuple[slice, ...]], np.ndarray]
+) -> jax.Array:
     """The array of ``shape`` laid out by ``sharding``, built from the blocks that this
     process's devices hold: ``read(index)`` (a tuple of ``slice(start, stop)``, one per
     dimension) returns one block; each distinct block is read once, however many local

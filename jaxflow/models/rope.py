@@ -29,9 +29,7 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
         high_wavelen = old_len / scaling.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
         scaled = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
-            scaling.high_freq_factor - scaling.low_freq_factor
-        )
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
         blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = np.where(is_medium, blended, scaled)

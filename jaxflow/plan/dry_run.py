@@ -81,8 +81,16 @@ from jaxflow.sampling import EngineShape, engine_shape
 GiB = 1024**3
 TRAINING_ROLES = ("actor", "critic")
 # Programs compiled by default (those of roles the config runs), in the order of a step.
-DEFAULT_PROGRAMS = ("actor/generate", "actor/generate_greedy", "actor/reshard", "ref/log_probs", "reward/scores",
-                    "cost/scores", "critic/train_step", "actor/train_step")
+DEFAULT_PROGRAMS = (
+    "actor/generate",
+    "actor/generate_greedy",
+    "actor/reshard",
+    "ref/log_probs",
+    "reward/scores",
+    "cost/scores",
+    "critic/train_step",
+    "actor/train_step",
+)
 # Also available: the actor's old-log-prob forward and the critic's value forward.
 OPTIONAL_PROGRAMS = ("actor/log_probs", "critic/values")
 
@@ -274,7 +282,8 @@ def generate_activation_bytes(mc: ModelConfig, shape: EngineShape, rules: Rules,
     C = shape.prefill_len
     prefill = _layer_bytes(mc, shape.prefill_rows, C, C, rules, mesh)
     decode = _layer_bytes(mc, shape.slots, 1, shape.prompt_len + shape.response_len, rules, mesh) + (
-        2 * shape.slots * mc.vocab_size / sv * 4)
+        2 * shape.slots * mc.vocab_size / sv * 4
+    )
     return int(max(prefill, decode) + 2 * shape.rows * shape.response_len * 4)
 
 
@@ -285,15 +294,27 @@ def _params_bytes(state: Any, rules: Rules, mesh: Mesh) -> int:
 
 
 def _model_dict(mc: ModelConfig) -> dict[str, Any]:
-    return dict(model_type=mc.model_type, num_layers=mc.num_layers, hidden_size=mc.hidden_size,
-                intermediate_size=mc.intermediate_size, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads,
-                head_dim=mc.head_dim, vocab_size=mc.vocab_size, param_dtype=jnp.dtype(mc.param_dtype).name,
-                dtype=jnp.dtype(mc.dtype).name, scan_layers=mc.scan_layers, remat_policy=mc.remat_policy)
+    return dict(
+        model_type=mc.model_type,
+        num_layers=mc.num_layers,
+        hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size,
+        num_heads=mc.num_heads,
+        num_kv_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim,
+        vocab_size=mc.vocab_size,
+        param_dtype=jnp.dtype(mc.param_dtype).name,
+        dtype=jnp.dtype(mc.dtype).name,
+        scan_layers=mc.scan_layers,
+        remat_policy=mc.remat_policy,
+    )
 
 
 def _model_text(m: dict[str, Any]) -> str:
-    return (f"{m['model_type']} L{m['num_layers']} D{m['hidden_size']} F{m['intermediate_size']} "
-            f"H{m['num_heads']}/{m['num_kv_heads']}x{m['head_dim']} V{m['vocab_size']} {m['param_dtype']}")
+    return (
+        f"{m['model_type']} L{m['num_layers']} D{m['hidden_size']} F{m['intermediate_size']} "
+        f"H{m['num_heads']}/{m['num_kv_heads']}x{m['head_dim']} V{m['vocab_size']} {m['param_dtype']}"
+    )
 
 
 def _mesh_text(shape: dict[str, int]) -> str:
@@ -306,17 +327,22 @@ def _count(n: int) -> str:
 
 # --- printing --------------------------------------------------------------------------------------
 
+
 def format_program_header(r: DryRunReport) -> str:
     name, _ = _unit(r)
-    return (f"compiled programs, per device ({name}; XLA memory_analysis of the AOT compile on the simulated mesh):\n"
-            f"  {'program':<18} {'args':>7} {'out':>7} {'alias':>7} {'temp':>7} {'code':>7} {'peak':>7} "
-            f"{'+resid':>7} {'total':>7}  fits  compile  mesh / what")
+    return (
+        f"compiled programs, per device ({name}; XLA memory_analysis of the AOT compile on the simulated mesh):\n"
+        f"  {'program':<18} {'args':>7} {'out':>7} {'alias':>7} {'temp':>7} {'code':>7} {'peak':>7} "
+        f"{'+resid':>7} {'total':>7}  fits  compile  mesh / what"
+    )
 
 
 def format_plan(r: DryRunReport) -> str:
-    lines = [f"jaxflow dry run: {r.config} on {r.num_devices} {r.platform} devices, "
-             f"budget {r.device_memory_bytes / GiB:.1f} GiB per device",
-             f"placement {r.placement}:"]
+    lines = [
+        f"jaxflow dry run: {r.config} on {r.num_devices} {r.platform} devices, "
+        f"budget {r.device_memory_bytes / GiB:.1f} GiB per device",
+        f"placement {r.placement}:",
+    ]
     for p in r.pools:
         lines.append(f"  pool {p.name:<8} devices {p.devices_text:<10} roles {', '.join(p.roles)}")
     lines.append("roles:")
@@ -325,42 +351,59 @@ def format_plan(r: DryRunReport) -> str:
         lines.append(f"  {rp.role:<7} {rp.head:<7} {_model_text(rp.model)}  {_count(rp.num_params)} params  [{meshes}]")
     name, u = _unit(r)
     lines.append(f"analytic memory per device ({name}):")
-    lines.append(f"  {'role':<7} {'params':>7} {'optim':>7} {'grads':>7} {'act:tr':>7} {'act:inf':>7} "
-                 f"{'gen-w':>7} {'kv':>7} {'act:gen':>7}")
+    lines.append(
+        f"  {'role':<7} {'params':>7} {'optim':>7} {'grads':>7} {'act:tr':>7} {'act:inf':>7} "
+        f"{'gen-w':>7} {'kv':>7} {'act:gen':>7}"
+    )
     for rp in r.roles:
         a = rp.activation_bytes
-        lines.append(f"  {rp.role:<7} {_b(rp.param_bytes, u)} {_b(rp.optimizer_bytes, u)} {_b(rp.gradient_bytes, u)} "
-                     f"{_b(a.get('train', 0), u)} {_b(a.get('infer', 0), u)} {_b(rp.generate_param_bytes, u)} "
-                     f"{_b(rp.kv_cache_bytes, u)} {_b(a.get('generate', 0), u)}")
+        lines.append(
+            f"  {rp.role:<7} {_b(rp.param_bytes, u)} {_b(rp.optimizer_bytes, u)} {_b(rp.gradient_bytes, u)} "
+            f"{_b(a.get('train', 0), u)} {_b(a.get('infer', 0), u)} {_b(rp.generate_param_bytes, u)} "
+            f"{_b(rp.kv_cache_bytes, u)} {_b(a.get('generate', 0), u)}"
+        )
     for p in r.pools:
-        lines.append(f"  pool {p.name}: kept {p.persistent_bytes / u:.2f} + largest transient ({p.peak_phase}) "
-                     f"= {p.peak_bytes / u:.2f} {name} -> {'fits' if p.fits else 'DOES NOT FIT'}")
+        lines.append(
+            f"  pool {p.name}: kept {p.persistent_bytes / u:.2f} + largest transient ({p.peak_phase}) "
+            f"= {p.peak_bytes / u:.2f} {name} -> {'fits' if p.fits else 'DOES NOT FIT'}"
+        )
     return "\n".join(lines)
 
 
 def format_program(r: DryRunReport, p: ProgramReport) -> str:
     _, u = _unit(r)
-    return (f"  {p.name:<18} {_b(p.argument_bytes, u)} {_b(p.output_bytes, u)} {_b(p.alias_bytes, u)} "
-            f"{_b(p.temp_bytes, u)} {_b(p.generated_code_bytes, u)} {_b(p.peak_bytes, u)} {_b(p.resident_bytes, u)} "
-            f"{_b(p.total_bytes, u)}  {'yes ' if p.fits else 'NO  '} {p.compile_seconds:6.1f}s  "
-            f"{_mesh_text(p.mesh)}: {p.description}")
+    return (
+        f"  {p.name:<18} {_b(p.argument_bytes, u)} {_b(p.output_bytes, u)} {_b(p.alias_bytes, u)} "
+        f"{_b(p.temp_bytes, u)} {_b(p.generated_code_bytes, u)} {_b(p.peak_bytes, u)} {_b(p.resident_bytes, u)} "
+        f"{_b(p.total_bytes, u)}  {'yes ' if p.fits else 'NO  '} {p.compile_seconds:6.1f}s  "
+        f"{_mesh_text(p.mesh)}: {p.description}"
+    )
 
 
 def format_summary(r: DryRunReport) -> str:
     name, u = _unit(r)
-    lines = ["  (+resid: the pool's parameters / optimizer state not among the program's arguments; "
-             "total = peak + resid)"]
+    lines = [
+        "  (+resid: the pool's parameters / optimizer state not among the program's arguments; total = peak + resid)"
+    ]
     for p in r.programs:
         if p.name == "actor/reshard" and p.extra:
             e = p.extra
-            lines.append(f"  actor/reshard: {e['programs']} programs / {e['calls']} calls, receives (ring model of the HLO's collectives) "
-                         f"{e['ring_received_bytes'] / u:.2f} {name} per device "
-                         f"(Table 2: {e['table2_comm_bytes'] / u:.2f}), redundancy {e['redundancy_bytes'] / u:.2f} {name}")
+            lines.append(
+                f"  actor/reshard: {e['programs']} programs / {e['calls']} calls, receives (ring model of the HLO's collectives) "
+                f"{e['ring_received_bytes'] / u:.2f} {name} per device "
+                f"(Table 2: {e['table2_comm_bytes'] / u:.2f}), redundancy {e['redundancy_bytes'] / u:.2f} {name}"
+            )
     lines += [f"note: {n}" for n in r.notes]
-    verdict = "everything fits" if r.fits else "DOES NOT FIT: " + ", ".join(
-        [p.name for p in r.programs if not p.fits] + [f"pool {p.name}" for p in r.pools if not p.fits])
-    lines.append(f"{verdict} in {r.device_memory_bytes / GiB:.1f} GiB per device; wall time {r.wall_seconds:.1f} s, "
-                 f"host peak RSS {r.max_rss_bytes / GiB:.2f} GiB")
+    verdict = (
+        "everything fits"
+        if r.fits
+        else "DOES NOT FIT: "
+        + ", ".join([p.name for p in r.programs if not p.fits] + [f"pool {p.name}" for p in r.pools if not p.fits])
+    )
+    lines.append(
+        f"{verdict} in {r.device_memory_bytes / GiB:.1f} GiB per device; wall time {r.wall_seconds:.1f} s, "
+        f"host peak RSS {r.max_rss_bytes / GiB:.2f} GiB"
+    )
     return "\n".join(lines)
 
 
@@ -380,11 +423,20 @@ def _check_devices(cfg: Any) -> None:
     if have < n:
         raise RuntimeError(
             f"the dry run of {cfg.trainer.experiment_name} needs {n} devices but JAX has {have}: start Python with "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before jax is imported)")
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before jax is imported)"
+        )
 
 
-def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: Any,
-               wanted: Sequence[str], specs: dict[str, progs.ProgramSpec], notes: list[str]) -> RolePlan:
+def _role_plan(
+    run: RunSpec,
+    role: str,
+    mc: ModelConfig,
+    state: Any,
+    graphdef: Any,
+    wanted: Sequence[str],
+    specs: dict[str, progs.ProgramSpec],
+    notes: list[str],
+) -> RolePlan:
     """A role's analytic plan; adds the role's wanted programs to ``specs``."""
     placement = run.placement
     P, R = run.prompt_length, run.response_length
@@ -392,9 +444,15 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
     head, spec = HEADS[role], placement.roles[role]
     main = "train" if "train" in spec.rules else "infer"
     mesh, rules = placement.mesh(role, main), placement.rules(role, main)
-    rp = RolePlan(role=role, pool=spec.pool, head=head, model=_model_dict(mc),
-                  num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)),
-                  meshes={main: dict(mesh.shape)}, param_bytes=_params_bytes(state, rules, mesh))
+    rp = RolePlan(
+        role=role,
+        pool=spec.pool,
+        head=head,
+        model=_model_dict(mc),
+        num_params=sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)),
+        meshes={main: dict(mesh.shape)},
+        param_bytes=_params_bytes(state, rules, mesh),
+    )
     dp = progs.batch_axis_size(rules, mesh)
     if role in TRAINING_ROLES:
         tx, _ = progs.optimizer(run, role)
@@ -417,12 +475,22 @@ def _role_plan(run: RunSpec, role: str, mc: ModelConfig, state: Any, graphdef: A
     engine = HybridEngine(mesh, rules, spec.gen_tp, gen_rules=placement.rules(role, "generate"))  # as the worker's
     gmesh, grules = engine.gen_mesh, engine.gen_rules
     if dict(gmesh.shape) != dict(placement.mesh(role, "generate").shape):
-        notes.append(f"the hybrid engine's generation mesh {dict(gmesh.shape)} differs from the placement's "
-                     f"{dict(placement.mesh(role, 'generate').shape)}")
+        notes.append(
+            f"the hybrid engine's generation mesh {dict(gmesh.shape)} differs from the placement's "
+            f"{dict(placement.mesh(role, 'generate').shape)}"
+        )
     rp.meshes["generate"] = dict(gmesh.shape)
     gen_dp = progs.batch_axis_size(grules, gmesh)
-    shape = engine_shape(mc, run.train_batch_size, P, R, n=n, replicas=gen_dp, slots=progs.generation_slots(run),
-                         kv_tokens=progs.generation_kv_tokens(run))
+    shape = engine_shape(
+        mc,
+        run.train_batch_size,
+        P,
+        R,
+        n=n,
+        replicas=gen_dp,
+        slots=progs.generation_slots(run),
+        kv_tokens=progs.generation_kv_tokens(run),
+    )
     rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
     rp.kv_cache_bytes = kv_pool_bytes(mc, shape, grules, gmesh)
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
@@ -453,18 +521,23 @@ def _platform_notes(platform: str, role_plans: dict[str, RolePlan]) -> list[str]
     notes = []
     low = sorted({r.model["dtype"] for r in role_plans.values() if r.model["dtype"] in ("bfloat16", "float16")})
     if platform == "cpu" and low:
-        notes.append(f"XLA:CPU computes {'/'.join(low)} in float32, so compiled temp bytes are an upper bound "
-                     "of a GPU's or TPU's; compiled with " +
-                     ", ".join(f"{k}={v}" for k, v in progs.CPU_COMPILER_OPTIONS.items()) +
-                     " (see jaxflow.plan.lowering)")
+        notes.append(
+            f"XLA:CPU computes {'/'.join(low)} in float32, so compiled temp bytes are an upper bound "
+            "of a GPU's or TPU's; compiled with "
+            + ", ".join(f"{k}={v}" for k, v in progs.CPU_COMPILER_OPTIONS.items())
+            + " (see jaxflow.plan.lowering)"
+        )
         if "actor" in role_plans and role_plans["actor"].model["param_dtype"] in ("bfloat16", "float16"):
-            notes.append("XLA:CPU all-gathers bf16 as f32 (convert, gather, convert back): the reshard's received "
-                         "bytes are twice an accelerator's")
+            notes.append(
+                "XLA:CPU all-gathers bf16 as f32 (convert, gather, convert back): the reshard's received "
+                "bytes are twice an accelerator's"
+            )
     return notes
 
 
-def plan(cfg: Any, program_names: Sequence[str] | None = None, *,
-         num_train_prompts: int | None = None) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
+def plan(
+    cfg: Any, program_names: Sequence[str] | None = None, *, num_train_prompts: int | None = None
+) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
     """The analytic plan and the programs to compile (not compiled yet), in step order.
     ``num_train_prompts``: the training set's size, which sizes the learning-rate schedules
     (and so the train steps' constants) when ``trainer.total_training_steps`` is unset."""
@@ -475,11 +548,18 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None, *,
         raise ValueError(f"unknown programs {unknown}; choose from {DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS}")
     _check_devices(cfg)
     if cfg.jaxflow.placement.type == "auto":
-        raise ConfigError("jaxflow.placement.type", "is 'auto': the dry run plans a resolved placement; resolve it "
-                          "first with jaxflow.automap.resolve_placement(cfg) (python -m jaxflow.run --dry_run does)")
+        raise ConfigError(
+            "jaxflow.placement.type",
+            "is 'auto': the dry run plans a resolved placement; resolve it "
+            "first with jaxflow.automap.resolve_placement(cfg) (python -m jaxflow.run --dry_run does)",
+        )
     tokenizer = build_tokenizer(cfg)
-    run = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                       num_train_prompts=num_train_prompts)
+    run = describe_run(
+        cfg,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        num_train_prompts=num_train_prompts,
+    )
     roles = run.roles
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
     budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
@@ -494,10 +574,15 @@ def plan(cfg: Any, program_names: Sequence[str] | None = None, *,
         role_plans[role] = _role_plan(run, role, mc, state, graphdef, wanted, specs, notes)
     platform = jax.devices()[0].platform
     report = DryRunReport(
-        config=run.name, num_devices=run.num_devices, platform=platform,
-        device_memory_bytes=budget, placement=cfg.jaxflow.placement.type,
-        pools=_pool_plans(run.placement, role_plans, budget), roles=[role_plans[r] for r in roles],
-        notes=notes + _platform_notes(platform, role_plans))
+        config=run.name,
+        num_devices=run.num_devices,
+        platform=platform,
+        device_memory_bytes=budget,
+        placement=cfg.jaxflow.placement.type,
+        pools=_pool_plans(run.placement, role_plans, budget),
+        roles=[role_plans[r] for r in roles],
+        notes=notes + _platform_notes(platform, role_plans),
+    )
     return report, [specs[p] for p in wanted if p in specs]
 
 
@@ -517,16 +602,34 @@ def compile_program(report: DryRunReport, spec: progs.ProgramSpec) -> ProgramRep
     m = spec.compile()
     resident = _resident_bytes(report, spec)
     return ProgramReport(
-        name=spec.name, role=spec.role, phase=spec.phase, mesh=dict(spec.mesh.shape), description=spec.description,
-        argument_bytes=m.argument_bytes, output_bytes=m.output_bytes, alias_bytes=m.alias_bytes,
-        temp_bytes=m.temp_bytes, generated_code_bytes=m.generated_code_bytes, peak_bytes=m.peak_bytes,
-        analytic_argument_bytes=spec.analytic_argument_bytes, resident_bytes=resident,
-        total_bytes=m.peak_bytes + resident, fits=m.peak_bytes + resident <= report.device_memory_bytes,
-        compile_seconds=m.compile_seconds, extra=m.extra)
+        name=spec.name,
+        role=spec.role,
+        phase=spec.phase,
+        mesh=dict(spec.mesh.shape),
+        description=spec.description,
+        argument_bytes=m.argument_bytes,
+        output_bytes=m.output_bytes,
+        alias_bytes=m.alias_bytes,
+        temp_bytes=m.temp_bytes,
+        generated_code_bytes=m.generated_code_bytes,
+        peak_bytes=m.peak_bytes,
+        analytic_argument_bytes=spec.analytic_argument_bytes,
+        resident_bytes=resident,
+        total_bytes=m.peak_bytes + resident,
+        fits=m.peak_bytes + resident <= report.device_memory_bytes,
+        compile_seconds=m.compile_seconds,
+        extra=m.extra,
+    )
 
 
-def dry_run(cfg: Any, *, out: TextIO | None = sys.stdout, json_path: str | None = None,
-            programs: Sequence[str] | None = None, num_train_prompts: int | None = None) -> DryRunReport:
+def dry_run(
+    cfg: Any,
+    *,
+    out: TextIO | None = sys.stdout,
+    json_path: str | None = None,
+    programs: Sequence[str] | None = None,
+    num_train_prompts: int | None = None,
+) -> DryRunReport:
     """Plan ``cfg`` (a validated experiment config) and compile its programs ahead of time on
     ``jaxflow.num_devices`` devices (simulated on CPU), printing the plan, then each program
     as it compiles, then the verdict, to ``out`` (None: silent). ``json_path``: also write

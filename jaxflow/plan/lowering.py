@@ -130,26 +130,32 @@ def batch_axis_size(rules: Rules, mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def abstract_columns(columns: Mapping[str, tuple[tuple[int, ...], Any]], rules: Rules, mesh: Mesh,
-                     presplit: bool = False) -> dict:
+def abstract_columns(
+    columns: Mapping[str, tuple[tuple[int, ...], Any]], rules: Rules, mesh: Mesh, presplit: bool = False
+) -> dict:
     """Batch columns ``name -> (shape, dtype)`` as ShapeDtypeStructs, rows over the batch axes
     (``presplit``: columns cut into micro-batches ``[k, rows, ...]``, dimension 1 over them)."""
     ba = batch_axes(rules, mesh)
-    return {n: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, ba, len(shape), leading=int(presplit)))
-            for n, (shape, dtype) in columns.items()}
+    return {
+        n: jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(mesh, ba, len(shape), leading=int(presplit)))
+        for n, (shape, dtype) in columns.items()
+    }
 
 
 def shapes_of(host: Mapping[str, np.ndarray]) -> dict[str, tuple[tuple[int, ...], Any]]:
     return {name: (x.shape, x.dtype) for name, x in host.items()}
 
 
-def full_length_rows(rows: int, prompt_len: int, response_len: int,
-                     floats: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+def full_length_rows(
+    rows: int, prompt_len: int, response_len: int, floats: tuple[str, ...] = ()
+) -> dict[str, np.ndarray]:
     """Host columns of ``rows`` rows whose every prompt and response token is real (the
     `PROMPT_KEYS`, int32, plus float32 ``floats``): the packed layouts' worst case (one row
     per bin of ``P + R`` slots; packing shorter rows takes fewer bins)."""
-    out = {name: np.ones((rows, prompt_len if name.startswith("prompt") else response_len), np.int32)
-           for name in PROMPT_KEYS}
+    out = {
+        name: np.ones((rows, prompt_len if name.startswith("prompt") else response_len), np.int32)
+        for name in PROMPT_KEYS
+    }
     return out | {name: np.zeros((rows, response_len), np.float32) for name in floats}
 
 
@@ -208,9 +214,13 @@ class ProgramSpec:
         seconds = time.perf_counter() - t0
         m = compiled.memory_analysis()
         return CompiledMemory(
-            argument_bytes=int(m.argument_size_in_bytes), output_bytes=int(m.output_size_in_bytes),
-            alias_bytes=int(m.alias_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
-            generated_code_bytes=int(m.generated_code_size_in_bytes), compile_seconds=seconds)
+            argument_bytes=int(m.argument_size_in_bytes),
+            output_bytes=int(m.output_size_in_bytes),
+            alias_bytes=int(m.alias_size_in_bytes),
+            temp_bytes=int(m.temp_size_in_bytes),
+            generated_code_bytes=int(m.generated_code_size_in_bytes),
+            compile_seconds=seconds,
+        )
 
 
 def optimizer(spec: RunSpec, role: str) -> Any:
@@ -231,8 +241,9 @@ def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> t
     rows = conf.ppo_mini_batch_size
     if conf.use_remove_padding:
         return rows, 1
-    k = num_micro_batches(rows, conf.ppo_micro_batch_size_per_device, batch_axis_size(rules, mesh),
-                          f"{role} mini-batch")
+    k = num_micro_batches(
+        rows, conf.ppo_micro_batch_size_per_device, batch_axis_size(rules, mesh), f"{role} mini-batch"
+    )
     return rows, k
 
 
@@ -244,8 +255,9 @@ def actor_on_policy(spec: RunSpec) -> bool:
     return not rollout_scores_old_log_probs(spec.algorithm) and spec.actor.is_on_policy(spec.rollout_rows)
 
 
-def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
-                       rules: Rules) -> tuple[ProgramSpec, int]:
+def train_step_program(
+    spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules
+) -> tuple[ProgramSpec, int]:
     """The actor's or critic's optimizer step on one PPO mini-batch, micro-batched as
     configured (remove padding: packed micro-batches of the all-full-length worst case,
     `full_length_rows`), from the workers' own builder (`actor_train_step` /
@@ -266,9 +278,12 @@ def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: 
         keys, scalar_names = CriticConfig.UPDATE_KEYS, ()
     host = full_length_rows(rows, P, R, tuple(c for c in keys if c not in PROMPT_KEYS))
     if conf.use_remove_padding:
-        packed, _ = pack_minibatch(host, ranks=batch_axis_size(rules, mesh),
-                                max_token_len=conf.ppo_max_token_len_per_device if conf.use_dynamic_bsz else None,
-                                rows_per_micro=conf.ppo_micro_batch_size_per_device)
+        packed, _ = pack_minibatch(
+            host,
+            ranks=batch_axis_size(rules, mesh),
+            max_token_len=conf.ppo_max_token_len_per_device if conf.use_dynamic_bsz else None,
+            rows_per_micro=conf.ppo_micro_batch_size_per_device,
+        )
         batch = abstract_columns(shapes_of(packed), rules, mesh, presplit=True)
         k = next(iter(packed.values())).shape[0]
         what = f"packed into {k} micro-batch{'es' if k > 1 else ''} (all rows full length)"
@@ -278,11 +293,15 @@ def train_step_program(spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: 
     replicated = NamedSharding(mesh, PartitionSpec())
     scalars = {s: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated) for s in scalar_names}
     program = ProgramSpec(
-        name=f"{role}/train_step", role=role, phase="train", mesh=mesh,
+        name=f"{role}/train_step",
+        role=role,
+        phase="train",
+        mesh=mesh,
         description=f"1 mini-batch of {rows} x {P}+{R} tokens{', on-policy' if on_policy else ''}, {what}",
         analytic_argument_bytes=tree_bytes_per_device((abstract_state, batch, scalars)),
         args_hold=("params", "optim"),
-        lower=lambda: step.lower(abstract_state, batch, scalars))
+        lower=lambda: step.lower(abstract_state, batch, scalars),
+    )
     return program, k
 
 
@@ -313,24 +332,52 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
     builders and bodies and the `RunSpec` settings the workers are built with."""
     if name == "actor/log_probs":
         a = spec.actor
-        return Forward("actor", lambda lo, k: log_probs_program(lo, k, with_entropy=a.log_prob_entropy),
-                       log_probs_fn(with_entropy=a.log_prob_entropy), ("temperature",),
-                       a.log_prob_micro_batch_size_per_device, a.use_remove_padding,
-                       a.log_prob_max_token_len_per_device if a.log_prob_use_dynamic_bsz else None, "old_log_probs")
+        return Forward(
+            "actor",
+            lambda lo, k: log_probs_program(lo, k, with_entropy=a.log_prob_entropy),
+            log_probs_fn(with_entropy=a.log_prob_entropy),
+            ("temperature",),
+            a.log_prob_micro_batch_size_per_device,
+            a.use_remove_padding,
+            a.log_prob_max_token_len_per_device if a.log_prob_use_dynamic_bsz else None,
+            "old_log_probs",
+        )
     if name == "ref/log_probs":
-        return Forward("ref", lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
-                       log_probs_fn("ref_log_prob"), ("temperature",), spec.ref_micro_batch_size_per_device,
-                       spec.ref_use_remove_padding, spec.ref_max_token_len_per_device, "ref_log_prob")
+        return Forward(
+            "ref",
+            lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
+            log_probs_fn("ref_log_prob"),
+            ("temperature",),
+            spec.ref_micro_batch_size_per_device,
+            spec.ref_use_remove_padding,
+            spec.ref_max_token_len_per_device,
+            "ref_log_prob",
+        )
     if name == "critic/values":
         c = spec.critic
-        return Forward("critic", values_program, values_fn, (), c.forward_micro_batch_size_per_device,
-                       c.use_remove_padding, c.forward_max_token_len_per_device if c.use_dynamic_bsz else None,
-                       "values")
+        return Forward(
+            "critic",
+            values_program,
+            values_fn,
+            (),
+            c.forward_micro_batch_size_per_device,
+            c.use_remove_padding,
+            c.forward_max_token_len_per_device if c.use_dynamic_bsz else None,
+            "values",
+        )
     if name in ("reward/scores", "cost/scores"):
         role = name.split("/")[0]
         key = "token_level_cost" if role == "cost" else "token_level_scores"
-        return Forward(role, lambda lo, k: scores_program(lo, k, key), scores_fn(key), (),
-                       spec.reward.micro_batch_size_per_device, spec.reward.use_remove_padding, None, key)
+        return Forward(
+            role,
+            lambda lo, k: scores_program(lo, k, key),
+            scores_fn(key),
+            (),
+            spec.reward.micro_batch_size_per_device,
+            spec.reward.use_remove_padding,
+            None,
+            key,
+        )
     raise KeyError(f"unknown forward program {name!r}; forwards: {FORWARD_PROGRAMS}")
 
 
@@ -347,12 +394,17 @@ def packed_forward_inputs(spec: RunSpec, f: Forward, rules: Rules, mesh: Mesh) -
     """``(layout, host inputs)`` of a packed forward over the rollout's rows at full length
     (`full_length_rows`), as `jaxflow.workers.base.packed_forward` packs them."""
     host = full_length_rows(spec.rollout_rows, spec.prompt_length, spec.response_length)
-    return pack_forward_inputs(host, ranks=batch_axis_size(rules, mesh), max_token_len=f.max_token_len_per_device,
-                               rows_per_micro=f.micro_batch_size_per_device)
+    return pack_forward_inputs(
+        host,
+        ranks=batch_axis_size(rules, mesh),
+        max_token_len=f.max_token_len_per_device,
+        rows_per_micro=f.micro_batch_size_per_device,
+    )
 
 
-def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh,
-                    rules: Rules) -> tuple[ProgramSpec, int]:
+def forward_program(
+    spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules
+) -> tuple[ProgramSpec, int]:
     """A forward over the whole rollout (``train_batch_size * n`` rows) as the worker runs it
     (`forward_of`): padded rows in micro-batches, or packed micro-batches of the
     all-full-length worst case."""
@@ -362,8 +414,9 @@ def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any
     params = abstract_params(state, rules, mesh)
     role_layout = layout(graphdef, state, mesh, rules)
     if f.packed:
-        tensors = abstract_columns(shapes_of(packed_forward_inputs(spec, f, rules, mesh)[1]), rules, mesh,
-                                   presplit=True)
+        tensors = abstract_columns(
+            shapes_of(packed_forward_inputs(spec, f, rules, mesh)[1]), rules, mesh, presplit=True
+        )
         program = packed_program(role_layout, f.fn, f.packed_name)
         what = f"packed into {k} micro-batch{'es' if k > 1 else ''} (all rows full length)"
     else:
@@ -373,10 +426,15 @@ def forward_program(spec: RunSpec, name: str, graphdef: nnx.GraphDef, state: Any
     replicated = NamedSharding(mesh, PartitionSpec())
     scalars = {s: jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated) for s in f.scalars}
     out = ProgramSpec(
-        name=name, role=f.role, phase="infer", mesh=mesh, description=f"{rows} x {P}+{R} tokens, {what}",
+        name=name,
+        role=f.role,
+        phase="infer",
+        mesh=mesh,
+        description=f"{rows} x {P}+{R} tokens, {what}",
         analytic_argument_bytes=tree_bytes_per_device((params, tensors, scalars)),
         args_hold=("params",),
-        lower=lambda: program.lower(params, tensors, scalars))
+        lower=lambda: program.lower(params, tensors, scalars),
+    )
     return out, k
 
 
@@ -393,8 +451,9 @@ def generation_kv_tokens(spec: RunSpec) -> int | None:
     return spec.rollout.max_total_tokens or None
 
 
-def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any,
-                     engine: HybridEngine, sampling: str = "train") -> tuple[ProgramSpec, int]:
+def generate_program(
+    spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any, engine: HybridEngine, sampling: str = "train"
+) -> tuple[ProgramSpec, int]:
     """The actor's rollout program (chunked prefill + continuous decode over
     :func:`generation_slots` slots per replica) in the generation layout, for the whole
     rollout in one call, with the ``sampling`` parameters (`RolloutConfig.resolve`:
@@ -410,19 +469,25 @@ def generate_program(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, sta
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
     shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots, kv_tokens=kv_tokens)
     out = ProgramSpec(
-        name="actor/generate" if sampling == "train" else f"actor/generate_{sampling}", role="actor",
-        phase="generate", mesh=mesh,
-        description=(f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
-                     f"({shape.rows} per generation replica through {shape.slots} decode slots, "
-                     f"prefill chunks of {shape.prefill_rows}x{shape.prefill_len})"),
+        name="actor/generate" if sampling == "train" else f"actor/generate_{sampling}",
+        role="actor",
+        phase="generate",
+        mesh=mesh,
+        description=(
+            f"{prompts} prompts x n={n} -> {prompts * n} sequences of {P}+{sp.max_new_tokens} tokens "
+            f"({shape.rows} per generation replica through {shape.slots} decode slots, "
+            f"prefill chunks of {shape.prefill_rows}x{shape.prefill_len})"
+        ),
         # + each replica's prompts (ids [prompts, P], lengths) and row limits, int32
-        analytic_argument_bytes=tree_bytes_per_device(params) + 4 * (shape.prompts * (shape.prompt_len + 1)
-                                                                     + shape.rows + 2),
+        analytic_argument_bytes=tree_bytes_per_device(params)
+        + 4 * (shape.prompts * (shape.prompt_len + 1) + shape.rows + 2),
         # The training weights are donated into this generation copy (`HybridEngine.generation_swap`):
         # the actor's optimizer state stays resident, its training weights do not.
         args_hold=("params",),
-        lower=lambda: lower_generate(graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots,
-                                     kv_tokens=kv_tokens))
+        lower=lambda: lower_generate(
+            graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots, kv_tokens=kv_tokens
+        ),
+    )
     return out, prompts
 
 
@@ -438,19 +503,38 @@ def reshard_program(engine: HybridEngine, state: Any) -> ProgramSpec:
         t0 = time.perf_counter()
         rep: TransitionReport = engine.report(state)
         return CompiledMemory(
-            argument_bytes=rep.train_shard_bytes, output_bytes=rep.output_bytes, alias_bytes=0,
-            temp_bytes=rep.peak_extra_bytes - rep.output_bytes, generated_code_bytes=0,
+            argument_bytes=rep.train_shard_bytes,
+            output_bytes=rep.output_bytes,
+            alias_bytes=0,
+            temp_bytes=rep.peak_extra_bytes - rep.output_bytes,
+            generated_code_bytes=0,
             compile_seconds=time.perf_counter() - t0,
-            extra=dict(strategy=rep.strategy, programs=rep.programs, calls=rep.calls,
-                       ring_received_bytes=rep.ring_received_bytes, table2_comm_bytes=rep.table2.comm_bytes,
-                       comm_ratio=rep.comm_ratio, peak_extra_bytes=rep.peak_extra_bytes,
-                       redundancy_bytes=rep.redundancy_bytes, full_remat=rep.full_remat))
+            extra=dict(
+                strategy=rep.strategy,
+                programs=rep.programs,
+                calls=rep.calls,
+                ring_received_bytes=rep.ring_received_bytes,
+                table2_comm_bytes=rep.table2.comm_bytes,
+                comm_ratio=rep.comm_ratio,
+                peak_extra_bytes=rep.peak_extra_bytes,
+                redundancy_bytes=rep.redundancy_bytes,
+                full_remat=rep.full_remat,
+            ),
+        )
 
-    train_bytes = shard_bytes(jax.tree.leaves(state), jax.tree.leaves(
-        engine.train_shardings(state), is_leaf=lambda x: isinstance(x, NamedSharding)))
+    train_bytes = shard_bytes(
+        jax.tree.leaves(state),
+        jax.tree.leaves(engine.train_shardings(state), is_leaf=lambda x: isinstance(x, NamedSharding)),
+    )
     return ProgramSpec(
-        name="actor/reshard", role="actor", phase="reshard", mesh=engine.train_mesh,
+        name="actor/reshard",
+        role="actor",
+        phase="reshard",
+        mesh=engine.train_mesh,
         description=f"-> generate {_mesh_text(engine.gen_mesh)} ({engine.strategy}, {len(engine.micro_dp_groups)} "
-                    f"micro-DP groups of {len(engine.micro_dp_groups[0])})",
-        analytic_argument_bytes=train_bytes, args_hold=("params",), measure=measure,
-        lowered_parts=lambda: engine.lowered(state))
+        f"micro-DP groups of {len(engine.micro_dp_groups[0])})",
+        analytic_argument_bytes=train_bytes,
+        args_hold=("params",),
+        measure=measure,
+        lowered_parts=lambda: engine.lowered(state),
+    )

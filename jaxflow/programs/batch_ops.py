@@ -29,8 +29,14 @@ from jaxflow.algos.kl import apply_kl_penalty
 from jaxflow.data.batch import Batch
 
 # Columns an estimator may take, by its parameter names (see jaxflow.algos.advantages).
-_ESTIMATOR_COLUMNS = ("token_level_rewards", "response_mask", "values", "reward_baselines", "old_log_probs",
-                      "ref_log_prob")
+_ESTIMATOR_COLUMNS = (
+    "token_level_rewards",
+    "response_mask",
+    "values",
+    "reward_baselines",
+    "old_log_probs",
+    "ref_log_prob",
+)
 
 
 def _host(batch: Batch, key: str) -> np.ndarray:
@@ -86,12 +92,19 @@ def compute_advantage(
     if "uid" in batch:
         columns["group_ids"] = group_ids_from_uid(batch["uid"])
     fn = get_adv_estimator_fn(adv_estimator)
-    advantages, returns = fn(**columns, gamma=np.float32(gamma), lam=np.float32(lam),
-                             norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo, **estimator_kwargs)
-    return batch.update(tensors={
-        "advantages": np.asarray(advantages, np.float32),
-        "returns": np.asarray(returns, np.float32),
-    })
+    advantages, returns = fn(
+        **columns,
+        gamma=np.float32(gamma),
+        lam=np.float32(lam),
+        norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
+        **estimator_kwargs,
+    )
+    return batch.update(
+        tensors={
+            "advantages": np.asarray(advantages, np.float32),
+            "returns": np.asarray(returns, np.float32),
+        }
+    )
 
 
 def batch_from_prompts(prompts: Any) -> Batch:
@@ -99,10 +112,14 @@ def batch_from_prompts(prompts: Any) -> Batch:
     ``extra_info``, ``raw_prompt``, ``index`` as non-tensors) from a `PromptBatch` or a
     mapping with the same fields."""
     get = (lambda k: prompts.get(k)) if isinstance(prompts, Mapping) else (lambda k: getattr(prompts, k, None))
-    non_tensors = {k: get(k) for k in ("data_source", "ground_truth", "extra_info", "raw_prompt", "index")
-                   if get(k) is not None}
+    non_tensors = {
+        k: get(k) for k in ("data_source", "ground_truth", "extra_info", "raw_prompt", "index") if get(k) is not None
+    }
     return Batch.from_dict(
-        {"prompt_ids": np.asarray(get("prompt_ids"), np.int32), "prompt_mask": np.asarray(get("prompt_mask"), np.int32)},
+        {
+            "prompt_ids": np.asarray(get("prompt_ids"), np.int32),
+            "prompt_mask": np.asarray(get("prompt_mask"), np.int32),
+        },
         non_tensors,
     )
 
@@ -122,14 +139,24 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     out: dict[str, float] = {}
     if "token_level_scores" in batch:
         seq = (_host(batch, "token_level_scores") * (mask > 0)).sum(-1)
-        out.update({"critic/score/mean": float(seq.mean()), "critic/score/max": float(seq.max()),
-                    "critic/score/min": float(seq.min())})
+        out.update(
+            {
+                "critic/score/mean": float(seq.mean()),
+                "critic/score/max": float(seq.max()),
+                "critic/score/min": float(seq.min()),
+            }
+        )
     if "token_level_rewards" in batch:
         out["critic/rewards/mean"] = float((_host(batch, "token_level_rewards") * (mask > 0)).sum(-1).mean())
     for key in ("advantages", "returns", "values"):
         if key in batch:
             out[f"critic/{key}/mean"] = _masked_row_mean(_host(batch, key), mask)
     lengths = (mask > 0).sum(-1)
-    out.update({"response_length/mean": float(lengths.mean()), "response_length/max": float(lengths.max()),
-                "response_length/min": float(lengths.min())})
+    out.update(
+        {
+            "response_length/mean": float(lengths.mean()),
+            "response_length/max": float(lengths.max()),
+            "response_length/min": float(lengths.min()),
+        }
+    )
     return out

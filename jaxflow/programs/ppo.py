@@ -29,8 +29,15 @@ from jaxflow.programs.steps import KLController
 from jaxflow.workers.group import Workers
 
 
-def ppo_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, kl_ctrl: KLController | None = None, *,
-                  step: int | None = None, update_actor: bool = True) -> dict[str, float]:
+def ppo_iteration(
+    w: Workers,
+    prompts: Batch,
+    settings: AlgorithmSettings,
+    kl_ctrl: KLController | None = None,
+    *,
+    step: int | None = None,
+    update_actor: bool = True,
+) -> dict[str, float]:
     """One rollout + update over the worker groups ``w`` (`jaxflow.workers.Workers`).
 
     ``prompts``: a prompt `Batch` (``prompt_ids``/``prompt_mask`` left-padded, plus the

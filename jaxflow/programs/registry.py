@@ -87,8 +87,9 @@ def select_algorithm(settings: AlgorithmSettings) -> str:
         return ESTIMATOR_PROGRAMS[estimator]
     if estimator in ADV_ESTIMATOR_REGISTRY:
         return "ppo"
-    raise UnknownNameError(f"unknown advantage estimator {estimator!r}; valid names: "
-                           f"{', '.join(ADV_ESTIMATOR_REGISTRY.names())}")
+    raise UnknownNameError(
+        f"unknown advantage estimator {estimator!r}; valid names: {', '.join(ADV_ESTIMATOR_REGISTRY.names())}"
+    )
 
 
 def rollout_scores_old_log_probs(settings: AlgorithmSettings) -> bool:
@@ -100,13 +101,15 @@ def rollout_scores_old_log_probs(settings: AlgorithmSettings) -> bool:
     return select_algorithm(settings) in ("remax", "safe_rlhf") or needs_old_log_probs(settings.algorithm)
 
 
-def _shared(name: str, w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState,
-            **kwargs: Any) -> dict[str, float]:
+def _shared(
+    name: str, w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, **kwargs: Any
+) -> dict[str, float]:
     algo = settings.algorithm
     wanted = ESTIMATOR_PROGRAMS.get(algo.adv_estimator, "ppo")
     if (name != "ppo" and wanted != name) or wanted == "remax":
-        raise ValueError(f"program {name!r} does not run adv_estimator={algo.adv_estimator!r} "
-                         f"(select_algorithm gives {wanted!r})")
+        raise ValueError(
+            f"program {name!r} does not run adv_estimator={algo.adv_estimator!r} (select_algorithm gives {wanted!r})"
+        )
     kl_ctrl = state.kl_controller(algo)
     metrics = ppo_iteration(w, prompts, settings, kl_ctrl, **kwargs)
     state.store(kl_ctrl=kl_ctrl)
@@ -138,7 +141,9 @@ def rloo(w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoSta
 
 
 @register_algorithm("reinforce_pp")
-def reinforce_pp(w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, **kwargs: Any) -> dict[str, float]:
+def reinforce_pp(
+    w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, **kwargs: Any
+) -> dict[str, float]:
     """REINFORCE++ (Hu 2025): discounted returns ``G_t = sum_k gamma^k r_{t+k}`` whitened over
     the batch (``reinforce_plus_plus``), or the group-mean-subtracted score whitened over the
     batch (``reinforce_plus_plus_baseline``); no critic."""

@@ -46,15 +46,24 @@ def greedy_baseline(w: Workers, prompts: Batch, step: int | None = None) -> tupl
     reward ``b_i = sum_t token_level_scores``."""
     greedy = steps.ready(w.actor.generate(prompts, sampling="greedy", step=step))
     if len(greedy) != len(prompts):
-        raise ValueError(f"the greedy rollout returned {len(greedy)} rows for {len(prompts)} prompts; the actor must "
-                         "honour sampling='greedy' with one response per prompt")
+        raise ValueError(
+            f"the greedy rollout returned {len(greedy)} rows for {len(prompts)} prompts; the actor must "
+            "honour sampling='greedy' with one response per prompt"
+        )
     scores = np.asarray(jax.device_get(steps.ready(w.reward(greedy))["token_level_scores"]), np.float32)
     mask = np.asarray(jax.device_get(greedy["response_mask"])) > 0
     return (scores * mask).sum(-1), greedy
 
 
-def remax_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, *,
-                    step: int | None = None, update_actor: bool = True) -> dict[str, float]:
+def remax_iteration(
+    w: Workers,
+    prompts: Batch,
+    settings: AlgorithmSettings,
+    state: AlgoState,
+    *,
+    step: int | None = None,
+    update_actor: bool = True,
+) -> dict[str, float]:
     """One ReMax iteration (see the module docstring). Metrics: the shared program's, plus
     ``critic/reward_baseline/{mean,max,min}`` (the greedy responses' scores),
     ``response_length/greedy_mean`` and ``timing_s/gen_max`` (greedy rollout and its reward)."""

@@ -50,8 +50,9 @@ from jaxflow.workers.group import Workers
 COST_RULES = ("forbidden_chars", "length")
 
 
-def rule_costs(rule: str, response_mask: np.ndarray, texts: Sequence[str] | None = None,
-               forbidden_chars: str = "") -> np.ndarray:
+def rule_costs(
+    rule: str, response_mask: np.ndarray, texts: Sequence[str] | None = None, forbidden_chars: str = ""
+) -> np.ndarray:
     """Sequence costs ``[B]`` float32 of the rule ``rule`` (see the module docstring).
 
     ``texts`` are the decoded responses (valid tokens only, special tokens skipped); needed
@@ -71,8 +72,10 @@ def rule_costs(rule: str, response_mask: np.ndarray, texts: Sequence[str] | None
 
 def _response_texts(batch: Batch) -> list[str]:
     if "response_text" not in batch:
-        raise ValueError("cost_rule 'forbidden_chars' reads the decoded responses (response_text) that a rule "
-                         "scorer in w.reward provides; this reward gave none")
+        raise ValueError(
+            "cost_rule 'forbidden_chars' reads the decoded responses (response_text) that a rule "
+            "scorer in w.reward provides; this reward gave none"
+        )
     return [str(t) for t in batch["response_text"]]
 
 
@@ -82,8 +85,10 @@ def compute_costs(w: Workers, batch: Batch, settings: SafeRLHFConfig) -> Batch:
     if w.cost is not None:
         return steps.ready(w.cost.scores(batch)).select(["token_level_cost"], [], [])
     if settings.cost_model_path:
-        raise ValueError(f"jaxflow.safe_rlhf.cost_model_path={settings.cost_model_path!r} but the workers have no "
-                         "cost model group (w.cost)")
+        raise ValueError(
+            f"jaxflow.safe_rlhf.cost_model_path={settings.cost_model_path!r} but the workers have no "
+            "cost model group (w.cost)"
+        )
     mask = np.asarray(jax.device_get(batch["response_mask"]))
     texts = _response_texts(batch) if settings.cost_rule == "forbidden_chars" else None
     costs_B = rule_costs(settings.cost_rule, mask, texts, settings.forbidden_chars)
@@ -94,16 +99,23 @@ def compute_cost_advantages(batch: Batch, algo: AlgorithmConfig) -> tuple[np.nda
     """``(cost_advantages, cost_returns)`` [B, R]: ``algo.adv_estimator`` on
     ``token_level_cost`` (group ids from ``uid``; zero values for ``gae``)."""
     mask = np.asarray(jax.device_get(batch["response_mask"]))
-    tensors = {"token_level_rewards": np.asarray(jax.device_get(batch["token_level_cost"]), np.float32),
-               "response_mask": mask}
+    tensors = {
+        "token_level_rewards": np.asarray(jax.device_get(batch["token_level_cost"]), np.float32),
+        "response_mask": mask,
+    }
     for key in ("old_log_probs", "ref_log_prob"):
         if key in batch:
             tensors[key] = batch[key]
     if algo.adv_estimator == "gae":
         tensors["values"] = np.zeros(mask.shape, np.float32)
     non_tensors = {"uid": batch["uid"]} if "uid" in batch else {}
-    out = compute_advantage(Batch.from_dict(tensors, non_tensors), algo.adv_estimator, gamma=algo.gamma,
-                            lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+    out = compute_advantage(
+        Batch.from_dict(tensors, non_tensors),
+        algo.adv_estimator,
+        gamma=algo.gamma,
+        lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+    )
     return np.asarray(out["advantages"]), np.asarray(out["returns"])
 
 
@@ -112,8 +124,15 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
     return float(x[m].mean()) if m.any() else 0.0
 
 
-def safe_rlhf_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings, state: AlgoState, *,
-                        step: int | None = None, update_actor: bool = True) -> dict[str, float]:
+def safe_rlhf_iteration(
+    w: Workers,
+    prompts: Batch,
+    settings: AlgorithmSettings,
+    state: AlgoState,
+    *,
+    step: int | None = None,
+    update_actor: bool = True,
+) -> dict[str, float]:
     """One Safe-RLHF iteration (see the module docstring); moves ``state``'s multiplier (and
     KL coefficient). Metrics: the shared program's, plus ``safe_rlhf/episode_cost`` (J_C),
     ``safe_rlhf/cost_violation`` (J_C - d), ``safe_rlhf/lambda`` (used for this batch),
@@ -136,8 +155,14 @@ def safe_rlhf_iteration(w: Workers, prompts: Batch, settings: AlgorithmSettings,
         cost_adv, cost_ret = compute_cost_advantages(batch, algo)
         reward_adv = np.asarray(batch["advantages"])
         adv = np.asarray(compute_lagrangian_advantages(reward_adv, cost_adv, np.float32(lam)), np.float32)
-        batch = batch.update(tensors={"reward_advantages": reward_adv, "cost_advantages": cost_adv,
-                                      "cost_returns": cost_ret, "advantages": adv})
+        batch = batch.update(
+            tensors={
+                "reward_advantages": reward_adv,
+                "cost_advantages": cost_adv,
+                "cost_returns": cost_ret,
+                "advantages": adv,
+            }
+        )
     metrics |= steps.update(w, batch, timer, step=step, update_actor=update_actor)
     mask = np.asarray(jax.device_get(batch["response_mask"]))
     cost_BxR = np.asarray(jax.device_get(batch["token_level_cost"]), np.float32)

@@ -50,9 +50,13 @@ class AlgoState:
     def lagrange(self, settings: SafeRLHFConfig) -> LagrangeMultiplier:
         """Safe-RLHF's multiplier (``settings``: ``jaxflow.safe_rlhf``) at the current value."""
         value = settings.lambda_init if self.lagrange_multiplier is None else self.lagrange_multiplier
-        return LagrangeMultiplier(float(value), float(settings.cost_threshold), float(settings.lambda_lr),
-                                  settings.lambda_update_scale,
-                                  None if settings.lambda_max is None else float(settings.lambda_max))
+        return LagrangeMultiplier(
+            float(value),
+            float(settings.cost_threshold),
+            float(settings.lambda_lr),
+            settings.lambda_update_scale,
+            None if settings.lambda_max is None else float(settings.lambda_max),
+        )
 
     def store(self, kl_ctrl: KLController | None = None, multiplier: LagrangeMultiplier | None = None) -> None:
         """Keeps the controllers' new values."""

@@ -63,8 +63,9 @@ def ready(batch: Batch) -> Batch:
     return batch
 
 
-def rollout(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None,
-            old_log_probs: bool = True) -> tuple[Batch, dict[str, float]]:
+def rollout(
+    w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, old_log_probs: bool = True
+) -> tuple[Batch, dict[str, float]]:
     """Generation and everything scored on it: ``responses`` (``gen``), ``old_log_probs``
     (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
     takes them from its own forward when on-policy, or computes them itself),
@@ -111,12 +112,18 @@ def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | No
 def advantages(batch: Batch, algo: AlgorithmConfig, timer: StepTimer) -> Batch:
     """``advantages`` and ``returns`` with ``algo.adv_estimator`` (``adv``)."""
     with timer("adv"):
-        return compute_advantage(batch, algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
-                                 norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        return compute_advantage(
+            batch,
+            algo.adv_estimator,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        )
 
 
-def update(w: Workers, batch: Batch, timer: StepTimer, *, step: int | None = None,
-           update_actor: bool = True) -> dict[str, float]:
+def update(
+    w: Workers, batch: Batch, timer: StepTimer, *, step: int | None = None, update_actor: bool = True
+) -> dict[str, float]:
     """The critic's (when ``w.critic``) and the actor's updates; their metrics. The actor waits
     while ``update_actor`` is False (verl's ``trainer.critic_warmup`` steps). ``step`` seeds
     the mini-batch shuffle."""

@@ -110,8 +110,9 @@ def shard_bytes(leaves: list[Any], shardings: list[NamedSharding]) -> int:
     return max(per_device.values()) if per_device else 0
 
 
-def containment_violations(leaves: list[Any], train: list[NamedSharding], gen: list[NamedSharding],
-                           names: list[str] | None = None) -> list[str]:
+def containment_violations(
+    leaves: list[Any], train: list[NamedSharding], gen: list[NamedSharding], names: list[str] | None = None
+) -> list[str]:
     """Where a device's training shard is *not* inside its generation shard (empty: the
     generation layout coarsens the training layout, zero redundancy is possible)."""
     bad = []
@@ -228,9 +229,16 @@ class HybridEngine:
     collectives; scratch for those transposes, about 40% of a generation shard for Llama).
     """
 
-    def __init__(self, train_mesh: Mesh, train_rules: Rules | str, gen_tp: int,
-                 strategy: str = "hybrid", gen_rules: Rules | str | None = None,
-                 bucketed: bool = True, bucket_bytes: int | None = None):
+    def __init__(
+        self,
+        train_mesh: Mesh,
+        train_rules: Rules | str,
+        gen_tp: int,
+        strategy: str = "hybrid",
+        gen_rules: Rules | str | None = None,
+        bucketed: bool = True,
+        bucket_bytes: int | None = None,
+    ):
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {strategy!r}; choose from {STRATEGIES}")
         self.train_mesh = train_mesh
@@ -243,7 +251,9 @@ class HybridEngine:
         self.train_degree = int(np.prod([train_mesh.shape[a] for a in self.weight_axes]))
         grouping = "hybrid" if strategy == "hybrid" else "vanilla"
         self.gen_mesh = generation_mesh(train_mesh, gen_tp, self.weight_axes, grouping)
-        self.gen_rules = get_rules(gen_rules) if gen_rules is not None else derive_generation_rules(self.train_rules, train_mesh)
+        self.gen_rules = (
+            get_rules(gen_rules) if gen_rules is not None else derive_generation_rules(self.train_rules, train_mesh)
+        )
         # d: the training layout's weight replicas (a training dp axis).
         self.replica_degree = int(train_mesh.devices.size // self.train_degree)
         if strategy == "naive" and self.replica_degree > 1:
@@ -286,8 +296,11 @@ class HybridEngine:
         kind = key[0]
         if kind in ("whole", "gather", "slice"):
             _, _, src, dst = key
-            fn = jax.jit(lambda xs: [jax.lax.with_sharding_constraint(x, d) for x, d in zip(xs, dst)],
-                         in_shardings=(list(src),), out_shardings=list(dst))
+            fn = jax.jit(
+                lambda xs: [jax.lax.with_sharding_constraint(x, d) for x, d in zip(xs, dst)],
+                in_shardings=(list(src),),
+                out_shardings=list(dst),
+            )
         elif kind == "direct":
             _, _, _, src, dst = key
             fn = jax.jit(lambda x: jax.lax.with_sharding_constraint(x, dst), in_shardings=src, out_shardings=dst)
@@ -319,8 +332,11 @@ class HybridEngine:
         if kind == "zeros":
             return ()
         _, shape, dtype, src, dst, _ = key
-        return (jax.ShapeDtypeStruct(shape, dtype, sharding=dst), jax.ShapeDtypeStruct(shape, dtype, sharding=src),
-                jax.ShapeDtypeStruct((), jnp.int32))
+        return (
+            jax.ShapeDtypeStruct(shape, dtype, sharding=dst),
+            jax.ShapeDtypeStruct(shape, dtype, sharding=src),
+            jax.ShapeDtypeStruct((), jnp.int32),
+        )
 
     def _plan(self, state: Any, reverse: bool = False):
         """(treedef, steps): the program calls that build the target layout, in order."""
@@ -490,8 +506,14 @@ class HybridEngine:
         # also some shard's shape are ambiguous and skipped).
         shard_shapes = {s.shard_shape(tuple(x.shape)) for shs in (src, dst) for x, s in zip(leaves, shs)}
         split = {tuple(x.shape) for x, d in zip(leaves, dst) if d.shard_shape(tuple(x.shape)) != tuple(x.shape)}
-        whole = sorted({line for c in compiled.values() for shape in split - shard_shapes
-                        for line in hlo.buffers_with_shape(c.as_text(), shape)})
+        whole = sorted(
+            {
+                line
+                for c in compiled.values()
+                for shape in split - shard_shapes
+                for line in hlo.buffers_with_shape(c.as_text(), shape)
+            }
+        )
         received = np.zeros(len(flat_devices))
         raw_out = np.zeros(len(flat_devices))
         sizes: set[int] = set()
@@ -504,7 +526,11 @@ class HybridEngine:
             mem = c.memory_analysis()
             n_out = len(key[3]) if key[0] in ("whole", "gather", "slice") else 1
             table = 8 * n_out if n_out > 1 else 0  # XLA's tuple index table, not array memory
-            stats[key] = (int(mem.output_size_in_bytes) - table, int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes))
+            stats[key] = (
+                int(mem.output_size_in_bytes) - table,
+                int(mem.temp_size_in_bytes),
+                int(mem.alias_size_in_bytes),
+            )
             largest = max(largest, hlo.largest_buffer_bytes(text))
         alloc = peak = temp_max = 0
         for step in steps:
@@ -549,8 +575,13 @@ class HybridEngine:
             full_remat=bool(remat),
             whole_weights=whole,
             remat_log=remat,
-            table2=table2(self.strategy, model_bytes, self.train_degree, self.gen_tp,
-                          dp=self.replica_degree if self.strategy == "naive" else 1),
+            table2=table2(
+                self.strategy,
+                model_bytes,
+                self.train_degree,
+                self.gen_tp,
+                dp=self.replica_degree if self.strategy == "naive" else 1,
+            ),
         )
         if time_iters:
             rep.seconds = self.time(state, time_iters, reverse)

@@ -20,13 +20,40 @@ import numpy as np
 REMAT_MARKER = "Involuntary full rematerialization"
 
 _DTYPE_BYTES = {
-    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
-    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e4m3b11fnuz": 1,
+    "pred": 1,
+    "s4": 0.5,
+    "u4": 0.5,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "f8e4m3": 1,
+    "f8e5m2fnuz": 1,
+    "f8e4m3fnuz": 1,
+    "f8e4m3b11fnuz": 1,
 }
 _OPS = (
-    "all-gather-start", "all-gather", "all-reduce-start", "all-reduce", "reduce-scatter",
-    "all-to-all", "collective-permute-start", "collective-permute", "collective-broadcast",
+    "all-gather-start",
+    "all-gather",
+    "all-reduce-start",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute-start",
+    "collective-permute",
+    "collective-broadcast",
 )
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<type>.+?)\s+(?P<op>"
@@ -101,8 +128,9 @@ def _parse_groups(attrs: str, num_devices: int) -> list[list[int]]:
     """``replica_groups`` in the explicit ``{{0,1},{2,3}}``, the iota ``[G,S]<=[dims]T(perm)``
     or the mesh-axes ``mesh['x'=2,'y'=4] {'y'}`` form (its device order as ``<=[dims]T(perm)``
     or ``, device_ids=([dims]T(perm))``); empty means one group of all."""
-    m = re.search(r"replica_groups=(mesh\[[^\]]*\]),\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?)\)\s*(\{[^}]*\})",
-                  attrs)
+    m = re.search(
+        r"replica_groups=(mesh\[[^\]]*\]),\s*device_ids=\((\[[0-9,]+\](?:T\([0-9,]+\))?)\)\s*(\{[^}]*\})", attrs
+    )
     if m:  # the mesh's device order given separately: mesh[...], device_ids=([dims]T(perm)) {...}
         return _parse_mesh_groups(f"{m.group(1)}<={m.group(2)} {m.group(3)}")
     m = re.search(r"replica_groups=(mesh\[[^\]]*\](?:<=\[[0-9,]+\](?:T\([0-9,]+\))?)?\s*\{[^}]*\})", attrs)

@@ -140,22 +140,17 @@ def load_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> Rewa
         sys.modules.pop(module_name, None)
         if isinstance(e, KeyboardInterrupt):
             raise
-        raise ImportError(
-            f"failed to import custom reward function file {abspath}: {type(e).__name__}: {e}"
-        ) from e
+        raise ImportError(f"failed to import custom reward function file {abspath}: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         functions = sorted(
             k for k, v in vars(module).items() if callable(v) and not k.startswith("_") and not isinstance(v, type)
         )
         raise AttributeError(
-            f"custom reward function {name!r} not found in {abspath}; "
-            f"callables defined there: {functions or 'none'}"
+            f"custom reward function {name!r} not found in {abspath}; callables defined there: {functions or 'none'}"
         )
     fn = getattr(module, name)
     if not callable(fn):
-        raise TypeError(
-            f"custom reward function {name!r} in {abspath} is not callable (it is a {type(fn).__name__})"
-        )
+        raise TypeError(f"custom reward function {name!r} in {abspath} is not callable (it is a {type(fn).__name__})")
     return fn
 
 

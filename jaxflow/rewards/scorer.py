@@ -128,8 +128,11 @@ class RewardScorer:
             raise ValueError("pass either custom_reward_path or compute_score, not both")
         if isolation not in ("process", "inline"):
             raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
-        for name, value in (("timeout_s", timeout_s), ("load_timeout_s", load_timeout_s),
-                            ("batch_timeout_s", 1.0 if batch_timeout_s is None else batch_timeout_s)):
+        for name, value in (
+            ("timeout_s", timeout_s),
+            ("load_timeout_s", load_timeout_s),
+            ("batch_timeout_s", 1.0 if batch_timeout_s is None else batch_timeout_s),
+        ):
             if not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         if not 0 < max_failure_fraction <= 1:
@@ -153,8 +156,9 @@ class RewardScorer:
         if custom_reward_path:
             path = os.path.abspath(os.path.expanduser(os.fspath(custom_reward_path)))
             if not os.path.isfile(path):
-                raise FileNotFoundError(f"custom reward function file not found: {custom_reward_path!r} "
-                                        f"(resolved to {path})")
+                raise FileNotFoundError(
+                    f"custom reward function file not found: {custom_reward_path!r} (resolved to {path})"
+                )
             self._fn_spec = ("file", path, custom_reward_name)
             self.description = f"{custom_reward_name} in {path}"
             if isolation == "inline":
@@ -210,9 +214,7 @@ class RewardScorer:
         }
         if len(set(lengths.values())) != 1:
             raise ValueError(f"RewardScorer.score got inputs of different lengths: {lengths}")
-        items = [
-            (i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i]) for i in range(n)
-        ]
+        items = [(i, data_sources[i], solution_strs[i], ground_truths[i], extra_infos[i]) for i in range(n)]
         if self._fn_spec is None:
             for source in sorted(set(data_sources)):
                 registry.get_reward_fn(source)  # unknown source: a config error, raised here
@@ -237,13 +239,15 @@ class RewardScorer:
         if failed == n:
             raise RewardFunctionError(
                 f"the reward function ({self.description}) failed on every sample of a batch ({n}: {counts}); "
-                f"the first: {first}")
+                f"the first: {first}"
+            )
         total_failed, total = map(sum, zip(*self._recent))
         if len(self._recent) == self._recent.maxlen and total_failed > self.max_failure_fraction * total:
             raise RewardFunctionError(
                 f"the reward function ({self.description}) failed on {total_failed} of the {total} samples of the "
                 f"last {len(self._recent)} batches, more than max_failure_fraction={self.max_failure_fraction:g}; "
-                f"in the last batch {counts}, the first: {first}")
+                f"in the last batch {counts}, the first: {first}"
+            )
 
     def _log_failure(self, kind: int, index: int, data_source: Any, payload: str) -> None:
         """Logs the first failure of each kind (when it happens) in one line, its full text (the
@@ -255,7 +259,11 @@ class RewardScorer:
         # One console line (the warning); the user's traceback goes to the log file only (INFO).
         logger.warning(
             "reward function %s on sample %d (data_source=%r): %s; it scores 0. Later failures are only counted "
-            "in reward/num_errors and reward/num_timeouts", what, index, data_source, _summary(payload),
+            "in reward/num_errors and reward/num_timeouts",
+            what,
+            index,
+            data_source,
+            _summary(payload),
         )
         logger.info("reward function %s on sample %d (data_source=%r):\n%s", what, index, data_source, payload)
 
@@ -322,8 +330,7 @@ class RewardScorer:
                     idx = queues[w].popleft()[0]
                     outcomes[idx] = (
                         ERROR,
-                        f"the reward worker process died (exit code {code}) while scoring "
-                        f"sample {idx}",
+                        f"the reward worker process died (exit code {code}) while scoring sample {idx}",
                     )
                     self._log_failure(ERROR, idx, items[idx][1], outcomes[idx][1])
                     self._replace(w, queues, deadlines, outcomes, batch_deadline)
@@ -348,14 +355,20 @@ class RewardScorer:
         left = sum(len(q) for q in queues.values())
         for w, queue in list(queues.items()):
             for item in queue:
-                outcomes[item[0]] = (TIMEOUT, f"sample {item[0]} was not scored within the batch deadline of "
-                                              f"{self.batch_timeout_s:g} s")
+                outcomes[item[0]] = (
+                    TIMEOUT,
+                    f"sample {item[0]} was not scored within the batch deadline of {self.batch_timeout_s:g} s",
+                )
             if self._workers[w] is not None:
                 self._workers[w].kill()
                 self._workers[w] = None
             del queues[w]
-        logger.warning("reward: the batch deadline of %g s passed with %d sample(s) unscored; they score 0 "
-                       "(counted in reward/num_timeouts)", self.batch_timeout_s, left)
+        logger.warning(
+            "reward: the batch deadline of %g s passed with %d sample(s) unscored; they score 0 "
+            "(counted in reward/num_timeouts)",
+            self.batch_timeout_s,
+            left,
+        )
 
     def _drain(self, w: int, queue: collections.deque, outcomes: list) -> bool:
         """Reads every answer waiting from worker ``w``; True if the worker is gone."""
@@ -447,9 +460,7 @@ def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndar
     scores_B = np.asarray(scores, np.float32)
     mask_BxT = np.asarray(response_mask) != 0
     if mask_BxT.ndim != 2 or scores_B.shape != mask_BxT.shape[:1]:
-        raise ValueError(
-            f"expected scores [B] and response_mask [B, T], got {scores_B.shape} and {mask_BxT.shape}"
-        )
+        raise ValueError(f"expected scores [B] and response_mask [B, T], got {scores_B.shape} and {mask_BxT.shape}")
     num_tokens = mask_BxT.shape[1]
     last_B = num_tokens - 1 - np.argmax(mask_BxT[:, ::-1], axis=1)
     has_B = mask_BxT.any(axis=1)
@@ -528,7 +539,9 @@ class _Worker:
     def __init__(self, ctx: Any, fn_spec: tuple, reward_kwargs: Mapping[str, Any]):
         self.conn, child_conn = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(
-            target=_worker_main, args=(child_conn, fn_spec, dict(reward_kwargs), os.getpid()), daemon=True,
+            target=_worker_main,
+            args=(child_conn, fn_spec, dict(reward_kwargs), os.getpid()),
+            daemon=True,
             name="jaxflow-reward-worker",
         )
         self.proc.start()
@@ -561,11 +574,14 @@ class _Worker:
                     raise RewardFunctionError(f"the reward worker process did not start within {limit:g} s")
                 raise RewardFunctionError(
                     f"loading the reward function ({description}) did not finish within {limit:g} s "
-                    "(jaxflow.reward.load_timeout_s): does importing its file hang?")
+                    "(jaxflow.reward.load_timeout_s): does importing its file hang?"
+                )
             if message[0] == "exited":
                 self.kill()
-                raise RewardFunctionError(f"the reward worker process exited while loading the reward function "
-                                          f"({description}) (exit code {self.proc.exitcode})")
+                raise RewardFunctionError(
+                    f"the reward worker process exited while loading the reward function "
+                    f"({description}) (exit code {self.proc.exitcode})"
+                )
             if message[0] == "load_error":
                 self.kill()
                 logger.debug("reward function load error:\n%s", message[2])

@@ -79,8 +79,9 @@ def reserve_pages(response_len: int, page_size: int) -> int:
     return -(-response_len // page_size) + 1
 
 
-def pool_bounds(prompts: int, prompt_len: int, response_len: int, slots: int, prefill_rows: int,
-                page_size: int) -> tuple[int, int]:
+def pool_bounds(
+    prompts: int, prompt_len: int, response_len: int, slots: int, prefill_rows: int, page_size: int
+) -> tuple[int, int]:
     """(fewest, most) useful pages of one replica's pool, trash page included. Fewest: one
     prefill group's prompts and one row's Rp pages (below that the rollout cannot start).
     Most: the worst case, in which no row ever waits: the prompts that can be alive at once
@@ -92,8 +93,15 @@ def pool_bounds(prompts: int, prompt_len: int, response_len: int, slots: int, pr
     return least, max(least, most)
 
 
-def pool_pages(prompts: int, prompt_len: int, response_len: int, slots: int, prefill_rows: int, page_size: int,
-               kv_tokens: int | None = None) -> int:
+def pool_pages(
+    prompts: int,
+    prompt_len: int,
+    response_len: int,
+    slots: int,
+    prefill_rows: int,
+    page_size: int,
+    kv_tokens: int | None = None,
+) -> int:
     """The pool of one replica, trash page included, for a budget of ``kv_tokens`` cached
     tokens (rounded up to pages; more than the worst case is never allocated; less than
     the fewest pages that can run the rollout is an error). Default (None): the prompts that
@@ -108,14 +116,17 @@ def pool_pages(prompts: int, prompt_len: int, response_len: int, slots: int, pre
     else:
         want = 1 + -(-kv_tokens // T)
         if want < least:
-            raise ValueError(f"kv_tokens={kv_tokens} is below the smallest pool of this rollout, "
-                             f"{(least - 1) * T} tokens (a prefill group of {min(prompts, prefill_rows)} prompts of "
-                             f"{prompt_len} tokens and one response of {response_len}, in pages of {T})")
+            raise ValueError(
+                f"kv_tokens={kv_tokens} is below the smallest pool of this rollout, "
+                f"{(least - 1) * T} tokens (a prefill group of {min(prompts, prefill_rows)} prompts of "
+                f"{prompt_len} tokens and one response of {response_len}, in pages of {T})"
+            )
     return min(max(want, least), most)
 
 
-def no_wait_peak_pages(prompt_len_B: np.ndarray, lengths_N: np.ndarray, n: int, slots: int, prefill_rows: int,
-                       page_size: int) -> int:
+def no_wait_peak_pages(
+    prompt_len_B: np.ndarray, lengths_N: np.ndarray, n: int, slots: int, prefill_rows: int, page_size: int
+) -> int:
     """Pages in use at the peak of `rollout`'s schedule for one replica whose rows run
     exactly ``lengths_N`` tokens (the first N = len(lengths_N) rows; later prompts of the
     bucket are padding) and never wait (a host model, for rollouts whose rows can only stop
@@ -125,7 +136,7 @@ def no_wait_peak_pages(prompt_len_B: np.ndarray, lengths_N: np.ndarray, n: int, 
     + 1 private pages, its position running from p - 1 to p - 2 + length. Trash page
     excluded."""
     T, N, B = page_size, len(lengths_N), len(prompt_len_B)
-    plen_N = np.repeat(prompt_len_B[:N // n], n)
+    plen_N = np.repeat(prompt_len_B[: N // n], n)
     start = np.zeros(N, np.int64)
     free_at = [0] * min(slots, N)  # the step each slot frees up (a heap)
     for r in range(N):
@@ -140,7 +151,7 @@ def no_wait_peak_pages(prompt_len_B: np.ndarray, lengths_N: np.ndarray, n: int, 
         deltas += [np.ones(len(crossings), np.int64), [-len(crossings)]]
     Mp = -(-int(prompt_len_B.max()) // T)
     prompt_end = np.full(B, end.max() + 1)
-    prompt_end[:N // n] = end.reshape(N // n, n).max(axis=1)
+    prompt_end[: N // n] = end.reshape(N // n, n).max(axis=1)
     for g in range(0, N // n, prefill_rows):  # groups that hold a real prompt
         held = np.arange(g, min(g + prefill_rows, B))
         times += [np.full(len(held), start[g * n]), prompt_end[held]]
@@ -154,12 +165,29 @@ def layout(static: Static, prompt_len: int) -> dict[str, int]:
     """Page counts of one replica: ``prompt_pages`` (Mp per prompt), ``table`` (M pages per
     sequence), ``num_pages`` and ``reserve`` (Rp, `reserve_pages`)."""
     T = static.page_size
-    return dict(prompt_pages=-(-prompt_len // T), table=-(-(prompt_len + static.response_len) // T),
-                num_pages=static.num_pages, reserve=reserve_pages(static.response_len, T))
+    return dict(
+        prompt_pages=-(-prompt_len // T),
+        table=-(-(prompt_len + static.response_len) // T),
+        num_pages=static.num_pages,
+        reserve=reserve_pages(static.response_len, T),
+    )
 
 
-def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows, rng, temperature, top_p,
-            stop_tables, static: Static, pool_layout: PoolLayout, vocab_shards: int = 1):
+def rollout(
+    model,
+    prompt_ids_BxP,
+    prompt_len_B,
+    limits_N,
+    row_offset,
+    num_rows,
+    rng,
+    temperature,
+    top_p,
+    stop_tables,
+    static: Static,
+    pool_layout: PoolLayout,
+    vocab_shards: int = 1,
+):
     """One replica's rollout. ``prompt_ids_BxP`` right-padded (row i's tokens in columns
     [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``num_rows``
     the rows to generate (later rows are bucket padding), ``row_offset`` this replica's first
@@ -193,16 +221,30 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
     V = cfg.vocab_size
 
     carry = dict(
-        pools=pools, active=jnp.zeros(S, bool), row=jnp.zeros(S, jnp.int32), pos=jnp.zeros(S, jnp.int32),
-        tok=jnp.zeros(S, jnp.int32), gen=jnp.zeros(S, jnp.int32), limit=jnp.zeros(S, jnp.int32),
-        first_private=jnp.zeros(S, jnp.int32), table=jnp.zeros((S, M), jnp.int32), next_row=jnp.int32(0),
+        pools=pools,
+        active=jnp.zeros(S, bool),
+        row=jnp.zeros(S, jnp.int32),
+        pos=jnp.zeros(S, jnp.int32),
+        tok=jnp.zeros(S, jnp.int32),
+        gen=jnp.zeros(S, jnp.int32),
+        limit=jnp.zeros(S, jnp.int32),
+        first_private=jnp.zeros(S, jnp.int32),
+        table=jnp.zeros((S, M), jnp.int32),
+        next_row=jnp.int32(0),
         stop_state=jnp.zeros(S, jnp.int32),
-        prompt_table=jnp.zeros((B, Mp), jnp.int32), prefilled=jnp.int32(0), alive=jnp.zeros(B, bool),
+        prompt_table=jnp.zeros((B, Mp), jnp.int32),
+        prefilled=jnp.int32(0),
+        alive=jnp.zeros(B, bool),
         waiting=jnp.full(B, n, jnp.int32),  # samples of each prompt not finished yet
-        free=1 + jnp.arange(F, dtype=jnp.int32), top=jnp.int32(F), steps=jnp.int32(0), peak_pages=jnp.int32(0),
+        free=1 + jnp.arange(F, dtype=jnp.int32),
+        top=jnp.int32(F),
+        steps=jnp.int32(0),
+        peak_pages=jnp.int32(0),
         waits=jnp.int32(0),
-        out_tok=jnp.full((N, R), static.pad_token_id, jnp.int32), out_logp=jnp.zeros((N, R), jnp.float32),
-        lengths=jnp.zeros(N, jnp.int32))
+        out_tok=jnp.full((N, R), static.pad_token_id, jnp.int32),
+        out_logp=jnp.zeros((N, R), jnp.float32),
+        lengths=jnp.zeros(N, jnp.int32),
+    )
     if static.return_logits:
         carry["out_logits"] = jnp.zeros((N, R, V), jnp.float32)
 
@@ -224,16 +266,20 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
 
         with jax.named_scope("prefill"):
             pools = jax.lax.fori_loop(0, chunks, chunk, c["pools"])
-        return dict(c, pools=pools, prefilled=first + Gr, top=c["top"] - Gr * Mp,
-                    prompt_table=jax.lax.dynamic_update_slice_in_dim(c["prompt_table"], pages_GxMp, first, axis=0),
-                    alive=jax.lax.dynamic_update_slice_in_dim(c["alive"], jnp.ones(Gr, bool), first, axis=0))
+        return dict(
+            c,
+            pools=pools,
+            prefilled=first + Gr,
+            top=c["top"] - Gr * Mp,
+            prompt_table=jax.lax.dynamic_update_slice_in_dim(c["prompt_table"], pages_GxMp, first, axis=0),
+            alive=jax.lax.dynamic_update_slice_in_dim(c["alive"], jnp.ones(Gr, bool), first, axis=0),
+        )
 
     def admit(c):
         # a new prefill group once every row of the prefilled prompts has a slot, if its pages
         # leave the priority row's reserve
         ready = jnp.minimum(c["prefilled"] * n, num_rows)
-        wanted = (jnp.any(~c["active"]) & (c["next_row"] >= ready) & (ready < num_rows)
-                  & (c["top"] - Gr * Mp >= Rp))
+        wanted = jnp.any(~c["active"]) & (c["next_row"] >= ready) & (ready < num_rows) & (c["top"] - Gr * Mp >= Rp)
         c = jax.lax.cond(wanted, prefill_group, lambda c: c, c)
         ready = jnp.minimum(c["prefilled"] * n, num_rows)
         free_slot = ~c["active"]
@@ -246,11 +292,18 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
         prompt_rows = jnp.pad(c["prompt_table"][b], ((0, 0), (0, M - Mp)))
         shared = jnp.where(jnp.arange(M)[None, :] < j0[:, None], prompt_rows, TRASH_PAGE)
         return dict(
-            c, active=c["active"] | new, row=jnp.where(new, cand, c["row"]), pos=jnp.where(new, p - 1, c["pos"]),
-            tok=jnp.where(new, last_token_B[b], c["tok"]), gen=jnp.where(new, 0, c["gen"]),
-            limit=jnp.where(new, limits_N[cand], c["limit"]), first_private=jnp.where(new, j0, c["first_private"]),
-            table=jnp.where(new[:, None], shared, c["table"]), next_row=c["next_row"] + jnp.sum(new),
-            stop_state=jnp.where(new, 0, c["stop_state"]))
+            c,
+            active=c["active"] | new,
+            row=jnp.where(new, cand, c["row"]),
+            pos=jnp.where(new, p - 1, c["pos"]),
+            tok=jnp.where(new, last_token_B[b], c["tok"]),
+            gen=jnp.where(new, 0, c["gen"]),
+            limit=jnp.where(new, limits_N[cand], c["limit"]),
+            first_private=jnp.where(new, j0, c["first_private"]),
+            table=jnp.where(new[:, None], shared, c["table"]),
+            next_row=c["next_row"] + jnp.sum(new),
+            stop_state=jnp.where(new, 0, c["stop_state"]),
+        )
 
     def allocate(c):
         """A page for every active row whose next position starts one: the priority row (the
@@ -295,9 +348,18 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
             logits_SxV = model.logits(hidden)[:, 0]
         with jax.named_scope("sample"):  # the scopes name the ops in profiles (experiments/bench_sampling.py)
             keys = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(rng, row_offset + r), j))(
-                c["row"], c["gen"])
-            tok = sample_tokens(keys, logits_SxV, greedy=static.greedy, temperature=temperature, top_k=static.top_k,
-                                top_p=top_p, use_top_p=static.use_top_p, vocab_shards=vocab_shards)
+                c["row"], c["gen"]
+            )
+            tok = sample_tokens(
+                keys,
+                logits_SxV,
+                greedy=static.greedy,
+                temperature=temperature,
+                top_k=static.top_k,
+                top_p=top_p,
+                use_top_p=static.use_top_p,
+                vocab_shards=vocab_shards,
+            )
         with jax.named_scope("log_prob"):
             logp = token_log_probs(logits_SxV, tok, temperature)
         row_w = jnp.where(run, c["row"], N)  # idle and waiting slots write nowhere
@@ -310,12 +372,19 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
             stop_state = jnp.where(run, next_state_SxC[stop_state, cls], stop_state)
         done = run & ((gen >= c["limit"]) | stop)
         out = dict(
-            c, pools=constrain_pools(kv.pools), tok=jnp.where(run, tok, c["tok"]), pos=c["pos"] + run, gen=gen,
-            stop_state=stop_state, steps=c["steps"] + 1, waits=c["waits"] + jnp.sum(wait),
+            c,
+            pools=constrain_pools(kv.pools),
+            tok=jnp.where(run, tok, c["tok"]),
+            pos=c["pos"] + run,
+            gen=gen,
+            stop_state=stop_state,
+            steps=c["steps"] + 1,
+            waits=c["waits"] + jnp.sum(wait),
             out_tok=c["out_tok"].at[row_w, c["gen"]].set(tok, mode="drop"),
             out_logp=c["out_logp"].at[row_w, c["gen"]].set(logp, mode="drop"),
             lengths=c["lengths"].at[jnp.where(done, c["row"], N)].set(gen, mode="drop"),
-            peak_pages=jnp.maximum(c["peak_pages"], F - c["top"]))
+            peak_pages=jnp.maximum(c["peak_pages"], F - c["top"]),
+        )
         if static.return_logits:
             out["out_logits"] = c["out_logits"].at[row_w, c["gen"]].set(logits_SxV, mode="drop")
         # retire finished rows: their private pages go back on the free stack, and so do the
@@ -326,9 +395,14 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
         pages = jnp.concatenate([c["table"].reshape(-1), c["prompt_table"].reshape(-1)])
         give_back = jnp.concatenate([own.reshape(-1), jnp.repeat(released, Mp)])
         at = jnp.where(give_back, c["top"] + jnp.cumsum(give_back) - 1, F)
-        out.update(free=c["free"].at[at].set(pages, mode="drop"), top=c["top"] + jnp.sum(give_back),
-                   table=jnp.where(done[:, None], TRASH_PAGE, c["table"]), active=c["active"] & ~done,
-                   waiting=waiting, alive=c["alive"] & ~released)
+        out.update(
+            free=c["free"].at[at].set(pages, mode="drop"),
+            top=c["top"] + jnp.sum(give_back),
+            table=jnp.where(done[:, None], TRASH_PAGE, c["table"]),
+            active=c["active"] & ~done,
+            waiting=waiting,
+            alive=c["alive"] & ~released,
+        )
         return out
 
     def cond(c):
@@ -336,8 +410,15 @@ def rollout(model, prompt_ids_BxP, prompt_len_B, limits_N, row_offset, num_rows,
 
     c = jax.lax.while_loop(cond, body, carry)
     mask = (jnp.arange(R)[None, :] < c["lengths"][:, None]).astype(jnp.int32)
-    out = dict(responses=c["out_tok"], response_mask=mask, log_probs=c["out_logp"], lengths=c["lengths"],
-               num_steps=c["steps"], peak_pages=c["peak_pages"], waits=c["waits"])
+    out = dict(
+        responses=c["out_tok"],
+        response_mask=mask,
+        log_probs=c["out_logp"],
+        lengths=c["lengths"],
+        num_steps=c["steps"],
+        peak_pages=c["peak_pages"],
+        waits=c["waits"],
+    )
     if static.return_logits:
         out["logits"] = c["out_logits"]
     if static.return_cache:
@@ -357,5 +438,13 @@ def _pool_constraint(pool_layout: PoolLayout):
     return pin
 
 
-__all__ = ["DEFAULT_RESPONSE_SHARE", "Static", "layout", "no_wait_peak_pages", "pool_bounds", "pool_pages",
-           "reserve_pages", "rollout"]
+__all__ = [
+    "DEFAULT_RESPONSE_SHARE",
+    "Static",
+    "layout",
+    "no_wait_peak_pages",
+    "pool_bounds",
+    "pool_pages",
+    "reserve_pages",
+    "rollout",
+]

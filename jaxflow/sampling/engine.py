@@ -177,12 +177,29 @@ def _replica_rules(rules: Rules) -> Rules:
     axes), and nothing else is split over those axes either (e.g. ``embed`` over fsdp when
     generating in a training layout: those axes are manual inside the replica)."""
     batch = set(_axes_of(dict(rules).get("batch")))
-    return tuple((name, None if name == "batch" else tuple(a for a in _axes_of(axes) if a not in batch) or None)
-                 for name, axes in rules)
+    return tuple(
+        (name, None if name == "batch" else tuple(a for a in _axes_of(axes) if a not in batch) or None)
+        for name, axes in rules
+    )
 
 
-def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng,
-                      temperature, top_p, stop_tables, *, static: Static, mesh: Mesh | None, rules: Rules):
+def _generate_program(
+    graphdef,
+    state,
+    ids_RxBxP,
+    plen_RxB,
+    limits_RxN,
+    row_offset_R,
+    num_rows_R,
+    rng,
+    temperature,
+    top_p,
+    stop_tables,
+    *,
+    static: Static,
+    mesh: Mesh | None,
+    rules: Rules,
+):
     """The traced program: every replica's `batcher.rollout`, each on its own dp group
     (``shard_map`` manual over the mesh's batch axes, the rest of the mesh left to the
     compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes selects over the
@@ -191,8 +208,11 @@ def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offs
     global _TRACE_COUNT
     _TRACE_COUNT += 1
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
-    vocab_shards = 1 if mesh is None else math.prod(
-        mesh.shape[a] for a in _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0]))
+    vocab_shards = (
+        1
+        if mesh is None
+        else math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0]))
+    )
 
     def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables):
         """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
@@ -200,12 +220,29 @@ def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offs
         # inside shard_map, constraints (and the kernels' shard_map) name the context's
         # (partly manual) mesh
         here = jax.sharding.get_abstract_mesh() if manual else mesh
-        pool_layout = PoolLayout(static.kernel, kv_axes, here if kv_axes else None,
-                                 interpret=static.kernel == "gpu" and _platform(mesh) != "gpu")
+        pool_layout = PoolLayout(
+            static.kernel,
+            kv_axes,
+            here if kv_axes else None,
+            interpret=static.kernel == "gpu" and _platform(mesh) != "gpu",
+        )
         ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
         with ctx:
-            out = rollout(model, ids[0], plen[0], limits[0], offset[0], num_rows[0], rng, temperature, top_p,
-                          stop_tables, static, pool_layout, vocab_shards)
+            out = rollout(
+                model,
+                ids[0],
+                plen[0],
+                limits[0],
+                offset[0],
+                num_rows[0],
+                rng,
+                temperature,
+                top_p,
+                stop_tables,
+                static,
+                pool_layout,
+                vocab_shards,
+            )
         return jax.tree.map(lambda x: x[None], out)
 
     args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p, stop_tables)
@@ -215,10 +252,19 @@ def _generate_program(graphdef, state, ids_RxBxP, plen_RxB, limits_RxN, row_offs
         out = local(*args)
     else:
         rep, rows = PartitionSpec(), PartitionSpec(axes)
-        out = jax.shard_map(local, mesh=mesh, in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep, rep),
-                            out_specs=rows, axis_names=set(axes), check_vma=False)(*args)
-    flat = {k: v.reshape((-1,) + v.shape[2:]) for k, v in out.items()
-            if k in ("responses", "response_mask", "log_probs", "lengths", "logits")}
+        out = jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep, rep),
+            out_specs=rows,
+            axis_names=set(axes),
+            check_vma=False,
+        )(*args)
+    flat = {
+        k: v.reshape((-1,) + v.shape[2:])
+        for k, v in out.items()
+        if k in ("responses", "response_mask", "log_probs", "lengths", "logits")
+    }
     return dict(out, **flat, num_steps=jnp.max(out["num_steps"]))
 
 
@@ -240,9 +286,15 @@ def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules)
         return jax.jit(fn)
     rows2 = NamedSharding(mesh, _batch_spec(rules, mesh, None))
     rows1 = NamedSharding(mesh, _batch_spec(rules, mesh))
-    out_shardings: dict[str, Any] = dict(responses=rows2, response_mask=rows2, log_probs=rows2, lengths=rows1,
-                                         num_steps=NamedSharding(mesh, PartitionSpec()), peak_pages=rows1,
-                                         waits=rows1)
+    out_shardings: dict[str, Any] = dict(
+        responses=rows2,
+        response_mask=rows2,
+        log_probs=rows2,
+        lengths=rows1,
+        num_steps=NamedSharding(mesh, PartitionSpec()),
+        peak_pages=rows1,
+        waits=rows1,
+    )
     if static.return_logits:
         out_shardings["logits"] = NamedSharding(mesh, _batch_spec(rules, mesh, None, None))
     if static.return_cache:
@@ -260,8 +312,9 @@ def _left_padded_on_host(prompt_ids, prompt_mask) -> tuple[np.ndarray, np.ndarra
     real = mask.astype(bool)
     if not real[:, -1].all():
         bad = np.flatnonzero(~real[:, -1])
-        raise ValueError(f"prompts must be left-padded with at least one token: rows {bad[:8].tolist()} "
-                         "do not end with a real token")
+        raise ValueError(
+            f"prompts must be left-padded with at least one token: rows {bad[:8].tolist()} do not end with a real token"
+        )
     if (np.diff(real.astype(np.int8), axis=1) < 0).any():
         raise ValueError("prompt_mask must be left padding followed by contiguous real tokens")
     longest = int(real.sum(axis=1).max())
@@ -298,13 +351,17 @@ def _row_limits(params: SamplingParams, max_new_tokens, B: int) -> np.ndarray:
     elif limits.shape == (B,) and params.n > 1:
         limits = np.repeat(limits, params.n)
     if limits.shape != (N,) or not np.issubdtype(limits.dtype, np.integer):
-        raise ValueError(f"max_new_tokens must be an int or an integer array of {N} rows (or {B} prompts), "
-                         f"got {limits.dtype} {limits.shape}")
+        raise ValueError(
+            f"max_new_tokens must be an int or an integer array of {N} rows (or {B} prompts), "
+            f"got {limits.dtype} {limits.shape}"
+        )
     if (limits < 1).any():
         raise ValueError(f"max_new_tokens must be >= 1 for every row, got min {int(limits.min())}")
     if (limits > params.max_new_tokens).any():
-        raise ValueError(f"per-row max_new_tokens must be <= SamplingParams.max_new_tokens "
-                         f"({params.max_new_tokens}), got max {int(limits.max())}")
+        raise ValueError(
+            f"per-row max_new_tokens must be <= SamplingParams.max_new_tokens "
+            f"({params.max_new_tokens}), got max {int(limits.max())}"
+        )
     return limits.astype(np.int32)
 
 
@@ -313,8 +370,10 @@ def _kernel(cfg: ModelConfig, mesh: Mesh | None, rules: Rules, attention: str | 
     platform (the pure-JAX attention when the mesh splits head_dim)."""
     platform = _platform(mesh)
     if attention is None:
-        split = mesh is not None and math.prod(
-            mesh.shape[a] for a in _axes_of(logical_to_spec(("head_dim",), rules, mesh)[0])) > 1
+        split = (
+            mesh is not None
+            and math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("head_dim",), rules, mesh)[0])) > 1
+        )
         return choose_kernel(cfg, platform, head_dim_split=split)
     if attention not in KERNELS:
         raise ValueError(f"attention must be one of {KERNELS} (or None: by platform), got {attention!r}")
@@ -323,10 +382,25 @@ def _kernel(cfg: ModelConfig, mesh: Mesh | None, rules: Rules, attention: str | 
     return attention
 
 
-def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, mesh, rules, rng,
-             max_new_tokens=None, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-             kv_tokens: int | None = None, attention: str | None = None, stop_strings: StopStrings | None = None,
-             return_logits: bool = False, return_cache: bool = False, place: bool = True) -> _Call:
+def _prepare(
+    graphdef,
+    state,
+    prompt_ids,
+    prompt_mask,
+    params: SamplingParams,
+    mesh,
+    rules,
+    rng,
+    max_new_tokens=None,
+    slots: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    kv_tokens: int | None = None,
+    attention: str | None = None,
+    stop_strings: StopStrings | None = None,
+    return_logits: bool = False,
+    return_cache: bool = False,
+    place: bool = True,
+) -> _Call:
     cfg = _config_of(graphdef, state)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
     B, L = ids.shape
@@ -334,8 +408,11 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
     eos = params.eos_token_ids
     if eos is None:
-        eos = () if cfg.eos_token_id is None else (
-            tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,))
+        eos = (
+            ()
+            if cfg.eos_token_id is None
+            else (tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,))
+        )
     limits = _row_limits(params, max_new_tokens, B)
     if page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -344,8 +421,10 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
     if kv_tokens is not None and kv_tokens < 1:
         raise ValueError(f"kv_tokens must be >= 1 (or None: the default budget), got {kv_tokens}")
     if params.stop and (stop_strings is None or stop_strings.strings != params.stop):
-        raise ValueError(f"SamplingParams.stop {params.stop!r} needs its tables: pass tokenizer=... (or "
-                         f"stop_strings=StopStrings.build(stop, tokenizer, vocab_size))")
+        raise ValueError(
+            f"SamplingParams.stop {params.stop!r} needs its tables: pass tokenizer=... (or "
+            f"stop_strings=StopStrings.build(stop, tokenizer, vocab_size))"
+        )
 
     replicas = _batch_axis_size(rules, mesh)
     Bb = bucket_size(B, multiple=replicas)
@@ -354,7 +433,7 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
     plen = mask.sum(axis=1).astype(np.int32)
     right = np.full((Bb, P), pad, np.int32)  # right-padded: row i's tokens in columns [0, plen_i)
     for i in range(B):
-        right[i, :plen[i]] = ids[i, L - plen[i]:]
+        right[i, : plen[i]] = ids[i, L - plen[i] :]
     right[B:] = right[0]
     plen = np.concatenate([plen, np.full(Bb - B, plen[0], np.int32)])
     limits = np.concatenate([limits, np.ones((Bb - B) * n, np.int32)])
@@ -362,8 +441,13 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
     Nr = Br * n
     offsets = np.arange(replicas, dtype=np.int32) * Nr
     num_rows = np.clip(B * n - offsets, 0, Nr).astype(np.int32)
-    arrays = [right.reshape(replicas, Br, P), plen.reshape(replicas, Br), limits.reshape(replicas, Nr), offsets,
-              num_rows]
+    arrays = [
+        right.reshape(replicas, Br, P),
+        plen.reshape(replicas, Br),
+        limits.reshape(replicas, Nr),
+        offsets,
+        num_rows,
+    ]
     if mesh is not None:
         shardings = [NamedSharding(mesh, _batch_spec(rules, mesh, *([None] * (x.ndim - 1)))) for x in arrays]
         if place:
@@ -374,8 +458,10 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
         stop_tables = (np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1), bool))
     else:
         if stop_strings.token_class_V.shape[0] != cfg.vocab_size:
-            raise ValueError(f"stop_strings were built for {stop_strings.token_class_V.shape[0]} token ids, the model "
-                             f"has {cfg.vocab_size}")
+            raise ValueError(
+                f"stop_strings were built for {stop_strings.token_class_V.shape[0]} token ids, the model "
+                f"has {cfg.vocab_size}"
+            )
         stop_tables = (stop_strings.token_class_V, stop_strings.next_state_SxC, stop_strings.hit_SxC)
 
     if rng is None:
@@ -383,10 +469,20 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng)
     if kv_tokens is None and not eos and not params.stop:
-        kv_tokens = _expected_kv_tokens(cfg, plen.reshape(replicas, Br), limits.reshape(replicas, Nr), num_rows, L,
-                                        params, replicas, slots, page_size)
-    shape = engine_shape(cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size,
-                         kv_tokens=kv_tokens)
+        kv_tokens = _expected_kv_tokens(
+            cfg,
+            plen.reshape(replicas, Br),
+            limits.reshape(replicas, Nr),
+            num_rows,
+            L,
+            params,
+            replicas,
+            slots,
+            page_size,
+        )
+    shape = engine_shape(
+        cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size, kv_tokens=kv_tokens
+    )
     static = Static(
         greedy=params.greedy,
         top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
@@ -408,9 +504,16 @@ def _prepare(graphdef, state, prompt_ids, prompt_mask, params: SamplingParams, m
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
     args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p), stop_tables)
     page_bytes = shape.pool_bytes // shape.pages
-    stats = dict(replicas=replicas, slots=static.slots, page_size=page_size, attention=static.kernel,
-                 pages_per_replica=shape.pages, pad_token_id=int(pad), kv_pool_bytes=replicas * shape.pool_bytes,
-                 page_bytes=page_bytes)
+    stats = dict(
+        replicas=replicas,
+        slots=static.slots,
+        page_size=page_size,
+        attention=static.kernel,
+        pages_per_replica=shape.pages,
+        pad_token_id=int(pad),
+        kv_pool_bytes=replicas * shape.pool_bytes,
+        page_bytes=page_bytes,
+    )
     return _Call(program, args, B * n, params.max_new_tokens, stats)
 
 
@@ -419,12 +522,24 @@ def _expected_kv_tokens(cfg, plen_RxB, limits_RxN, num_rows_R, prompt_len, param
     strings): every token is known, so the pool is the peak of the schedule in which no row
     waits (`batcher.no_wait_peak_pages`) plus the priority reserve Rp, rounded up to a power
     of two pages (calls with other limits mostly reuse the program)."""
-    shape = engine_shape(cfg, len(plen_RxB.reshape(-1)), prompt_len, params.max_new_tokens, n=params.n,
-                         replicas=replicas, slots=slots, page_size=page_size)
-    peak = max(no_wait_peak_pages(plen, limits[:rows], params.n, shape.slots, shape.prefill_rows, page_size)
-               for plen, limits, rows in zip(plen_RxB, limits_RxN, num_rows_R) if rows > 0)
-    least, _ = pool_bounds(shape.prompts, shape.prompt_len, shape.response_len, shape.slots, shape.prefill_rows,
-                           page_size)
+    shape = engine_shape(
+        cfg,
+        len(plen_RxB.reshape(-1)),
+        prompt_len,
+        params.max_new_tokens,
+        n=params.n,
+        replicas=replicas,
+        slots=slots,
+        page_size=page_size,
+    )
+    peak = max(
+        no_wait_peak_pages(plen, limits[:rows], params.n, shape.slots, shape.prefill_rows, page_size)
+        for plen, limits, rows in zip(plen_RxB, limits_RxN, num_rows_R)
+        if rows > 0
+    )
+    least, _ = pool_bounds(
+        shape.prompts, shape.prompt_len, shape.response_len, shape.slots, shape.prefill_rows, page_size
+    )
     pages = bucket_size(max(1 + peak + reserve_pages(shape.response_len, page_size), least))
     return (pages - 1) * page_size
 
@@ -451,9 +566,18 @@ class EngineShape:
     pool_bytes: int
 
 
-def engine_shape(cfg: ModelConfig, prompts: int, prompt_len: int, max_new_tokens: int, *, n: int = 1,
-                 replicas: int = 1, slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE,
-                 kv_tokens: int | None = None) -> EngineShape:
+def engine_shape(
+    cfg: ModelConfig,
+    prompts: int,
+    prompt_len: int,
+    max_new_tokens: int,
+    *,
+    n: int = 1,
+    replicas: int = 1,
+    slots: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    kv_tokens: int | None = None,
+) -> EngineShape:
     """The `EngineShape` of a call with ``prompts`` prompts of at most ``prompt_len`` tokens
     over ``replicas`` generation replicas with a budget of ``kv_tokens`` cached tokens per
     replica (None: the default; what `_prepare` does, without arrays)."""
@@ -465,10 +589,19 @@ def engine_shape(cfg: ModelConfig, prompts: int, prompt_len: int, max_new_tokens
     Gr = min(Br, PREFILL_ROWS)
     pages = pool_pages(Br, P, R, S, Gr, T, kv_tokens)
     page_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * T * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
-    return EngineShape(prompts=Br, rows=Br * n, slots=S, prompt_len=P, response_len=R, prefill_rows=Gr,
-                       prefill_len=min(P, PREFILL_LEN), page_size=T, pages=pages,
-                       worst_case_pages=pool_bounds(Br, P, R, S, Gr, T)[1],
-                       pool_bytes=pages * page_bytes)
+    return EngineShape(
+        prompts=Br,
+        rows=Br * n,
+        slots=S,
+        prompt_len=P,
+        response_len=R,
+        prefill_rows=Gr,
+        prefill_len=min(P, PREFILL_LEN),
+        page_size=T,
+        pages=pages,
+        worst_case_pages=pool_bounds(Br, P, R, S, Gr, T)[1],
+        pool_bytes=pages * page_bytes,
+    )
 
 
 def generate_from_state(
@@ -513,8 +646,24 @@ def generate_from_state(
         if tokenizer is None:
             raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
         stop_strings = StopStrings.build(params.stop, tokenizer, _config_of(graphdef, state).vocab_size)
-    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, rng, max_new_tokens, slots,
-                    page_size, kv_tokens, attention, stop_strings, return_logits, return_cache)
+    call = _prepare(
+        graphdef,
+        state,
+        prompt_ids,
+        prompt_mask,
+        params,
+        mesh,
+        rules,
+        rng,
+        max_new_tokens,
+        slots,
+        page_size,
+        kv_tokens,
+        attention,
+        stop_strings,
+        return_logits,
+        return_cache,
+    )
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols
 
@@ -528,24 +677,55 @@ def generate_from_state(
         log_probs=cut(out["log_probs"]),
         lengths=out["lengths"] if out["lengths"].shape[0] == rows else out["lengths"][:rows],
         num_steps=out["num_steps"],
-        stats=dict(call.stats, peak_pages=peak, peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"],
-                   waits=out["waits"]),
+        stats=dict(
+            call.stats, peak_pages=peak, peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"], waits=out["waits"]
+        ),
         logits=cut(out["logits"]) if return_logits else None,
         cache=(out["k_pages"], out["v_pages"]) if return_cache else None,
     )
 
 
-def lower_generate(graphdef: nnx.GraphDef, state: nnx.State, prompt_ids, prompt_mask, params: SamplingParams,
-                   *, mesh: Mesh | None = None, rules: Rules = GENERATE_RULES, max_new_tokens=None,
-                   slots: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, kv_tokens: int | None = None,
-                   attention: str | None = None, stop_strings: StopStrings | None = None,
-                   return_logits: bool = False, return_cache: bool = False) -> jax.stages.Lowered:
+def lower_generate(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    prompt_ids,
+    prompt_mask,
+    params: SamplingParams,
+    *,
+    mesh: Mesh | None = None,
+    rules: Rules = GENERATE_RULES,
+    max_new_tokens=None,
+    slots: int | None = None,
+    page_size: int = DEFAULT_PAGE_SIZE,
+    kv_tokens: int | None = None,
+    attention: str | None = None,
+    stop_strings: StopStrings | None = None,
+    return_logits: bool = False,
+    return_cache: bool = False,
+) -> jax.stages.Lowered:
     """The program `generate_from_state` runs for these arguments, lowered but not run:
     ``.compile()`` gives its HLO (``as_text()``), ``memory_analysis()`` and
     ``cost_analysis()``. ``state`` may be abstract (``jax.ShapeDtypeStruct`` leaves carrying
     shardings); the prompts only need the intended shapes (e.g. ones)."""
-    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, mesh, rules, None, max_new_tokens, slots,
-                    page_size, kv_tokens, attention, stop_strings, return_logits, return_cache, place=False)
+    call = _prepare(
+        graphdef,
+        state,
+        prompt_ids,
+        prompt_mask,
+        params,
+        mesh,
+        rules,
+        None,
+        max_new_tokens,
+        slots,
+        page_size,
+        kv_tokens,
+        attention,
+        stop_strings,
+        return_logits,
+        return_cache,
+        place=False,
+    )
     return call.program.lower(*call.args)
 
 
@@ -559,14 +739,23 @@ def _config_of(graphdef: nnx.GraphDef, state: nnx.State) -> ModelConfig:
     return _CONFIGS[graphdef]
 
 
-def generate(model: nnx.Module, prompt_ids, prompt_mask, params: SamplingParams, *,
-             mesh: Mesh | None = None, rules: Rules = GENERATE_RULES, rng: jax.Array | None = None,
-             **kwargs) -> GenerateOutput:
+def generate(
+    model: nnx.Module,
+    prompt_ids,
+    prompt_mask,
+    params: SamplingParams,
+    *,
+    mesh: Mesh | None = None,
+    rules: Rules = GENERATE_RULES,
+    rng: jax.Array | None = None,
+    **kwargs,
+) -> GenerateOutput:
     """`generate_from_state` for a `CausalLM` (e.g. what ``jaxflow.models.from_pretrained``
     returns); ``kwargs`` as there."""
     graphdef, state = nnx.split(model)
-    return generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=mesh, rules=rules,
-                               rng=rng, **kwargs)
+    return generate_from_state(
+        graphdef, state, prompt_ids, prompt_mask, params, mesh=mesh, rules=rules, rng=rng, **kwargs
+    )
 
 
 __all__ = [

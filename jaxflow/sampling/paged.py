@@ -138,19 +138,29 @@ class PoolLayout:
             fn, args = _gpu_decode_attention, pool
             specs = (PartitionSpec(self.kv_axes or None, None, None, None),) * 2
         else:
-            return paged_attention(q_BxLxHxK, *pool, page_table_BxM, positions_BxL, sliding_window=sliding_window,
-                                   pages_per_block=pages_per_block)
+            return paged_attention(
+                q_BxLxHxK,
+                *pool,
+                page_table_BxM,
+                positions_BxL,
+                sliding_window=sliding_window,
+                pages_per_block=pages_per_block,
+            )
         fn = functools.partial(fn, sliding_window=sliding_window, interpret=self.interpret)
         if not self.kv_axes:
             return fn(q_BxLxHxK, *args, page_table_BxM, positions_BxL)
         heads = PartitionSpec(None, None, self.kv_axes, None)
-        return jax.shard_map(fn, mesh=self.mesh, in_specs=(heads, *specs, PartitionSpec(), PartitionSpec()),
-                             out_specs=heads, axis_names=set(self.kv_axes), check_vma=False)(
-            q_BxLxHxK, *args, page_table_BxM, positions_BxL)
+        return jax.shard_map(
+            fn,
+            mesh=self.mesh,
+            in_specs=(heads, *specs, PartitionSpec(), PartitionSpec()),
+            out_specs=heads,
+            axis_names=set(self.kv_axes),
+            check_vma=False,
+        )(q_BxLxHxK, *args, page_table_BxM, positions_BxL)
 
 
-def _gpu_decode_attention(q_BxLxHxK, k_pages, v_pages, page_table_BxM, positions_BxL, *, sliding_window,
-                          interpret):
+def _gpu_decode_attention(q_BxLxHxK, k_pages, v_pages, page_table_BxM, positions_BxL, *, sliding_window, interpret):
     """One query per sequence through ``pallas.ops.gpu.paged_attention``: the kernel does not
     scale the scores, so q carries 1/sqrt(K); it attends to slots [0, length) with length =
     position + 1 (0 for idle rows, whose output is 0). Its page table is split in
@@ -162,10 +172,18 @@ def _gpu_decode_attention(q_BxLxHxK, k_pages, v_pages, page_table_BxM, positions
     M = page_table_BxM.shape[1]
     k_splits = max(d for d in range(1, 17) if M % d == 0)
     per_block = max(d for d in range(1, 9) if (M // k_splits) % d == 0)
-    q_BxHxK = (q_BxLxHxK[:, 0].astype(jnp.float32) * K ** -0.5).astype(k_pages.dtype)
+    q_BxHxK = (q_BxLxHxK[:, 0].astype(jnp.float32) * K**-0.5).astype(k_pages.dtype)
     lengths_B = (positions_BxL[:, 0] + 1).astype(jnp.int32)
-    out = gpu_kernel.paged_attention(q_BxHxK, k_pages, v_pages, page_table_BxM.astype(jnp.int32), lengths_B,
-                                     k_splits=k_splits, pages_per_compute_block=per_block, interpret=interpret)
+    out = gpu_kernel.paged_attention(
+        q_BxHxK,
+        k_pages,
+        v_pages,
+        page_table_BxM.astype(jnp.int32),
+        lengths_B,
+        k_splits=k_splits,
+        pages_per_compute_block=per_block,
+        interpret=interpret,
+    )
     return out[:, None].astype(q_BxLxHxK.dtype)
 
 
@@ -190,9 +208,13 @@ def _tpu_attention(q_BxLxHxK, kv_pages, page_table_BxM, positions_BxL, *, slidin
 
     del interpret  # the kernel has no interpret switch; it runs on TPU only
     B, L, H, K = q_BxLxHxK.shape
-    out = ragged_paged_attention(q_BxLxHxK.reshape(B * L, H, K).astype(kv_pages.dtype), kv_pages,
-                                 *ragged_arguments(page_table_BxM, positions_BxL), sm_scale=K ** -0.5,
-                                 sliding_window=sliding_window)
+    out = ragged_paged_attention(
+        q_BxLxHxK.reshape(B * L, H, K).astype(kv_pages.dtype),
+        kv_pages,
+        *ragged_arguments(page_table_BxM, positions_BxL),
+        sm_scale=K**-0.5,
+        sliding_window=sliding_window,
+    )
     return out.reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
@@ -217,8 +239,9 @@ class PagedKVCache:
     pages_per_block: int = dataclasses.field(default=8, metadata=dict(static=True))
 
     @staticmethod
-    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, per_layer: bool, layout: PoolLayout = PoolLayout(),
-              dtype=None):
+    def zeros(
+        cfg: ModelConfig, num_pages: int, page_size: int, per_layer: bool, layout: PoolLayout = PoolLayout(), dtype=None
+    ):
         """Zeroed pools of every layer: a tuple of per-layer pools, or one stacked pool."""
         layers = tuple(layout.zeros(cfg, num_pages, page_size, dtype) for _ in range(cfg.num_layers))
         return layers if per_layer else jax.tree.map(lambda *x: jnp.stack(x), *layers)
@@ -231,8 +254,14 @@ class PagedKVCache:
         with jax.named_scope("paged_attention"):
             page_BxL, offset_BxL = slot_address(self.page_table_BxM, self.positions_BxL, self.layout.page_size(pool))
             pool = self.layout.write(pool, page_BxL, offset_BxL, k_BxLxNxK, v_BxLxNxK)
-            out = self.layout.attend(q_BxLxHxK, pool, self.page_table_BxM, self.positions_BxL,
-                                     sliding_window=self.sliding_window, pages_per_block=self.pages_per_block)
+            out = self.layout.attend(
+                q_BxLxHxK,
+                pool,
+                self.page_table_BxM,
+                self.positions_BxL,
+                sliding_window=self.sliding_window,
+                pages_per_block=self.pages_per_block,
+            )
         return out, pool
 
 
@@ -244,8 +273,16 @@ def slot_address(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size:
     return jnp.where(valid, page, TRASH_PAGE), jnp.where(valid, pos % page_size, 0)
 
 
-def paged_attention(q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, page_table_BxM, positions_BxL, *,
-                    sliding_window: int | None = None, pages_per_block: int = 8) -> jax.Array:
+def paged_attention(
+    q_BxLxHxK,
+    k_pages_NxPxTxK,
+    v_pages_NxPxTxK,
+    page_table_BxM,
+    positions_BxL,
+    *,
+    sliding_window: int | None = None,
+    pages_per_block: int = 8,
+) -> jax.Array:
     """softmax(q k / sqrt(K) + mask) v over each row's pages; query t of row b sees slots
     j <= positions[b, t] (and positions[b, t] - j < sliding_window). Grouped-query: query
     head h reads kv head h // (H / N). Rows with position -1 return zeros.
@@ -255,7 +292,9 @@ def paged_attention(q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, page_table_BxM,
     max m, normaliser l and accumulator a of the online softmax:
     m' = max(m, max_j s_j), l' = l e^{m - m'} + sum_j e^{s_j - m'}, a' = a e^{m - m'} + sum_j e^{s_j - m'} v_j.
     """
-    q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK = (jnp.asarray(x) for x in (q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK))
+    q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK = (
+        jnp.asarray(x) for x in (q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK)
+    )
     B, L, H, K = q_BxLxHxK.shape
     N, _, T, _ = k_pages_NxPxTxK.shape
     G = H // N
@@ -264,8 +303,10 @@ def paged_attention(q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, page_table_BxM,
     table = jnp.pad(page_table_BxM, ((0, 0), (0, blocks * pages_per_block - M)), constant_values=TRASH_PAGE)
     W = pages_per_block * T
     # rows (G, L) of one product per (kv head, sequence)
-    q_NxBxRxK = (q_BxLxHxK.reshape(B, L, N, G, K).transpose(2, 0, 3, 1, 4).reshape(N, B, G * L, K)
-                 .astype(jnp.float32) * (K ** -0.5)).astype(k_pages_NxPxTxK.dtype)
+    q_NxBxRxK = (
+        q_BxLxHxK.reshape(B, L, N, G, K).transpose(2, 0, 3, 1, 4).reshape(N, B, G * L, K).astype(jnp.float32)
+        * (K**-0.5)
+    ).astype(k_pages_NxPxTxK.dtype)
     qpos_BxGL = jnp.broadcast_to(positions_BxL[:, None, :], (B, G, L)).reshape(B, G * L)
     needed = (jnp.max(positions_BxL) + W) // W  # blocks that hold any visible slot
 
@@ -287,12 +328,23 @@ def paged_attention(q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, page_table_BxM,
         pv = jnp.einsum("NBRW,NBWK->NBRK", p.astype(v_NxBxWxK.dtype), v_NxBxWxK, preferred_element_type=jnp.float32)
         return m_new, l, acc * scale[..., None] + pv
 
-    init = (jnp.full((N, B, G * L), _MASKED, jnp.float32), jnp.zeros((N, B, G * L), jnp.float32),
-            jnp.zeros((N, B, G * L, K), jnp.float32))
+    init = (
+        jnp.full((N, B, G * L), _MASKED, jnp.float32),
+        jnp.zeros((N, B, G * L), jnp.float32),
+        jnp.zeros((N, B, G * L, K), jnp.float32),
+    )
     _, l, acc = jax.lax.fori_loop(0, jnp.minimum(needed, blocks), block, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(N, B, G, L, K).transpose(1, 3, 0, 2, 4).reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
-__all__ = ["KERNELS", "TRASH_PAGE", "PagedKVCache", "PoolLayout", "choose_kernel", "paged_attention",
-           "ragged_arguments", "slot_address"]
+__all__ = [
+    "KERNELS",
+    "TRASH_PAGE",
+    "PagedKVCache",
+    "PoolLayout",
+    "choose_kernel",
+    "paged_attention",
+    "ragged_arguments",
+    "slot_address",
+]

@@ -80,7 +80,7 @@ def token_texts(tokenizer: Any, vocab_size: int) -> list[str]:
     texts = []
     for t in range(vocab_size):
         pair = decode([anchor, t])
-        texts.append(pair[len(head):] if pair.startswith(head) else decode([t]))
+        texts.append(pair[len(head) :] if pair.startswith(head) else decode([t]))
     return texts
 
 
@@ -120,7 +120,7 @@ def _build(strings: tuple[str, ...], tokenizer: Any, vocab_size: int) -> StopStr
     width = max(len(t) for t in texts) if texts else 0
     chars = np.full((vocab_size, max(width, 1)), -2, np.int32)  # -2: past the token's end, -1: not in the alphabet
     for v, text in enumerate(texts):
-        chars[v, :len(text)] = [alphabet.get(ch, -1) for ch in text]
+        chars[v, : len(text)] = [alphabet.get(ch, -1) for ch in text]
     relevant = np.flatnonzero((chars >= 0).any(axis=1))
     state = np.broadcast_to(np.arange(states, dtype=np.int32), (len(relevant), states)).copy()
     hit = np.zeros_like(state, dtype=bool)
@@ -139,8 +139,8 @@ def _build(strings: tuple[str, ...], tokenizer: Any, vocab_size: int) -> StopStr
     next_state = np.zeros((S, C), np.int32)
     hits = np.zeros((S, C), bool)
     next_state[:states, 1] = np.arange(states)
-    next_state[:states, 2:2 + len(unique)] = unique[:, :states].T
-    hits[:states, 2:2 + len(unique)] = unique[:, states:].T.astype(bool)
+    next_state[:states, 2 : 2 + len(unique)] = unique[:, :states].T
+    hits[:states, 2 : 2 + len(unique)] = unique[:, states:].T.astype(bool)
     return StopStrings(strings, token_class, next_state, hits)
 
 

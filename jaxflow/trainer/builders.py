@@ -55,16 +55,18 @@ def dataset_sources(data: DataSpec) -> tuple[DataSource, DataSource]:
 def build_dataset(data: DataSpec, source: DataSource, tokenizer: Any) -> PromptDataset:
     kwargs = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation)
     if isinstance(source, BuiltinSplit):
-        return PromptDataset(f"built-in {source.task.name} {source.split} split", tokenizer, rows=source.rows(),
-                             **kwargs)
+        return PromptDataset(
+            f"built-in {source.task.name} {source.split} split", tokenizer, rows=source.rows(), **kwargs
+        )
     return PromptDataset(source, tokenizer, **kwargs)
 
 
 def train_loader(spec: RunSpec, dataset: PromptDataset) -> PromptDataLoader:
     """The training prompts in batches of ``data.train_batch_size`` (the last partial batch of
     an epoch dropped), shuffled per epoch as ``data.shuffle`` / ``data.seed`` say."""
-    return PromptDataLoader(dataset, spec.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed,
-                            drop_last=True)
+    return PromptDataLoader(
+        dataset, spec.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed, drop_last=True
+    )
 
 
 def count_train_prompts(data: DataSpec, tokenizer: Any) -> int | None:
@@ -90,25 +92,34 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
     checkpoint starts at zero."""
     if not spec.is_preset:
         c = spec.config
-        options = {} if c is None else dict(dtype=c.param_dtype, compute_dtype=c.dtype, scan_layers=c.scan_layers,
-                                             remat_policy=c.remat_policy)
+        options = (
+            {}
+            if c is None
+            else dict(
+                dtype=c.param_dtype, compute_dtype=c.dtype, scan_layers=c.scan_layers, remat_policy=c.remat_policy
+            )
+        )
         model = models.from_pretrained(os.path.expanduser(spec.path), mesh=mesh, rules=rules, head=spec.head, **options)
         return nnx.split(model)
     return init_sharded(spec.config, spec.head, spec.seed, mesh, rules)
 
 
-def init_program(config: models.ModelConfig, head: str, seed: int, mesh: Mesh,
-                 rules: Rules) -> tuple[nnx.GraphDef, Any]:
+def init_program(
+    config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules
+) -> tuple[nnx.GraphDef, Any]:
     """``(graphdef, jitted init)``: the preset model's initialisation as one jitted program
     (no arguments) whose output shardings come from the abstract model (``nnx.eval_shape``)
     under ``rules`` on ``mesh``, so each device computes only its own shard."""
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: models.init_model(config, head=head, seed=seed)))
     shardings = state_shardings(abstract, rules, mesh)
-    return graphdef, jax.jit(lambda: nnx.split(models.init_model(config, head=head, seed=seed))[1],
-                             out_shardings=shardings)
+    return graphdef, jax.jit(
+        lambda: nnx.split(models.init_model(config, head=head, seed=seed))[1], out_shardings=shardings
+    )
 
 
-def init_sharded(config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
+def init_sharded(
+    config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules
+) -> tuple[nnx.GraphDef, Any]:
     """A preset model initialised directly in its shardings (`init_program`, run once): no
     device (and not the host) ever holds the whole model."""
     graphdef, init = init_program(config, head, seed, mesh, rules)
@@ -122,8 +133,13 @@ def check_vocab(spec: RunSpec, tokenizer: Any) -> None:
         if m.config is None or m.config.vocab_size >= tokenizer.vocab_size:
             continue
         if m.is_preset:
-            raise ConfigError("jaxflow.model.vocab_size", f"{m.config.vocab_size} is smaller than the tokenizer's "
-                                                          f"{tokenizer.vocab_size} ids")
-        raise ConfigError("jaxflow.data.tokenizer", f"the tokenizer has {tokenizer.vocab_size} ids but the {role} "
-                          f"model {m.path} has {m.config.vocab_size} vocabulary rows: ids past them have no "
-                          "embedding; use the model's own tokenizer (jaxflow.data.tokenizer=model)")
+            raise ConfigError(
+                "jaxflow.model.vocab_size",
+                f"{m.config.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids",
+            )
+        raise ConfigError(
+            "jaxflow.data.tokenizer",
+            f"the tokenizer has {tokenizer.vocab_size} ids but the {role} "
+            f"model {m.path} has {m.config.vocab_size} vocabulary rows: ids past them have no "
+            "embedding; use the model's own tokenizer (jaxflow.data.tokenizer=model)",
+        )

@@ -205,16 +205,19 @@ def check_tree_matches(stored: PyTree, target: PyTree, *, item: str, where: str)
         if key not in flat_target:
             raise CheckpointMismatchError(
                 f"{where}: item {item!r} has key {_key_str(key)!r} (shape "
-                f"{tuple(flat_stored[key].shape)}) that the restore target lacks")
+                f"{tuple(flat_stored[key].shape)}) that the restore target lacks"
+            )
         if key not in flat_stored:
             raise CheckpointMismatchError(
                 f"{where}: restore target for item {item!r} has key {_key_str(key)!r} (shape "
-                f"{_target_shape(flat_target[key])}) that the checkpoint lacks")
+                f"{_target_shape(flat_target[key])}) that the checkpoint lacks"
+            )
         got, want = getattr(flat_stored[key], "shape", None), _target_shape(flat_target[key])
         if got is not None and want is not None and tuple(got) != want:
             raise CheckpointMismatchError(
                 f"{where}: item {item!r} key {_key_str(key)!r} has shape {tuple(got)} in the "
-                f"checkpoint but the target expects {want}")
+                f"checkpoint but the target expects {want}"
+            )
 
 
 _tree_all_finite = jax.jit(tree_all_finite)
@@ -231,8 +234,9 @@ def _restore_args(flat_target: dict[str, Any]) -> Any:
     if not any(leaf is SKIP for leaf in flat_target.values()):
         return ocp.args.StandardRestore(flat_target)
     kept = {key: leaf for key, leaf in flat_target.items() if leaf is not SKIP}
-    return ocp.args.PyTreeRestore(item=kept, restore_args=ocp.checkpoint_utils.construct_restore_args(kept),
-                                  partial_restore=True)
+    return ocp.args.PyTreeRestore(
+        item=kept, restore_args=ocp.checkpoint_utils.construct_restore_args(kept), partial_restore=True
+    )
 
 
 def _restore_items(path: Path, args: dict[str, Any]) -> dict[str, Any]:
@@ -332,19 +336,23 @@ class CheckpointManager:
                 if resume_mode == "disable" and self.all_steps():
                     raise FileExistsError(
                         f'resume_mode="disable" (a fresh run) but {self.directory} already holds checkpoints '
-                        f"(steps {self.all_steps()}); nothing was deleted. Continue them with resume_mode=\"auto\" "
-                        "or start the fresh run in another directory")
+                        f'(steps {self.all_steps()}); nothing was deleted. Continue them with resume_mode="auto" '
+                        "or start the fresh run in another directory"
+                    )
             except BaseException:
                 self._release()
                 raise
 
-            self._mgr = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
-                step_prefix=STEP_PREFIX,
-                # We delete old steps ourselves, after the new step's marker is down: orbax
-                # would delete them as soon as it renamed the new one, before that is complete.
-                preservation_policy=preservation_policy.PreserveAll(),
-                enable_async_checkpointing=async_save,
-            ))
+            self._mgr = ocp.CheckpointManager(
+                self.directory,
+                options=ocp.CheckpointManagerOptions(
+                    step_prefix=STEP_PREFIX,
+                    # We delete old steps ourselves, after the new step's marker is down: orbax
+                    # would delete them as soon as it renamed the new one, before that is complete.
+                    preservation_policy=preservation_policy.PreserveAll(),
+                    enable_async_checkpointing=async_save,
+                ),
+            )
 
     # ------------------------------------------------------------------ listing
 
@@ -378,11 +386,15 @@ class CheckpointManager:
         path = self.resume_path
         assert path is not None
         if not path.is_dir():
-            raise FileNotFoundError(f"resume_path {path} does not exist (expected a {STEP_PREFIX}_N "
-                                    "checkpoint directory)")
+            raise FileNotFoundError(
+                f"resume_path {path} does not exist (expected a {STEP_PREFIX}_N checkpoint directory)"
+            )
         if not is_complete(path):
-            why = (f"its name is not {STEP_PREFIX}_N" if step_of(path) is None
-                   else f"it has no {MARKER}: an interrupted save?")
+            why = (
+                f"its name is not {STEP_PREFIX}_N"
+                if step_of(path) is None
+                else f"it has no {MARKER}: an interrupted save?"
+            )
             raise FileNotFoundError(f"resume_path {path} is not a complete checkpoint ({why})")
         return path
 
@@ -413,8 +425,13 @@ class CheckpointManager:
         if superseded:
             for s in superseded:
                 moved = self._move_aside(self.step_dir(s), "abandoned")
-                log.warning("saving step %d: moved checkpoint step %d of an abandoned run to %s (delete it "
-                            "when no longer needed)", step, s, moved)
+                log.warning(
+                    "saving step %d: moved checkpoint step %d of an abandoned run to %s (delete it "
+                    "when no longer needed)",
+                    step,
+                    s,
+                    moved,
+                )
             self._mgr.reload()
         host = host if host is not None else HostState()
         host_json = {
@@ -478,9 +495,9 @@ class CheckpointManager:
         for step, names in pending:
             path = self.step_dir(step)
             if self._primary and path.is_dir():
-                _write_json_atomic(path / MARKER, {
-                    "format": _FORMAT_VERSION, "step": step, "items": names,
-                    "time": time.time()})
+                _write_json_atomic(
+                    path / MARKER, {"format": _FORMAT_VERSION, "step": step, "items": names, "time": time.time()}
+                )
         if pending:
             self._prune()
 
@@ -553,11 +570,9 @@ class CheckpointManager:
                     raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
             path = self.step_dir(step)
             if not path.is_dir():
-                raise FileNotFoundError(
-                    f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})")
+                raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})")
         if not is_complete(path):
-            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER}: an "
-                                    "interrupted save?)")
+            raise FileNotFoundError(f"{path} is not a complete checkpoint (no {MARKER}: an interrupted save?)")
 
         remote = {name: item for name, item in targets.items() if isinstance(item, ItemIO)}
         flat = {name: flatten_tree(as_restore_target(tree)) for name, tree in targets.items() if name not in remote}
@@ -565,8 +580,11 @@ class CheckpointManager:
         checks = {**targets, **{name: flatten_tree(item.abstract)[0] for name, item in remote.items()}}
         for name, target in checks.items():
             if not (path / name).is_dir():
-                have = sorted(p.name for p in path.iterdir() if p.is_dir() and _ITEM_RE.match(p.name)
-                              and p.name not in (HOST_ITEM, HF_ACTOR_DIR))
+                have = sorted(
+                    p.name
+                    for p in path.iterdir()
+                    if p.is_dir() and _ITEM_RE.match(p.name) and p.name not in (HOST_ITEM, HF_ACTOR_DIR)
+                )
                 raise CheckpointMismatchError(f"{path}: no item {name!r} (has {have})")
             try:
                 meta = ocp.StandardCheckpointHandler().metadata(path / name)
@@ -598,19 +616,29 @@ class CheckpointManager:
             metrics_tail=decode_json(raw.get("metrics_tail", [])),
             extra=decode_json(raw.get("extra", {})),
         )
-        arrays = {name: jax.tree_util.tree_unflatten(treedef, [SKIP if leaf is SKIP else out[name][key]
-                                                               for key, leaf in leaves.items()])
-                  for name, (leaves, treedef) in flat.items()}
+        arrays = {
+            name: jax.tree_util.tree_unflatten(
+                treedef, [SKIP if leaf is SKIP else out[name][key] for key, leaf in leaves.items()]
+            )
+            for name, (leaves, treedef) in flat.items()
+        }
         return Restored(step=int(raw["step"]), arrays=arrays, host=host, path=path)
 
     def _damaged(self, path: Path, item: str, error: BaseException) -> DamagedCheckpointError:
         step = step_of(path)
         others = [s for s in self.all_steps() if s != step]
-        fix = (f"resume from an earlier step ({', '.join(str(self.step_dir(s)) for s in others[-1:])}) or delete "
-               f"{path}" if others else f"delete {path} to start afresh")
+        fix = (
+            f"resume from an earlier step ({', '.join(str(self.step_dir(s)) for s in others[-1:])}) or delete {path}"
+            if others
+            else f"delete {path} to start afresh"
+        )
         reason = _root_cause(error)
-        return DamagedCheckpointError(f"checkpoint {path} is damaged: item {item!r} cannot be read ({reason}); {fix}",
-                                      step=step, item=item, reason=reason)
+        return DamagedCheckpointError(
+            f"checkpoint {path} is damaged: item {item!r} cannot be read ({reason}); {fix}",
+            step=step,
+            item=item,
+            reason=reason,
+        )
 
     def resume(self, targets: Mapping[str, PyTree]) -> Restored | None:
         """Restore as ``resume_mode`` says, or None when the run starts fresh.
@@ -628,10 +656,16 @@ class CheckpointManager:
                     raise
                 moved = self._move_aside(path, "damaged")
                 earlier = self.latest_step()
-                log.warning("skipping damaged checkpoint step %s (item %r cannot be read: %s); moved it to %s; "
-                            "%s", e.step, e.item, e.reason, moved,
-                            f"resuming from step {earlier}" if earlier is not None else "no earlier checkpoint: "
-                            "starting afresh")
+                log.warning(
+                    "skipping damaged checkpoint step %s (item %r cannot be read: %s); moved it to %s; %s",
+                    e.step,
+                    e.item,
+                    e.reason,
+                    moved,
+                    f"resuming from step {earlier}"
+                    if earlier is not None
+                    else "no earlier checkpoint: starting afresh",
+                )
                 path = None if earlier is None else self.step_dir(earlier)
                 continue
             log.info("resumed from %s (step %d)", path, restored.step)

@@ -101,14 +101,20 @@ class NonFiniteGuard:
         refused = [refused_fraction(metrics[k]) for k in skipped]
         for key, frac in zip(skipped, refused):
             role = key.rsplit("/", 1)[0]
-            what.append(f"{role} refused every optimizer step, its params unchanged" if frac >= 1 else
-                        f"{role} refused {frac:.0%} of its optimizer steps (the others applied)")
-        msg = (f"step {step}: {'; '.join(what)}; not saving checkpoints until a good step; "
-               f"{self.consecutive} bad step(s) in a row, the run stops at {self.max_consecutive}")
+            what.append(
+                f"{role} refused every optimizer step, its params unchanged"
+                if frac >= 1
+                else f"{role} refused {frac:.0%} of its optimizer steps (the others applied)"
+            )
+        msg = (
+            f"step {step}: {'; '.join(what)}; not saving checkpoints until a good step; "
+            f"{self.consecutive} bad step(s) in a row, the run stops at {self.max_consecutive}"
+        )
         if self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{msg}. Stopping: {self.consecutive} consecutive steps ({self.bad_steps}) had "
-                "non-finite losses, gradients or rewards; the last good checkpoint is left intact")
+                "non-finite losses, gradients or rewards; the last good checkpoint is left intact"
+            )
         log.warning(msg)
         return False
 

@@ -75,23 +75,29 @@ def check_export_target(out_dir: str | os.PathLike, *, protect: tuple[str | os.P
     for path in protect:
         inside = Path(os.path.realpath(path))
         if real == inside or real in inside.parents:
-            raise NotOursError(f"{out} holds the run directory {path}; an export there would replace it: write "
-                               "the export to a new directory")
+            raise NotOursError(
+                f"{out} holds the run directory {path}; an export there would replace it: write "
+                "the export to a new directory"
+            )
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise NotOursError(f"{out} exists and is not a directory; move it away, or write the export to a new directory")
     if not out.is_dir() or not any(out.iterdir()):
         return out
     ours = _exported_files(out)
     if ours is None:  # (decided before walking it: "~" may hold a great many files)
-        raise NotOursError(f"{out} is not empty and is not a jaxflow HF export (no {EXPORT_MARKER}); jaxflow "
-                           "never replaces a directory it did not write: move it away, or write the export to a new "
-                           "directory")
+        raise NotOursError(
+            f"{out} is not empty and is not a jaxflow HF export (no {EXPORT_MARKER}); jaxflow "
+            "never replaces a directory it did not write: move it away, or write the export to a new "
+            "directory"
+        )
     present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()}
     foreign = sorted(present - ours)
     if foreign:
-        raise NotOursError(f"{out} is a jaxflow HF export but also holds files it did not write "
-                           f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); move them, or write the "
-                           "export to a new directory")
+        raise NotOursError(
+            f"{out} is a jaxflow HF export but also holds files it did not write "
+            f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); move them, or write the "
+            "export to a new directory"
+        )
     return out
 
 
@@ -123,16 +129,28 @@ def _recover(out: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_hf(graphdef: nnx.GraphDef, params: Any, tokenizer: Any, out_dir: str | os.PathLike, *,
-             protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+def write_hf(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    protect: tuple[str | os.PathLike, ...] = (),
+) -> Path:
     """Write the model ``(graphdef, params)`` and ``tokenizer`` as an HF directory ``out_dir``
     (`write_hf_with`)."""
-    return write_hf_with(lambda tmp: models.save_pretrained(nnx.merge(graphdef, params), tmp), tokenizer, out_dir,
-                         protect=protect)
+    return write_hf_with(
+        lambda tmp: models.save_pretrained(nnx.merge(graphdef, params), tmp), tokenizer, out_dir, protect=protect
+    )
 
 
-def write_hf_with(write_model: Callable[[str], Any], tokenizer: Any, out_dir: str | os.PathLike, *,
-                  protect: tuple[str | os.PathLike, ...] = ()) -> Path:
+def write_hf_with(
+    write_model: Callable[[str], Any],
+    tokenizer: Any,
+    out_dir: str | os.PathLike,
+    *,
+    protect: tuple[str | os.PathLike, ...] = (),
+) -> Path:
     """Write an HF directory ``out_dir``: the model by ``write_model(directory)`` (e.g. a Ray
     worker group's ``export_hf``: its processes write from their shards, so this process never
     holds the model), then ``tokenizer`` and a marker listing its files (``jaxflow_export.json``).
@@ -227,8 +245,9 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
     return graphdef, state  # leaves: jax.ShapeDtypeStruct with their shardings
 
 
-def export_checkpoint(run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None,
-                      role: str = "actor") -> Path:
+def export_checkpoint(
+    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None, role: str = "actor"
+) -> Path:
     """Write ``role`` of the saved ``step`` (default: the latest complete one) of the run in
     ``run_dir`` as an HF directory ``out_dir``, with the run's tokenizer. Only the parameters
     are read (the optimizer state's leaves are skipped)."""

@@ -95,15 +95,35 @@ class ProgressBar:
     terminal: in a log file or a pipe it would be noise between the one-line-per-step logs.
     ``write`` prints a line above the bar."""
 
-    def __init__(self, total: int, *, initial: int = 0, desc: str = "train", unit: str = "step",
-                 leave: bool = True, stream: TextIO | None = None):
+    def __init__(
+        self,
+        total: int,
+        *,
+        initial: int = 0,
+        desc: str = "train",
+        unit: str = "step",
+        leave: bool = True,
+        stream: TextIO | None = None,
+    ):
         from tqdm.auto import tqdm
 
         self.total, self.n = total, initial
         self._stream = stream or sys.stderr
         tty = self._stream.isatty() if hasattr(self._stream, "isatty") else False
-        self._tqdm = tqdm(total=total, initial=initial, desc=desc, unit=unit, file=self._stream, leave=leave,
-                          dynamic_ncols=True, mininterval=0.5) if tty else None
+        self._tqdm = (
+            tqdm(
+                total=total,
+                initial=initial,
+                desc=desc,
+                unit=unit,
+                file=self._stream,
+                leave=leave,
+                dynamic_ncols=True,
+                mininterval=0.5,
+            )
+            if tty
+            else None
+        )
 
     def update_to(self, n: int) -> None:
         if self._tqdm is not None:
@@ -131,8 +151,12 @@ class ProgressBar:
 class ConsoleBackend:
     """One compact line per step: ``step 12 | score 0.5 | pg_loss -0.01234 | ...``."""
 
-    def __init__(self, keys: Mapping[str, str] | Sequence[str] = DEFAULT_CONSOLE_KEYS,
-                 stream: TextIO | None = None, progress: ProgressBar | None = None):
+    def __init__(
+        self,
+        keys: Mapping[str, str] | Sequence[str] = DEFAULT_CONSOLE_KEYS,
+        stream: TextIO | None = None,
+        progress: ProgressBar | None = None,
+    ):
         self.keys = dict(keys) if isinstance(keys, Mapping) else {k: k for k in keys}
         self.stream, self.progress = stream, progress
 
@@ -220,8 +244,11 @@ class TensorBoardBackend:
             for old in logdir.glob("events.out.tfevents.*"):
                 old.unlink()
         # The suffix keeps two writers opened within one second apart, in the order opened.
-        self.writer = SummaryWriter(logdir=str(logdir), filename_suffix=f".{time.time_ns()}.{os.getpid()}",
-                                    purge_step=None if resume_step is None else resume_step + 1)
+        self.writer = SummaryWriter(
+            logdir=str(logdir),
+            filename_suffix=f".{time.time_ns()}.{os.getpid()}",
+            purge_step=None if resume_step is None else resume_step + 1,
+        )
         self.writer.flush()
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -236,14 +263,21 @@ class TensorBoardBackend:
 class WandbBackend:
     """Weights & Biases, resuming the same run id (kept in ``<run_dir>/wandb_run_id``)."""
 
-    def __init__(self, run_dir: Path, project: str, experiment: str, config: Mapping[str, Any] | None,
-                 resume_step: int | None):
+    def __init__(
+        self, run_dir: Path, project: str, experiment: str, config: Mapping[str, Any] | None, resume_step: int | None
+    ):
         import wandb  # the caller checked it imports
 
         id_file = run_dir / "wandb_run_id"
         run_id = id_file.read_text().strip() if resume_step is not None and id_file.exists() else None
-        self.run = wandb.init(project=project, name=experiment, config=dict(config or {}),
-                              dir=str(run_dir), id=run_id, resume="allow" if run_id else None)
+        self.run = wandb.init(
+            project=project,
+            name=experiment,
+            config=dict(config or {}),
+            dir=str(run_dir),
+            id=run_id,
+            resume="allow" if run_id else None,
+        )
         id_file.write_text(self.run.id)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
@@ -280,8 +314,9 @@ class MetricsLogger:
             raise ValueError(f"unknown metrics backends {sorted(unknown)}; choose from {BACKENDS}")
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.progress = (ProgressBar(total_steps, initial=resume_step or 0, stream=stream)
-                         if total_steps is not None else None)
+        self.progress = (
+            ProgressBar(total_steps, initial=resume_step or 0, stream=stream) if total_steps is not None else None
+        )
         self.backends: dict[str, Any] = {}
         if "console" in backends:
             self.backends["console"] = ConsoleBackend(console_keys, stream=stream, progress=self.progress)
@@ -293,8 +328,10 @@ class MetricsLogger:
             try:
                 import wandb  # noqa: F401
             except ImportError:
-                warnings.warn("wandb backend requested but the wandb package is not installed; "
-                              "skipping it (pip install wandb)", stacklevel=2)
+                warnings.warn(
+                    "wandb backend requested but the wandb package is not installed; skipping it (pip install wandb)",
+                    stacklevel=2,
+                )
             else:
                 cfg = config.to_dict() if hasattr(config, "to_dict") else config
                 self.backends["wandb"] = WandbBackend(self.run_dir, project, experiment, cfg, resume_step)

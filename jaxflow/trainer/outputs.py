@@ -33,13 +33,30 @@ LOCK_NAME = ".jaxflow.lock"
 CONFIG_NAME = "config.json"
 PREVIOUS_PREFIX = "previous-"
 # What a run writes beside its checkpoints (the log file is appended to and stays).
-RUN_OUTPUTS = ("metrics.jsonl", "metrics.png", "tensorboard", "hf_actor", "sft_warm_start", "sft_warm_start_run",
-               "wandb_run_id", CONFIG_NAME)
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "metrics.png",
+    "tensorboard",
+    "hf_actor",
+    "sft_warm_start",
+    "sft_warm_start_run",
+    "wandb_run_id",
+    CONFIG_NAME,
+)
 # Keys whose values are local paths (comma-separated lists for the data files).
-PATH_KEYS = ("data.train_files", "data.val_files", "actor_rollout_ref.model.path", "critic.model.path",
-             "reward_model.model.path", "jaxflow.safe_rlhf.cost_model_path", "custom_reward_function.path",
-             "trainer.default_local_dir", "trainer.resume_from_path", "jaxflow.sft.output_dir",
-             "jaxflow.data.tokenizer")
+PATH_KEYS = (
+    "data.train_files",
+    "data.val_files",
+    "actor_rollout_ref.model.path",
+    "critic.model.path",
+    "reward_model.model.path",
+    "jaxflow.safe_rlhf.cost_model_path",
+    "custom_reward_function.path",
+    "trainer.default_local_dir",
+    "trainer.resume_from_path",
+    "jaxflow.sft.output_dir",
+    "jaxflow.data.tokenizer",
+)
 
 
 class RunDirInUseError(RuntimeError):
@@ -68,7 +85,8 @@ class RunDirLock:
             self._fd = None
             raise RunDirInUseError(
                 f"{self.directory} is in use by another jaxflow run (pid {holder}); wait for it to end, or give "
-                "this run another directory (trainer.default_local_dir)") from None
+                "this run another directory (trainer.default_local_dir)"
+            ) from None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -105,9 +123,11 @@ def check_run_config_target(run_dir: str | os.PathLike) -> None:
     run config (the run would replace it)."""
     path = Path(run_dir) / CONFIG_NAME
     if path.exists() and not is_run_config(path):
-        raise NotOursError(f"{path.absolute()} exists and is not a jaxflow run config; jaxflow writes its run "
-                           "config there and never replaces a file of yours: move it, or give the run another "
-                           "directory (trainer.default_local_dir)")
+        raise NotOursError(
+            f"{path.absolute()} exists and is not a jaxflow run config; jaxflow writes its run "
+            "config there and never replaces a file of yours: move it, or give the run another "
+            "directory (trainer.default_local_dir)"
+        )
 
 
 def set_aside_previous_outputs(run_dir: str | os.PathLike, names: tuple[str, ...] = RUN_OUTPUTS) -> Path | None:
@@ -128,8 +148,11 @@ def set_aside_previous_outputs(run_dir: str | os.PathLike, names: tuple[str, ...
     target.mkdir()
     for name in present:
         os.replace(run_dir / name, target / name)
-    print(f"jaxflow: a fresh run in {run_dir}: moved the previous run's {', '.join(present)} to {target} "
-          "(nothing was deleted)", flush=True)
+    print(
+        f"jaxflow: a fresh run in {run_dir}: moved the previous run's {', '.join(present)} to {target} "
+        "(nothing was deleted)",
+        flush=True,
+    )
     return target
 
 

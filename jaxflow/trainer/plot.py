@@ -56,8 +56,14 @@ def _series(history: Sequence[Mapping[str, Any]], key: str) -> tuple[np.ndarray,
     return steps, values
 
 
-def render(history: Sequence[Mapping[str, Any]], panels: Sequence[str | Sequence[str]], *,
-           width: int = 960, panel_height: int = 300, smoothing: float = 0.6):
+def render(
+    history: Sequence[Mapping[str, Any]],
+    panels: Sequence[str | Sequence[str]],
+    *,
+    width: int = 960,
+    panel_height: int = 300,
+    smoothing: float = 0.6,
+):
     """A matplotlib ``Figure`` of the metric ``panels`` over ``history`` (dicts with a ``step``),
     ``width`` x ``panel_height`` pixels per panel. Keys absent from every record are left out;
     so are panels left empty."""
@@ -89,8 +95,9 @@ def render(history: Sequence[Mapping[str, Any]], panels: Sequence[str | Sequence
     return fig
 
 
-def plot_metrics(history: Sequence[Mapping[str, Any]], panels: Sequence[str | Sequence[str]],
-                 path: str | os.PathLike, **kwargs: Any) -> Path:
+def plot_metrics(
+    history: Sequence[Mapping[str, Any]], panels: Sequence[str | Sequence[str]], path: str | os.PathLike, **kwargs: Any
+) -> Path:
     """Render ``panels`` of ``history`` and write the PNG to ``path`` (atomically)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -100,8 +107,12 @@ def plot_metrics(history: Sequence[Mapping[str, Any]], panels: Sequence[str | Se
     return path
 
 
-def plot_run(run_dir: str | os.PathLike, panels: Sequence[str | Sequence[str]] = DEFAULT_PANELS,
-             filename: str = "metrics.png", **kwargs: Any) -> Path:
+def plot_run(
+    run_dir: str | os.PathLike,
+    panels: Sequence[str | Sequence[str]] = DEFAULT_PANELS,
+    filename: str = "metrics.png",
+    **kwargs: Any,
+) -> Path:
     """Plot ``<run_dir>/metrics.jsonl`` (default: training and validation score, KL) to
     ``<run_dir>/<filename>``."""
     run_dir = Path(run_dir)

@@ -118,14 +118,20 @@ class RLTrainer:
         # refused), and a fresh run refuses a directory that holds checkpoints (it never deletes them).
         try:
             self.ckpt = CheckpointManager(
-                self.run_dir, max_to_keep=t.max_ckpt_to_keep,
+                self.run_dir,
+                max_to_keep=t.max_ckpt_to_keep,
                 save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
-                resume_mode=t.resume_mode, resume_path=t.resume_from_path)
+                resume_mode=t.resume_mode,
+                resume_path=t.resume_from_path,
+            )
         except FileExistsError as e:
-            raise ConfigError("trainer.resume_mode", f"is 'disable' (a fresh run) but {self.run_dir} already holds "
-                              f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
-                              "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
-                              "trainer.default_local_dir to another directory") from e
+            raise ConfigError(
+                "trainer.resume_mode",
+                f"is 'disable' (a fresh run) but {self.run_dir} already holds "
+                f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
+                "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
+                "trainer.default_local_dir to another directory",
+            ) from e
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
         self.scorer = self._build_scorer(reward)
@@ -135,11 +141,17 @@ class RLTrainer:
         self.val_data = build_dataset(data, val, self.tokenizer)
         if not reward.custom_function_path:  # the built-in scorers compare one string or number
             for dataset in (self.train_data, self.val_data):
-                dataset.check_ground_truths((str, int, float), "the built-in reward functions compare the answer "
-                                         "with one string or number; fix the data or use a custom reward function "
-                                         "(custom_reward_function.path)")
-        print(f"data: train = {describe_source(train, self.train_data)}; "
-              f"validation = {describe_source(val, self.val_data)}", flush=True)
+                dataset.check_ground_truths(
+                    (str, int, float),
+                    "the built-in reward functions compare the answer "
+                    "with one string or number; fix the data or use a custom reward function "
+                    "(custom_reward_function.path)",
+                )
+        print(
+            f"data: train = {describe_source(train, self.train_data)}; "
+            f"validation = {describe_source(val, self.val_data)}",
+            flush=True,
+        )
         resuming = self.ckpt.resume_dir() is not None
         if resuming:  # it goes on with the outputs in the directory: they must be ours
             check_run_config_target(self.run_dir)
@@ -160,9 +172,13 @@ class RLTrainer:
 
             self.backend = RayBackend(ray_config(cfg))
             devices = ray_devices(cfg)
-        self.spec: RunSpec = describe_run(cfg, devices=devices, eos_token_id=self.tokenizer.eos_token_id,
-                                          pad_token_id=self.tokenizer.pad_token_id,
-                                          num_train_prompts=len(self.train_data))
+        self.spec: RunSpec = describe_run(
+            cfg,
+            devices=devices,
+            eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=self.tokenizer.pad_token_id,
+            num_train_prompts=len(self.train_data),
+        )
         check_vocab(self.spec, self.tokenizer)
         self.loader = train_loader(self.spec, self.train_data)
         self.total_steps = self.spec.training_steps
@@ -181,9 +197,14 @@ class RLTrainer:
     @staticmethod
     def _build_scorer(r: RewardSpec) -> RewardScorer:
         try:
-            return RewardScorer(custom_reward_path=r.custom_function_path, custom_reward_name=r.custom_function_name,
-                                timeout_s=r.timeout_s, batch_timeout_s=r.batch_timeout_s,
-                                load_timeout_s=r.load_timeout_s, max_failure_fraction=r.max_failure_fraction)
+            return RewardScorer(
+                custom_reward_path=r.custom_function_path,
+                custom_reward_name=r.custom_function_name,
+                timeout_s=r.timeout_s,
+                batch_timeout_s=r.batch_timeout_s,
+                load_timeout_s=r.load_timeout_s,
+                max_failure_fraction=r.max_failure_fraction,
+            )
         except (RewardFunctionError, ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
 
@@ -201,17 +222,22 @@ class RLTrainer:
         actor = model("actor") if actor_params is None else actor_params
         build = build_local_workers if self.backend is None else self.backend.build_workers
         return build(
-            p, actor=actor, ref=actor if "ref" in spec.roles else None,
+            p,
+            actor=actor,
+            ref=actor if "ref" in spec.roles else None,
             critic=model("critic") if "critic" in spec.roles else None,
             reward_model=model("reward") if "reward" in spec.roles else None,
             cost_model=model("cost") if "cost" in spec.roles else None,
             rule_reward=RuleRewardWorker(self.tokenizer, self.scorer),
-            actor_config=spec.actor, critic_config=spec.critic, rollout=spec.rollout,
+            actor_config=spec.actor,
+            critic_config=spec.critic,
+            rollout=spec.rollout,
             ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
             reward_micro_batch_size_per_device=spec.reward.micro_batch_size_per_device,
             ref_use_remove_padding=spec.ref_use_remove_padding,
             ref_max_token_len_per_device=spec.ref_max_token_len_per_device,
-            reward_use_remove_padding=spec.reward.use_remove_padding)
+            reward_use_remove_padding=spec.reward.use_remove_padding,
+        )
 
     def close(self) -> None:
         """Stops the worker processes of the Ray backend (nothing to do locally)."""
@@ -226,9 +252,15 @@ class RLTrainer:
         groups = {"actor": self.workers.actor}
         if self.workers.critic is not None:
             groups["critic"] = self.workers.critic
-        return {name: ItemIO(write=group.save_train_state, read=group.restore_train_state,
-                             abstract=group.abstract_train_state()[0], not_damage=(WorkerGroupError,))
-                for name, group in groups.items()}
+        return {
+            name: ItemIO(
+                write=group.save_train_state,
+                read=group.restore_train_state,
+                abstract=group.abstract_train_state()[0],
+                not_damage=(WorkerGroupError,),
+            )
+            for name, group in groups.items()
+        }
 
     def save(self, step: int, history: list[dict[str, float]]) -> None:
         """Checkpoint ``step``; refuses (``NonFiniteError``) train states holding NaN or Inf, so a
@@ -237,11 +269,15 @@ class RLTrainer:
         groups = {"actor": self.workers.actor, "critic": self.workers.critic}
         bad = [name for name in states if not groups[name].params_finite()[0]]
         if bad:
-            raise NonFiniteError(f"step {step}: the {' and '.join(bad)} parameters hold NaN or Inf; not saving them "
-                                 f"(latest good checkpoint: step {self.ckpt.latest_step()})")
-        host = HostState(data_loader=self.loader.state_dict(), metrics_tail=history[-5:],
-                         extra={"step": step, "algo_state": self.algo_state.state_dict(),
-                                "guard": self.guard.state_dict()})
+            raise NonFiniteError(
+                f"step {step}: the {' and '.join(bad)} parameters hold NaN or Inf; not saving them "
+                f"(latest good checkpoint: step {self.ckpt.latest_step()})"
+            )
+        host = HostState(
+            data_loader=self.loader.state_dict(),
+            metrics_tail=history[-5:],
+            extra={"step": step, "algo_state": self.algo_state.state_dict(), "guard": self.guard.state_dict()},
+        )
         self.ckpt.save(step, states, host, force=True)
         if self.spec.trainer.save_hf:
             self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
@@ -268,8 +304,14 @@ class RLTrainer:
         """One iteration of the algorithm on the next prompt batch; verl-named metrics."""
         start = time.perf_counter()
         prompts = batch_from_prompts(next(self.loader))
-        raw = self.algorithm(self.workers, prompts, self.spec.algorithm, self.algo_state, step=step,
-                             update_actor=step > self.spec.critic_warmup)
+        raw = self.algorithm(
+            self.workers,
+            prompts,
+            self.spec.algorithm,
+            self.algo_state,
+            step=step,
+            update_actor=step > self.spec.critic_warmup,
+        )
         metrics = {k: _mean(v) for k, v in scalar_metrics(raw).items()} if raw else {}
         metrics.update({k: _mean(v) for k, v in raw.items() if k not in metrics and np.size(v)})
         elapsed = time.perf_counter() - start
@@ -303,12 +345,17 @@ class RLTrainer:
                 by_source.setdefault(src, []).append(s)
             shown = sum(len(x) for x in scores) - len(seq)
             for i in range(max(0, min(len(seq), t.log_val_generations - shown))):
-                progress.write(f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
-                               f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})", file=sys.stdout)
+                progress.write(
+                    f"[val] {out['raw_prompt'][i]!r} -> {out['response_text'][i]!r} "
+                    f"(truth {out['ground_truth'][i]!r}, score {seq[i]:g})",
+                    file=sys.stdout,
+                )
             progress.update_to(start + len(seq))
         progress.close()
-        metrics = {"val/score/mean": float(np.concatenate(scores).mean()),
-                   "val/response_length/mean": float(np.concatenate(lengths).mean())}
+        metrics = {
+            "val/score/mean": float(np.concatenate(scores).mean()),
+            "val/response_length/mean": float(np.concatenate(lengths).mean()),
+        }
         for src, s in by_source.items():
             metrics[f"val/test_score/{src}"] = float(np.mean(s))
         return metrics
@@ -338,8 +385,13 @@ class RLTrainer:
             self.ckpt.close()
             self.close()
         t = self.spec.trainer
-        outputs = {"metrics": None, "plot": None, "tensorboard": None,
-                   "checkpoints": str(self.run_dir) if t.save_freq > 0 else None, "HF export": hf_dir}
+        outputs = {
+            "metrics": None,
+            "plot": None,
+            "tensorboard": None,
+            "checkpoints": str(self.run_dir) if t.save_freq > 0 else None,
+            "HF export": hf_dir,
+        }
         if "jsonl" in t.logger:
             outputs["metrics"] = os.path.join(self.run_dir, JSONL_NAME)
             outputs["plot"] = str(plot_run(self.run_dir))
@@ -352,8 +404,13 @@ class RLTrainer:
     def _restart(self, error: Exception, restarts: int) -> None:
         step = self.ckpt.latest_step()
         where = "the start (no complete checkpoint yet)" if step is None else f"checkpoint step {step}"
-        log.warning("worker failure: %s; restart %d/%d: fresh worker processes, resuming from %s", error, restarts,
-                    self.spec.trainer.max_restarts, where)
+        log.warning(
+            "worker failure: %s; restart %d/%d: fresh worker processes, resuming from %s",
+            error,
+            restarts,
+            self.spec.trainer.max_restarts,
+            where,
+        )
         self.close()
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"
@@ -367,15 +424,25 @@ class RLTrainer:
         cfg, t = self.cfg, self.spec.trainer
         start_step = self.resume()
         history[:] = [h for h in history if h["step"] <= start_step]
-        logger = MetricsLogger(self.run_dir, backends=tuple(t.logger), project=t.project_name,
-                               experiment=t.experiment_name, config=cfg.to_dict(), console_keys=CONSOLE_KEYS,
-                               resume_step=start_step if start_step else None, total_steps=self.total_steps)
+        logger = MetricsLogger(
+            self.run_dir,
+            backends=tuple(t.logger),
+            project=t.project_name,
+            experiment=t.experiment_name,
+            config=cfg.to_dict(),
+            console_keys=CONSOLE_KEYS,
+            resume_step=start_step if start_step else None,
+            total_steps=self.total_steps,
+        )
         if self.backend is None:
             where = f"{jax.devices()[0].platform} devices; run dir {self.run_dir}\n{self.placement.describe()}"
         else:
             where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
-        print(f"jaxflow: {self.algorithm_name} ({self.spec.algorithm.algorithm.adv_estimator}) for {self.total_steps} "
-              f"steps on {self.spec.num_devices} {where}", flush=True)
+        print(
+            f"jaxflow: {self.algorithm_name} ({self.spec.algorithm.algorithm.adv_estimator}) for {self.total_steps} "
+            f"steps on {self.spec.num_devices} {where}",
+            flush=True,
+        )
         try:
             if start_step == 0 and t.val_before_train and t.test_freq > 0:
                 val = self.validate()
@@ -399,7 +466,10 @@ class RLTrainer:
                         self.save(step, history)
                         interrupt.check()
                     else:  # nothing saved, so nothing pruned: the last good checkpoint stays the latest
-                        print(f"step {step}: not saving a checkpoint after a refused update (latest good "
-                              f"checkpoint: step {self.ckpt.latest_step()})", flush=True)
+                        print(
+                            f"step {step}: not saving a checkpoint after a refused update (latest good "
+                            f"checkpoint: step {self.ckpt.latest_step()})",
+                            flush=True,
+                        )
         finally:
             logger.close()

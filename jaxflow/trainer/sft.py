@@ -49,9 +49,18 @@ def greedy_accuracy(graphdef, params, task, tokenizer, cfg: ConfigDict, n: int =
     """Exact-match accuracy of greedy answers on ``n`` test-split problems."""
     rows = task.make_sft_examples(n, seed=seed, split="test")
     data = tokenize_sft_examples(rows, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
-    out = generate_from_state(graphdef, params, data["prompt_ids"], data["prompt_mask"], SamplingParams(
-        max_new_tokens=cfg.data.max_response_length, greedy=True, eos_token_ids=(tokenizer.eos_token_id,),
-        pad_token_id=tokenizer.pad_token_id))
+    out = generate_from_state(
+        graphdef,
+        params,
+        data["prompt_ids"],
+        data["prompt_mask"],
+        SamplingParams(
+            max_new_tokens=cfg.data.max_response_length,
+            greedy=True,
+            eos_token_ids=(tokenizer.eos_token_id,),
+            pad_token_id=tokenizer.pad_token_id,
+        ),
+    )
     responses, mask = np.asarray(out.responses), np.asarray(out.response_mask)
     texts = tokenizer.batch_decode([r[m > 0].tolist() for r, m in zip(responses, mask)], skip_special_tokens=True)
     return float(np.mean([t.strip() == row["response"] for t, row in zip(texts, rows)]))
@@ -93,19 +102,34 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
 
     mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
     graphdef, params = load_model(spec.models["actor"], mesh, rules)
-    tx, schedule = make_optimizer(OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps,
-                                              grad_clip=1.0))
+    tx, schedule = make_optimizer(
+        OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps, grad_clip=1.0)
+    )
     state, shardings = create_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
     dp = int(np.prod([mesh.shape[a] for a in ("dp", "fsdp") if a in mesh.shape]))
     k = num_micro_batches(s.batch_size, s.micro_batch_size_per_device, dp, "sft batch")
-    step_fn = make_train_step(graphdef, tx, schedule, sft_loss, mesh=mesh, rules=rules, state_shardings=shardings,
-                              batch_ndims={key: 2 for key in PROMPT_KEYS}, num_micro=k)
+    step_fn = make_train_step(
+        graphdef,
+        tx,
+        schedule,
+        sft_loss,
+        mesh=mesh,
+        rules=rules,
+        state_shardings=shardings,
+        batch_ndims={key: 2 for key in PROMPT_KEYS},
+        num_micro=k,
+    )
 
     t = spec.trainer
-    logger = MetricsLogger(run_dir, backends=tuple(t.logger), project=t.project_name, experiment=t.experiment_name,
-                           config=cfg.to_dict(), console_keys={"sft/loss": "loss", "sft/val_accuracy": "val_acc",
-                                                               "timing_s/step": "step_s"},
-                           total_steps=s.steps)
+    logger = MetricsLogger(
+        run_dir,
+        backends=tuple(t.logger),
+        project=t.project_name,
+        experiment=t.experiment_name,
+        config=cfg.to_dict(),
+        console_keys={"sft/loss": "loss", "sft/val_accuracy": "val_acc", "timing_s/step": "step_s"},
+        total_steps=s.steps,
+    )
     rng = np.random.default_rng(spec.seed)
     history: list[dict[str, float]] = []
     metrics: dict[str, float] = {}
@@ -115,16 +139,21 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
             idx = rng.choice(len(rows), size=s.batch_size, replace=False)
             state, out = step_fn(state, {key: data[key][idx] for key in PROMPT_KEYS}, {})
             out = jax.device_get(out)
-            metrics = {"sft/loss": float(out["loss"]), "sft/grad_norm": float(out["grad_norm"]),
-                       "sft/lr": float(out["lr"]), "sft/update_skipped": float(out["update_skipped"]),
-                       "timing_s/step": time.perf_counter() - start}
+            metrics = {
+                "sft/loss": float(out["loss"]),
+                "sft/grad_norm": float(out["grad_norm"]),
+                "sft/lr": float(out["lr"]),
+                "sft/update_skipped": float(out["update_skipped"]),
+                "timing_s/step": time.perf_counter() - start,
+            }
             if metrics["sft/update_skipped"] > 0:
                 logger.log(metrics, step)
                 raise NonFiniteError(
                     f"sft step {step}: the update was refused (loss {metrics['sft/loss']:.4g}, gradient norm "
                     f"{metrics['sft/grad_norm']:.4g}, learning rate {s.lr:g}: not finite, or weights that would "
                     f"overflow); no weights were written, {os.path.abspath(s.output_dir)} is unchanged. Lower "
-                    "jaxflow.sft.lr or check the data")
+                    "jaxflow.sft.lr or check the data"
+                )
             if s.test_freq > 0 and (step % s.test_freq == 0 or step == s.steps):
                 metrics["sft/val_accuracy"] = greedy_accuracy(graphdef, state.params, task, tokenizer, cfg)
             logger.log(metrics, step)
@@ -135,9 +164,17 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
         raise NonFiniteError(f"sft: the trained weights hold NaN or Inf; {s.output_dir} is unchanged")
     out_dir = write_hf(graphdef, state.params, tokenizer, s.output_dir)
     outputs = {"HF export": str(out_dir), "metrics": os.path.join(run_dir, JSONL_NAME) if "jsonl" in t.logger else None}
-    print("sft " + run_summary(history, wall_s=time.perf_counter() - started, outputs=outputs,
-                               train=("training loss", "sft/loss"), val=("held-out accuracy", "sft/val_accuracy")),
-          flush=True)
+    print(
+        "sft "
+        + run_summary(
+            history,
+            wall_s=time.perf_counter() - started,
+            outputs=outputs,
+            train=("training loss", "sft/loss"),
+            val=("held-out accuracy", "sft/val_accuracy"),
+        ),
+        flush=True,
+    )
     return metrics, graphdef, state.params
 
 

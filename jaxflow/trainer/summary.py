@@ -35,8 +35,9 @@ def format_duration(seconds: float) -> str:
 
 
 def _points(history: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
-    return [(int(r["step"]), float(r[key])) for r in history
-            if key in r and "step" in r and math.isfinite(float(r[key]))]
+    return [
+        (int(r["step"]), float(r[key])) for r in history if key in r and "step" in r and math.isfinite(float(r[key]))
+    ]
 
 
 def score_trajectory(history: Sequence[Mapping[str, Any]], key: str) -> dict[str, tuple[int, float]] | None:
@@ -49,9 +50,14 @@ def score_trajectory(history: Sequence[Mapping[str, Any]], key: str) -> dict[str
     return {"first": pts[0], "best": best, "last": pts[-1]}
 
 
-def run_summary(history: Sequence[Mapping[str, Any]], *, wall_s: float,
-                outputs: Mapping[str, str | None] = (), train: tuple[str, str] = ("training score", TRAIN_KEY),
-                val: tuple[str, str] = ("held-out score", VAL_KEY)) -> str:
+def run_summary(
+    history: Sequence[Mapping[str, Any]],
+    *,
+    wall_s: float,
+    outputs: Mapping[str, str | None] = (),
+    train: tuple[str, str] = ("training score", TRAIN_KEY),
+    val: tuple[str, str] = ("held-out score", VAL_KEY),
+) -> str:
     """The summary text (see the module docstring); ``outputs`` maps a label to a path (None or
     empty: not written, left out). ``train`` and ``val`` are ``(label, metric)`` of the training
     and held-out lines (an SFT run: its loss and greedy accuracy)."""
@@ -62,13 +68,16 @@ def run_summary(history: Sequence[Mapping[str, Any]], *, wall_s: float,
     width = max(map(len, heads.values()))
     first_last = score_trajectory(history, train[1])
     if first_last:
-        lines.append(f"  {heads['train']:<{width}} {first_last['first'][1]:.3f} (first) -> "
-                     f"{first_last['last'][1]:.3f} (last)")
+        lines.append(
+            f"  {heads['train']:<{width}} {first_last['first'][1]:.3f} (first) -> {first_last['last'][1]:.3f} (last)"
+        )
     held_out = score_trajectory(history, val[1])
     if held_out:
-        lines.append(f"  {heads['val']:<{width}} {held_out['first'][1]:.3f} (first, step {held_out['first'][0]}) -> "
-                     f"{held_out['best'][1]:.3f} (best, step {held_out['best'][0]}) -> "
-                     f"{held_out['last'][1]:.3f} (last, step {held_out['last'][0]})")
+        lines.append(
+            f"  {heads['val']:<{width}} {held_out['first'][1]:.3f} (first, step {held_out['first'][0]}) -> "
+            f"{held_out['best'][1]:.3f} (best, step {held_out['best'][0]}) -> "
+            f"{held_out['last'][1]:.3f} (last, step {held_out['last'][0]})"
+        )
     width = max((len(k) for k, v in dict(outputs).items() if v), default=0)
     lines += [f"  {label:<{width}}  {path}" for label, path in dict(outputs).items() if path]
     return "\n".join(lines)

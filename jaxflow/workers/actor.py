@@ -147,9 +147,19 @@ class ActorConfig:
 
     def loss_key(self) -> tuple:
         """The fields the compiled train step depends on (besides the micro-batch count)."""
-        return (self.loss_mode, self.clip_ratio_low, self.clip_ratio_high, self.clip_ratio_c, self.loss_agg_mode,
-                self.loss_scale_factor, self.policy_loss_kwargs, self.entropy_coeff, self.use_kl_loss,
-                self.kl_loss_coef, self.kl_loss_type)
+        return (
+            self.loss_mode,
+            self.clip_ratio_low,
+            self.clip_ratio_high,
+            self.clip_ratio_c,
+            self.loss_agg_mode,
+            self.loss_scale_factor,
+            self.policy_loss_kwargs,
+            self.entropy_coeff,
+            self.use_kl_loss,
+            self.kl_loss_coef,
+            self.kl_loss_type,
+        )
 
     def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
         """The columns an update reads; ``on_policy``: without ``old_log_probs`` (they come
@@ -182,9 +192,16 @@ def actor_loss(cfg: ActorConfig):
         # On-policy (no old_log_probs column): the sampling policy is this one, detached.
         old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro else lax.stop_gradient(log_prob)
         pg_loss, pg = compute_policy_loss(
-            old_log_prob, log_prob, micro["advantages"], mask,
-            loss_mode=cfg.loss_mode, clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-            clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=cfg.loss_agg_mode, global_batch_info=gbi,
+            old_log_prob,
+            log_prob,
+            micro["advantages"],
+            mask,
+            loss_mode=cfg.loss_mode,
+            clip_ratio_low=cfg.clip_ratio_low,
+            clip_ratio_high=cfg.clip_ratio_high,
+            clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode,
+            global_batch_info=gbi,
             **dict(cfg.policy_loss_kwargs),
         )
         agg_kw = {k: gbi[k] for k in ("dp_size", "batch_num_tokens", "global_batch_size", "loss_scale_factor")}
@@ -202,8 +219,9 @@ def actor_loss(cfg: ActorConfig):
             "ppo_kl": pg["ppo_kl"] * share,
         }
         if cfg.use_kl_loss:
-            kl_loss = agg_loss(kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type), mask,
-                               cfg.loss_agg_mode, **agg_kw)
+            kl_loss = agg_loss(
+                kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg_kw
+            )
             loss = loss + cfg.kl_loss_coef * kl_loss
             aux["kl_loss"] = kl_loss
         return loss, aux
@@ -227,24 +245,43 @@ def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
     return fn
 
 
-def log_probs_program(layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs",
-                      with_entropy: bool = False):
+def log_probs_program(
+    layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs", with_entropy: bool = False
+):
     """`log_probs_fn` over padded rows in ``num_micro`` micro-batches (`row_program`): the
     actor's old log-probs and the reference's ``ref_log_prob``."""
     return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro, name=output_key)
 
 
-def actor_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: ActorConfig, state_shardings: Any,
-                     num_micro: int, *, on_policy: bool = False):
+def actor_train_step(
+    layout: RoleLayout,
+    tx: Any,
+    schedule: Any,
+    config: ActorConfig,
+    state_shardings: Any,
+    num_micro: int,
+    *,
+    on_policy: bool = False,
+):
     """The actor's jitted optimizer step (`make_train_step` with `actor_loss`) on a mini-batch
     of the columns ``config.train_columns(on_policy)`` and the scalar ``temperature``: padded
     rows in ``num_micro`` micro-batches, or (remove padding) packed micro-batches."""
     packed = config.use_remove_padding
     return make_train_step(
-        layout.graphdef, tx, schedule, actor_loss(config), mesh=layout.mesh, rules=layout.rules,
-        state_shardings=state_shardings, batch_ndims=config.train_columns(on_policy),
-        scalar_names=("temperature",), num_micro=1 if packed else num_micro,
-        loss_scale_factor=config.loss_scale_factor, presplit=packed, name="actor_train_step")
+        layout.graphdef,
+        tx,
+        schedule,
+        actor_loss(config),
+        mesh=layout.mesh,
+        rules=layout.rules,
+        state_shardings=state_shardings,
+        batch_ndims=config.train_columns(on_policy),
+        scalar_names=("temperature",),
+        num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor,
+        presplit=packed,
+        name="actor_train_step",
+    )
 
 
 class ActorWorker(TrainableWorker):
@@ -262,9 +299,18 @@ class ActorWorker(TrainableWorker):
 
     head = "lm"
 
-    def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str,
-                 config: ActorConfig = ActorConfig(), rollout: RolloutConfig = RolloutConfig(), *,
-                 gen_tp: int | None = None, gen_rules: Rules | str | None = None, strategy: str = "hybrid"):
+    def __init__(
+        self,
+        model: ModelLike,
+        mesh: Mesh | MeshSpec | str,
+        rules: Rules | str,
+        config: ActorConfig = ActorConfig(),
+        rollout: RolloutConfig = RolloutConfig(),
+        *,
+        gen_tp: int | None = None,
+        gen_rules: Rules | str | None = None,
+        strategy: str = "hybrid",
+    ):
         self.config = config
         self.rollout = rollout
         self.tx, self.schedule = make_optimizer(config.optim)
@@ -277,8 +323,7 @@ class ActorWorker(TrainableWorker):
 
     # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
-    def generate(self, prompts: Batch, *, sampling: SamplingParams | str = "train",
-                 step: int | None = None) -> Batch:
+    def generate(self, prompts: Batch, *, sampling: SamplingParams | str = "train", step: int | None = None) -> Batch:
         """``n`` responses per prompt with ``sampling`` (`RolloutConfig.resolve`: the training
         or validation parameters, ``"greedy"``, or explicit `SamplingParams`). ``step``: the
         training step; the rollout key is ``fold_in(key(seed), step)``, so a resumed run
@@ -300,18 +345,24 @@ class ActorWorker(TrainableWorker):
         if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
         r = self.rollout
-        options = dict(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None, max_new_tokens=limits,
-                      tokenizer=r.tokenizer)
+        options = dict(
+            slots=r.max_num_seqs or None,
+            kv_tokens=r.max_total_tokens or None,
+            max_new_tokens=limits,
+            tokenizer=r.tokenizer,
+        )
         with contextlib.ExitStack() as stack:
             if self.engine is None:
                 gen_params, mesh, rules = self.params, self.mesh, self.rules
             else:  # the training weights are donated into the generation copy and sliced back after
                 gen_params = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
                 mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
-            out = generate_from_state(self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng,
-                                      **options)
+            out = generate_from_state(
+                self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options
+            )
             responses, response_mask, log_probs = jax.block_until_ready(
-                (out.responses, out.response_mask, out.log_probs))
+                (out.responses, out.response_mask, out.log_probs)
+            )
         rows = prompts.repeat(params.n, interleave=True)
         return rows.update(
             tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
@@ -331,9 +382,14 @@ class ActorWorker(TrainableWorker):
         temperature = np.float32(self.rollout.temperature if temperature is None else temperature)
         if cfg.use_remove_padding:
             return packed_forward(
-                self, "old_log_probs", batch, log_probs_fn(with_entropy=cfg.log_prob_entropy), {"temperature": temperature},
+                self,
+                "old_log_probs",
+                batch,
+                log_probs_fn(with_entropy=cfg.log_prob_entropy),
+                {"temperature": temperature},
                 max_token_len=cfg.log_prob_max_token_len_per_device if cfg.log_prob_use_dynamic_bsz else None,
-                rows_per_micro=cfg.log_prob_micro_batch_size_per_device)
+                rows_per_micro=cfg.log_prob_micro_batch_size_per_device,
+            )
         tensors = self.put(batch, PROMPT_KEYS)
         program = self.log_probs_program(len(batch))
         return Batch(program(self.params, tensors, {"temperature": temperature}))
@@ -341,21 +397,32 @@ class ActorWorker(TrainableWorker):
     def log_probs_program(self, rows: int):
         """The jitted log-prob forward of ``rows`` responses (`log_probs_program`)."""
         k = num_micro_batches(rows, self.config.log_prob_micro_batch_size_per_device, self.dp_size, "log_probs")
-        return self._compiled(("log_probs", k), lambda: log_probs_program(
-            self.layout, k, with_entropy=self.config.log_prob_entropy))
+        return self._compiled(
+            ("log_probs", k), lambda: log_probs_program(self.layout, k, with_entropy=self.config.log_prob_entropy)
+        )
 
     # ------------------------------------------------------------------ update
     def train_program(self, mini_batch_rows: int, on_policy: bool = False):
         """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
         (`actor_train_step`)."""
         cfg = self.config
-        k = 1 if cfg.use_remove_padding else num_micro_batches(
-            mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "actor mini-batch")
-        return self._compiled(("update", k, on_policy, cfg.loss_key()), lambda: actor_train_step(
-            self.layout, self.tx, self.schedule, cfg, self.state_shardings, k, on_policy=on_policy))
+        k = (
+            1
+            if cfg.use_remove_padding
+            else num_micro_batches(
+                mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "actor mini-batch"
+            )
+        )
+        return self._compiled(
+            ("update", k, on_policy, cfg.loss_key()),
+            lambda: actor_train_step(
+                self.layout, self.tx, self.schedule, cfg, self.state_shardings, k, on_policy=on_policy
+            ),
+        )
 
-    def place_minibatch(self, host: Mapping[str, np.ndarray],
-                        idx: np.ndarray) -> tuple[dict[str, jax.Array], PackedLayout | None]:
+    def place_minibatch(
+        self, host: Mapping[str, np.ndarray], idx: np.ndarray
+    ) -> tuple[dict[str, jax.Array], PackedLayout | None]:
         """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
         or packed micro-batches (remove padding) and their layout."""
         cfg = self.config
@@ -363,13 +430,17 @@ class ActorWorker(TrainableWorker):
         if not cfg.use_remove_padding:
             return self.put(rows), None
         tensors, layout = pack_minibatch(
-            rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-            rows_per_micro=cfg.ppo_micro_batch_size_per_device)
+            rows,
+            ranks=self.dp_size,
+            max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device,
+        )
         return self.put_presplit(tensors), layout
 
     @register(DP_TRAIN)
-    def update(self, batch: Batch, *, step: int | None = None,
-               temperature: float | None = None) -> dict[str, np.ndarray]:
+    def update(
+        self, batch: Batch, *, step: int | None = None, temperature: float | None = None
+    ) -> dict[str, np.ndarray]:
         """PPO epochs over shuffled mini-batches, one optimizer step each. Needs ``advantages``
         (and ``ref_log_prob`` with the KL loss) and ``old_log_probs``; without them an
         on-policy update (`ActorConfig.is_on_policy`) takes them from its own forward

@@ -169,8 +169,10 @@ class RoleWorker:
     def put_presplit(self, tensors: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
         """Columns already cut into micro-batches (``[k, rows, ...]``) on this role's mesh,
         dimension 1 over the data-parallel axes."""
-        return {k: jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(None, self.batch_axes)))
-                for k, x in tensors.items()}
+        return {
+            k: jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(None, self.batch_axes)))
+            for k, x in tensors.items()
+        }
 
     @register(ONE_TO_ALL)
     def export_hf(self, path: str) -> None:
@@ -196,7 +198,8 @@ class TrainableWorker(RoleWorker):
 
     def _set_params(self, params: Any) -> None:
         self.state, self.state_shardings = create_train_state(
-            params, state_shardings(params, self.rules, self.mesh), self.tx, self.mesh)
+            params, state_shardings(params, self.rules, self.mesh), self.tx, self.mesh
+        )
 
     @property
     def params(self) -> Any:
@@ -269,31 +272,47 @@ def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], na
                 return jax.tree.map(lambda x: x[None], fn(model, jax.tree.map(lambda x: x[0], tensors), scalars))
             return jax.lax.map(lambda t: fn(model, t, scalars), tensors)
 
-    return jax.jit(named(run, f"packed_{name}"), in_shardings=(layout.param_shardings, rows, layout.replicated),
-                   out_shardings=rows)
+    return jax.jit(
+        named(run, f"packed_{name}"), in_shardings=(layout.param_shardings, rows, layout.replicated), out_shardings=rows
+    )
 
 
-def pack_forward_inputs(host: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None,
-                        rows_per_micro: int | None) -> tuple[PackedLayout, dict[str, np.ndarray]]:
+def pack_forward_inputs(
+    host: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None, rows_per_micro: int | None
+) -> tuple[PackedLayout, dict[str, np.ndarray]]:
     """``(layout, inputs)`` of a packed forward over the padded rows ``host`` (`PROMPT_KEYS`):
     the packed model inputs (`pack_inputs`) and the ``response_mask`` laid out by rows."""
-    layout = plan_packing(host["prompt_mask"], host["response_mask"], ranks=ranks, max_token_len=max_token_len,
-                          rows_per_micro=rows_per_micro)
+    layout = plan_packing(
+        host["prompt_mask"],
+        host["response_mask"],
+        ranks=ranks,
+        max_token_len=max_token_len,
+        rows_per_micro=rows_per_micro,
+    )
     tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
     tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
     return layout, tensors
 
 
-def packed_forward(worker: RoleWorker, name: str, batch: Batch, fn, scalars: Mapping[str, Any], *,
-                   max_token_len: int | None, rows_per_micro: int | None) -> Batch:
+def packed_forward(
+    worker: RoleWorker,
+    name: str,
+    batch: Batch,
+    fn,
+    scalars: Mapping[str, Any],
+    *,
+    max_token_len: int | None,
+    rows_per_micro: int | None,
+) -> Batch:
     """``fn(model, micro, scalars) -> {column: [b, R]}`` over ``batch`` packed without padding
     (micro-batches of at most ``max_token_len`` tokens per device, or ``rows_per_micro`` rows
     per device; rows dealt to the data-parallel ranks balanced by tokens), the outputs
     scattered back to the batch's row order (host arrays). ``name``: the program's
     (`packed_program`)."""
     host = {k: host_array(batch[k]) for k in PROMPT_KEYS}  # whole on every process
-    layout, tensors = pack_forward_inputs(host, ranks=worker.dp_size, max_token_len=max_token_len,
-                                          rows_per_micro=rows_per_micro)
+    layout, tensors = pack_forward_inputs(
+        host, ranks=worker.dp_size, max_token_len=max_token_len, rows_per_micro=rows_per_micro
+    )
     program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn, name))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
     return Batch({k: scatter_rows(layout, host_array(v), len(batch)) for k, v in out.items()})

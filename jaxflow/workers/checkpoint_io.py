@@ -26,8 +26,10 @@ def flatten_tree(tree: PyTree) -> tuple[dict[str, Any], Any]:
     keys, so items can hold trees orbax cannot name (e.g. ``nnx.State`` with the integer keys of
     layer lists, dataclass nodes); restore unflattens with the target's treedef."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    flat = {"__".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path): leaf
-            for path, leaf in leaves}
+    flat = {
+        "__".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path): leaf
+        for path, leaf in leaves
+    }
     if len(flat) != len(leaves):
         raise ValueError("tree keys collide when flattened for a checkpoint")
     return flat, treedef

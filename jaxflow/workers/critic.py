@@ -86,8 +86,15 @@ def critic_loss(cfg: CriticConfig):
         mask = micro["response_mask"]
         vpreds = response_values(model, micro)
         vf_loss, vf_clipfrac = compute_value_loss(
-            vpreds, micro["returns"], micro["values"], mask, cfg.cliprange_value, cfg.loss_agg_mode,
-            dp_size=1, batch_num_tokens=gbi["batch_num_tokens"], global_batch_size=gbi["global_batch_size"],
+            vpreds,
+            micro["returns"],
+            micro["values"],
+            mask,
+            cfg.cliprange_value,
+            cfg.loss_agg_mode,
+            dp_size=1,
+            batch_num_tokens=gbi["batch_num_tokens"],
+            global_batch_size=gbi["global_batch_size"],
             loss_scale_factor=gbi["loss_scale_factor"],
         )
         total = jax.numpy.maximum(gbi["batch_num_tokens"], 1).astype(vpreds.dtype)
@@ -112,8 +119,9 @@ def values_program(layout: RoleLayout, num_micro: int):
     return row_program(layout, values_fn, num_micro, name="values")
 
 
-def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any,
-                      num_micro: int):
+def critic_train_step(
+    layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any, num_micro: int
+):
     """The critic's jitted optimizer step (`make_train_step` with `critic_loss`) on a
     mini-batch of the columns ``CriticConfig.UPDATE_KEYS`` (all ``[rows, length]``), or with
     remove padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`)."""
@@ -121,9 +129,19 @@ def critic_train_step(layout: RoleLayout, tx: Any, schedule: Any, config: Critic
     rows = [c for c in CriticConfig.UPDATE_KEYS if c not in ("prompt_ids", "prompt_mask", "responses")]
     ndims = {c: 3 for c in (*rows, *PACKED_KEYS)} if packed else {c: 2 for c in CriticConfig.UPDATE_KEYS}
     return make_train_step(
-        layout.graphdef, tx, schedule, critic_loss(config), mesh=layout.mesh, rules=layout.rules,
-        state_shardings=state_shardings, batch_ndims=ndims, num_micro=1 if packed else num_micro,
-        loss_scale_factor=config.loss_scale_factor, presplit=packed, name="critic_train_step")
+        layout.graphdef,
+        tx,
+        schedule,
+        critic_loss(config),
+        mesh=layout.mesh,
+        rules=layout.rules,
+        state_shardings=state_shardings,
+        batch_ndims=ndims,
+        num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor,
+        presplit=packed,
+        name="critic_train_step",
+    )
 
 
 class CriticWorker(TrainableWorker):
@@ -139,8 +157,9 @@ class CriticWorker(TrainableWorker):
 
     head = "value"
 
-    def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str,
-                 config: CriticConfig = CriticConfig()):
+    def __init__(
+        self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, config: CriticConfig = CriticConfig()
+    ):
         self.config = config
         self.tx, self.schedule = make_optimizer(config.optim)
         super().__init__(model, mesh, rules)
@@ -152,9 +171,14 @@ class CriticWorker(TrainableWorker):
         cfg = self.config
         if cfg.use_remove_padding:
             return packed_forward(
-                self, "values", batch, values_fn, {},
+                self,
+                "values",
+                batch,
+                values_fn,
+                {},
                 max_token_len=cfg.forward_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-                rows_per_micro=cfg.forward_micro_batch_size_per_device)
+                rows_per_micro=cfg.forward_micro_batch_size_per_device,
+            )
         tensors = self.put(batch, PROMPT_KEYS)
         return Batch(self.values_program(len(batch))(self.params, tensors, {}))
 
@@ -167,11 +191,18 @@ class CriticWorker(TrainableWorker):
         """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
         (`critic_train_step`)."""
         cfg = self.config
-        k = 1 if cfg.use_remove_padding else num_micro_batches(
-            mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "critic mini-batch")
+        k = (
+            1
+            if cfg.use_remove_padding
+            else num_micro_batches(
+                mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "critic mini-batch"
+            )
+        )
         loss_key = (cfg.cliprange_value, cfg.loss_agg_mode, cfg.loss_scale_factor)
-        return self._compiled(("update", k, loss_key), lambda: critic_train_step(
-            self.layout, self.tx, self.schedule, cfg, self.state_shardings, k))
+        return self._compiled(
+            ("update", k, loss_key),
+            lambda: critic_train_step(self.layout, self.tx, self.schedule, cfg, self.state_shardings, k),
+        )
 
     @register(DP_TRAIN)
     def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
@@ -196,8 +227,9 @@ class CriticWorker(TrainableWorker):
         per_step = jax.device_get(per_step)
         return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
 
-    def place_minibatch(self, host: Mapping[str, np.ndarray],
-                        idx: np.ndarray) -> tuple[dict[str, jax.Array], PackedLayout | None]:
+    def place_minibatch(
+        self, host: Mapping[str, np.ndarray], idx: np.ndarray
+    ) -> tuple[dict[str, jax.Array], PackedLayout | None]:
         """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
         or packed micro-batches (remove padding) and their layout."""
         cfg = self.config
@@ -205,8 +237,11 @@ class CriticWorker(TrainableWorker):
         if not cfg.use_remove_padding:
             return self.put(rows), None
         tensors, layout = pack_minibatch(
-            rows, ranks=self.dp_size, max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-            rows_per_micro=cfg.ppo_micro_batch_size_per_device)
+            rows,
+            ranks=self.dp_size,
+            max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device,
+        )
         return self.put_presplit(tensors), layout
 
     def train_step(self, minibatch: Mapping[str, Any]) -> dict[str, float]:

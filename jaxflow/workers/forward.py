@@ -82,14 +82,16 @@ def packed_outputs(model: Any, tensors: Mapping[str, Array]) -> Array:
     (its LM head is applied by the caller), values ``[N, C]`` for a ValueModel."""
     kw = dict(positions=tensors["packed_positions"], segment_ids=tensors["packed_segments"])
     if hasattr(model, "logits"):
-        hidden_NxCxD, _ = model.model(tensors["packed_ids"], positions_BxL=kw["positions"],
-                                      segment_ids_BxL=kw["segment_ids"])
+        hidden_NxCxD, _ = model.model(
+            tensors["packed_ids"], positions_BxL=kw["positions"], segment_ids_BxL=kw["segment_ids"]
+        )
         return hidden_NxCxD
     return model(tensors["packed_ids"], **kw)
 
 
-def log_probs_and_entropy(model: Any, tensors: Mapping[str, Array], temperature: Any,
-                          with_entropy: bool = True) -> tuple[Array, Array | None]:
+def log_probs_and_entropy(
+    model: Any, tensors: Mapping[str, Array], temperature: Any, with_entropy: bool = True
+) -> tuple[Array, Array | None]:
     """Response log-probs ``[B, R]`` and token entropies ``[B, R]`` (or None) at temperature T,
     from padded rows or from a packed micro-batch (same values on the real tokens)."""
     if is_packed(tensors):
@@ -123,8 +125,9 @@ def sequence_scores(model: Any, tensors: Mapping[str, Array]) -> Array:
     its last real token (from a packed micro-batch: the slot of its last response token, so
     rows without a response get an arbitrary value that `scores_on_last_token` drops)."""
     if is_packed(tensors):
-        scores_NxC = model.token_scores(tensors["packed_ids"], positions=tensors["packed_positions"],
-                                        segment_ids=tensors["packed_segments"])
+        scores_NxC = model.token_scores(
+            tensors["packed_ids"], positions=tensors["packed_positions"], segment_ids=tensors["packed_segments"]
+        )
         own_BxR = read_responses(scores_NxC, tensors["response_index"] + 1)  # each token's own slot
         m = tensors["response_mask"] > 0
         last_B = jnp.max(jnp.where(m, jnp.arange(m.shape[1], dtype=jnp.int32)[None, :], 0), axis=1)
@@ -157,8 +160,9 @@ def _row_spec(batch_axes: Any, ndim: int, leading: int = 0) -> PartitionSpec:
     return PartitionSpec(*([None] * leading), batch_axes, *([None] * (ndim - 1)))
 
 
-def split_micro(tensors: Mapping[str, Array], k: int, mesh: Mesh | None = None,
-                batch_axes: Any = None) -> dict[str, Array]:
+def split_micro(
+    tensors: Mapping[str, Array], k: int, mesh: Mesh | None = None, batch_axes: Any = None
+) -> dict[str, Array]:
     """``[M, ...] -> [k, M/k, ...]``; micro-batch ``j`` holds rows ``j, j+k, ...`` (see the
     module docstring). With a mesh, each micro-batch stays sharded over ``batch_axes``."""
     out = {}
@@ -179,8 +183,13 @@ def merge_micro(x: Array) -> Array:
     return jnp.swapaxes(x, 0, 1).reshape((k * b,) + x.shape[2:])
 
 
-def map_micro(fn: Callable[[dict[str, Array]], Any], tensors: Mapping[str, Array], k: int,
-              mesh: Mesh | None = None, batch_axes: Any = None) -> Any:
+def map_micro(
+    fn: Callable[[dict[str, Array]], Any],
+    tensors: Mapping[str, Array],
+    k: int,
+    mesh: Mesh | None = None,
+    batch_axes: Any = None,
+) -> Any:
     """``fn`` over ``k`` micro-batches one after the other (``lax.map``), outputs re-merged to
     the original row order; ``k == 1`` calls ``fn`` once on the whole batch."""
     if k == 1:

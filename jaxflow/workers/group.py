@@ -136,7 +136,8 @@ class WorkerGroup(abc.ABC):
     def methods(self) -> list[str]:
         """Names of the worker class's protocol-registered methods."""
         return sorted(
-            n for n in dir(self.worker_cls)
+            n
+            for n in dir(self.worker_cls)
             if not n.startswith("_") and method_protocol(getattr(self.worker_cls, n, None)) is not None
         )
 
@@ -146,8 +147,7 @@ class WorkerGroup(abc.ABC):
         fn = getattr(self.worker_cls, name, None)
         if fn is None or method_protocol(fn) is None:
             raise AttributeError(
-                f"{type(self).__name__} {self.name!r} has no registered method {name!r}; "
-                f"registered: {self.methods()}"
+                f"{type(self).__name__} {self.name!r} has no registered method {name!r}; registered: {self.methods()}"
             )
 
         def call(*args: Any, **kwargs: Any) -> Any:

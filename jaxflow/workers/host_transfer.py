@@ -156,7 +156,7 @@ class RowSplit:
         for shards in self.process_shards:
             idx = rows(shards)
             contiguous = len(idx) and idx[-1] - idx[0] == len(idx) - 1
-            out.append({k: v[idx[0]:idx[-1] + 1] if contiguous else v[idx] for k, v in tensors.items()})
+            out.append({k: v[idx[0] : idx[-1] + 1] if contiguous else v[idx] for k, v in tensors.items()})
         return out
 
 
@@ -187,8 +187,9 @@ def split_rows(split: RowSplit, args: tuple, kwargs: dict) -> tuple[tuple, dict,
     return tuple(replace(a) for a in args), {k: replace(v) for k, v in kwargs.items()}, per_process
 
 
-def rows_to_global(args: tuple, kwargs: dict, rows: Sequence[dict[str, np.ndarray]], mesh: jax.sharding.Mesh,
-                   dp_axes: Sequence[str]) -> tuple[tuple, dict]:
+def rows_to_global(
+    args: tuple, kwargs: dict, rows: Sequence[dict[str, np.ndarray]], mesh: jax.sharding.Mesh, dp_axes: Sequence[str]
+) -> tuple[tuple, dict]:
     """On a process: every `LocalRows` back to a `Batch` whose tensors are global arrays (rows
     over ``dp_axes``) built from this process's rows."""
     from jax.sharding import NamedSharding, PartitionSpec
@@ -198,9 +199,12 @@ def rows_to_global(args: tuple, kwargs: dict, rows: Sequence[dict[str, np.ndarra
     def rebuild(x: Any) -> Any:
         if not isinstance(x, LocalRows):
             return x
-        tensors = {k: jax.make_array_from_process_local_data(
-            NamedSharding(mesh, PartitionSpec(axes, *([None] * (v.ndim - 1)))), v, (x.num_rows, *v.shape[1:]))
-            for k, v in rows[x.slot].items()}
+        tensors = {
+            k: jax.make_array_from_process_local_data(
+                NamedSharding(mesh, PartitionSpec(axes, *([None] * (v.ndim - 1)))), v, (x.num_rows, *v.shape[1:])
+            )
+            for k, v in rows[x.slot].items()
+        }
         return Batch(tensors, x.non_tensors, x.meta)
 
     return tuple(rebuild(a) for a in args), {k: rebuild(v) for k, v in kwargs.items()}
@@ -223,8 +227,10 @@ def block_keys(abstract: Any, shardings: Any) -> list[list[BlockKey]]:
 def cut_blocks(tree: Any, keys: list[list[BlockKey]]) -> list[list[np.ndarray]]:
     """On the driver: the blocks ``keys`` of each leaf of ``tree`` as host arrays (only those
     blocks leave the driver's devices)."""
-    return [[np.asarray(leaf[tuple(slice(a, b) for a, b in key)]) for key in leaf_keys]
-            for leaf, leaf_keys in zip(jax.tree.leaves(tree), keys)]
+    return [
+        [np.asarray(leaf[tuple(slice(a, b) for a, b in key)]) for key in leaf_keys]
+        for leaf, leaf_keys in zip(jax.tree.leaves(tree), keys)
+    ]
 
 
 def from_blocks(abstract: Any, shardings: Any, keys: list[list[BlockKey]], blocks: list[list[np.ndarray]]) -> Any:
@@ -270,8 +276,9 @@ def _merge_leaf(parts: Sequence[Any]) -> Any:
             out[index] = block
             filled += block.size
     if filled != out.size:
-        raise RuntimeError(f"assembling an array of shape {first.shape}: the processes sent {filled} of its "
-                           f"{out.size} elements")
+        raise RuntimeError(
+            f"assembling an array of shape {first.shape}: the processes sent {filled} of its {out.size} elements"
+        )
     return out
 
 

@@ -51,26 +51,45 @@ def build_local_workers(
     """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says.
     ``ref_micro_batch_size_per_device`` / ``reward_micro_batch_size_per_device``: the
     micro-batches of the reference's and the reward (and cost) models' forwards."""
-    settings = RoleSettings(actor_config=actor_config, rollout=rollout,
-                            critic_config=critic_config or CriticConfig(), strategy=strategy,
-                            ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
-                            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
-                            ref_use_remove_padding=ref_use_remove_padding,
-                            ref_max_token_len_per_device=ref_max_token_len_per_device,
-                            reward_use_remove_padding=reward_use_remove_padding)
+    settings = RoleSettings(
+        actor_config=actor_config,
+        rollout=rollout,
+        critic_config=critic_config or CriticConfig(),
+        strategy=strategy,
+        ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
+        reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
+        ref_use_remove_padding=ref_use_remove_padding,
+        ref_max_token_len_per_device=ref_max_token_len_per_device,
+        reward_use_remove_padding=reward_use_remove_padding,
+    )
     models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
-    groups = {role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
-              for role, model in models.items() if model is not None}
-    return workers_from_groups(groups, rule_reward=None if rule_reward is None else LocalWorkerGroup(
-        rule_reward, name="rule_reward"), reward_weights=reward_weights)
+    groups = {
+        role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)
+        for role, model in models.items()
+        if model is not None
+    }
+    return workers_from_groups(
+        groups,
+        rule_reward=None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward"),
+        reward_weights=reward_weights,
+    )
 
 
-def workers_from_groups(groups: dict[str, WorkerGroup], *, rule_reward: WorkerGroup | None = None,
-                        reward_weights: tuple[float, float] = (1.0, 1.0)) -> Workers:
+def workers_from_groups(
+    groups: dict[str, WorkerGroup],
+    *,
+    rule_reward: WorkerGroup | None = None,
+    reward_weights: tuple[float, float] = (1.0, 1.0),
+) -> Workers:
     """`Workers` from one group per model role (``reward``: the reward model) and the rule scorer."""
     reward_group = groups.get("reward")
     reward = None
     if reward_group is not None or rule_reward is not None:
         reward = RewardFn(model=reward_group, rule=rule_reward, weights=reward_weights)
-    return Workers(actor=groups["actor"], ref=groups.get("ref"), critic=groups.get("critic"), reward=reward,
-                   cost=groups.get("cost"))
+    return Workers(
+        actor=groups["actor"],
+        ref=groups.get("ref"),
+        critic=groups.get("critic"),
+        reward=reward,
+        cost=groups.get("cost"),
+    )

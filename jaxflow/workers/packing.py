@@ -180,8 +180,14 @@ class PackedLayout:
         return (self.bins.reshape(k, self.ranks, N // self.ranks, C) >= 0).sum(axis=(0, 2, 3))
 
 
-def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: int = 1,
-                 max_token_len: int | None = None, rows_per_micro: int | None = None) -> PackedLayout:
+def plan_packing(
+    prompt_mask: np.ndarray,
+    response_mask: np.ndarray,
+    *,
+    ranks: int = 1,
+    max_token_len: int | None = None,
+    rows_per_micro: int | None = None,
+) -> PackedLayout:
     """A `PackedLayout` for the rows: dealt to ``ranks`` balanced by tokens, packed into bins
     of ``C = P + R`` slots, grouped into micro-batches of at most ``max_token_len // C`` bins
     per rank (a token budget per device), or of the bins of at most ``rows_per_micro`` rows
@@ -198,13 +204,14 @@ def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: i
     if rows_per_micro is not None and max_token_len is None:
         # k is fixed by the (balanced, equal) rows per rank; n buckets the bins of a group
         k = max(1, max(math.ceil(len(rows) / rows_per_micro) for rows in dealt))
-        micro_bins = [[first_fit(rows[j * rows_per_micro:(j + 1) * rows_per_micro], lengths, C) for j in range(k)]
-                      for rows in dealt]
+        micro_bins = [
+            [first_fit(rows[j * rows_per_micro : (j + 1) * rows_per_micro], lengths, C) for j in range(k)]
+            for rows in dealt
+        ]
         n = bucket(max(len(bins) for groups in micro_bins for bins in groups))
     else:
         per_rank = [first_fit(rows, lengths, C) for rows in dealt]
-        k, n = micro_grid(max(len(bins) for bins in per_rank),
-                          None if max_token_len is None else max_token_len // C)
+        k, n = micro_grid(max(len(bins) for bins in per_rank), None if max_token_len is None else max_token_len // C)
         micro_bins = [spread_bins(bins, k, n) for bins in per_rank]
     b = bucket(max(sum(len(x) for x in micro_bins[d][j]) for d in range(ranks) for j in range(k)))
     rows_out = np.full((k, ranks * b), -1, np.int64)
@@ -217,16 +224,17 @@ def plan_packing(prompt_mask: np.ndarray, response_mask: np.ndarray, *, ranks: i
             for q, members_q in enumerate(micro_bins[d][j]):
                 offset = 0
                 for i in members_q:
-                    slots[j, d * n + q, offset:offset + lengths[i]] = i
+                    slots[j, d * n + q, offset : offset + lengths[i]] = i
                     starts[i], micro[i] = (d * n + q) * C + offset, j
                     offset += int(lengths[i])
                     members.append(i)
-            rows_out[j, d * b:d * b + len(members)] = sorted(members)
+            rows_out[j, d * b : d * b + len(members)] = sorted(members)
     return PackedLayout(rows_out, slots, starts, micro, p, r, C, ranks)
 
 
-def pack_inputs(layout: PackedLayout, prompt_ids: np.ndarray, prompt_mask: np.ndarray,
-                responses: np.ndarray) -> dict[str, np.ndarray]:
+def pack_inputs(
+    layout: PackedLayout, prompt_ids: np.ndarray, prompt_mask: np.ndarray, responses: np.ndarray
+) -> dict[str, np.ndarray]:
     """The packed model inputs and the response read-out (all int32, host):
 
     ``packed_ids``, ``packed_positions``, ``packed_segments`` (1-based row within its bin,
@@ -245,10 +253,10 @@ def pack_inputs(layout: PackedLayout, prompt_ids: np.ndarray, prompt_mask: np.nd
         p, r, s, j = layout.prompt_len[i], layout.response_len[i], layout.starts[i], layout.micro[i]
         tokens = np.concatenate([np.asarray(prompt_ids[i])[pm[i]], np.asarray(responses[i, :r])]).astype(np.int32)
         L = p + r
-        ids[j, s:s + L] = tokens
-        pos[j, s:s + L] = np.arange(L)
-        seg[j, s:s + L] = 1 + (s % C)  # unique per segment within its bin (its start slot)
-        tgt[j, s:s + L - 1] = tokens[1:]
+        ids[j, s : s + L] = tokens
+        pos[j, s : s + L] = np.arange(L)
+        seg[j, s : s + L] = 1 + (s % C)  # unique per segment within its bin (its start slot)
+        tgt[j, s : s + L - 1] = tokens[1:]
     index = np.zeros((k, layout.rows.shape[1], R), np.int32)
     for j in range(k):
         for q, i in enumerate(layout.rows[j]):
@@ -257,8 +265,13 @@ def pack_inputs(layout: PackedLayout, prompt_ids: np.ndarray, prompt_mask: np.nd
                 index[j, q, :r] = layout.starts[i] + layout.prompt_len[i] - 1 + np.arange(r)
     del P
     shape = (k, N, C)
-    return {"packed_ids": ids.reshape(shape), "packed_positions": pos.reshape(shape),
-            "packed_segments": seg.reshape(shape), "packed_targets": tgt.reshape(shape), "response_index": index}
+    return {
+        "packed_ids": ids.reshape(shape),
+        "packed_positions": pos.reshape(shape),
+        "packed_segments": seg.reshape(shape),
+        "packed_targets": tgt.reshape(shape),
+        "response_index": index,
+    }
 
 
 def gather_rows(layout: PackedLayout, columns: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -282,14 +295,22 @@ def scatter_rows(layout: PackedLayout, y: np.ndarray, num_rows: int) -> np.ndarr
     return out
 
 
-def pack_minibatch(columns: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None,
-                   rows_per_micro: int | None) -> tuple[dict[str, np.ndarray], PackedLayout]:
+def pack_minibatch(
+    columns: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None, rows_per_micro: int | None
+) -> tuple[dict[str, np.ndarray], PackedLayout]:
     """A training mini-batch (padded row columns, host) as packed micro-batches: the model
     inputs of `pack_inputs` plus every other column laid out by `gather_rows`; and the layout."""
-    layout = plan_packing(columns["prompt_mask"], columns["response_mask"], ranks=ranks,
-                          max_token_len=max_token_len, rows_per_micro=rows_per_micro)
+    layout = plan_packing(
+        columns["prompt_mask"],
+        columns["response_mask"],
+        ranks=ranks,
+        max_token_len=max_token_len,
+        rows_per_micro=rows_per_micro,
+    )
     out = pack_inputs(layout, columns["prompt_ids"], columns["prompt_mask"], columns["responses"])
-    out |= gather_rows(layout, {k: v for k, v in columns.items() if k not in ("prompt_ids", "prompt_mask", "responses")})
+    out |= gather_rows(
+        layout, {k: v for k, v in columns.items() if k not in ("prompt_ids", "prompt_mask", "responses")}
+    )
     return out, layout
 
 
@@ -301,7 +322,11 @@ def balance_metrics(layout: PackedLayout) -> dict[str, float]:
     lengths = layout.prompt_len + layout.response_len
     before = np.asarray([x.sum() for x in np.array_split(lengths, layout.ranks)])
     after = layout.rank_tokens()
-    return {"global_seqlen/min": float(before.min()), "global_seqlen/max": float(before.max()),
-            "global_seqlen/minmax_diff": float(before.max() - before.min()),
-            "global_seqlen/balanced_min": float(after.min()), "global_seqlen/balanced_max": float(after.max()),
-            "global_seqlen/mean": float(after.mean())}
+    return {
+        "global_seqlen/min": float(before.min()),
+        "global_seqlen/max": float(before.max()),
+        "global_seqlen/minmax_diff": float(before.max() - before.min()),
+        "global_seqlen/balanced_min": float(after.min()),
+        "global_seqlen/balanced_max": float(after.max()),
+        "global_seqlen/mean": float(after.mean()),
+    }

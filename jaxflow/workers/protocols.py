@@ -106,13 +106,9 @@ class WorkerGroupInfo:
         else:
             dp_rank_of = tuple(int(d) for d in self.dp_rank_of)
         if len(dp_rank_of) != self.world_size:
-            raise ValueError(
-                f"dp_rank_of has {len(dp_rank_of)} entries for {self.world_size} ranks"
-            )
+            raise ValueError(f"dp_rank_of has {len(dp_rank_of)} entries for {self.world_size} ranks")
         if set(dp_rank_of) != set(range(self.dp_size)):
-            raise ValueError(
-                f"dp_rank_of {dp_rank_of} must use every shard 0..{self.dp_size - 1} and no other"
-            )
+            raise ValueError(f"dp_rank_of {dp_rank_of} must use every shard 0..{self.dp_size - 1} and no other")
         object.__setattr__(self, "dp_rank_of", dp_rank_of)
         if self.collect_ranks is None:
             collect = tuple(dp_rank_of.index(d) for d in range(self.dp_size))
@@ -121,9 +117,7 @@ class WorkerGroupInfo:
         if len(collect) != self.dp_size or any(
             not 0 <= r < self.world_size or dp_rank_of[r] != d for d, r in enumerate(collect)
         ):
-            raise ValueError(
-                f"collect_ranks {collect} must name, for each shard d, a rank that reads d"
-            )
+            raise ValueError(f"collect_ranks {collect} must name, for each shard d, a rank that reads d")
         object.__setattr__(self, "collect_ranks", collect)
 
     @classmethod
@@ -233,10 +227,7 @@ def _dispatch(info: WorkerGroupInfo, protocol: Protocol, args: tuple, kwargs: di
     if not isinstance(out, Dispatched):
         out = Dispatched(tuple(out))
     if len(out.inputs) != info.world_size:
-        raise ValueError(
-            f"protocol {protocol.name!r} dispatched {len(out.inputs)} inputs for "
-            f"{info.world_size} ranks"
-        )
+        raise ValueError(f"protocol {protocol.name!r} dispatched {len(out.inputs)} inputs for {info.world_size} ranks")
     return out
 
 
@@ -266,10 +257,7 @@ def call_spmd(
     """Runs ``fn`` once over the whole group with the protocol's single-program form."""
     protocol = get_protocol(protocol)
     if protocol.spmd is None:
-        raise ValueError(
-            f"protocol {protocol.name!r} has no single-program form; run it per rank with "
-            "dispatch_method"
-        )
+        raise ValueError(f"protocol {protocol.name!r} has no single-program form; run it per rank with dispatch_method")
     return protocol.spmd(info, fn, tuple(args), dict(kwargs))
 
 
@@ -392,29 +380,21 @@ def _one_to_all_spmd(info: WorkerGroupInfo, fn: Callable[..., Any], args: tuple,
 
 
 def _all_to_all_dispatch(info: WorkerGroupInfo, args: tuple, kwargs: dict) -> Dispatched:
-    named = {f"args[{i}]": a for i, a in enumerate(args)} | {
-        f"kwargs[{k!r}]": v for k, v in kwargs.items()
-    }
+    named = {f"args[{i}]": a for i, a in enumerate(args)} | {f"kwargs[{k!r}]": v for k, v in kwargs.items()}
     for where, v in named.items():
         if not isinstance(v, (list, tuple)) or len(v) != info.world_size:
             got = type(v).__name__
             if isinstance(v, (list, tuple)):
                 got += f" of {len(v)}"
             raise ValueError(
-                f"{ALL_TO_ALL}: {where} must be a list with one value per rank "
-                f"({info.world_size}), got {got}"
+                f"{ALL_TO_ALL}: {where} must be a list with one value per rank ({info.world_size}), got {got}"
             )
     return Dispatched(
-        tuple(
-            (tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()})
-            for r in range(info.world_size)
-        )
+        tuple((tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(info.world_size))
     )
 
 
 register_protocol(ONE_TO_ALL, _one_to_all_dispatch, _all_collect, _one_to_all_spmd)
 register_protocol(DP_COMPUTE, _dp_dispatch(DP_COMPUTE), _dp_collect, _dp_spmd)
-register_protocol(
-    DP_COMPUTE_METRIC, _dp_dispatch(DP_COMPUTE_METRIC), _dp_metric_collect, _dp_metric_spmd
-)
+register_protocol(DP_COMPUTE_METRIC, _dp_dispatch(DP_COMPUTE_METRIC), _dp_metric_collect, _dp_metric_spmd)
 register_protocol(ALL_TO_ALL, _all_to_all_dispatch, _all_collect)

@@ -130,7 +130,9 @@ class RayConfig:
         for name in ("compile_deadline_s", "step_deadline_s", "sync_deadline_s", "schedule_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.tpu_topology and not (self.tpu_version and all(n.isdigit() for n in self.tpu_topology.lower().split("x"))):
+        if self.tpu_topology and not (
+            self.tpu_version and all(n.isdigit() for n in self.tpu_topology.lower().split("x"))
+        ):
             raise ValueError(f"tpu_topology {self.tpu_topology!r} needs the form AxB[xC] and a tpu_version (e.g. v5p)")
 
     def bundle(self) -> dict[str, float]:
@@ -148,15 +150,25 @@ class RayConfig:
         if self.tpu_topology:
             chips = math.prod(int(n) for n in self.tpu_topology.lower().split("x"))
             if chips % self.devices_per_host:
-                raise ValueError(f"a TPU slice of topology {self.tpu_topology} ({chips} chips) is not whole hosts of "
-                                 f"{self.devices_per_host} chips (jaxflow.ray.devices_per_host)")
+                raise ValueError(
+                    f"a TPU slice of topology {self.tpu_topology} ({chips} chips) is not whole hosts of "
+                    f"{self.devices_per_host} chips (jaxflow.ray.devices_per_host)"
+                )
             per_slice = chips // self.devices_per_host
             if num_hosts % per_slice:
-                raise ValueError(f"a pool of {num_hosts} TPU hosts is not a whole number of slices of topology "
-                                 f"{self.tpu_topology} ({per_slice} hosts each; jaxflow.ray.tpu_topology)")
-            return PoolReservation(tpu_slice={"topology": self.tpu_topology, "accelerator_version": self.tpu_version,
-                                              "num_slices": num_hosts // per_slice, "resources_per_bundle": bundle},
-                                   num_hosts=num_hosts)
+                raise ValueError(
+                    f"a pool of {num_hosts} TPU hosts is not a whole number of slices of topology "
+                    f"{self.tpu_topology} ({per_slice} hosts each; jaxflow.ray.tpu_topology)"
+                )
+            return PoolReservation(
+                tpu_slice={
+                    "topology": self.tpu_topology,
+                    "accelerator_version": self.tpu_version,
+                    "num_slices": num_hosts // per_slice,
+                    "resources_per_bundle": bundle,
+                },
+                num_hosts=num_hosts,
+            )
         # TPU without a slice topology: one bundle per TPU VM on distinct nodes.
         return PoolReservation(((tuple(dict(bundle) for _ in range(num_hosts)), "STRICT_SPREAD"),))
 
@@ -202,8 +214,10 @@ class PoolReservation:
     def describe(self) -> str:
         if self.tpu_slice is not None:
             s = self.tpu_slice
-            return (f"{s['num_slices']} TPU slice(s) {s['accelerator_version']} {s['topology']} via ray.util.tpu, "
-                    f"{self.num_hosts} x {s['resources_per_bundle']}")
+            return (
+                f"{s['num_slices']} TPU slice(s) {s['accelerator_version']} {s['topology']} via ray.util.tpu, "
+                f"{self.num_hosts} x {s['resources_per_bundle']}"
+            )
         (bundles, strategy), n = self.placement_groups[0], len(self.placement_groups)
         if n == 1:
             return f"placement group of {len(bundles)} x {bundles[0]} ({strategy})"
@@ -245,7 +259,9 @@ def host_slots(num_devices: int, devices_per_host: int) -> tuple[HostSlot, ...]:
     """``num_devices`` `HostSlot`s, ``devices_per_host`` per host: the devices a Ray run's
     `Placement` is built over."""
     if num_devices % devices_per_host:
-        raise ValueError(f"{num_devices} devices are not whole hosts of {devices_per_host} (jaxflow.ray.devices_per_host)")
+        raise ValueError(
+            f"{num_devices} devices are not whole hosts of {devices_per_host} (jaxflow.ray.devices_per_host)"
+        )
     return tuple(HostSlot(i, i // devices_per_host, i % devices_per_host) for i in range(num_devices))
 
 
@@ -254,8 +270,10 @@ def pool_hosts(placement: Placement, pool: str, devices_per_host: int) -> tuple[
     slots = placement.pools[pool].devices
     hosts = tuple(sorted({s.host for s in slots}))
     if len(slots) != devices_per_host * len(hosts) or any(s.local != i % devices_per_host for i, s in enumerate(slots)):
-        raise ValueError(f"pool {pool!r} holds devices {[s.id for s in slots]}: a Ray pool takes whole hosts of "
-                         f"{devices_per_host} devices (jaxflow.ray.devices_per_host)")
+        raise ValueError(
+            f"pool {pool!r} holds devices {[s.id for s in slots]}: a Ray pool takes whole hosts of "
+            f"{devices_per_host} devices (jaxflow.ray.devices_per_host)"
+        )
     return hosts
 
 
@@ -274,12 +292,18 @@ def describe_hosts(placement: Placement, config: RayConfig) -> str:
     process per host), and the mesh that the processes of each role form."""
     per = config.devices_per_host
     num_hosts = sum(p.size for p in placement.pools.values()) // per
-    lines = [(f"ray backend: {num_hosts} hosts x {per} {config.accelerator} devices; one process per host per "
-              "worker group, each group its own jax.distributed world")]
+    lines = [
+        (
+            f"ray backend: {num_hosts} hosts x {per} {config.accelerator} devices; one process per host per "
+            "worker group, each group its own jax.distributed world"
+        )
+    ]
     for pool, roles in placement.groups().items():
         hosts = pool_hosts(placement, pool, per)
-        lines.append(f"group {pool!r}: hosts {hosts[0]}..{hosts[-1]} ({len(hosts)} processes, ranks 0..{len(hosts) - 1}), "
-                     f"{config.reservation(len(hosts)).describe()}")
+        lines.append(
+            f"group {pool!r}: hosts {hosts[0]}..{hosts[-1]} ({len(hosts)} processes, ranks 0..{len(hosts) - 1}), "
+            f"{config.reservation(len(hosts)).describe()}"
+        )
         for role in roles:
             spec = placement.roles[role]
             sizes = spec.mesh.resolve(placement.pools[pool].size)
@@ -289,8 +313,10 @@ def describe_hosts(placement: Placement, config: RayConfig) -> str:
                 n = sizes["fsdp"] * sizes["tp"]
                 gen = f"; generate: replica={sizes['dp']},tp={spec.gen_tp},dp={n // spec.gen_tp}"
             local = ",".join(f"{a}={n}" for a, n in _process_block(sizes, per).items())
-            lines.append(f"  {role}: mesh {mesh} over {len(hosts)} x {per} devices; each process holds a {local} "
-                         f"block of it{gen}")
+            lines.append(
+                f"  {role}: mesh {mesh} over {len(hosts)} x {per} devices; each process holds a {local} "
+                f"block of it{gen}"
+            )
     return "\n".join(lines)
 
 
@@ -306,8 +332,9 @@ def _env_for_workers(config: RayConfig) -> dict[str, str]:
     persistent compilation cache is off: measured here (jax 0.10, gloo collectives), a
     multi-process program loaded from the cache (e.g. the rollout) fails in its first
     cross-process collective (gloo context initialisation times out)."""
-    flags = " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                     if not f.startswith("--xla_force_host_platform_device_count"))
+    flags = " ".join(
+        f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
+    )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
     env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
@@ -319,6 +346,7 @@ def _env_for_workers(config: RayConfig) -> dict[str, str]:
 
 def _host_tree(tree: Any) -> Any:
     """Arguments as host values: the driver's jax arrays become NumPy."""
+
     def convert(x: Any) -> Any:
         if isinstance(x, Batch):
             return x.to_host()
@@ -329,6 +357,7 @@ def _host_tree(tree: Any) -> Any:
 
 def _signature(tree: Any) -> tuple:
     """Shapes and dtypes of the array leaves (a new signature means a compile)."""
+
     def sig(x: Any) -> Any:
         if isinstance(x, Batch):
             return tuple((k, np.shape(v), str(v.dtype)) for k, v in sorted(x.tensors.items()))
@@ -358,20 +387,29 @@ class ProcessGroup:
             try:
                 from ray.util.tpu import slice_placement_group
             except ImportError:  # an older Ray: one bundle per VM, not pinned to one slice
-                log.warning("ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
-                            "(STRICT_SPREAD) instead of whole slices", name)
+                log.warning(
+                    "ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
+                    "(STRICT_SPREAD) instead of whole slices",
+                    name,
+                )
                 self.reservation = self.reservation.fallback()
             else:
                 try:
-                    self._slice = slice_placement_group(**self.reservation.tpu_slice,
-                                                        head_reservation_timeout_s=config.schedule_timeout_s)
+                    self._slice = slice_placement_group(
+                        **self.reservation.tpu_slice, head_reservation_timeout_s=config.schedule_timeout_s
+                    )
                 except Exception as e:  # no such slice in the cluster (Ray's own timeout)
-                    raise Unschedulable(f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
-                                        f"could not be reserved: {e}", name) from e
+                    raise Unschedulable(
+                        f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
+                        f"could not be reserved: {e}",
+                        name,
+                    ) from e
                 self._pgs = [self._slice.placement_group]
         if self._slice is None:
-            self._pgs = [placement_group(list(bundles), strategy=strategy)
-                         for bundles, strategy in self.reservation.placement_groups]
+            self._pgs = [
+                placement_group(list(bundles), strategy=strategy)
+                for bundles, strategy in self.reservation.placement_groups
+            ]
         try:
             ray.get([pg.ready() for pg in self._pgs], timeout=config.schedule_timeout_s)
         except ray.exceptions.GetTimeoutError:
@@ -379,10 +417,16 @@ class ProcessGroup:
             raise Unschedulable(
                 f"worker group {name!r}: {num_hosts} host bundle(s) of {config.bundle()} could not be scheduled "
                 f"within {config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
-                f"{ray.cluster_resources()}, available {ray.available_resources()}", name) from None
+                f"{ray.cluster_resources()}, available {ray.available_resources()}",
+                name,
+            ) from None
         remote = ray.remote(HostProcess)
-        options = {"num_cpus": config.cpus_per_host, "max_restarts": 0, "max_concurrency": 1,
-                   "runtime_env": {"env_vars": _env_for_workers(config)}}
+        options = {
+            "num_cpus": config.cpus_per_host,
+            "max_restarts": 0,
+            "max_concurrency": 1,
+            "runtime_env": {"env_vars": _env_for_workers(config)},
+        }
         if config.accelerator == "gpu":
             options["num_gpus"] = config.devices_per_host
         elif config.accelerator == "tpu":
@@ -391,12 +435,19 @@ class ProcessGroup:
             for rank in range(num_hosts):
                 pg, bundle_index = self.reservation.slot(rank)
                 strategy = PlacementGroupSchedulingStrategy(self._pgs[pg], placement_group_bundle_index=bundle_index)
-                self.actors.append(remote.options(scheduling_strategy=strategy, **options).remote(
-                    name, rank, num_hosts, config.devices_per_host, config.accelerator))
-            (address,) = self._gather([self.actors[0].free_address.remote()], "picking the coordinator port",
-                                      config.sync_deadline_s)
-            worlds = self._gather([a.init_world.remote(address, config.sync_deadline_s) for a in self.actors],
-                                  "jax.distributed.initialize", config.sync_deadline_s)
+                self.actors.append(
+                    remote.options(scheduling_strategy=strategy, **options).remote(
+                        name, rank, num_hosts, config.devices_per_host, config.accelerator
+                    )
+                )
+            (address,) = self._gather(
+                [self.actors[0].free_address.remote()], "picking the coordinator port", config.sync_deadline_s
+            )
+            worlds = self._gather(
+                [a.init_world.remote(address, config.sync_deadline_s) for a in self.actors],
+                "jax.distributed.initialize",
+                config.sync_deadline_s,
+            )
         except BaseException:
             self.shutdown()
             raise
@@ -419,12 +470,17 @@ class ProcessGroup:
                 self.shutdown(f"{what} passed its deadline")
                 if failure is not None:
                     rank, error = failure
-                    error.add_note(f"raised by worker group {self.name!r} rank {rank} during {what}; ranks "
-                                   f"{missing} did not finish within {deadline_s:g}s, so the group was stopped")
+                    error.add_note(
+                        f"raised by worker group {self.name!r} rank {rank} during {what}; ranks "
+                        f"{missing} did not finish within {deadline_s:g}s, so the group was stopped"
+                    )
                     raise error
                 raise DeadlineExceeded(
                     f"worker group {self.name!r}: {what} passed its deadline of {deadline_s:g}s; rank(s) {missing} "
-                    f"of {len(refs)} did not answer (the group's processes were stopped)", self.name, missing[0])
+                    f"of {len(refs)} did not answer (the group's processes were stopped)",
+                    self.name,
+                    missing[0],
+                )
             rank = rank_of[ready[0]]
             try:
                 results[rank] = ray.get(ready[0])
@@ -433,7 +489,10 @@ class ProcessGroup:
                 self.shutdown(f"rank {rank} died")
                 raise WorkerDied(
                     f"worker group {self.name!r} rank {rank} (pid {pid}) died during {what}: "
-                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}", self.name, rank) from None
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}",
+                    self.name,
+                    rank,
+                ) from None
             except ray.exceptions.RayTaskError as e:
                 if failure is None:  # the others get the sync deadline to finish (or fail alike)
                     failure = (rank, e.cause if isinstance(e.cause, BaseException) else e)
@@ -442,7 +501,10 @@ class ProcessGroup:
                 self.shutdown(f"rank {rank} lost")
                 raise WorkerDied(
                     f"worker group {self.name!r} rank {rank} was lost during {what}: {type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}", self.name, rank) from None
+                    f"{str(e).splitlines()[0] if str(e) else ''}",
+                    self.name,
+                    rank,
+                ) from None
         if failure is not None:
             rank, error = failure
             error.add_note(f"raised by worker group {self.name!r} rank {rank} during {what}")
@@ -453,16 +515,22 @@ class ProcessGroup:
         if self.dead is not None:
             raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
 
-    def build(self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Sequence[Any] | None = None
-              ) -> RowSplit | None:
+    def build(
+        self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Sequence[Any] | None = None
+    ) -> RowSplit | None:
         """Builds ``role`` in every process (see `HostProcess.build`; ``blocks``: each rank's
         object-store reference to its blocks of a `ShippedParams` model); how its batch rows
         fall on the processes (None for a worker without a mesh)."""
         self._check_alive()
         ref = _ray().put(kwargs)
-        built = self._gather([a.build.remote(role, worker_cls, ref, None if blocks is None else blocks[rank])
-                              for rank, a in enumerate(self.actors)], f"building {role!r}",
-                             self.config.compile_deadline_s)
+        built = self._gather(
+            [
+                a.build.remote(role, worker_cls, ref, None if blocks is None else blocks[rank])
+                for rank, a in enumerate(self.actors)
+            ],
+            f"building {role!r}",
+            self.config.compile_deadline_s,
+        )
         return built[0]["rows"]
 
     def ship_params(self, role: str, kwargs: dict[str, Any], params: Any) -> tuple[ShippedParams, list[Any]]:
@@ -472,12 +540,16 @@ class ProcessGroup:
         self._check_alive()
         ray = _ray()
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
-        keys = self._gather([a.block_keys.remote(role, kwargs, abstract) for a in self.actors],
-                            f"placing {role!r}'s parameters", self.config.sync_deadline_s)
+        keys = self._gather(
+            [a.block_keys.remote(role, kwargs, abstract) for a in self.actors],
+            f"placing {role!r}'s parameters",
+            self.config.sync_deadline_s,
+        )
         return ShippedParams(None, abstract), [ray.put(cut_blocks(params, k)) for k in keys]
 
-    def call(self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict,
-             rows: RowSplit | None = None) -> Any:
+    def call(
+        self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict, rows: RowSplit | None = None
+    ) -> Any:
         """``role.method(*args, **kwargs)`` in lock step on every rank; the assembled result
         (single-program protocols) or the protocol's collect of the per-rank results. For the
         protocols of `ROWS_BY_PROCESS`, given the role's ``rows``, each rank receives only the
@@ -501,8 +573,10 @@ class ProcessGroup:
             args, kwargs, pad_size = pad_batch_args(info, protocol.name, args, kwargs)
             args, kwargs, per_process = split_rows(rows, args, kwargs)
             shared = ray.put((args, kwargs))  # host columns and meta: put once, read by every rank
-            refs = [a.call_rows.remote(role, method, shared, ray.put(mine))  # each rank's rows, put once
-                    for a, mine in zip(self.actors, per_process)]
+            refs = [
+                a.call_rows.remote(role, method, shared, ray.put(mine))  # each rank's rows, put once
+                for a, mine in zip(self.actors, per_process)
+            ]
             outputs = self._gather(refs, what, deadline)
             self._seen.add(key)
             return ROWS_BY_PROCESS[protocol.name](assemble(outputs), pad_size)
@@ -627,13 +701,17 @@ class RayBackend:
         devices hold: `ProcessGroup.ship_params`) or a callable ``(mesh, rules) -> model`` run
         in every process (each reads or initialises its own shards). The rule scorer runs on
         the driver."""
-        settings = RoleSettings(actor_config=actor_config, rollout=rollout,
-                                critic_config=critic_config or CriticConfig(), strategy=strategy,
-                                ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
-                                reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
-                                ref_use_remove_padding=ref_use_remove_padding,
-                                ref_max_token_len_per_device=ref_max_token_len_per_device,
-                                reward_use_remove_padding=reward_use_remove_padding)
+        settings = RoleSettings(
+            actor_config=actor_config,
+            rollout=rollout,
+            critic_config=critic_config or CriticConfig(),
+            strategy=strategy,
+            ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
+            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
+            ref_use_remove_padding=ref_use_remove_padding,
+            ref_max_token_len_per_device=ref_max_token_len_per_device,
+            reward_use_remove_padding=reward_use_remove_padding,
+        )
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
         groups: dict[str, WorkerGroup] = {}
         for pool, roles in placement.groups().items():
@@ -648,8 +726,9 @@ class RayBackend:
                     graphdef, params = models[role]
                     shipped, blocks = processes.ship_params(role, {**kwargs, "model": None}, params)
                     kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
-                groups[role] = RayWorkerGroup(processes, role, role_class(role),
-                                              processes.build(role, ROLE_FROM_PLACEMENT, kwargs, blocks))
+                groups[role] = RayWorkerGroup(
+                    processes, role, role_class(role), processes.build(role, ROLE_FROM_PLACEMENT, kwargs, blocks)
+                )
         rule = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
         return workers_from_groups(groups, rule_reward=rule, reward_weights=reward_weights)
 

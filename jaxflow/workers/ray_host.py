@@ -85,14 +85,24 @@ class HostProcess:
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", self.devices_per_process)
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(address, num_processes=self.num_processes, process_id=self.rank,
-                                   initialization_timeout=max(1, int(timeout_s)))
+        jax.distributed.initialize(
+            address,
+            num_processes=self.num_processes,
+            process_id=self.rank,
+            initialization_timeout=max(1, int(timeout_s)),
+        )
         local = jax.local_devices()
         if len(local) != self.devices_per_process:
-            raise RuntimeError(f"group {self.group!r} rank {self.rank}: {len(local)} local devices, expected "
-                               f"{self.devices_per_process}")
-        return {"process_index": jax.process_index(), "global_devices": jax.device_count(),
-                "local_device_ids": [d.id for d in local], "pid": os.getpid()}
+            raise RuntimeError(
+                f"group {self.group!r} rank {self.rank}: {len(local)} local devices, expected "
+                f"{self.devices_per_process}"
+            )
+        return {
+            "process_index": jax.process_index(),
+            "global_devices": jax.device_count(),
+            "local_device_ids": [d.id for d in local],
+            "pid": os.getpid(),
+        }
 
     # ------------------------------------------------------------------ roles
     def _placement_layout(self, role: str, kwargs: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -148,8 +158,11 @@ class HostProcess:
             worker = worker_cls(**kwargs)
         mesh = getattr(worker, "mesh", None)
         self.roles[role] = worker
-        self.infos[role] = (WorkerGroupInfo(world_size=1, dp_size=1) if mesh is None
-                            else WorkerGroupInfo.from_mesh(mesh, worker.dp_axes))
+        self.infos[role] = (
+            WorkerGroupInfo(world_size=1, dp_size=1)
+            if mesh is None
+            else WorkerGroupInfo.from_mesh(mesh, worker.dp_axes)
+        )
         rows = None if mesh is None else RowSplit.from_mesh(mesh, worker.dp_axes, self.num_processes)
         return {"seconds": time.perf_counter() - start, "rows": rows}
 

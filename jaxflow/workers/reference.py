@@ -29,9 +29,17 @@ class ReferenceWorker(RoleWorker):
 
     head = "lm"
 
-    def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
-                 temperature: float = 1.0, micro_batch_size_per_device: int | None = None,
-                 use_remove_padding: bool = False, max_token_len_per_device: int | None = None):
+    def __init__(
+        self,
+        model: ModelLike,
+        mesh: Mesh | MeshSpec | str,
+        rules: Rules | str,
+        *,
+        temperature: float = 1.0,
+        micro_batch_size_per_device: int | None = None,
+        use_remove_padding: bool = False,
+        max_token_len_per_device: int | None = None,
+    ):
         super().__init__(model, mesh, rules)
         self.temperature = temperature
         self.micro_batch_size_per_device = micro_batch_size_per_device
@@ -44,9 +52,15 @@ class ReferenceWorker(RoleWorker):
         under the reference policy, T = ``temperature`` (None: the worker's)."""
         temperature = np.float32(self.temperature if temperature is None else temperature)
         if self.use_remove_padding:
-            return packed_forward(self, "ref_log_prob", batch, log_probs_fn("ref_log_prob"), {"temperature": temperature},
-                                  max_token_len=self.max_token_len_per_device,
-                                  rows_per_micro=self.micro_batch_size_per_device)
+            return packed_forward(
+                self,
+                "ref_log_prob",
+                batch,
+                log_probs_fn("ref_log_prob"),
+                {"temperature": temperature},
+                max_token_len=self.max_token_len_per_device,
+                rows_per_micro=self.micro_batch_size_per_device,
+            )
         tensors = self.put(batch, PROMPT_KEYS)
         program = self.log_probs_program(len(batch))
         return Batch(program(self.params, tensors, {"temperature": temperature}))

@@ -55,9 +55,17 @@ class RewardModelWorker(RoleWorker):
 
     head = "reward"
 
-    def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, *,
-                 output_key: str = "token_level_scores", micro_batch_size_per_device: int | None = None,
-                 use_remove_padding: bool = False, max_token_len_per_device: int | None = None):
+    def __init__(
+        self,
+        model: ModelLike,
+        mesh: Mesh | MeshSpec | str,
+        rules: Rules | str,
+        *,
+        output_key: str = "token_level_scores",
+        micro_batch_size_per_device: int | None = None,
+        use_remove_padding: bool = False,
+        max_token_len_per_device: int | None = None,
+    ):
         super().__init__(model, mesh, rules)
         self.output_key = output_key
         self.micro_batch_size_per_device = micro_batch_size_per_device
@@ -68,9 +76,15 @@ class RewardModelWorker(RoleWorker):
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
         if self.use_remove_padding:
-            return packed_forward(self, self.output_key, batch, scores_fn(self.output_key), {},
-                                  max_token_len=self.max_token_len_per_device,
-                                  rows_per_micro=self.micro_batch_size_per_device)
+            return packed_forward(
+                self,
+                self.output_key,
+                batch,
+                scores_fn(self.output_key),
+                {},
+                max_token_len=self.max_token_len_per_device,
+                rows_per_micro=self.micro_batch_size_per_device,
+            )
         tensors = self.put(batch, PROMPT_KEYS)
         return Batch(self.scores_program(len(batch))(self.params, tensors, {}))
 
@@ -93,8 +107,7 @@ class RuleRewardWorker:
       output_key: the ``[B, R]`` column written.
     """
 
-    def __init__(self, tokenizer: Any, scorer: RewardScorer | None = None, *,
-                 output_key: str = "token_level_scores"):
+    def __init__(self, tokenizer: Any, scorer: RewardScorer | None = None, *, output_key: str = "token_level_scores"):
         self.tokenizer = tokenizer
         self.scorer = scorer if scorer is not None else RewardScorer()
         self.output_key = output_key
@@ -114,7 +127,9 @@ class RuleRewardWorker:
         texts = self.decode(responses, mask)
         extra = batch.non_tensors.get("extra_info")
         result = self.scorer.score(
-            list(batch["data_source"]), texts, list(batch["ground_truth"]),
+            list(batch["data_source"]),
+            texts,
+            list(batch["ground_truth"]),
             None if extra is None else list(extra),
         )
         out = Batch.from_dict({self.output_key: token_level_scores(result.scores, mask)}, {"response_text": texts})

@@ -38,8 +38,13 @@ class RoleSettings:
 
 def role_class(role: str) -> type:
     """The worker class of a model role."""
-    classes = {"actor": ActorWorker, "ref": ReferenceWorker, "critic": CriticWorker,
-               "reward": RewardModelWorker, "cost": RewardModelWorker}
+    classes = {
+        "actor": ActorWorker,
+        "ref": ReferenceWorker,
+        "critic": CriticWorker,
+        "reward": RewardModelWorker,
+        "cost": RewardModelWorker,
+    }
     if role not in classes:
         raise KeyError(f"unknown model role {role!r}; roles are {MODEL_ROLES}")
     return classes[role]
@@ -53,22 +58,42 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
     if role == "actor":
         spec = placement.roles["actor"]
         gen_rules: Any = placement.rules("actor", "generate") if spec.gen_tp is not None else None
-        return ActorWorker(model=model, mesh=placement.mesh("actor", "train"), rules=placement.rules("actor", "train"),
-                           config=settings.actor_config, rollout=settings.rollout, gen_tp=spec.gen_tp,
-                           gen_rules=gen_rules, strategy=settings.strategy)
+        return ActorWorker(
+            model=model,
+            mesh=placement.mesh("actor", "train"),
+            rules=placement.rules("actor", "train"),
+            config=settings.actor_config,
+            rollout=settings.rollout,
+            gen_tp=spec.gen_tp,
+            gen_rules=gen_rules,
+            strategy=settings.strategy,
+        )
     if role == "ref":
-        return ReferenceWorker(model=model, mesh=placement.mesh("ref"), rules=placement.rules("ref", "infer"),
-                               temperature=settings.rollout.temperature,
-                               micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
-                               use_remove_padding=settings.ref_use_remove_padding,
-                               max_token_len_per_device=settings.ref_max_token_len_per_device)
+        return ReferenceWorker(
+            model=model,
+            mesh=placement.mesh("ref"),
+            rules=placement.rules("ref", "infer"),
+            temperature=settings.rollout.temperature,
+            micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
+            use_remove_padding=settings.ref_use_remove_padding,
+            max_token_len_per_device=settings.ref_max_token_len_per_device,
+        )
     if role == "critic":
-        return CriticWorker(model=model, mesh=placement.mesh("critic"), rules=placement.rules("critic", "train"),
-                            config=settings.critic_config)
+        return CriticWorker(
+            model=model,
+            mesh=placement.mesh("critic"),
+            rules=placement.rules("critic", "train"),
+            config=settings.critic_config,
+        )
     extra = {"output_key": "token_level_cost"} if role == "cost" else {}
-    return role_class(role)(model=model, mesh=placement.mesh(role), rules=placement.rules(role, "infer"),
-                            micro_batch_size_per_device=settings.reward_micro_batch_size_per_device,
-                            use_remove_padding=settings.reward_use_remove_padding, **extra)
+    return role_class(role)(
+        model=model,
+        mesh=placement.mesh(role),
+        rules=placement.rules(role, "infer"),
+        micro_batch_size_per_device=settings.reward_micro_batch_size_per_device,
+        use_remove_padding=settings.reward_use_remove_padding,
+        **extra,
+    )
 
 
 def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:
@@ -76,7 +101,6 @@ def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) ->
     same device order): how a process of a multi-process group sees its pool, ``devices``
     being its world's global devices."""
     if len(devices) != placement.pools[pool].size:
-        raise ValueError(f"pool {pool!r} has {placement.pools[pool].size} devices, the process world "
-                         f"{len(devices)}")
+        raise ValueError(f"pool {pool!r} has {placement.pools[pool].size} devices, the process world {len(devices)}")
     roles = {r: s for r, s in placement.roles.items() if s.pool == pool}
     return Placement({pool: ResourcePool(pool, tuple(devices))}, roles)

@@ -63,21 +63,27 @@ def _is_leafish(x: Any) -> bool:
     return isinstance(x, (nnx.Variable, NamedSharding))
 
 
-def train_state_shardings(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
-                          mesh: Mesh) -> TrainState:
+def train_state_shardings(
+    params: Any, param_shardings: Any, tx: optax.GradientTransformation, mesh: Mesh
+) -> TrainState:
     """Shardings of a `TrainState` (a prefix tree): parameters as given, every per-parameter
     optimizer buffer (Adam's moments) like its parameter, scalars (counts) replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     abstract_opt = jax.eval_shape(tx.init, jax.eval_shape(lambda p: p, params))
     opt_shardings = optax.tree_map_params(
-        tx, lambda _, s: s, abstract_opt, param_shardings,
-        transform_non_params=lambda _: replicated, is_leaf=_is_leafish,
+        tx,
+        lambda _, s: s,
+        abstract_opt,
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+        is_leaf=_is_leafish,
     )
     return TrainState(params=param_shardings, opt_state=opt_shardings, step=replicated)
 
 
-def _init_program(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
-                  mesh: Mesh) -> tuple[Any, TrainState]:
+def _init_program(
+    params: Any, param_shardings: Any, tx: optax.GradientTransformation, mesh: Mesh
+) -> tuple[Any, TrainState]:
     """``(jitted init, shardings)``: ``params -> TrainState`` (fresh copies of the parameters,
     ``tx.init`` of them, step 0) with the state's shardings as output shardings."""
     shardings = train_state_shardings(params, param_shardings, tx, mesh)
@@ -89,8 +95,9 @@ def _init_program(params: Any, param_shardings: Any, tx: optax.GradientTransform
     return jax.jit(init, out_shardings=shardings), shardings
 
 
-def create_train_state(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
-                       mesh: Mesh) -> tuple[TrainState, TrainState]:
+def create_train_state(
+    params: Any, param_shardings: Any, tx: optax.GradientTransformation, mesh: Mesh
+) -> tuple[TrainState, TrainState]:
     """``(state, shardings)``: fresh copies of ``params`` placed by ``param_shardings`` (never
     aliasing the caller's buffers, since the train step donates them) and a sharded
     optimizer state."""
@@ -98,8 +105,9 @@ def create_train_state(params: Any, param_shardings: Any, tx: optax.GradientTran
     return init(params), shardings
 
 
-def abstract_train_state(params: Any, param_shardings: Any, tx: optax.GradientTransformation,
-                         mesh: Mesh) -> tuple[TrainState, TrainState]:
+def abstract_train_state(
+    params: Any, param_shardings: Any, tx: optax.GradientTransformation, mesh: Mesh
+) -> tuple[TrainState, TrainState]:
     """``(state, shardings)`` as `create_train_state` builds them, with ``jax.ShapeDtypeStruct``
     leaves carrying their shardings (``params`` may be abstract): the same init program,
     traced and never run. What planners lower the train step on and checkpoints restore
@@ -154,7 +162,9 @@ def make_train_step(
             grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
             micros = batch if presplit else split_micro(batch, num_micro, mesh, batch_axes) if num_micro > 1 else None
             if micros is None or micros["response_mask"].shape[0] == 1:  # one micro-batch: no loop, no accumulators
-                (loss, aux), grads = grad_fn(state.params, batch if micros is None else jax.tree.map(lambda x: x[0], micros))
+                (loss, aux), grads = grad_fn(
+                    state.params, batch if micros is None else jax.tree.map(lambda x: x[0], micros)
+                )
             else:
 
                 def body(acc, micro):
@@ -210,8 +220,9 @@ def _batch_axes(rules: Rules, mesh: Mesh) -> Any:
     return logical_to_spec(("batch",), rules, mesh)[0]
 
 
-def minibatch_indices(num_rows: int, mini_batch_size: int, epochs: int, shuffle: bool,
-                      rng: np.random.Generator) -> list[np.ndarray]:
+def minibatch_indices(
+    num_rows: int, mini_batch_size: int, epochs: int, shuffle: bool, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Row indices of every PPO mini-batch: ``epochs`` passes, each over a fresh permutation
     (or in order without ``shuffle``), cut into ``num_rows / mini_batch_size`` mini-batches."""
     if mini_batch_size < 1 or num_rows % mini_batch_size:
