@@ -34,6 +34,7 @@ from jaxflow.sampling import (
     engine_shape,
     generate,
     generate_from_state,
+    lower_generate,
     paged_attention,
     sample_tokens,
     trace_count,
@@ -233,6 +234,34 @@ def test_gpu_kernel_in_the_engine(llama):
     np.testing.assert_allclose(np.asarray(out.log_probs), want_logp, atol=1e-4)
     with pytest.raises(ValueError, match="runs on TPU only"):
         generate(model, ids, mask, params, attention="tpu")
+
+
+def test_head_dim_split_over_tp_stays_inside_each_replica(llama):
+    """The k/v feature dimension split over tp (the *_KV_HEAD_DIM rules, for GQA models whose
+    kv-head count does not divide the weight-parallel degree) puts RoPE's pairs (i, i + K/2)
+    on two devices. The compiled rollout has no collective-permute: XLA:CPU rendezvouses
+    every device of the program for one, so replicas whose decode loops run different step
+    counts hang (seen: `ppo_tiny`, colocated, 8 devices, at step 3). On a (dp=4, tp=2) mesh
+    whose replicas run different step counts, HF's greedy tokens."""
+    hf, model = llama
+    rules = tuple(
+        (name, None if name == "kv_heads" else "tp" if name == "head_dim" else axes) for name, axes in GENERATE_RULES
+    )
+    ids, mask = _prompts()
+    want = _hf_greedy(hf, ids, mask)
+    limits = np.array([5, NEW, 9, 17, 3, 11])
+    params = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, rules, mesh))
+    assert state["model"]["layers"][0]["self_attn"]["k_proj"][...].sharding.spec[-1] == "tp"  # head_dim split
+    hlo = lower_generate(graphdef, state, ids, mask, params, mesh=mesh, rules=rules, max_new_tokens=limits)
+    hlo = hlo.compile().as_text()
+    assert "all-gather" in hlo and "collective-permute" not in hlo
+    out = generate_from_state(graphdef, state, ids, mask, params, mesh=mesh, rules=rules, max_new_tokens=limits)
+    tokens, m = np.asarray(out.responses), np.asarray(out.response_mask)
+    np.testing.assert_array_equal(m, np.arange(NEW)[None] < limits[:, None])
+    np.testing.assert_array_equal(np.where(m == 1, tokens, PAD), np.where(m == 1, want, PAD))
 
 
 def test_small_pool_equals_unconstrained(llama):

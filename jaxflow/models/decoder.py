@@ -98,8 +98,18 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         inv_freq = inverse_frequencies(cfg)
-        q = constrain(apply_rope(q, positions_BxL, inv_freq), ("batch", "length", "heads", "head_dim"))
-        k = constrain(apply_rope(k, positions_BxL, inv_freq), ("batch", "length", "kv_heads", "head_dim"))
+        # RoPE pairs feature i with i + K/2. Where head_dim is split over devices (the
+        # *_KV_HEAD_DIM rules) the pair lives on two devices, and XLA would swap the halves with
+        # a collective-permute, which XLA:CPU rendezvouses over *every* device of the program: in
+        # the rollout's per-replica decode loop, whose replicas run different step counts, that
+        # hangs. RoPE on whole head_dim instead (an all-gather inside the head_dim group, the
+        # rotation pinned whole too so that the partitioner does not split it again, then a local
+        # split; all no-ops under the other rules).
+        q_whole, k_whole = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
+        q = constrain(apply_rope(constrain(q, q_whole), positions_BxL, inv_freq), q_whole)
+        k = constrain(apply_rope(constrain(k, k_whole), positions_BxL, inv_freq), k_whole)
+        q = constrain(q, ("batch", "length", "heads", "head_dim"))
+        k = constrain(k, ("batch", "length", "kv_heads", "head_dim"))
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if cache is not None:  # the external KV store (the rollout engine's paged cache) writes and attends
             out, pool = cache.attend(q, k, v, pool)
