@@ -199,6 +199,16 @@ def _train(cfg: Any, json_path: str | None) -> int:
     return 0
 
 
+def _asyncio_to_log_file(file_handlers: list[logging.Handler]) -> None:
+    """After a failure, asyncio's reports of the failed run's futures ("exception was never
+    retrieved", e.g. every write orbax had in flight when the disk filled up, some only when
+    the interpreter exits) go to the log file alone: the run says what failed in one line."""
+    log = logging.getLogger("asyncio")
+    log.propagate = False
+    for handler in file_handlers or [logging.NullHandler()]:
+        log.addHandler(handler)  # a closed FileHandler reopens its file to append
+
+
 def _report(e: BaseException, log_path: str | None) -> int:
     """One line on stderr for a failed run (the traceback goes to the log file); the exit code:
     2 for the user's input or storage, 3 for a run stopped by the non-finite guard, 1 otherwise."""
@@ -276,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"interrupted: {_checkpoints(run_dir)}", file=sys.stderr)
         return INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every failure becomes one line; the log has the rest
+        _asyncio_to_log_file(handlers[1:])
         return _report(e, log_path)
     finally:
         logging.raiseExceptions = raise_exceptions

@@ -664,3 +664,28 @@ def test_a_run_never_writes_over_what_is_not_its_own_and_one_run_per_directory(t
         f"error: {busy} is in use by another jaxflow run (pid {os.getpid()}); wait for it to end, or give "
         "this run another directory (trainer.default_local_dir)"
     ), err
+
+
+def test_asyncio_reports_of_a_failed_run_go_to_the_log_file(tmp_path):
+    """A failed save leaves orbax's in-flight writes as futures whose exceptions nobody
+    retrieves; asyncio reports each when it is collected, sometimes only at interpreter exit,
+    through whatever root handler a library configured (seen in CI: "ERROR:asyncio:Future
+    exception was never retrieved" and a traceback per write after the one-line disk-full
+    error). After a failure they go to the run's log file only."""
+    log = tmp_path / "jaxflow.log"
+    script = textwrap.dedent(f"""
+        import asyncio, logging
+        from jaxflow.run import _asyncio_to_log_file
+        logging.basicConfig()  # a library's root handler on stderr
+        handler = logging.FileHandler({str(log)!r}, mode="a")
+        _asyncio_to_log_file([handler])
+        handler.close()  # main() closes its handlers before the interpreter exits
+        loop = asyncio.new_event_loop()
+        future = loop.create_future()
+        future.set_exception(ValueError("No space left on device"))
+        del future  # collected: asyncio logs "exception was never retrieved"
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "never retrieved" not in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "Future exception was never retrieved" in log.read_text()
