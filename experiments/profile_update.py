@@ -41,10 +41,10 @@ from bench_rl_step import FULL, TINY, Workload, matmul_gflops  # noqa: E402  (af
 # (category, substrings of the op_name that place an op in it), first match wins
 CATEGORIES = (
     ("optimizer + finite check", ("adam", "scale_by", "apply_updates", "isfinite", "clip_by_global_norm")),
-    ("attention core", ("BNMK,BNKS", "BNMS,BNSK", "softmax")),
-    ("attention projections + rope", ("BLD,DHK", "BLD,DNK", "BLHK,HKD", "rope")),
-    ("mlp", ("BLD,DF", "BLF,FD", "silu")),
-    ("lm head + log-softmax", ("BLD,DV", "BLD,VD", "logsumexp", "log_softmax", "take_along_axis", "entropy")),
+    ("attention core", ("BNMK,BNKS", "BNMS,BNSK", "masked_softmax")),
+    ("attention projections + rope", ("TD,DHK", "TD,DNK", "THK,HKD", "rope")),
+    ("mlp", ("TD,DF", "TF,FD", "silu")),
+    ("lm head + log-softmax", ("TD,DV", "TD,VD", "logsumexp", "log_softmax", "take_along_axis", "entropy")),
 )
 
 

@@ -44,6 +44,16 @@ _zeros = jax.nn.initializers.zeros
 _ones = jax.nn.initializers.ones
 
 
+def token_einsum(spec: str, x, w) -> jax.Array:
+    """``jnp.einsum(spec, x, w)`` for a ``spec`` starting ``"BL"`` (x's two leading dims are
+    tokens) as one product over the B * L tokens: XLA:CPU then runs plain matrix products in
+    both directions, where the weight gradients of ``BL``-batched einsums (contracting B and L)
+    went through slow transposing fusions (measured on the actor's train step: 11.6 -> 10.0 s)."""
+    B, L = x.shape[:2]
+    y = jnp.einsum(spec.replace("BL", "T"), x.reshape(B * L, *x.shape[2:]), w)
+    return y.reshape(B, L, *y.shape[1:])
+
+
 def positions_from_mask(attention_mask_BxL: jax.Array) -> jax.Array:
     """Position of each token among the real tokens of its row (0 on leading padding)."""
     return jnp.maximum(jnp.cumsum(attention_mask_BxL.astype(jnp.int32), axis=-1) - 1, 0)
@@ -88,9 +98,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         dt = cfg.dtype
         x = x_BxLxD.astype(dt)
-        q = jnp.einsum("BLD,DHK->BLHK", x, self.q_proj[...].astype(dt))
-        k = jnp.einsum("BLD,DNK->BLNK", x, self.k_proj[...].astype(dt))
-        v = jnp.einsum("BLD,DNK->BLNK", x, self.v_proj[...].astype(dt))
+        q = token_einsum("BLD,DHK->BLHK", x, self.q_proj[...].astype(dt))
+        k = token_einsum("BLD,DNK->BLNK", x, self.k_proj[...].astype(dt))
+        v = token_einsum("BLD,DNK->BLNK", x, self.v_proj[...].astype(dt))
         if cfg.attention_bias:
             q = q + self.q_bias[...].astype(dt)[None, None]
             k = k + self.k_bias[...].astype(dt)[None, None]
@@ -116,7 +126,7 @@ class Attention(nnx.Module):
         else:
             out = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_BxLxS)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return jnp.einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt)), pool
+        return token_einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt)), pool
 
 
 def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Array:
@@ -132,11 +142,33 @@ def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Ar
     q_BxNxMxK = q_BxLxHxK.reshape(B, L, N, G, K).transpose(0, 2, 3, 1, 4).reshape(B, N, G * L, K)
     sdt = wide(q_BxLxHxK.dtype)
     scores = jnp.einsum("BNMK,BNKS->BNMS", q_BxNxMxK, k_BxNxKxS).astype(sdt) * (K**-0.5)
-    scores = scores.reshape(B, N, G, L, S)
-    scores = jnp.where(mask_BxLxS[:, None, None, :, :], scores, jnp.finfo(sdt).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
+    probs = masked_softmax(scores.reshape(B, N, G, L, S), mask_BxLxS[:, None, None, :, :])
+    probs = probs.astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
     out_BxNxMxK = jnp.einsum("BNMS,BNSK->BNMK", probs, v_BxNxSxK)
     return out_BxNxMxK.reshape(B, N, G, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+
+
+@jax.custom_vjp
+def masked_softmax(scores: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax over the last axis of ``scores`` where ``mask`` (broadcast) holds, the rest at the
+    dtype's minimum (a fully masked row stays finite: uniform).
+
+    Its VJP is written out, d scores = p (dp - sum(dp p)), from the probabilities alone: autodiff
+    of ``jax.nn.softmax`` keeps the scores too and runs a slower chain of fusions on XLA:CPU
+    (measured: attention forward + backward of the train step 17% faster)."""
+    return jax.nn.softmax(jnp.where(mask, scores, jnp.finfo(scores.dtype).min), axis=-1)
+
+
+def _masked_softmax_fwd(scores, mask):
+    probs = masked_softmax(scores, mask)
+    return probs, probs
+
+
+def _masked_softmax_bwd(probs, d_probs):
+    return probs * (d_probs - jnp.sum(d_probs * probs, axis=-1, keepdims=True)), None
+
+
+masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
 
 
 class MLP(nnx.Module):
@@ -152,10 +184,10 @@ class MLP(nnx.Module):
     def __call__(self, x_BxLxD):
         dt = self.cfg.dtype
         x = x_BxLxD.astype(dt)
-        gate = jnp.einsum("BLD,DF->BLF", x, self.gate_proj[...].astype(dt))
-        up = jnp.einsum("BLD,DF->BLF", x, self.up_proj[...].astype(dt))
+        gate = token_einsum("BLD,DF->BLF", x, self.gate_proj[...].astype(dt))
+        up = token_einsum("BLD,DF->BLF", x, self.up_proj[...].astype(dt))
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return jnp.einsum("BLF,FD->BLD", h, self.down_proj[...].astype(dt))
+        return token_einsum("BLF,FD->BLD", h, self.down_proj[...].astype(dt))
 
 
 class Block(nnx.Module):
@@ -302,9 +334,9 @@ class CausalLM(nnx.Module):
     def logits(self, hidden_BxLxD: jax.Array) -> jax.Array:
         dt = self.cfg.dtype
         if self.cfg.tie_word_embeddings:
-            logits = jnp.einsum("BLD,VD->BLV", hidden_BxLxD.astype(dt), self.model.embed_tokens[...].astype(dt))
+            logits = token_einsum("BLD,VD->BLV", hidden_BxLxD.astype(dt), self.model.embed_tokens[...].astype(dt))
         else:
-            logits = jnp.einsum("BLD,DV->BLV", hidden_BxLxD.astype(dt), self.lm_head[...].astype(dt))
+            logits = token_einsum("BLD,DV->BLV", hidden_BxLxD.astype(dt), self.lm_head[...].astype(dt))
         return constrain(logits.astype(wide(dt)), ("batch", "length", "vocab"))
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
@@ -328,7 +360,7 @@ class ValueModel(nnx.Module):
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         dt = wide(hidden.dtype)
-        values = jnp.einsum("BLD,DO->BLO", hidden.astype(dt), self.score[...].astype(dt))
+        values = token_einsum("BLD,DO->BLO", hidden.astype(dt), self.score[...].astype(dt))
         return values[..., 0] + self.score_bias[...].astype(dt)[0]
 
 
@@ -344,7 +376,7 @@ class RewardModel(nnx.Module):
     def token_scores(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)
         dt = wide(hidden.dtype)
-        return jnp.einsum("BLD,DO->BLO", hidden.astype(dt), self.score[...].astype(dt))[..., 0]
+        return token_einsum("BLD,DO->BLO", hidden.astype(dt), self.score[...].astype(dt))[..., 0]
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None) -> jax.Array:
         B, L = input_ids_BxL.shape
