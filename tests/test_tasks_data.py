@@ -99,7 +99,6 @@ def test_char_tokenizer_save_load_and_transformers_parity(tmp_path):
         messages, tokenize=False, add_generation_prompt=True
     )
     assert (ours.pad_token_id, ours.eos_token_id, ours.vocab_size) == (hf.pad_token_id, hf.eos_token_id, len(hf))
-    assert tokenizer_lib.load_tokenizer("char").vocab_size == 100
 
 
 CHATML = (

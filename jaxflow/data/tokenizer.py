@@ -203,9 +203,9 @@ class Tokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """The tokenizer saved in directory ``path`` (or a ``tokenizer.json`` file path).
-
-    ``path="char"`` gives jaxflow's built-in :class:`~jaxflow.data.char_tokenizer.CharTokenizer`.
+    """The tokenizer saved in directory ``path`` (or a ``tokenizer.json`` file path). jaxflow's
+    built-in character tokenizer is :class:`~jaxflow.data.char_tokenizer.CharTokenizer` (the
+    run's ``jaxflow.data.tokenizer=char``), a subclass of this module's `Tokenizer`.
 
     Raises:
       FileNotFoundError: no ``tokenizer.json`` there (slow, sentencepiece-only tokenizers must
@@ -214,10 +214,6 @@ def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
         valid JSON.
     """
     path = os.fspath(path)
-    if path == "char":
-        from jaxflow.data.char_tokenizer import CharTokenizer
-
-        return CharTokenizer()
     if os.path.isfile(path) and os.path.basename(path) == "tokenizer.json":
         directory, tokenizer_file = os.path.dirname(path), path
     else:
