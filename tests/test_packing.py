@@ -28,7 +28,7 @@ from jaxflow.workers import (
 )
 from jaxflow.workers.actor import actor_loss
 from jaxflow.workers.forward import packed_outputs, read_responses
-from jaxflow.workers.packing import balanced_partitions, bucket, micro_grid, pack_inputs, pack_minibatch, plan_packing
+from jaxflow.workers.packing import balanced_partitions, bucket, micro_grid, pack, pack_inputs, plan_packing
 
 CFG = models.get_preset("tiny_llama", vocab_size=64, num_layers=1)
 P, R = 6, 10
@@ -232,7 +232,7 @@ def loss_and_grads(model, dtype, budget, agg):
         return sum(o[0] for o in out), jax.tree.map(lambda *x: sum(x), *[o[1] for o in out])
 
     padded = [{k: jnp.asarray(b[k]) for k in keys}]
-    packed_np, layout = pack_minibatch({k: b[k] for k in keys}, ranks=1, max_token_len=budget, rows_per_micro=None)
+    packed_np, layout = pack({k: b[k] for k in keys}, ranks=1, max_token_len=budget, rows_per_micro=None)
     assert (layout.num_micro > 1) == (budget is not None)
     packed = [{n: jnp.asarray(v[j]) for n, v in packed_np.items()} for j in range(layout.num_micro)]
     grad = jax.jit(jax.value_and_grad(total, has_aux=True))

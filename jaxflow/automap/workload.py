@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.configs.run_spec import HEADS, RunSpec, describe_run
-from jaxflow.mesh import logical_axes_tree
+from jaxflow.configs.run_spec import RunSpec, describe_run
+from jaxflow.mesh import TRAINING_ROLES, Role, logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.plan.lowering import forward_of
 
-TRAINING_ROLES = ("actor", "critic")
 # Each role's forward program over the rollout (the dry run's names; `forward_of` gives its
 # builder and micro-batch setting).
 FORWARD_PROGRAM = {
@@ -166,7 +165,7 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         mc = spec.models[role].config
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
-        models[role] = role_model(role, HEADS[role], mc)
+        models[role] = role_model(role, Role(role).head, mc)
     train = {"actor": spec.actor, "critic": spec.critic}
     train = {r: c for r, c in train.items() if r in spec.roles}
     old_log_probs = not spec.actor.is_on_policy(spec.rollout_rows)

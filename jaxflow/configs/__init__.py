@@ -34,7 +34,6 @@ from ml_collections import ConfigDict
 from jaxflow.configs.base import DEFAULTS, FIELDS, KEY_DOCS, KEY_TYPES, get_base_config
 from jaxflow.configs.overrides import ConfigError, apply_overrides, leaf_keys, parse_value
 from jaxflow.configs.resolve import (
-    ROLES,
     active_roles,
     build_placement,
     checkpoint_dir,
@@ -192,7 +191,6 @@ __all__ = [
     "KEY_DOCS",
     "KEY_TYPES",
     "NAMED",
-    "ROLES",
     "ConfigError",
     "ModelSpec",
     "RewardSpec",

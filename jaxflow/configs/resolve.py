@@ -14,8 +14,9 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxflow.configs.overrides import ConfigError, get_value
+from jaxflow.mesh import DEFAULT_ROLE_RULES, ROLES, get_rules
+from jaxflow.mesh import data_parallel_size as mesh_data_parallel_size
 
-ROLES = ("actor", "ref", "critic", "reward", "cost")
 PLACEMENT_TYPES = ("auto", "colocated", "split", "custom")
 SPLIT_GROUPS = (("actor", "ref"), ("critic", "reward", "cost"))
 PRESET_PREFIX = "preset:"
@@ -159,9 +160,10 @@ def mesh_sizes(cfg: ConfigDict, role: str) -> dict[str, int]:
 
 
 def data_parallel_size(cfg: ConfigDict, role: str) -> int:
-    """Data-parallel ranks of a role's training / inference mesh: ``dp * fsdp``."""
-    sizes = mesh_sizes(cfg, role)
-    return sizes["dp"] * sizes["fsdp"]
+    """Data-parallel ranks of a role's training / inference mesh under its default rules
+    (`jaxflow.mesh.data_parallel_size`: ``dp * fsdp``)."""
+    rules = DEFAULT_ROLE_RULES[role]
+    return mesh_data_parallel_size(get_rules(rules.get("train", rules["infer"])), mesh_sizes(cfg, role))
 
 
 def model_path(cfg: ConfigDict, role: str) -> str:

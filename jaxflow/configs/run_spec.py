@@ -37,12 +37,11 @@ from jaxflow.configs.resolve import (
 )
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
-from jaxflow.mesh import Placement
+from jaxflow.mesh import Placement, Role
 from jaxflow.models import ModelConfig
 from jaxflow.sampling import SamplingParams
 from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
 
-HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward", "cost": "reward"}
 # Policy-loss options of the modes that take them (actor_rollout_ref.actor.policy_loss.*).
 POLICY_LOSS_OPTIONS = {
     "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
@@ -482,7 +481,7 @@ def model_spec(
     checkpoint = bool(path) and not path.startswith(PRESET_PREFIX)
     if mc is not None and not checkpoint:
         mc = mc.replace(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    return ModelSpec(role=role, head=HEADS[role], path=path if checkpoint else "", config=mc, seed=cfg.trainer.seed)
+    return ModelSpec(role=role, head=Role(role).head, path=path if checkpoint else "", config=mc, seed=cfg.trainer.seed)
 
 
 def describe_run(

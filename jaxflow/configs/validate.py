@@ -33,7 +33,6 @@ from jaxflow.configs.overrides import ELEMENT_TYPES, ConfigError, get_value, lea
 from jaxflow.configs.resolve import (
     PLACEMENT_TYPES,
     PRESET_PREFIX,
-    ROLES,
     FakeDevice,
     active_roles,
     build_placement,
@@ -46,6 +45,7 @@ from jaxflow.configs.resolve import (
     path_key,
     placement_groups,
 )
+from jaxflow.mesh import ROLES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("float32", "bfloat16", "float16")

@@ -1,16 +1,17 @@
-"""Meshes, resource pools, and the logical-axis rules that map model names to mesh axes."""
+"""Meshes, resource pools, the model roles (`Role`), and the logical-axis rules that map model
+names to mesh axes."""
 
 from jaxflow.mesh.devices import enable_compilation_cache, simulate_devices
 from jaxflow.mesh.placement import (
     DEFAULT_ROLE_RULES,
     PHASES,
     PLACEMENTS,
-    ROLES,
     Placement,
     RoleSpec,
     make_placement,
 )
 from jaxflow.mesh.pools import ResourcePool, split_pools, whole_pool
+from jaxflow.mesh.roles import ROLES, TRAINING_ROLES, Role
 from jaxflow.mesh.rules import (
     GENERATE_RULES,
     HYBRID_GENERATE_RULES,
@@ -23,6 +24,7 @@ from jaxflow.mesh.rules import (
     TRAIN_RULES,
     Rules,
     constrain,
+    data_parallel_size,
     get_rules,
     hybrid_rules,
     logical_axes_tree,
@@ -48,12 +50,15 @@ __all__ = [
     "Placement",
     "ROLES",
     "RULE_SETS",
+    "Role",
     "ResourcePool",
     "RoleSpec",
     "Rules",
+    "TRAINING_ROLES",
     "TRAIN_RULES",
     "check_model_fits",
     "constrain",
+    "data_parallel_size",
     "enable_compilation_cache",
     "generation_mesh",
     "get_rules",

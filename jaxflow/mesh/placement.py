@@ -31,10 +31,10 @@ import jax
 from jax.sharding import Mesh
 
 from jaxflow.mesh.pools import ResourcePool, split_pools
+from jaxflow.mesh.roles import ROLES, TRAINING_ROLES
 from jaxflow.mesh.rules import Rules, get_rules, hybrid_rules, state_shardings
 from jaxflow.mesh.specs import MeshSpec, check_model_fits, generation_mesh, weight_axes
 
-ROLES = ("actor", "critic", "ref", "reward", "cost")
 PHASES = ("train", "infer", "generate")
 
 # Default rule-set names per role and phase. The actor trains with the hybrid rules so that
@@ -162,8 +162,10 @@ class Placement:
         return cls(pools, specs, models)
 
     @classmethod
-    def colocated(cls, roles: Sequence[str] = ROLES, devices: Sequence[Any] | None = None, **kw) -> Placement:
-        """Every role on one pool of all devices."""
+    def colocated(cls, roles: Sequence[str] | None = None, devices: Sequence[Any] | None = None, **kw) -> Placement:
+        """Every role on one pool of all devices (default: all roles, the training ones first)."""
+        if roles is None:
+            roles = TRAINING_ROLES + tuple(r for r in ROLES if r not in TRAINING_ROLES)
         return cls.from_groups([("global", -1, tuple(roles))], devices, **kw)
 
     @classmethod

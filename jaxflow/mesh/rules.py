@@ -26,7 +26,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -98,6 +98,13 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules, mesh: Mesh
         used.update(axes)
         spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
     return PartitionSpec(*spec)
+
+
+def data_parallel_size(rules: Rules, mesh: Mesh | Mapping[str, int]) -> int:
+    """The data-parallel ranks of ``mesh`` (a Mesh, or its axis sizes) under ``rules``: the
+    product of the mesh axes the ``batch`` rule splits rows over (those the mesh has)."""
+    shape = mesh.shape if isinstance(mesh, Mesh) else mesh
+    return math.prod(shape[a] for a in _as_tuple(dict(rules)["batch"]) if a in shape)
 
 
 def _check_divisible(path: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:

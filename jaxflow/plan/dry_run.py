@@ -70,8 +70,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.configs import ConfigError
-from jaxflow.configs.run_spec import HEADS, RunSpec, build_tokenizer, describe_run
-from jaxflow.mesh import Rules, logical_to_spec, state_shardings
+from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
+from jaxflow.mesh import TRAINING_ROLES, Role, Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
 from jaxflow.plan import lowering as progs
 from jaxflow.programs import select_algorithm
@@ -79,7 +79,6 @@ from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.sampling import EngineShape, engine_shape
 
 GiB = 1024**3
-TRAINING_ROLES = ("actor", "critic")
 # Programs compiled by default (those of roles the config runs), in the order of a step.
 DEFAULT_PROGRAMS = (
     "actor/generate",
@@ -441,7 +440,7 @@ def _role_plan(
     placement = run.placement
     P, R = run.prompt_length, run.response_length
     n = run.n
-    head, spec = HEADS[role], placement.roles[role]
+    head, spec = Role(role).head, placement.roles[role]
     main = "train" if "train" in spec.rules else "infer"
     mesh, rules = placement.mesh(role, main), placement.rules(role, main)
     rp = RolePlan(
@@ -453,7 +452,7 @@ def _role_plan(
         meshes={main: dict(mesh.shape)},
         param_bytes=_params_bytes(state, rules, mesh),
     )
-    dp = progs.batch_axis_size(rules, mesh)
+    dp = data_parallel_size(rules, mesh)
     if role in TRAINING_ROLES:
         tx, _ = progs.optimizer(run, role)
         rp.optimizer_bytes = progs.tree_bytes_per_device(progs.abstract_role_state(state, rules, mesh, tx)[0].opt_state)
@@ -480,7 +479,7 @@ def _role_plan(
             f"{dict(placement.mesh(role, 'generate').shape)}"
         )
     rp.meshes["generate"] = dict(gmesh.shape)
-    gen_dp = progs.batch_axis_size(grules, gmesh)
+    gen_dp = data_parallel_size(grules, gmesh)
     shape = engine_shape(
         mc,
         run.train_batch_size,
@@ -570,7 +569,7 @@ def plan(
         mc = run.models[role].config
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
-        graphdef, state = progs.abstract_model(mc, HEADS[role])
+        graphdef, state = progs.abstract_model(mc, Role(role).head)
         role_plans[role] = _role_plan(run, role, mc, state, graphdef, wanted, specs, notes)
     platform = jax.devices()[0].platform
     report = DryRunReport(

@@ -34,7 +34,6 @@ code is generated. So on CPU:
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,17 +45,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.configs.run_spec import RunSpec
-from jaxflow.mesh import Rules, logical_to_spec, state_shardings
+from jaxflow.mesh import Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.programs import rollout_scores_old_log_probs
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import engine_shape, lower_generate
 from jaxflow.workers.actor import actor_train_step, log_probs_fn, log_probs_program
-from jaxflow.workers.base import RoleLayout, num_micro_batches, pack_forward_inputs, packed_program
+from jaxflow.workers.base import RoleLayout, num_micro_batches, packed_program
 from jaxflow.workers.critic import CriticConfig, critic_train_step, values_fn, values_program
 from jaxflow.workers.forward import PROMPT_KEYS
 from jaxflow.workers.optim import make_optimizer
-from jaxflow.workers.packing import pack_minibatch
+from jaxflow.workers.packing import pack
 from jaxflow.workers.reward import scores_fn, scores_program
 from jaxflow.workers.train_state import TrainState, abstract_train_state, batch_sharding
 
@@ -122,12 +121,6 @@ def tree_bytes_per_device(tree: Any) -> int:
 def batch_axes(rules: Rules, mesh: Mesh) -> Any:
     """The mesh axes the ``batch`` rule splits rows over (a PartitionSpec entry)."""
     return logical_to_spec(("batch",), rules, mesh)[0]
-
-
-def batch_axis_size(rules: Rules, mesh: Mesh) -> int:
-    axes = batch_axes(rules, mesh)
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return math.prod(mesh.shape[a] for a in axes)
 
 
 def abstract_columns(
@@ -242,7 +235,7 @@ def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> t
     if conf.use_remove_padding:
         return rows, 1
     k = num_micro_batches(
-        rows, conf.ppo_micro_batch_size_per_device, batch_axis_size(rules, mesh), f"{role} mini-batch"
+        rows, conf.ppo_micro_batch_size_per_device, data_parallel_size(rules, mesh), f"{role} mini-batch"
     )
     return rows, k
 
@@ -278,9 +271,9 @@ def train_step_program(
         keys, scalar_names = CriticConfig.UPDATE_KEYS, ()
     host = full_length_rows(rows, P, R, tuple(c for c in keys if c not in PROMPT_KEYS))
     if conf.use_remove_padding:
-        packed, _ = pack_minibatch(
+        packed, _ = pack(
             host,
-            ranks=batch_axis_size(rules, mesh),
+            ranks=data_parallel_size(rules, mesh),
             max_token_len=conf.ppo_max_token_len_per_device if conf.use_dynamic_bsz else None,
             rows_per_micro=conf.ppo_micro_batch_size_per_device,
         )
@@ -386,17 +379,17 @@ def forward_micro_batches(spec: RunSpec, name: str, rules: Rules, mesh: Mesh) ->
     the all-full-length packed layout)."""
     f, rows = forward_of(spec, name), spec.rollout_rows
     if f.packed:
-        return rows, packed_forward_inputs(spec, f, rules, mesh)[0].num_micro
-    return rows, num_micro_batches(rows, f.micro_batch_size_per_device, batch_axis_size(rules, mesh), name)
+        return rows, packed_forward_inputs(spec, f, rules, mesh)[1].num_micro
+    return rows, num_micro_batches(rows, f.micro_batch_size_per_device, data_parallel_size(rules, mesh), name)
 
 
-def packed_forward_inputs(spec: RunSpec, f: Forward, rules: Rules, mesh: Mesh) -> tuple[Any, dict[str, np.ndarray]]:
-    """``(layout, host inputs)`` of a packed forward over the rollout's rows at full length
+def packed_forward_inputs(spec: RunSpec, f: Forward, rules: Rules, mesh: Mesh) -> tuple[dict[str, np.ndarray], Any]:
+    """``(host inputs, layout)`` of a packed forward over the rollout's rows at full length
     (`full_length_rows`), as `jaxflow.workers.base.packed_forward` packs them."""
     host = full_length_rows(spec.rollout_rows, spec.prompt_length, spec.response_length)
-    return pack_forward_inputs(
+    return pack(
         host,
-        ranks=batch_axis_size(rules, mesh),
+        ranks=data_parallel_size(rules, mesh),
         max_token_len=f.max_token_len_per_device,
         rows_per_micro=f.micro_batch_size_per_device,
     )
@@ -415,7 +408,7 @@ def forward_program(
     role_layout = layout(graphdef, state, mesh, rules)
     if f.packed:
         tensors = abstract_columns(
-            shapes_of(packed_forward_inputs(spec, f, rules, mesh)[1]), rules, mesh, presplit=True
+            shapes_of(packed_forward_inputs(spec, f, rules, mesh)[0]), rules, mesh, presplit=True
         )
         program = packed_program(role_layout, f.fn, f.packed_name)
         what = f"packed into {k} micro-batch{'es' if k > 1 else ''} (all rows full length)"
@@ -462,7 +455,7 @@ def generate_program(
     mesh, rules = engine.gen_mesh, engine.gen_rules
     sp = spec.rollout.resolve(sampling)
     n, P = sp.n, spec.prompt_length
-    gen_dp = batch_axis_size(rules, mesh)
+    gen_dp = data_parallel_size(rules, mesh)
     prompts = spec.train_batch_size
     slots, kv_tokens = generation_slots(spec), generation_kv_tokens(spec)
     params = abstract_params(state, rules, mesh)

@@ -40,12 +40,11 @@ from ml_collections import ConfigDict
 
 import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
-from jaxflow.mesh import state_shardings
+from jaxflow.mesh import TRAINING_ROLES, Role, state_shardings
 from jaxflow.trainer.checkpoint import SKIP, CheckpointManager
 from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
 from jaxflow.workers import TrainState, make_optimizer, train_state
 
-ROLES = {"actor": "lm", "critic": "value"}
 HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run
 EXPORT_MARKER = "jaxflow_export.json"  # in every export: the files it wrote (so a later export may replace them)
 
@@ -230,8 +229,8 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
     """``(graphdef, TrainState of jax.ShapeDtypeStruct)`` of ``role`` exactly as the RL trainer
     builds it (from the run's `RunSpec`), each leaf carrying its sharding on the role's
     training mesh; nothing allocated."""
-    if role not in ROLES:
-        raise ValueError(f"role must be one of {sorted(ROLES)}, got {role!r}")
+    if role not in TRAINING_ROLES:
+        raise ValueError(f"role must be one of {sorted(TRAINING_ROLES)}, got {role!r}")
     spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if role not in spec.roles:
         raise ValueError(f"the run has no {role} (its roles: {', '.join(spec.roles)})")
@@ -239,7 +238,7 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
     if mcfg is None:
         raise FileNotFoundError(f"the {role}'s model config is unknown: no config.json in {spec.models[role].path}")
     mesh, rules = spec.placement.mesh(role, "train"), spec.placement.rules(role, "train")
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: models.HEADS[ROLES[role]](mcfg, rngs=nnx.Rngs(0))))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: models.HEADS[Role(role).head](mcfg, rngs=nnx.Rngs(0))))
     tx, _ = make_optimizer((spec.actor if role == "actor" else spec.critic).optim)
     state, _ = train_state.abstract_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
     return graphdef, state  # leaves: jax.ShapeDtypeStruct with their shardings

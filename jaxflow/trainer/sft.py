@@ -23,7 +23,7 @@ from ml_collections import ConfigDict
 
 from jaxflow.configs.run_spec import build_tokenizer, describe_run, sft_spec
 from jaxflow.data.dataset import tokenize_sft_examples
-from jaxflow.mesh import state_shardings
+from jaxflow.mesh import data_parallel_size, state_shardings
 from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.trainer.builders import builtin_task, check_vocab, load_model
 from jaxflow.trainer.checkpoint import all_finite
@@ -106,8 +106,7 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
         OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps, grad_clip=1.0)
     )
     state, shardings = create_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
-    dp = int(np.prod([mesh.shape[a] for a in ("dp", "fsdp") if a in mesh.shape]))
-    k = num_micro_batches(s.batch_size, s.micro_batch_size_per_device, dp, "sft batch")
+    k = num_micro_batches(s.batch_size, s.micro_batch_size_per_device, data_parallel_size(rules, mesh), "sft batch")
     step_fn = make_train_step(
         graphdef,
         tx,

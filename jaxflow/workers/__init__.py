@@ -3,7 +3,7 @@ transfer protocols. Build the groups of a placement with `build_local_workers`; 
 program (`jaxflow.programs.ppo_iteration`) runs over the resulting `Workers`."""
 
 from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig, actor_loss
-from jaxflow.workers.base import RoleWorker, TrainableWorker, resolve_mesh
+from jaxflow.workers.base import RoleWorker, resolve_mesh
 from jaxflow.workers.critic import CriticConfig, CriticWorker, critic_loss
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN, LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.local import build_local_workers
@@ -20,6 +20,7 @@ from jaxflow.workers.protocols import (
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker
 from jaxflow.workers.train_state import TrainState, abstract_train_state, create_train_state, make_train_step
+from jaxflow.workers.trainable import TrainableWorker
 
 __all__ = [
     "ALL_TO_ALL",

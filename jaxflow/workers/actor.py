@@ -35,21 +35,13 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.workers.base import (
-    ModelLike,
-    RoleLayout,
-    TrainableWorker,
-    host_array,
-    num_micro_batches,
-    packed_forward,
-    row_program,
-)
+from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
-from jaxflow.workers.optim import OptimConfig, make_optimizer
-from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
+from jaxflow.workers.optim import OptimConfig
+from jaxflow.workers.packing import balance_metrics
 from jaxflow.workers.protocols import DP_COMPUTE, register
-from jaxflow.workers.train_state import make_train_step, minibatch_indices
+from jaxflow.workers.trainable import TrainableWorker, train_columns, train_step_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,13 +165,8 @@ class ActorConfig:
         return self.ppo_epochs == 1 and self.ppo_mini_batch_size == rows
 
     def train_columns(self, on_policy: bool = False) -> dict[str, int]:
-        """The train step's columns and their ranks: padded ``[rows, length]``, or with remove
-        padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`, all rank 3)."""
-        keys = self.update_keys(on_policy)
-        if not self.use_remove_padding:
-            return {c: 2 for c in keys}
-        rows = [c for c in keys if c not in ("prompt_ids", "prompt_mask", "responses")]
-        return {c: 3 for c in (*rows, *PACKED_KEYS)}
+        """The train step's columns and their ranks (`jaxflow.workers.trainable.train_columns`)."""
+        return train_columns(self.update_keys(on_policy), self.use_remove_padding)
 
 
 def actor_loss(cfg: ActorConfig):
@@ -263,23 +250,20 @@ def actor_train_step(
     *,
     on_policy: bool = False,
 ):
-    """The actor's jitted optimizer step (`make_train_step` with `actor_loss`) on a mini-batch
-    of the columns ``config.train_columns(on_policy)`` and the scalar ``temperature``: padded
-    rows in ``num_micro`` micro-batches, or (remove padding) packed micro-batches."""
-    packed = config.use_remove_padding
-    return make_train_step(
-        layout.graphdef,
+    """The actor's jitted optimizer step (`train_step_program` with `actor_loss`) on a
+    mini-batch of the columns ``config.update_keys(on_policy)`` and the scalar
+    ``temperature``: padded rows in ``num_micro`` micro-batches, or (remove padding) packed
+    micro-batches."""
+    return train_step_program(
+        layout,
         tx,
         schedule,
+        config,
+        state_shardings,
+        num_micro,
         actor_loss(config),
-        mesh=layout.mesh,
-        rules=layout.rules,
-        state_shardings=state_shardings,
-        batch_ndims=config.train_columns(on_policy),
+        columns=config.update_keys(on_policy),
         scalar_names=("temperature",),
-        num_micro=1 if packed else num_micro,
-        loss_scale_factor=config.loss_scale_factor,
-        presplit=packed,
         name="actor_train_step",
     )
 
@@ -297,6 +281,7 @@ class ActorWorker(TrainableWorker):
         Without it, generation runs in the training layout.
     """
 
+    role = "actor"
     head = "lm"
 
     def __init__(
@@ -311,15 +296,12 @@ class ActorWorker(TrainableWorker):
         gen_rules: Rules | str | None = None,
         strategy: str = "hybrid",
     ):
-        self.config = config
         self.rollout = rollout
-        self.tx, self.schedule = make_optimizer(config.optim)
-        super().__init__(model, mesh, rules)
+        super().__init__(model, mesh, rules, config)
         self.engine = None
         if gen_tp is not None:
             self.engine = HybridEngine(self.mesh, self.rules, gen_tp, strategy=strategy, gen_rules=gen_rules)
         self._num_rollouts = 0
-        self._num_updates = 0
 
     # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
@@ -402,40 +384,11 @@ class ActorWorker(TrainableWorker):
         )
 
     # ------------------------------------------------------------------ update
-    def train_program(self, mini_batch_rows: int, on_policy: bool = False):
-        """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
-        (`actor_train_step`)."""
-        cfg = self.config
-        k = (
-            1
-            if cfg.use_remove_padding
-            else num_micro_batches(
-                mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "actor mini-batch"
-            )
+    def build_train_step(self, num_micro: int, on_policy: bool):
+        """`actor_train_step` (``on_policy``: the step's own forward gives the old log-probs)."""
+        return actor_train_step(
+            self.layout, self.tx, self.schedule, self.config, self.state_shardings, num_micro, on_policy=on_policy
         )
-        return self._compiled(
-            ("update", k, on_policy, cfg.loss_key()),
-            lambda: actor_train_step(
-                self.layout, self.tx, self.schedule, cfg, self.state_shardings, k, on_policy=on_policy
-            ),
-        )
-
-    def place_minibatch(
-        self, host: Mapping[str, np.ndarray], idx: np.ndarray
-    ) -> tuple[dict[str, jax.Array], PackedLayout | None]:
-        """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
-        or packed micro-batches (remove padding) and their layout."""
-        cfg = self.config
-        rows = {n: v[idx] for n, v in host.items()}
-        if not cfg.use_remove_padding:
-            return self.put(rows), None
-        tensors, layout = pack_minibatch(
-            rows,
-            ranks=self.dp_size,
-            max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-            rows_per_micro=cfg.ppo_micro_batch_size_per_device,
-        )
-        return self.put_presplit(tensors), layout
 
     @register(DP_TRAIN)
     def update(
@@ -456,42 +409,18 @@ class ActorWorker(TrainableWorker):
         on_policy = "old_log_probs" not in batch and cfg.is_on_policy(len(batch))
         if "old_log_probs" not in batch and not on_policy and "response_mask" in batch:
             batch = batch | self.log_probs(batch, temperature=temperature).select(["old_log_probs"])
-        keys = cfg.update_keys(on_policy)
-        missing = [k for k in keys if k not in batch]
-        if missing:
-            raise KeyError(f"ActorWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
-        host = {k: host_array(batch[k]) for k in keys}  # whole on every process: mini-batches are drawn from it
-        train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
+        host = self.host_columns(batch, cfg.update_keys(on_policy))
         scalars = {"temperature": np.float32(temperature)}
-        index = step
-        if index is None:
-            index = self._num_updates
-            self._num_updates += 1
-        rng = np.random.default_rng([cfg.seed, index])
-        per_step, balance = [], []
-        for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            inputs, layout = self.place_minibatch(host, idx)
-            self.state, metrics = train_step(self.state, inputs, scalars)
-            per_step.append(metrics)
-            if layout is not None and cfg.log_balance:
-                balance.append(balance_metrics(layout))
-        per_step = jax.device_get(per_step)
-        out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
+        out, layouts = self.update_epochs(host, scalars, step=step, on_policy=on_policy)
+        balance = [balance_metrics(layout) for layout in layouts if layout is not None] if cfg.log_balance else []
         if balance:
             out |= {name: np.asarray([m[name] for m in balance]) for name in balance[0]}
         if cfg.use_kl_loss:
-            out["actor/kl_coef"] = np.full(len(per_step), cfg.kl_loss_coef)
+            out["actor/kl_coef"] = np.full(len(layouts), cfg.kl_loss_coef)
         return out
 
     def train_step(self, minibatch: Mapping[str, Any], temperature: float | None = None) -> dict[str, float]:
         """One optimizer step on one mini-batch (all rows, in order): the building block of
         `update`, for tests and custom loops. Rows must be a multiple of ``dp_size``."""
-        cfg = self.config
-        keys = cfg.update_keys()
-        rows = np.shape(minibatch["response_mask"])[0]
-        step = self.train_program(rows)
         t = self.rollout.temperature if temperature is None else temperature
-        host = {k: host_array(minibatch[k]) for k in keys}
-        inputs, _ = self.place_minibatch(host, np.arange(rows))
-        self.state, metrics = step(self.state, inputs, {"temperature": np.float32(t)})
-        return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}
+        return self.step_on(minibatch, self.config.update_keys(), {"temperature": np.float32(t)})

@@ -30,17 +30,22 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules, get_rules, logical_to_spec, sharding_rules, state_shardings
+from jaxflow.mesh import (
+    MeshSpec,
+    Rules,
+    data_parallel_size,
+    get_rules,
+    logical_to_spec,
+    sharding_rules,
+    state_shardings,
+)
 from jaxflow.models import HEADS, from_pretrained, save_pretrained
 from jaxflow.models.hf_io import host_array
-from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
 from jaxflow.workers.forward import PROMPT_KEYS, map_micro, named
-from jaxflow.workers.packing import PackedLayout, gather_rows, pack_inputs, plan_packing, scatter_rows
+from jaxflow.workers.packing import pack, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
-from jaxflow.workers.train_state import TrainState, create_train_state, tree_all_finite
 
 ModelLike = Any  # nnx.Module | tuple[nnx.GraphDef, nnx.State] | str | os.PathLike
-_tree_all_finite = jax.jit(tree_all_finite)
 
 
 def resolve_mesh(mesh: Mesh | MeshSpec | str) -> Mesh:
@@ -88,7 +93,7 @@ class RoleLayout:
 
     @property
     def dp_size(self) -> int:
-        return int(np.prod([self.mesh.shape[a] for a in axes_tuple(self.batch_axes)], dtype=np.int64))
+        return data_parallel_size(self.rules, self.mesh)
 
     @property
     def replicated(self) -> NamedSharding:
@@ -136,7 +141,7 @@ class RoleWorker:
 
     @property
     def dp_size(self) -> int:
-        return int(np.prod([self.mesh.shape[a] for a in self.dp_axes], dtype=np.int64))
+        return data_parallel_size(self.rules, self.mesh)
 
     def row_sharding(self, ndim: int) -> NamedSharding:
         """Rows over the data-parallel axes, the other dimensions replicated."""
@@ -188,58 +193,6 @@ class RoleWorker:
         return self._programs[key]
 
 
-class TrainableWorker(RoleWorker):
-    """A role that trains (actor, critic): its parameters live in a `TrainState` (params,
-    optimizer state, applied-step count) sharded on its mesh, the optimizer buffers like their
-    parameters. Subclasses set ``self.tx`` (an optax transformation) before
-    ``RoleWorker.__init__``."""
-
-    tx: Any
-
-    def _set_params(self, params: Any) -> None:
-        self.state, self.state_shardings = create_train_state(
-            params, state_shardings(params, self.rules, self.mesh), self.tx, self.mesh
-        )
-
-    @property
-    def params(self) -> Any:
-        return self.state.params
-
-    @register(ONE_TO_ALL)
-    def get_train_state(self) -> TrainState:
-        """The `TrainState` (device arrays on this role's mesh; e.g. for a checkpoint)."""
-        return self.state
-
-    @register(ONE_TO_ALL)
-    def set_train_state(self, state: TrainState) -> None:
-        """Replaces the `TrainState` (e.g. from a checkpoint), placed in this role's layout."""
-        self.state = jax.device_put(state, self.state_shardings)
-
-    # A checkpoint is written and read here, where the state lives: in a multi-process world
-    # every process writes and reads its own shards (`jaxflow.workers.checkpoint_io`), so the
-    # controller that saves never holds the state.
-    @register(ONE_TO_ALL)
-    def abstract_train_state(self) -> TrainState:
-        """The `TrainState`'s shapes and dtypes (no data): what a checkpoint is checked against."""
-        return abstract_tree(self.state)
-
-    @register(ONE_TO_ALL)
-    def params_finite(self) -> bool:
-        """Whether no parameter holds NaN or Inf (reduced on the devices)."""
-        return bool(_tree_all_finite(self.state.params))
-
-    @register(ONE_TO_ALL)
-    def save_train_state(self, path: str) -> None:
-        """Writes the `TrainState` as the orbax item directory ``path``."""
-        save_item(path, self.state)
-
-    @register(ONE_TO_ALL)
-    def restore_train_state(self, path: str) -> None:
-        """Reads the `TrainState` from the orbax item directory ``path`` into this role's layout
-        (whatever mesh it was saved from)."""
-        self.state = restore_item(path, self.state)
-
-
 def num_micro_batches(rows: int, per_device: int | None, dp_size: int, what: str) -> int:
     """How many micro-batches of ``per_device * dp_size`` rows make ``rows`` (1 if None, or if
     the rows are fewer than one micro-batch: a micro-batch size bounds memory, it is no
@@ -277,23 +230,6 @@ def packed_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], na
     )
 
 
-def pack_forward_inputs(
-    host: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None, rows_per_micro: int | None
-) -> tuple[PackedLayout, dict[str, np.ndarray]]:
-    """``(layout, inputs)`` of a packed forward over the padded rows ``host`` (`PROMPT_KEYS`):
-    the packed model inputs (`pack_inputs`) and the ``response_mask`` laid out by rows."""
-    layout = plan_packing(
-        host["prompt_mask"],
-        host["response_mask"],
-        ranks=ranks,
-        max_token_len=max_token_len,
-        rows_per_micro=rows_per_micro,
-    )
-    tensors = pack_inputs(layout, host["prompt_ids"], host["prompt_mask"], host["responses"])
-    tensors |= gather_rows(layout, {"response_mask": host["response_mask"]})
-    return layout, tensors
-
-
 def packed_forward(
     worker: RoleWorker,
     name: str,
@@ -310,9 +246,7 @@ def packed_forward(
     scattered back to the batch's row order (host arrays). ``name``: the program's
     (`packed_program`)."""
     host = {k: host_array(batch[k]) for k in PROMPT_KEYS}  # whole on every process
-    layout, tensors = pack_forward_inputs(
-        host, ranks=worker.dp_size, max_token_len=max_token_len, rows_per_micro=rows_per_micro
-    )
+    tensors, layout = pack(host, ranks=worker.dp_size, max_token_len=max_token_len, rows_per_micro=rows_per_micro)
     program = worker._compiled(("packed", name), lambda: packed_program(worker.layout, fn, name))
     out = program(worker.params, worker.put_presplit(tensors), dict(scalars))
     return Batch({k: scatter_rows(layout, host_array(v), len(batch)) for k, v in out.items()})

@@ -26,21 +26,12 @@ from jax.sharding import Mesh
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import (
-    ModelLike,
-    RoleLayout,
-    TrainableWorker,
-    host_array,
-    num_micro_batches,
-    packed_forward,
-    row_program,
-)
+from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
-from jaxflow.workers.optim import OptimConfig, make_optimizer
-from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, pack_minibatch
+from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.protocols import DP_COMPUTE, register
-from jaxflow.workers.train_state import make_train_step, minibatch_indices
+from jaxflow.workers.trainable import TrainableWorker, train_step_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +67,10 @@ class CriticConfig:
     optim: OptimConfig = OptimConfig(lr=1e-5)
 
     UPDATE_KEYS = PROMPT_KEYS + ("values", "returns")
+
+    def loss_key(self) -> tuple:
+        """The fields the compiled train step depends on (besides the micro-batch count)."""
+        return (self.cliprange_value, self.loss_agg_mode, self.loss_scale_factor)
 
 
 def critic_loss(cfg: CriticConfig):
@@ -122,24 +117,18 @@ def values_program(layout: RoleLayout, num_micro: int):
 def critic_train_step(
     layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any, num_micro: int
 ):
-    """The critic's jitted optimizer step (`make_train_step` with `critic_loss`) on a
-    mini-batch of the columns ``CriticConfig.UPDATE_KEYS`` (all ``[rows, length]``), or with
-    remove padding packed micro-batches (`jaxflow.workers.packing.pack_minibatch`)."""
-    packed = config.use_remove_padding
-    rows = [c for c in CriticConfig.UPDATE_KEYS if c not in ("prompt_ids", "prompt_mask", "responses")]
-    ndims = {c: 3 for c in (*rows, *PACKED_KEYS)} if packed else {c: 2 for c in CriticConfig.UPDATE_KEYS}
-    return make_train_step(
-        layout.graphdef,
+    """The critic's jitted optimizer step (`train_step_program` with `critic_loss`) on a
+    mini-batch of the columns ``CriticConfig.UPDATE_KEYS``: padded rows in ``num_micro``
+    micro-batches, or with remove padding packed micro-batches (`jaxflow.workers.packing.pack`)."""
+    return train_step_program(
+        layout,
         tx,
         schedule,
+        config,
+        state_shardings,
+        num_micro,
         critic_loss(config),
-        mesh=layout.mesh,
-        rules=layout.rules,
-        state_shardings=state_shardings,
-        batch_ndims=ndims,
-        num_micro=1 if packed else num_micro,
-        loss_scale_factor=config.loss_scale_factor,
-        presplit=packed,
+        columns=CriticConfig.UPDATE_KEYS,
         name="critic_train_step",
     )
 
@@ -155,15 +144,13 @@ class CriticWorker(TrainableWorker):
       config: the update.
     """
 
+    role = "critic"
     head = "value"
 
     def __init__(
         self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, config: CriticConfig = CriticConfig()
     ):
-        self.config = config
-        self.tx, self.schedule = make_optimizer(config.optim)
-        super().__init__(model, mesh, rules)
-        self._num_updates = 0
+        super().__init__(model, mesh, rules, config)
 
     @register(DP_COMPUTE)
     def values(self, batch: Batch) -> Batch:
@@ -187,68 +174,18 @@ class CriticWorker(TrainableWorker):
         k = num_micro_batches(rows, self.config.forward_micro_batch_size_per_device, self.dp_size, "critic values")
         return self._compiled(("values", k), lambda: values_program(self.layout, k))
 
-    def train_program(self, mini_batch_rows: int):
-        """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
-        (`critic_train_step`)."""
-        cfg = self.config
-        k = (
-            1
-            if cfg.use_remove_padding
-            else num_micro_batches(
-                mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, "critic mini-batch"
-            )
-        )
-        loss_key = (cfg.cliprange_value, cfg.loss_agg_mode, cfg.loss_scale_factor)
-        return self._compiled(
-            ("update", k, loss_key),
-            lambda: critic_train_step(self.layout, self.tx, self.schedule, cfg, self.state_shardings, k),
-        )
+    def build_train_step(self, num_micro: int, on_policy: bool):
+        """`critic_train_step` (the critic reads no old log-probs: ``on_policy`` changes nothing)."""
+        del on_policy
+        return critic_train_step(self.layout, self.tx, self.schedule, self.config, self.state_shardings, num_micro)
 
     @register(DP_TRAIN)
     def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
         """PPO epochs of value updates; needs ``values`` (rollout-time) and ``returns``.
         ``step``: the training step, which seeds the shuffle (None: this worker's call count)."""
-        cfg = self.config
-        keys = CriticConfig.UPDATE_KEYS
-        missing = [k for k in keys if k not in batch]
-        if missing:
-            raise KeyError(f"CriticWorker.update needs column(s) {missing}; the batch has {batch.keys()}")
-        host = {k: host_array(batch[k]) for k in keys}  # whole on every process: mini-batches are drawn from it
-        train_step = self.train_program(cfg.ppo_mini_batch_size)
-        index = step  # the training step (resumed runs shuffle alike)
-        if index is None:
-            index = self._num_updates
-            self._num_updates += 1
-        rng = np.random.default_rng([cfg.seed, index])
-        per_step = []
-        for idx in minibatch_indices(len(batch), cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
-            self.state, metrics = train_step(self.state, self.place_minibatch(host, idx)[0], {})
-            per_step.append(metrics)
-        per_step = jax.device_get(per_step)
-        return {f"critic/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
-
-    def place_minibatch(
-        self, host: Mapping[str, np.ndarray], idx: np.ndarray
-    ) -> tuple[dict[str, jax.Array], PackedLayout | None]:
-        """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
-        or packed micro-batches (remove padding) and their layout."""
-        cfg = self.config
-        rows = {n: v[idx] for n, v in host.items()}
-        if not cfg.use_remove_padding:
-            return self.put(rows), None
-        tensors, layout = pack_minibatch(
-            rows,
-            ranks=self.dp_size,
-            max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-            rows_per_micro=cfg.ppo_micro_batch_size_per_device,
-        )
-        return self.put_presplit(tensors), layout
+        host = self.host_columns(batch, CriticConfig.UPDATE_KEYS)
+        return self.update_epochs(host, {}, step=step)[0]
 
     def train_step(self, minibatch: Mapping[str, Any]) -> dict[str, float]:
         """One optimizer step on one mini-batch (all rows, in order)."""
-        keys = CriticConfig.UPDATE_KEYS
-        rows = np.shape(minibatch["response_mask"])[0]
-        step = self.train_program(rows)
-        host = {k: host_array(minibatch[k]) for k in keys}
-        self.state, metrics = step(self.state, self.place_minibatch(host, np.arange(rows))[0], {})
-        return {f"critic/{n}": float(v) for n, v in jax.device_get(metrics).items()}
+        return self.step_on(minibatch, CriticConfig.UPDATE_KEYS, {})

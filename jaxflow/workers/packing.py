@@ -38,11 +38,13 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 PACKED_KEYS = ("packed_ids", "packed_positions", "packed_segments", "packed_targets", "response_index")
+# The padded row columns that `pack_inputs` turns into the packed model inputs.
+MODEL_INPUT_KEYS = ("prompt_ids", "prompt_mask", "responses")
 
 
 def bucket(n: int) -> int:
@@ -295,11 +297,13 @@ def scatter_rows(layout: PackedLayout, y: np.ndarray, num_rows: int) -> np.ndarr
     return out
 
 
-def pack_minibatch(
+def pack(
     columns: Mapping[str, np.ndarray], *, ranks: int, max_token_len: int | None, rows_per_micro: int | None
 ) -> tuple[dict[str, np.ndarray], PackedLayout]:
-    """A training mini-batch (padded row columns, host) as packed micro-batches: the model
-    inputs of `pack_inputs` plus every other column laid out by `gather_rows`; and the layout."""
+    """Padded row columns (host ``[B, ...]``: ``prompt_ids``, ``prompt_mask``, ``responses``,
+    ``response_mask`` and any others) packed without padding, and the layout: the model
+    inputs of `pack_inputs` plus every other column laid out by `gather_rows`
+    (`packed_columns` names them). The packer of the packed forwards and the train steps."""
     layout = plan_packing(
         columns["prompt_mask"],
         columns["response_mask"],
@@ -308,10 +312,13 @@ def pack_minibatch(
         rows_per_micro=rows_per_micro,
     )
     out = pack_inputs(layout, columns["prompt_ids"], columns["prompt_mask"], columns["responses"])
-    out |= gather_rows(
-        layout, {k: v for k, v in columns.items() if k not in ("prompt_ids", "prompt_mask", "responses")}
-    )
+    out |= gather_rows(layout, {k: v for k, v in columns.items() if k not in MODEL_INPUT_KEYS})
     return out, layout
+
+
+def packed_columns(columns: Sequence[str]) -> tuple[str, ...]:
+    """The columns `pack` makes of the row columns ``columns`` (each ``[k, ...]``, rank 3)."""
+    return (*(c for c in columns if c not in MODEL_INPUT_KEYS), *PACKED_KEYS)
 
 
 def balance_metrics(layout: PackedLayout) -> dict[str, float]:

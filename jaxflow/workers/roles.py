@@ -11,14 +11,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxflow.mesh import Placement, ResourcePool
+from jaxflow.mesh import ROLES, Placement, ResourcePool
 from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig
 from jaxflow.workers.base import ModelLike
 from jaxflow.workers.critic import CriticConfig, CriticWorker
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardModelWorker
-
-MODEL_ROLES = ("actor", "ref", "critic", "reward", "cost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +44,7 @@ def role_class(role: str) -> type:
         "cost": RewardModelWorker,
     }
     if role not in classes:
-        raise KeyError(f"unknown model role {role!r}; roles are {MODEL_ROLES}")
+        raise KeyError(f"unknown model role {role!r}; roles are {ROLES}")
     return classes[role]
 
 

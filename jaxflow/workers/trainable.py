@@ -1,0 +1,229 @@
+"""What the actor and the critic share: a `TrainState` on the role's mesh, and the PPO update
+loop over it. Their differences are their losses (`jaxflow.workers.actor.actor_loss`,
+`jaxflow.workers.critic.critic_loss`) and the columns those read.
+
+An update is PPO epochs over shuffled mini-batches, one optimizer step each::
+
+    host = the update's columns, whole on every process
+    for idx in minibatch_indices(rows, ppo_mini_batch_size, ppo_epochs, shuffle, rng(seed, step)):
+        state, metrics = train_step(state, place_minibatch(host, idx), scalars)
+
+``place_minibatch`` puts padded rows on the mesh (rows over the data-parallel axes), or with
+remove padding the packed micro-batches of `jaxflow.workers.packing.pack`; ``train_step`` is
+the role's jitted program (`train_step_program`: `make_train_step` with the role's loss),
+compiled once per micro-batch count and loss settings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxflow.data.batch import Batch
+from jaxflow.mesh import state_shardings
+from jaxflow.models.hf_io import host_array
+from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches
+from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
+from jaxflow.workers.optim import make_optimizer
+from jaxflow.workers.packing import PackedLayout, pack, packed_columns
+from jaxflow.workers.protocols import ONE_TO_ALL, register
+from jaxflow.workers.train_state import (
+    TrainState,
+    create_train_state,
+    make_train_step,
+    minibatch_indices,
+    tree_all_finite,
+)
+
+_tree_all_finite = jax.jit(tree_all_finite)
+
+
+def train_columns(keys: tuple[str, ...], packed: bool) -> dict[str, int]:
+    """A train step's input columns and their ranks, for the row columns ``keys``: padded
+    ``[rows, length]``, or with remove padding the packed micro-batches of
+    `jaxflow.workers.packing.pack` (all rank 3)."""
+    if not packed:
+        return {c: 2 for c in keys}
+    return {c: 3 for c in packed_columns(keys)}
+
+
+def train_step_program(
+    layout: RoleLayout,
+    tx: Any,
+    schedule: Any,
+    config: Any,
+    state_shardings: Any,
+    num_micro: int,
+    loss_fn: Callable,
+    *,
+    columns: tuple[str, ...],
+    scalar_names: tuple[str, ...] = (),
+    name: str,
+):
+    """A training role's jitted optimizer step (`make_train_step` with ``loss_fn``) on a
+    mini-batch of the row columns ``columns``: padded rows in ``num_micro`` micro-batches, or
+    (``config.use_remove_padding``) packed micro-batches. ``config``: an `ActorConfig` or
+    `CriticConfig` (``use_remove_padding``, ``loss_scale_factor``)."""
+    packed = config.use_remove_padding
+    return make_train_step(
+        layout.graphdef,
+        tx,
+        schedule,
+        loss_fn,
+        mesh=layout.mesh,
+        rules=layout.rules,
+        state_shardings=state_shardings,
+        batch_ndims=train_columns(columns, packed),
+        scalar_names=scalar_names,
+        num_micro=1 if packed else num_micro,
+        loss_scale_factor=config.loss_scale_factor,
+        presplit=packed,
+        name=name,
+    )
+
+
+class TrainableWorker(RoleWorker):
+    """A role that trains (actor, critic): its parameters live in a `TrainState` (params,
+    optimizer state, applied-step count) sharded on its mesh, the optimizer buffers like their
+    parameters; `update_epochs` runs the PPO update loop.
+
+    ``config`` (an `ActorConfig` or `CriticConfig`) gives the optimizer (``optim``) and the
+    loop's settings: ``ppo_mini_batch_size``, ``ppo_micro_batch_size_per_device``,
+    ``ppo_epochs``, ``shuffle``, ``seed``, ``use_remove_padding``, ``use_dynamic_bsz``,
+    ``ppo_max_token_len_per_device`` and ``loss_key()`` (what the compiled step depends on).
+    Subclasses name their ``role`` (the metrics' prefix) and build their step
+    (`build_train_step`)."""
+
+    role: str
+
+    def __init__(self, model: ModelLike, mesh: Any, rules: Any, config: Any):
+        self.config = config
+        self.tx, self.schedule = make_optimizer(config.optim)
+        super().__init__(model, mesh, rules)
+        self._num_updates = 0
+
+    def _set_params(self, params: Any) -> None:
+        self.state, self.state_shardings = create_train_state(
+            params, state_shardings(params, self.rules, self.mesh), self.tx, self.mesh
+        )
+
+    @property
+    def params(self) -> Any:
+        return self.state.params
+
+    # ------------------------------------------------------------------ the update loop
+    def build_train_step(self, num_micro: int, on_policy: bool) -> Any:
+        """The role's jitted optimizer step (`train_step_program` with its loss)."""
+        raise NotImplementedError
+
+    def train_program(self, mini_batch_rows: int, on_policy: bool = False):
+        """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
+        (`build_train_step`; remove padding: one program, the packed mini-batch carries its
+        micro-batches)."""
+        cfg = self.config
+        k = 1
+        if not cfg.use_remove_padding:
+            k = num_micro_batches(
+                mini_batch_rows, cfg.ppo_micro_batch_size_per_device, self.dp_size, f"{self.role} mini-batch"
+            )
+        return self._compiled(("update", k, on_policy, cfg.loss_key()), lambda: self.build_train_step(k, on_policy))
+
+    def place_minibatch(
+        self, host: Mapping[str, np.ndarray], idx: np.ndarray
+    ) -> tuple[dict[str, jax.Array], PackedLayout | None]:
+        """Rows ``idx`` of the host columns as the train step's input on the mesh: padded rows,
+        or packed micro-batches (remove padding) and their layout."""
+        cfg = self.config
+        rows = {n: v[idx] for n, v in host.items()}
+        if not cfg.use_remove_padding:
+            return self.put(rows), None
+        tensors, layout = pack(
+            rows,
+            ranks=self.dp_size,
+            max_token_len=cfg.ppo_max_token_len_per_device if cfg.use_dynamic_bsz else None,
+            rows_per_micro=cfg.ppo_micro_batch_size_per_device,
+        )
+        return self.put_presplit(tensors), layout
+
+    def host_columns(self, batch: Batch | Mapping[str, Any], keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """The columns ``keys`` as host arrays, whole on every process (mini-batches are drawn
+        from them); a missing one is a `KeyError` naming it."""
+        missing = [k for k in keys if k not in batch]
+        if missing:
+            have = batch.keys() if isinstance(batch, Batch) else sorted(batch)
+            raise KeyError(f"{type(self).__name__}.update needs column(s) {missing}; the batch has {have}")
+        return {k: host_array(batch[k]) for k in keys}
+
+    def update_epochs(
+        self, host: Mapping[str, np.ndarray], scalars: Mapping[str, Any], *, step: int | None, on_policy: bool = False
+    ) -> tuple[dict[str, np.ndarray], list[PackedLayout | None]]:
+        """PPO epochs over shuffled mini-batches of the host columns, one optimizer step each
+        (see the module docstring). ``step`` seeds the shuffle (None: this worker's count of
+        updates). Returns each metric's values, one per step, named ``<role>/<metric>``, and
+        each step's packed layout (None for padded rows)."""
+        cfg = self.config
+        train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
+        index = step  # the training step (resumed runs shuffle alike)
+        if index is None:
+            index = self._num_updates
+            self._num_updates += 1
+        rng = np.random.default_rng([cfg.seed, index])
+        rows = len(next(iter(host.values())))
+        per_step, layouts = [], []
+        for idx in minibatch_indices(rows, cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
+            inputs, layout = self.place_minibatch(host, idx)
+            self.state, metrics = train_step(self.state, inputs, scalars)
+            per_step.append(metrics)
+            layouts.append(layout)
+        per_step = jax.device_get(per_step)
+        return {f"{self.role}/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}, layouts
+
+    def step_on(
+        self, minibatch: Mapping[str, Any], keys: tuple[str, ...], scalars: Mapping[str, Any]
+    ) -> dict[str, float]:
+        """One optimizer step on one mini-batch (all rows, in order) of the columns ``keys``:
+        the building block of the update, for tests and custom loops. Rows must be a multiple
+        of ``dp_size``."""
+        rows = np.shape(minibatch["response_mask"])[0]
+        step = self.train_program(rows)
+        inputs, _ = self.place_minibatch(self.host_columns(minibatch, keys), np.arange(rows))
+        self.state, metrics = step(self.state, inputs, scalars)
+        return {f"{self.role}/{n}": float(v) for n, v in jax.device_get(metrics).items()}
+
+    # ------------------------------------------------------------------ its state
+    @register(ONE_TO_ALL)
+    def get_train_state(self) -> TrainState:
+        """The `TrainState` (device arrays on this role's mesh; e.g. for a checkpoint)."""
+        return self.state
+
+    @register(ONE_TO_ALL)
+    def set_train_state(self, state: TrainState) -> None:
+        """Replaces the `TrainState` (e.g. from a checkpoint), placed in this role's layout."""
+        self.state = jax.device_put(state, self.state_shardings)
+
+    # A checkpoint is written and read here, where the state lives: in a multi-process world
+    # every process writes and reads its own shards (`jaxflow.workers.checkpoint_io`), so the
+    # controller that saves never holds the state.
+    @register(ONE_TO_ALL)
+    def abstract_train_state(self) -> TrainState:
+        """The `TrainState`'s shapes and dtypes (no data): what a checkpoint is checked against."""
+        return abstract_tree(self.state)
+
+    @register(ONE_TO_ALL)
+    def params_finite(self) -> bool:
+        """Whether no parameter holds NaN or Inf (reduced on the devices)."""
+        return bool(_tree_all_finite(self.state.params))
+
+    @register(ONE_TO_ALL)
+    def save_train_state(self, path: str) -> None:
+        """Writes the `TrainState` as the orbax item directory ``path``."""
+        save_item(path, self.state)
+
+    @register(ONE_TO_ALL)
+    def restore_train_state(self, path: str) -> None:
+        """Reads the `TrainState` from the orbax item directory ``path`` into this role's layout
+        (whatever mesh it was saved from)."""
+        self.state = restore_item(path, self.state)
