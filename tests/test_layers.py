@@ -29,9 +29,9 @@ FLOORS = {
 }
 # The planners: the dry run (plan) compiles a resolved placement; the auto-mapper (automap)
 # chooses one and checks it through the dry run; the trainer resolves `placement.type=auto`
-# through the auto-mapper. Same-floor imports that are part of the design: the built-in tasks
-# score with the rewards.
-SAME_FLOOR = {("data", "rewards")}
+# through the auto-mapper. Same-floor imports that are part of the design: none (the built-in
+# tasks' reward is registered by the rule scorer worker, above both data and rewards).
+SAME_FLOOR: set[tuple[str, str]] = set()
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -28,6 +28,7 @@ from jaxflow.rewards import (
     math as math_reward,
 )
 from jaxflow.rewards.scorer import ERROR, OK, TIMEOUT
+from jaxflow.workers import reward as _rule_scorer  # noqa: F401  (registers the built-in tasks' reward)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -11,6 +11,7 @@ from jaxflow.data import tasks
 from jaxflow.data import tokenizer as tokenizer_lib
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.rewards import get_reward_fn
+from jaxflow.workers import reward as _rule_scorer  # noqa: F401  (registers the built-in tasks' reward)
 
 # --------------------------------------------------------------------------- tasks
 

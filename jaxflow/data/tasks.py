@@ -32,7 +32,7 @@ the same rows.
 ``make_sft_examples`` gives the same problems as prompt/response pairs, the demonstrations for
 a supervised warm start before RL (the SFT data appends EOS to the response).
 
-Reward (registered for each data_source): 1.0 when the response, up to an ``<eos>`` and with
+Reward (`task_reward`, registered for each data_source by `jaxflow.workers.reward`): 1.0 when the response, up to an ``<eos>`` and with
 surrounding whitespace stripped, equals the answer; else 0.0. ``partial_credit=True`` gives
 instead the fraction of answer positions matched (a denser, optional signal).
 """
@@ -47,8 +47,6 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
-
-from jaxflow.rewards.registry import register_reward
 
 SPLITS = ("train", "test")
 DISTINCT_TRIES = 1000  # test split: draws of repeats refused before the split counts as exhausted
@@ -258,6 +256,3 @@ def task_reward(
         return 0.0
     matched = sum(a == b for a, b in zip(answer, truth))
     return matched / max(len(answer), len(truth), 1)
-
-
-register_reward(*(t.data_source for t in TASKS.values()))(task_reward)

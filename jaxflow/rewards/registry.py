@@ -1,8 +1,10 @@
 """Reward functions by ``data_source``, and user reward functions loaded from a file.
 
 The rule scorer picks a function per sample by the dataset row's ``data_source`` column, as
-verl's ``default_compute_score`` does. Built-in sources (GSM8K, MATH, jaxflow's own tasks) are
-registered when first looked up; users add theirs with a decorator::
+verl's ``default_compute_score`` does. GSM8K and MATH register with this package
+(`jaxflow.rewards.gsm8k`, `jaxflow.rewards.math`); jaxflow's own tasks (``jaxflow/*``) with the
+rule scorer worker (`jaxflow.workers.reward`, the layer above both `jaxflow.data` and this
+package). Users add theirs with a decorator::
 
     from jaxflow.rewards import register_reward
 
@@ -22,7 +24,6 @@ the dispatch by ``data_source`` entirely (see :func:`load_reward_fn`).
 from __future__ import annotations
 
 import hashlib
-import importlib
 import importlib.util
 import os
 import sys
@@ -33,8 +34,6 @@ RewardValue = float | Mapping[str, Any]
 RewardFn = Callable[..., RewardValue]
 
 _REGISTRY: dict[str, RewardFn] = {}
-_BUILTIN_MODULES = ("jaxflow.rewards.gsm8k", "jaxflow.rewards.math", "jaxflow.data.tasks")
-_builtins_loaded = False
 
 
 class UnknownDataSourceError(KeyError):
@@ -79,7 +78,6 @@ def unregister_reward(data_source: str) -> None:
 
 def known_data_sources() -> list[str]:
     """Sorted names of every data_source with a reward function (built-ins included)."""
-    _ensure_builtins()
     return sorted(_REGISTRY)
 
 
@@ -90,7 +88,6 @@ def get_reward_fn(data_source: str) -> RewardFn:
       UnknownDataSourceError (a ``KeyError``): nothing is registered for it; the message lists
         the known data sources and how to add one.
     """
-    _ensure_builtins()
     fn = _REGISTRY.get(data_source) if isinstance(data_source, str) else None
     if fn is None:
         raise UnknownDataSourceError(
@@ -178,15 +175,6 @@ def check_reward_signature(fn: RewardFn, reward_kwargs: Mapping[str, Any] | None
             "def compute_score(data_source, solution_str, ground_truth, extra_info=None): "
             "return my_score(solution_str, ground_truth)"
         ) from None
-
-
-def _ensure_builtins() -> None:
-    global _builtins_loaded
-    if _builtins_loaded:
-        return
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
-    _builtins_loaded = True
 
 
 def _same_function(a: RewardFn, b: RewardFn) -> bool:

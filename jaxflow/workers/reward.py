@@ -15,11 +15,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
+from jaxflow.data.tasks import TASKS, task_reward
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.rewards import RewardScorer, token_level_scores
+from jaxflow.rewards import RewardScorer, register_reward, token_level_scores
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
+
+# The built-in tasks' rule reward by data_source, registered here, above both the tasks
+# (jaxflow.data) and the reward registry (jaxflow.rewards): the rule scorer scores their rows.
+register_reward(*(t.data_source for t in TASKS.values()))(task_reward)
 
 
 def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_level_scores"):
