@@ -266,7 +266,7 @@ def test_all_to_all():
 
 def test_dispatch_length_is_checked():
     info = WorkerGroupInfo(world_size=2, dp_size=1)
-    bad = register_protocol("test_bad_len", lambda i, a, k: [(a, k)], lambda i, o, s: o, overwrite=True)
+    bad = register_protocol("test_bad_len", lambda i, a, k: [(a, k)], lambda i, o, s: o, override=True)
     with pytest.raises(ValueError, match="dispatched 1 inputs for 2 ranks"):
         dispatch_method(info, bad, lambda: None)
 
@@ -292,7 +292,7 @@ def _by_group_collect(info, outputs, rows):
 
 
 def test_custom_group_protocol():
-    by_group = register_protocol("test_by_group", _by_group_dispatch, _by_group_collect, overwrite=True)
+    by_group = register_protocol("test_by_group", _by_group_dispatch, _by_group_collect, override=True)
     assert get_protocol("test_by_group") is by_group
     info = WorkerGroupInfo(world_size=4, dp_size=2)
     rng = np.random.default_rng(0)

@@ -108,7 +108,7 @@ def test_sharded_round_trip_restores_into_target_shardings(tmp_path, tiny):
             "np": gen.bit_generator.state,
             "legacy": legacy.get_state(),
         },
-        kl_coef=0.0123,
+        extra={"kl_coef": 0.0123},
         metrics_tail=[{"step": 9, "actor/pg_loss": -0.5}, {"step": 10, "actor/pg_loss": float("nan")}],
     )
     with CheckpointManager(tmp_path / "ckpt") as ckpt:
@@ -153,7 +153,7 @@ def test_sharded_round_trip_restores_into_target_shardings(tmp_path, tiny):
 
     h = r.host
     assert h.data_loader == {"epoch": 2, "index": 17, "order_seed": 5}
-    assert h.kl_coef == 0.0123
+    assert h.extra["kl_coef"] == 0.0123
     assert h.metrics_tail[0] == {"step": 9, "actor/pg_loss": -0.5} and np.isnan(h.metrics_tail[1]["actor/pg_loss"])
     key = h.rng["key"]
     assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)

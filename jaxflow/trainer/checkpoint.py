@@ -49,7 +49,6 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.checkpoint_managers import preservation_policy
 
 from jaxflow.models.hf_io import CheckpointError
 from jaxflow.trainer.outputs import RunDirLock
@@ -104,7 +103,6 @@ class HostState:
 
     data_loader: dict[str, Any] = dataclasses.field(default_factory=dict)
     rng: Any = None
-    kl_coef: float | None = None
     metrics_tail: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -349,7 +347,7 @@ class CheckpointManager:
                     step_prefix=STEP_PREFIX,
                     # We delete old steps ourselves, after the new step's marker is down: orbax
                     # would delete them as soon as it renamed the new one, before that is complete.
-                    preservation_policy=preservation_policy.PreserveAll(),
+                    preservation_policy=ocp.checkpoint_managers.preservation_policy.PreserveAll(),
                     enable_async_checkpointing=async_save,
                 ),
             )
@@ -439,7 +437,6 @@ class CheckpointManager:
             "step": int(step),
             "data_loader": encode_json(host.data_loader),
             "rng": encode_json(host.rng),
-            "kl_coef": None if host.kl_coef is None else float(host.kl_coef),
             "metrics_tail": encode_json(list(host.metrics_tail)),
             "extra": encode_json(host.extra),
         }
@@ -612,7 +609,6 @@ class CheckpointManager:
         host = HostState(
             data_loader=decode_json(raw.get("data_loader", {})),
             rng=decode_json(raw.get("rng")),
-            kl_coef=raw.get("kl_coef"),
             metrics_tail=decode_json(raw.get("metrics_tail", [])),
             extra=decode_json(raw.get("extra", {})),
         )

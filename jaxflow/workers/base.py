@@ -8,8 +8,9 @@ them. A method reads the columns it needs with `RoleWorker.put`, which places th
 role's mesh with rows split over the data-parallel axes (the ``batch`` rule). That is the one
 place where data crosses from the driver (or another role's pool) onto this role's devices:
 the local backend does a ``jax.device_put`` (device to device when the column already lives
-on another pool); a multi-process backend (Ray: one process per host, ``jax.distributed``
-inside) would override `put` to assemble the global array from each process's rows.
+on another pool); the Ray backend (one process per host, ``jax.distributed`` inside) builds
+the global arrays from each process's rows before the call
+(`jaxflow.workers.host_transfer.rows_to_global`), which `put` then finds in place.
 
 ``model`` may be an ``nnx.Module``, a ``(graphdef, state)`` pair, or a checkpoint directory
 (loaded with `jaxflow.models.from_pretrained` directly into this mesh's layout); a

@@ -13,10 +13,12 @@ Backends implement `WorkerGroup.execute`:
   a multiple of the data-parallel size, the worker places the columns it reads on its mesh
   (`RoleWorker.put`, rows over the dp axes), runs its jitted program, and the protocol
   removes the padding rows.
-* A Ray backend (later) would start one actor per host of the pool, each building the same
-  role class with the same arguments inside its ``jax.distributed`` cluster, and run
-  `dispatch_method` (split per rank on the driver, call, collect). Role classes are
-  unchanged; only `RoleWorker.put` / output gathering is backend-specific.
+* The Ray backend (`jaxflow.workers.ray_backend`) starts one process per host of the pool,
+  each building the same role class from the same arguments (`jaxflow.workers.roles`)
+  inside its ``jax.distributed`` cluster; a call sends each process its rows and every
+  process runs the same SPMD program (`jaxflow.workers.host_transfer`; see
+  docs/PROCESS_MODEL.md). Role classes are unchanged; only how rows reach the devices and
+  outputs come back is backend-specific.
 
 This module also registers two protocols:
 

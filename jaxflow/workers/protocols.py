@@ -180,11 +180,12 @@ def register_protocol(
     collect_fn: CollectFn,
     spmd_fn: SpmdFn | None = None,
     *,
-    overwrite: bool = False,
+    override: bool = False,
 ) -> Protocol:
-    """Registers and returns a protocol. A taken name is an error unless ``overwrite``."""
-    if name in _REGISTRY and not overwrite:
-        raise ValueError(f"protocol {name!r} is already registered; pass overwrite=True")
+    """Registers and returns a protocol. A taken name is an error unless ``override`` (the
+    keyword every registry of jaxflow uses to replace a registration)."""
+    if name in _REGISTRY and not override:
+        raise ValueError(f"protocol {name!r} is already registered; pass override=True")
     protocol = Protocol(name, dispatch_fn, collect_fn, spmd_fn)
     _REGISTRY[name] = protocol
     return protocol
