@@ -181,11 +181,11 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool, wl: Workloa
     import numpy as np
 
     import jaxflow.algos as algos
+    import jaxflow.iterations as iterations
     import jaxflow.models as models
-    import jaxflow.programs as programs
     from jaxflow.data.batch import Batch
     from jaxflow.data.char_tokenizer import CharTokenizer
-    from jaxflow.programs.ppo import needs_old_log_probs
+    from jaxflow.iterations.ppo import needs_old_log_probs
     from jaxflow.sampling import SamplingParams
     from jaxflow.workers import (
         ActorConfig,
@@ -266,13 +266,13 @@ def jaxflow_child(algo: str, steps: int, warmup: int, packing: bool, wl: Workloa
     w.reward = reward
     ids = np.array([tok.encode(t, add_special_tokens=False) for t in prompt_texts(wl)], np.int32)
     assert ids.shape == (wl.prompts, wl.prompt_len), ids.shape
-    prompts = programs.batch_from_prompts({"prompt_ids": ids, "prompt_mask": np.ones_like(ids)})
+    prompts = iterations.batch_from_prompts({"prompt_ids": ids, "prompt_mask": np.ones_like(ids)})
     algo_cfg = algos.AlgorithmConfig(adv_estimator=algo if algo == "grpo" else "gae")
     settings = algos.AlgorithmSettings(algo_cfg)
     matmul = matmul_gflops()
     timings = []
     for step in range(warmup + steps):
-        metrics = programs.ppo_iteration(w, prompts, settings, step=step)
+        metrics = iterations.ppo_iteration(w, prompts, settings, step=step)
         if step >= warmup:
             timings.append({k[len("timing_s/") :]: float(v) for k, v in metrics.items() if k.startswith("timing_s/")})
     on_policy = not needs_old_log_probs(algo_cfg)

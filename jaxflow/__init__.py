@@ -8,7 +8,7 @@ The curated API, loaded on first use (``import jaxflow`` itself imports nothing 
     jaxflow.RLTrainer(cfg).fit()                 # or jaxflow.dry_run(cfg)
 
 Subpackages, floor by floor (DESIGN.md): `mesh`; `models`, `data`, `rewards`; `sampling`,
-`reshard`, `algos`; `workers`; `programs`, `configs`; `trainer`, `plan`; `run` (the CLI).
+`reshard`, `algos`; `workers`; `iterations`, `configs`; `trainer`, `plan`; `run` (the CLI).
 """
 
 import importlib
@@ -26,12 +26,13 @@ _API = {
     # algorithm maths and settings (verl's names)
     "AlgorithmConfig": "jaxflow.algos",
     "AlgorithmSettings": "jaxflow.algos",
-    # iteration programs
-    "ppo_iteration": "jaxflow.programs",
-    "remax_iteration": "jaxflow.programs",
-    "safe_rlhf_iteration": "jaxflow.programs",
-    "register_algorithm": "jaxflow.programs",
-    "AlgoState": "jaxflow.programs",
+    # the algorithms' iterations and their registry
+    "ppo_iteration": "jaxflow.iterations",
+    "remax_iteration": "jaxflow.iterations",
+    "safe_rlhf_iteration": "jaxflow.iterations",
+    "register_algorithm": "jaxflow.iterations",
+    "Algorithm": "jaxflow.iterations",
+    "AlgoState": "jaxflow.iterations",
     # workers
     "Workers": "jaxflow.workers",
     "build_local_workers": "jaxflow.workers",

@@ -19,7 +19,7 @@ FLOORS = {
     "reshard": 2,
     "algos": 2,
     "workers": 3,
-    "programs": 4,
+    "iterations": 4,
     "configs": 4,
     "plan": 5,
     "automap": 6,

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import jaxflow.algos as algos
+import jaxflow.iterations as iterations
 import jaxflow.models as models
-import jaxflow.programs as programs
 from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tasks import get_task
@@ -72,7 +72,7 @@ def prompts():
         text = TOKENIZER.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         tokens = TOKENIZER.encode(text, add_special_tokens=False)  # "<bos>12+34="
         ids[i, PROMPT_LEN - len(tokens) :], mask[i, PROMPT_LEN - len(tokens) :] = tokens, 1
-    return programs.batch_from_prompts(
+    return iterations.batch_from_prompts(
         {
             "prompt_ids": ids,
             "prompt_mask": mask,
@@ -122,7 +122,7 @@ def test_ppo_iteration(workers, prompts):
     critic0 = jax.device_get(w.critic.worker.params)
     kl_ctrl = algos.get_kl_controller(PPO.algorithm.kl_ctrl)
     for _ in range(2):
-        metrics = programs.ppo_iteration(w, prompts, PPO, kl_ctrl)
+        metrics = iterations.ppo_iteration(w, prompts, PPO, kl_ctrl)
         _assert_finite(metrics)
     expected = {
         "actor/pg_loss",
@@ -180,7 +180,7 @@ def test_rollout_log_probs_match_recomputed(workers, prompts):
 def test_grpo_without_critic(workers, prompts):
     _, _, w = workers
     grpo = Workers(actor=w.actor, ref=w.ref, critic=None, reward=w.reward)
-    metrics = programs.ppo_iteration(grpo, prompts, GRPO)
+    metrics = iterations.ppo_iteration(grpo, prompts, GRPO)
     _assert_finite(metrics)
     assert not any(k.startswith("critic/vf") for k in metrics)
     assert metrics["actor/update_skipped"] == 0
@@ -209,13 +209,13 @@ def _rollout_like(rows=6, R=5, seed=0):
 
 def test_kl_penalty_and_gae_on_batch_columns():
     batch = _rollout_like()
-    out, m = programs.apply_kl_penalty_to_batch(batch, 0.2, "kl")
+    out, m = iterations.apply_kl_penalty_to_batch(batch, 0.2, "kl")
     rewards, kl = algos.apply_kl_penalty(
         batch["token_level_scores"], batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"], 0.2, "kl"
     )
     np.testing.assert_allclose(out["token_level_rewards"], rewards, rtol=1e-6)
     assert m == {"actor/reward_kl_penalty": pytest.approx(float(kl)), "actor/reward_kl_penalty_coeff": 0.2}
-    adv = programs.compute_advantage(out, "gae", gamma=0.9, lam=0.8)
+    adv = iterations.compute_advantage(out, "gae", gamma=0.9, lam=0.8)
     want_a, want_r = algos.compute_gae_advantage_return(
         out["token_level_rewards"], batch["values"], batch["response_mask"], 0.9, 0.8
     )
@@ -225,11 +225,11 @@ def test_kl_penalty_and_gae_on_batch_columns():
 
 def test_grpo_groups_come_from_uid():
     batch = _rollout_like()
-    adv = np.asarray(programs.compute_advantage(batch, "grpo")["advantages"])  # scores used as rewards
+    adv = np.asarray(iterations.compute_advantage(batch, "grpo")["advantages"])  # scores used as rewards
     seq = batch["token_level_scores"].sum(-1)
     mask = batch["response_mask"]
     for g in (slice(0, 2), slice(2, 4), slice(4, 6)):
         s = seq[g]
         want = (s - s.mean()) / (s.std(ddof=1) + 1e-6) if len(s) > 1 else s * 0
         np.testing.assert_allclose(adv[g], want[:, None] * mask[g], rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(programs.group_ids_from_uid(np.array(["x", "y", "x"], object)), [0, 1, 0])
+    np.testing.assert_array_equal(iterations.group_ids_from_uid(np.array(["x", "y", "x"], object)), [0, 1, 0])

@@ -55,9 +55,9 @@ def test_python_snippets_run(tmp_path, monkeypatch):
     # the reward function example scores as documented
     assert namespace["compute_score"]("jaxflow/reverse_digits", " 413", "413") == 1.0
     # the algorithm program is only defined (it needs worker groups): the functions it names exist
-    from jaxflow import algos, programs
+    from jaxflow import algos, iterations
 
-    for module in (algos, programs):
+    for module in (algos, iterations):
         named = set(re.findall(rf"\b{module.__name__.split('.')[-1]}\.(\w+)", "\n".join(blocks)))
         assert all(hasattr(module, name) for name in named), named - set(dir(module))
     for key in re.findall(r"\bcfg\.(algorithm(?:\.\w+)+)", "\n".join(blocks)):

@@ -10,8 +10,8 @@ import pytest
 import jaxflow.models as models
 from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
+from jaxflow.iterations import steps
 from jaxflow.mesh import MeshSpec, hybrid_rules
-from jaxflow.programs import steps
 from jaxflow.sampling import SamplingParams
 from jaxflow.workers import ActorConfig, ActorWorker, LocalWorkerGroup, OptimConfig, RolloutConfig, Workers
 from jaxflow.workers.reference import ReferenceWorker

@@ -5,8 +5,8 @@ loss aggregation, the Safe-RLHF pieces and the algorithm's typed settings. Each 
 (advantage estimators, policy losses, KL estimators) selects a function by a config string
 and accepts user additions by decorator; the names are verl's (``register_adv_est``,
 ``get_adv_estimator_fn``, ``register_policy_loss``, ``get_policy_loss_fn``, ...). This
-package imports nothing from the layers above it (the iteration programs over worker groups
-are `jaxflow.programs`). This file is a flat list of re-exports.
+package imports nothing from the layers above it (the algorithms' iterations over worker
+groups are `jaxflow.iterations`). This file is a flat list of re-exports.
 """
 
 from jaxflow.algos.advantages import (

@@ -1,7 +1,7 @@
 """The algorithm's settings as small frozen dataclasses: verl's ``algorithm`` section
 (`AlgorithmConfig`, with its KL controller `KLControlConfig`) and jaxflow's Safe-RLHF
 constraint (`SafeRLHFConfig`), bundled as `AlgorithmSettings`, the one typed value an
-iteration program (`jaxflow.programs`) reads. `jaxflow.configs.describe_run` builds it from
+algorithm's iteration (`jaxflow.iterations`) reads. `jaxflow.configs.describe_run` builds it from
 an experiment config."""
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SafeRLHFConfig:
-    """``jaxflow.safe_rlhf.*`` (see `jaxflow.programs.safe_rlhf` for the maths)."""
+    """``jaxflow.safe_rlhf.*`` (see `jaxflow.iterations.safe_rlhf` for the maths)."""
 
     enable: bool = False
     cost_model_path: str = ""

@@ -162,8 +162,8 @@ class Plan:
 def schedule(w: Workload, pools: Sequence[PoolChoice], concurrent: bool) -> tuple[float, dict[str, tuple]]:
     """List scheduling of the dataflow, stages in their order. A stage starts when its pool
     is free and, with ``concurrent``, when its inputs are done: stages on disjoint pools then
-    overlap (HybridFlow's driver). Without it one stage runs at a time (jaxflow's RL
-    programs block after every stage, `jaxflow.programs.steps.ready`; a simulated host runs
+    overlap (HybridFlow's driver). Without it one stage runs at a time (jaxflow's
+    iterations block after every stage, `jaxflow.iterations.steps.ready`; a simulated host runs
     one stage at a time anyway). Returns the makespan and each stage's (start, end)."""
     pool_of = {r: i for i, p in enumerate(pools) for r in p.roles}
     times = {name: t.seconds for p in pools for name, t in p.stage_times.items()}

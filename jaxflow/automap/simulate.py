@@ -42,6 +42,8 @@ small per-device batch is memory- or launch-bound, far below ``mfu``.
   over ``head_dim`` (the ``*_kv_head_dim`` rules, GQA models whose kv heads do not divide
   the training degree), XLA all-gathers the step's keys and values over the group each
   layer (seen in the compiled HLO), and in training and prefill the k/v activations.
+- **generate_one**: an extra rollout of one response per prompt (`dataflow`'s
+  ``actor/generate_<mode>``): **generate** with ``rows = prompts``.
 - **reshard** (3D-HybridEngine, Table 2): an all-gather of ``W / g`` inside each micro-DP
   group of ``m`` consecutive devices (``*_embed`` rules: first one of ``W / tp`` over fsdp).
 
@@ -268,6 +270,14 @@ def generate_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime
     return StageTime(work + comm + overhead, compute, memory, comm, overhead)
 
 
+def generate_one_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime:
+    """A further rollout of one response per prompt (an algorithm's ``extra_rollouts``, e.g.
+    ReMax's greedy baseline): the same prefill, decode of one row per prompt."""
+    shape = rl.engine
+    one = dataclasses.replace(shape, rows=shape.prompts, slots=min(shape.slots, shape.prompts))
+    return generate_time(w, dataclasses.replace(rl, engine=one), prof)
+
+
 def reshard_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime:
     """Table 2's hybrid row: each device receives its generation shard ``W / g`` minus its
     training shard, by all-gathers inside its micro-DP group of ``nw / g`` consecutive
@@ -282,7 +292,13 @@ def reshard_time(w: Workload, rl: RoleLayout, prof: DeviceProfile) -> StageTime:
     return StageTime(comm + memory + overhead, 0.0, memory, comm, overhead)
 
 
-PHASE_TIMES = {"train": train_time, "infer": infer_time, "generate": generate_time, "reshard": reshard_time}
+PHASE_TIMES = {
+    "train": train_time,
+    "infer": infer_time,
+    "generate": generate_time,
+    "generate_one": generate_one_time,
+    "reshard": reshard_time,
+}
 
 
 def stage_time(w: Workload, phase: str, rl: RoleLayout, prof: DeviceProfile) -> StageTime:

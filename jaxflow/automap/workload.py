@@ -5,12 +5,17 @@ placement: the mapper is what places it).
 The dataflow (HybridFlow's PPO; the other algorithms drop roles they do not run)::
 
     actor/reshard -> actor/generate -> {actor/log_probs, ref/log_probs, critic/values,
-                                        reward/scores, cost/scores} -> {critic/train, actor/train}
+                                        reward/scores, cost/scores, actor/generate_<mode>}
+                  -> {critic/train, actor/train}
 
-``actor/log_probs`` runs unless the actor's update is on-policy (one optimizer step per
-rollout: the update's own forward gives the old log-probs). The stages of one pool run one
-after another; :func:`jaxflow.automap.search.schedule` says when stages on disjoint pools
-overlap. Not modelled: ReMax's extra greedy rollout, packed (remove-padding) batches.
+What the algorithm adds or drops is read from its registration
+(`jaxflow.iterations.Algorithm`): ``actor/log_probs`` runs when its rollout scores the old
+log-probs (``scores_old_log_probs``) or the actor's update is not on-policy (more than one
+optimizer step per rollout; otherwise the update's own forward gives them);
+``actor/generate_<mode>`` is each of its ``extra_rollouts`` (ReMax's greedy baseline), one
+response per prompt. The stages of one pool run one after another;
+:func:`jaxflow.automap.search.schedule` says when stages on disjoint pools overlap. Not
+modelled: the extra rollouts' reward-model scores, packed (remove-padding) batches.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from flax import nnx
 from jaxflow.configs.run_spec import RunSpec, describe_run
 from jaxflow.mesh import TRAINING_ROLES, Role, logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
-from jaxflow.plan.lowering import forward_of
+from jaxflow.plan.lowering import forward_of, run_algorithm
 
 # Each role's forward program over the rollout (the dry run's names; `forward_of` gives its
 # builder and micro-batch setting).
@@ -140,18 +145,25 @@ class Workload:
         return tuple(self.models)
 
 
-def dataflow(roles: tuple[str, ...], old_log_probs: bool = True) -> tuple[Stage, ...]:
+def dataflow(
+    roles: tuple[str, ...], old_log_probs: bool = True, extra_rollouts: tuple[str, ...] = ()
+) -> tuple[Stage, ...]:
     """The stages of one iteration over ``roles`` (HybridFlow's PPO dataflow);
-    ``old_log_probs``: whether the actor scores the rollout before its update."""
+    ``old_log_probs``: whether the actor scores the rollout before its update;
+    ``extra_rollouts``: the sampling modes of the actor's further rollouts, one response per
+    prompt each (phase ``generate_one``)."""
     stages = [
         Stage("actor/reshard", "actor", "reshard", ()),
         Stage("actor/generate", "actor", "generate", ("actor/reshard",)),
     ]
     scored = [r for r in roles if r != "actor" or old_log_probs]
-    forwards = [FORWARD_PROGRAM[r] for r in scored]
+    before_train = [FORWARD_PROGRAM[r] for r in scored] + [f"actor/generate_{m}" for m in extra_rollouts]
     stages += [Stage(FORWARD_PROGRAM[r], r, "infer", ("actor/generate",)) for r in scored]
+    stages += [Stage(f"actor/generate_{m}", "actor", "generate_one", ("actor/generate",)) for m in extra_rollouts]
     stages += [
-        Stage(f"{r}/train", r, "train", tuple(forwards) or ("actor/generate",)) for r in TRAINING_ROLES if r in roles
+        Stage(f"{r}/train", r, "train", tuple(before_train) or ("actor/generate",))
+        for r in TRAINING_ROLES
+        if r in roles
     ]
     return tuple(stages)
 
@@ -168,7 +180,9 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         models[role] = role_model(role, Role(role).head, mc)
     train = {"actor": spec.actor, "critic": spec.critic}
     train = {r: c for r, c in train.items() if r in spec.roles}
-    old_log_probs = not spec.actor.is_on_policy(spec.rollout_rows)
+    algorithm = run_algorithm(spec)
+    scored = algorithm.scores_old_log_probs(spec.algorithm)
+    old_log_probs = scored or not spec.actor.is_on_policy(spec.rollout_rows)
     return Workload(
         name=spec.name,
         models=models,
@@ -182,7 +196,7 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).micro_batch_size_per_device for r in spec.roles},
         max_num_seqs=spec.rollout.max_num_seqs,
         state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
-        stages=dataflow(spec.roles, old_log_probs),
+        stages=dataflow(spec.roles, old_log_probs, algorithm.extra_rollouts),
     )
 
 

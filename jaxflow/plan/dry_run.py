@@ -28,8 +28,9 @@ What it reports, per device (the most loaded device of each mesh):
    (:mod:`jaxflow.plan.lowering`): the actor and critic optimizer steps (one
    mini-batch, micro-batched as configured or packed with remove padding; the actor's
    on-policy step when the run takes it), the actor's generate program (chunked prefill +
-   continuous decode over ``max_num_seqs`` slots per generation replica, one call; ReMax also
-   its greedy baseline rollout), its train -> generate reshard, the reference log-probs and
+   continuous decode over ``max_num_seqs`` slots per generation replica, one call; also the
+   rollouts the algorithm adds, `jaxflow.iterations.Algorithm.extra_rollouts`: ReMax's greedy
+   baseline), its train -> generate reshard, the reference log-probs and
    the reward (and cost) model scores (padded or packed, as the workers run them). From XLA's
    ``memory_analysis()``: argument, output, alias (outputs written over donated inputs),
    temp and generated-code bytes; ``peak = argument + output - alias + temp``. A program
@@ -74,12 +75,12 @@ from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
 from jaxflow.mesh import TRAINING_ROLES, Role, Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
 from jaxflow.plan import lowering as progs
-from jaxflow.programs import select_algorithm
 from jaxflow.reshard import HybridEngine, shard_bytes
 from jaxflow.sampling import EngineShape, engine_shape
 
 GiB = 1024**3
-# Programs compiled by default (those of roles the config runs), in the order of a step.
+# Programs compiled by default (those of roles the config runs), in the order of a step;
+# actor/generate_greedy when the algorithm rolls out greedily too (its extra_rollouts).
 DEFAULT_PROGRAMS = (
     "actor/generate",
     "actor/generate_greedy",
@@ -495,8 +496,9 @@ def _role_plan(
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
         specs["actor/generate"], _ = progs.generate_program(run, mc, graphdef, state, engine)
-    if "actor/generate_greedy" in wanted and select_algorithm(run.algorithm) == "remax":  # its baseline rollout
-        specs["actor/generate_greedy"], _ = progs.generate_program(run, mc, graphdef, state, engine, "greedy")
+    for mode in progs.run_algorithm(run).extra_rollouts:  # e.g. ReMax's greedy baseline rollout
+        if f"actor/generate_{mode}" in wanted:
+            specs[f"actor/generate_{mode}"], _ = progs.generate_program(run, mc, graphdef, state, engine, mode)
     if "actor/reshard" in wanted:
         specs["actor/reshard"] = progs.reshard_program(engine, state)
     return rp
@@ -560,6 +562,7 @@ def plan(
         num_train_prompts=num_train_prompts,
     )
     roles = run.roles
+    progs.run_algorithm(run)  # checked against the roles
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
     budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
     role_plans: dict[str, RolePlan] = {}

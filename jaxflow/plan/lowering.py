@@ -44,10 +44,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxflow.configs import ConfigError
 from jaxflow.configs.run_spec import RunSpec
+from jaxflow.iterations import Algorithm, algorithm_for
 from jaxflow.mesh import Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
-from jaxflow.programs import rollout_scores_old_log_probs
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import engine_shape, lower_generate
 from jaxflow.workers.actor import actor_train_step, log_probs_fn, log_probs_program
@@ -240,12 +241,25 @@ def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> t
     return rows, k
 
 
+def run_algorithm(spec: RunSpec) -> Algorithm:
+    """The run's algorithm (`jaxflow.iterations.algorithm_for`: the record the run, the dry run
+    and the auto-mapper read), checked against the run's roles (`Algorithm.check_roles`; a
+    `ConfigError` naming ``critic.enable``)."""
+    algorithm = algorithm_for(spec.algorithm)
+    try:
+        algorithm.check_roles(spec.algorithm, spec.roles)
+    except ValueError as e:
+        raise ConfigError("critic.enable", str(e)) from None
+    return algorithm
+
+
 def actor_on_policy(spec: RunSpec) -> bool:
     """Whether the actor's update runs on-policy (no ``old_log_probs`` column: the step's own
-    forward, detached): the program's rollout does not score them
-    (`jaxflow.programs.rollout_scores_old_log_probs`) and one optimizer step covers the
+    forward, detached): the algorithm's rollout does not score them
+    (`jaxflow.iterations.Algorithm.scores_old_log_probs`) and one optimizer step covers the
     rollout (`ActorConfig.is_on_policy`), exactly as `ActorWorker.update` decides."""
-    return not rollout_scores_old_log_probs(spec.algorithm) and spec.actor.is_on_policy(spec.rollout_rows)
+    scored = run_algorithm(spec).scores_old_log_probs(spec.algorithm)
+    return not scored and spec.actor.is_on_policy(spec.rollout_rows)
 
 
 def train_step_program(

@@ -1,4 +1,4 @@
-"""The RL loop: a single controller that runs an iteration program (`jaxflow.programs`) over
+"""The RL loop: a single controller that runs an algorithm's iteration (`jaxflow.iterations`) over
 worker groups built from the run's typed description (`jaxflow.configs.run_spec`), with
 validation, checkpoints, metrics and the non-finite guard.
 
@@ -39,7 +39,8 @@ from jaxflow.configs.run_spec import (
     trainer_spec,
 )
 from jaxflow.configs.validate import warn_ignored_under_auto
-from jaxflow.programs import AlgoState, batch_from_prompts, get_algorithm, select_algorithm
+from jaxflow.iterations import batch_from_prompts
+from jaxflow.plan.lowering import run_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer import interrupt
 from jaxflow.trainer.builders import (
@@ -180,15 +181,15 @@ class RLTrainer:
             num_train_prompts=len(self.train_data),
         )
         check_vocab(self.spec, self.tokenizer)
+        self.algorithm = run_algorithm(self.spec)  # its iteration, and what it runs on
+        self.algorithm_name = self.algorithm.name
         self.loader = train_loader(self.spec, self.train_data)
         self.total_steps = self.spec.training_steps
         self.placement = self.spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
         self._restart_actor_params = actor_params if self.backend is not None else None
         self.workers = self._build_workers(actor_params)
-        self.algorithm_name = select_algorithm(self.spec.algorithm)
-        self.algorithm = get_algorithm(self.algorithm_name)
-        self.algo_state = AlgoState.initial(self.spec.algorithm)
+        self.algo_state = self.algorithm.state.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(self.spec.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
 

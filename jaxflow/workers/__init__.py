@@ -1,6 +1,6 @@
 """Role workers (actor, critic, reference, reward model, rule scorer), worker groups and
-transfer protocols. Build the groups of a placement with `build_local_workers`; an algorithm
-program (`jaxflow.programs.ppo_iteration`) runs over the resulting `Workers`."""
+transfer protocols. Build the groups of a placement with `build_local_workers`; an algorithm's
+iteration (`jaxflow.iterations.ppo_iteration`) runs over the resulting `Workers`."""
 
 from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig, actor_loss
 from jaxflow.workers.base import RoleWorker, resolve_mesh

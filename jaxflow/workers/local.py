@@ -9,7 +9,7 @@
                             rule_reward=RuleRewardWorker(tokenizer),
                             actor_config=ActorConfig(...),
                             rollout=RolloutConfig(train=SamplingParams(max_new_tokens=8, n=4)))
-    metrics = jaxflow.programs.ppo_iteration(w, prompts, settings)
+    metrics = jaxflow.iterations.ppo_iteration(w, prompts, settings)
 
 Each role gets its placement mesh and rules (the actor its training mesh and rules, and the
 hybrid engine towards the placement's generation layout); roles sharing a pool take turns

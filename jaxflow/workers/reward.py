@@ -104,7 +104,7 @@ class RuleRewardWorker:
     `jaxflow.rewards.RewardScorer` by ``data_source`` (or a user function).
 
     Reads the non-tensor columns ``data_source``, ``ground_truth`` and (optionally)
-    ``extra_info`` that prompt batches carry (`jaxflow.programs.batch_from_prompts`).
+    ``extra_info`` that prompt batches carry (`jaxflow.iterations.batch_from_prompts`).
 
     Args:
       tokenizer: decodes responses (``batch_decode``; special tokens are skipped, as verl).

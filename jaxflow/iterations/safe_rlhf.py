@@ -1,4 +1,4 @@
-"""The Safe-RLHF program (Dai et al. 2023, arXiv:2310.12773; HybridFlow's third algorithm):
+"""The Safe-RLHF algorithm (Dai et al. 2023, arXiv:2310.12773; HybridFlow's third algorithm):
 maximise reward subject to an expected-cost constraint, through a Lagrange multiplier.
 
 ::
@@ -11,7 +11,7 @@ maximise reward subject to an expected-cost constraint, through a Lagrange multi
     w.critic.update(batch); w.actor.update(batch)
     lambda <- max(0, lambda + eta (J_C - d))      # or on the log scale; J_C = mean episode cost
 
-Symbols: ``lambda`` the multiplier (`AlgoState.lagrange_multiplier`, carried across
+Symbols: ``lambda`` the multiplier (`SafeRLHFState.lagrange_multiplier`, carried across
 iterations), ``eta`` = ``lambda_lr``, ``d`` = ``cost_threshold``, ``J_C = mean_i sum_t
 c_{i,t} m_{i,t}`` the batch's mean episode cost. The advantages of an iteration use the
 multiplier *before* that iteration's update, which then sees the same batch's ``J_C``.
@@ -33,21 +33,56 @@ Cost advantages use ``algorithm.adv_estimator`` on the costs (group estimators g
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from jaxflow.algos.safe_rlhf import compute_episode_cost, compute_lagrangian_advantages
+from jaxflow.algos.safe_rlhf import LagrangeMultiplier, compute_episode_cost, compute_lagrangian_advantages
 from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, SafeRLHFConfig
 from jaxflow.data.batch import Batch
-from jaxflow.programs import steps
-from jaxflow.programs.batch_ops import compute_advantage, compute_data_metrics
-from jaxflow.programs.state import AlgoState
+from jaxflow.iterations import steps
+from jaxflow.iterations.batch_ops import compute_advantage, compute_data_metrics
+from jaxflow.iterations.registry import register_algorithm
+from jaxflow.iterations.state import KLState
+from jaxflow.iterations.steps import KLController
 from jaxflow.rewards import token_level_scores
 from jaxflow.workers.group import Workers
 
 COST_RULES = ("forbidden_chars", "length")
+
+
+@dataclasses.dataclass
+class SafeRLHFState(KLState):
+    """What Safe-RLHF carries across iterations: the in-reward KL coefficient (`KLState`) and
+    the Lagrange multiplier ``lambda`` (None until first used, then ``safe_rlhf.lambda_init``;
+    the multiplier is rebuilt from the settings around it, `lagrange`, and kept by `store`)."""
+
+    lagrange_multiplier: float | None = None
+
+    @classmethod
+    def initial(cls, settings: AlgorithmSettings) -> SafeRLHFState:
+        safe = settings.safe_rlhf
+        kl_coef = KLState.initial(settings).kl_coef
+        return cls(kl_coef=kl_coef, lagrange_multiplier=float(safe.lambda_init) if safe.enable else None)
+
+    def lagrange(self, settings: SafeRLHFConfig) -> LagrangeMultiplier:
+        """Safe-RLHF's multiplier (``settings``: ``jaxflow.safe_rlhf``) at the current value."""
+        value = settings.lambda_init if self.lagrange_multiplier is None else self.lagrange_multiplier
+        return LagrangeMultiplier(
+            float(value),
+            float(settings.cost_threshold),
+            float(settings.lambda_lr),
+            settings.lambda_update_scale,
+            None if settings.lambda_max is None else float(settings.lambda_max),
+        )
+
+    def store(self, kl_ctrl: KLController | None = None, multiplier: LagrangeMultiplier | None = None) -> None:
+        """Keeps the controllers' new values."""
+        super().store(kl_ctrl)
+        if multiplier is not None:
+            self.lagrange_multiplier = float(multiplier.value)
 
 
 def rule_costs(
@@ -124,17 +159,22 @@ def _masked_mean(x: np.ndarray, mask: np.ndarray) -> float:
     return float(x[m].mean()) if m.any() else 0.0
 
 
+def _enabled(settings: AlgorithmSettings) -> bool:
+    return bool(settings.safe_rlhf.enable)
+
+
+@register_algorithm("safe_rlhf", enabled_by=_enabled, state=SafeRLHFState)
 def safe_rlhf_iteration(
     w: Workers,
     prompts: Batch,
     settings: AlgorithmSettings,
-    state: AlgoState,
+    state: SafeRLHFState,
     *,
     step: int | None = None,
     update_actor: bool = True,
 ) -> dict[str, float]:
     """One Safe-RLHF iteration (see the module docstring); moves ``state``'s multiplier (and
-    KL coefficient). Metrics: the shared program's, plus ``safe_rlhf/episode_cost`` (J_C),
+    KL coefficient). Metrics: `ppo_iteration`'s, plus ``safe_rlhf/episode_cost`` (J_C),
     ``safe_rlhf/cost_violation`` (J_C - d), ``safe_rlhf/lambda`` (used for this batch),
     ``safe_rlhf/lambda_next`` (after the update), ``safe_rlhf/reward_advantages/mean``,
     ``safe_rlhf/cost_advantages/mean``, ``safe_rlhf/cost/{max,min}``, ``timing_s/cost``."""

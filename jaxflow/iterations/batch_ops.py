@@ -12,12 +12,14 @@ moves only what it reads onto its own devices.
   ``adv_estimator`` (``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``remax``, ...),
   fed with the batch's columns; group ids come from the ``uid`` column (the ``n`` samples of
   one prompt share it).
+* `estimator_reads`: whether an estimator reads a column (``values``, ``old_log_probs``).
 * `batch_from_prompts`: a prompt `Batch` from a `jaxflow.data.dataset.PromptBatch`.
 * `compute_data_metrics`: verl's rollout statistics (scores, rewards, advantages, lengths).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,6 +43,12 @@ _ESTIMATOR_COLUMNS = (
 
 def _host(batch: Batch, key: str) -> np.ndarray:
     return np.asarray(jax.device_get(batch[key]))
+
+
+def estimator_reads(adv_estimator: str, column: str) -> bool:
+    """Whether the estimator registered as ``adv_estimator`` takes the column ``column`` (its
+    parameter names are the columns it reads; `compute_advantage` passes them)."""
+    return column in inspect.signature(get_adv_estimator_fn(adv_estimator)).parameters
 
 
 def group_ids_from_uid(uid: Any) -> np.ndarray:
@@ -134,7 +142,7 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     ``token_level_scores``), ``critic/rewards/mean``, ``critic/advantages/mean``,
     ``critic/returns/mean``, ``critic/values/mean`` (token means over the response mask),
     ``response_length/{mean,max,min}``. (The rule scorer's ``reward/...`` metrics come from
-    the rollout, `jaxflow.programs.steps.rollout`.)"""
+    the rollout, `jaxflow.iterations.steps.rollout`.)"""
     mask = _host(batch, "response_mask")
     out: dict[str, float] = {}
     if "token_level_scores" in batch:

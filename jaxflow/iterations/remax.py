@@ -1,4 +1,4 @@
-"""The ReMax program (Li et al. 2023, arXiv:2310.10505): REINFORCE whose baseline is the
+"""The ReMax algorithm (Li et al. 2023, arXiv:2310.10505): REINFORCE whose baseline is the
 reward of the policy's own greedy response, no critic.
 
 ::
@@ -26,9 +26,10 @@ import numpy as np
 
 from jaxflow.algos.settings import AlgorithmSettings
 from jaxflow.data.batch import Batch
-from jaxflow.programs import steps
-from jaxflow.programs.batch_ops import compute_data_metrics
-from jaxflow.programs.state import AlgoState
+from jaxflow.iterations import steps
+from jaxflow.iterations.batch_ops import compute_data_metrics
+from jaxflow.iterations.registry import register_algorithm
+from jaxflow.iterations.state import KLState
 from jaxflow.workers.group import Workers
 
 
@@ -55,21 +56,22 @@ def greedy_baseline(w: Workers, prompts: Batch, step: int | None = None) -> tupl
     return (scores * mask).sum(-1), greedy
 
 
+@register_algorithm("remax", estimators=("remax",), uses_critic=False, extra_rollouts=("greedy",), state=KLState)
 def remax_iteration(
     w: Workers,
     prompts: Batch,
     settings: AlgorithmSettings,
-    state: AlgoState,
+    state: KLState,
     *,
     step: int | None = None,
     update_actor: bool = True,
 ) -> dict[str, float]:
-    """One ReMax iteration (see the module docstring). Metrics: the shared program's, plus
+    """One ReMax iteration (see the module docstring). Metrics: `ppo_iteration`'s, plus
     ``critic/reward_baseline/{mean,max,min}`` (the greedy responses' scores),
     ``response_length/greedy_mean`` and ``timing_s/gen_max`` (greedy rollout and its reward)."""
     algo = settings.algorithm
     if algo.adv_estimator != "remax":
-        raise ValueError(f"the remax program needs algorithm.adv_estimator='remax', got {algo.adv_estimator!r}")
+        raise ValueError(f"the remax algorithm needs algorithm.adv_estimator='remax', got {algo.adv_estimator!r}")
     kl_ctrl = state.kl_controller(algo)
     prompts = with_uid(prompts)
     timer = steps.StepTimer()

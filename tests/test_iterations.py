@@ -1,4 +1,4 @@
-"""Iteration programs (jaxflow.programs): registry and selection, ReMax's greedy baseline
+"""Algorithm iterations (jaxflow.iterations): registry and selection, ReMax's greedy baseline
 and Safe-RLHF's Lagrangian advantages and multiplier against NumPy on stub worker groups whose
 outputs are known, and one iteration of every program end to end on tiny random models over
 8 simulated devices."""
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import jaxflow.algos as algos
+import jaxflow.iterations as iterations
 import jaxflow.models as models
-import jaxflow.programs as programs
 from jaxflow import configs
 from jaxflow.configs.run_spec import algorithm_settings
 from jaxflow.data.batch import Batch
@@ -46,11 +46,11 @@ EXPECTED = {
 
 
 def test_registry_and_selection():
-    assert set(EXPECTED.values()) <= set(programs.algorithm_names())
+    assert set(EXPECTED.values()) <= set(iterations.algorithm_names())
     with pytest.raises(algos.UnknownNameError, match="ppo, reinforce_pp, remax, rloo, safe_rlhf"):
-        programs.get_algorithm("dpo")
+        iterations.get_algorithm("dpo")
     for name, program in EXPECTED.items():
-        assert programs.select_algorithm(algorithm_settings(configs.get_config(name))) == program, name
+        assert iterations.select_algorithm(algorithm_settings(configs.get_config(name))) == program, name
     cfg = configs.get_config("ppo_tiny")
     for estimator, program in (
         ("grpo_passk", "grpo"),
@@ -60,49 +60,50 @@ def test_registry_and_selection():
         ("remax", "remax"),
     ):
         cfg.algorithm.adv_estimator = estimator
-        assert programs.select_algorithm(algorithm_settings(cfg)) == program
+        assert iterations.select_algorithm(algorithm_settings(cfg)) == program
     cfg.jaxflow.safe_rlhf.enable = True  # wins over the estimator
-    assert programs.select_algorithm(algorithm_settings(cfg)) == "safe_rlhf"
+    assert iterations.select_algorithm(algorithm_settings(cfg)) == "safe_rlhf"
     cfg.jaxflow.safe_rlhf.enable = False
     cfg.algorithm.adv_estimator = "nope"
     with pytest.raises(algos.UnknownNameError, match="gae"):
-        programs.select_algorithm(algorithm_settings(cfg))
-    assert programs.select_algorithm(algos.AlgorithmSettings()) == "ppo"
+        iterations.select_algorithm(algorithm_settings(cfg))
+    assert iterations.select_algorithm(algos.AlgorithmSettings()) == "ppo"
     assert (
-        programs.select_algorithm(algos.AlgorithmSettings(safe_rlhf=algos.SafeRLHFConfig(enable=True))) == "safe_rlhf"
+        iterations.select_algorithm(algos.AlgorithmSettings(safe_rlhf=algos.SafeRLHFConfig(enable=True))) == "safe_rlhf"
     )
 
-    @programs.register_algorithm("my_algo")
+    @iterations.register_algorithm("my_algo")
     def my_algo(w, prompts, cfg, state):
         return {}
 
     try:
-        assert programs.get_algorithm("my_algo") is my_algo
+        assert iterations.get_algorithm("my_algo") is my_algo
     finally:
-        programs.ALGORITHM_REGISTRY.unregister("my_algo")
+        iterations.ALGORITHM_REGISTRY.unregister("my_algo")
 
 
-def test_programs_refuse_other_estimators():
-    state = programs.AlgoState()
+def test_iterations_refuse_other_estimators():
+    state = iterations.AlgoState()
     for name, estimator in (("grpo", "gae"), ("rloo", "grpo"), ("remax", "grpo"), ("ppo", "remax")):
         cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator=estimator))
         with pytest.raises(ValueError, match=estimator):
-            programs.get_algorithm(name)(None, None, cfg, state)
+            iterations.get_algorithm(name)(None, None, cfg, state)
 
 
 def test_algo_state_round_trip():
     cfg = configs.get_config("safe_rlhf_tiny")
     cfg.algorithm.use_kl_in_reward = True
     settings = algorithm_settings(cfg)
-    state = programs.AlgoState.initial(settings)
+    state = iterations.SafeRLHFState.initial(settings)
     assert state.state_dict() == {"kl_coef": 0.001, "lagrange_multiplier": 1.0}
     state.kl_coef, state.lagrange_multiplier = 0.0123, 0.75
-    restored = programs.AlgoState()
+    restored = iterations.SafeRLHFState()
     restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
     assert restored == state
     assert restored.kl_controller(settings.algorithm).value == 0.0123
     assert restored.lagrange(settings.safe_rlhf).value == 0.75
-    assert programs.AlgoState.initial(algorithm_settings(configs.get_config("grpo_tiny"))).state_dict() == {}
+    grpo = algorithm_settings(configs.get_config("grpo_tiny"))
+    assert iterations.algorithm_for(grpo).state.initial(grpo).state_dict() == {}
     with pytest.raises(ValueError, match="kl_coef"):
         restored.load_state_dict({"kl_coeff": 1.0})
 
@@ -194,8 +195,8 @@ def test_remax_baseline_and_advantages_match_numpy():
             kl_ctrl=algos.KLControlConfig(type="adaptive", kl_coef=0.05, target_kl=0.1, horizon=100.0),
         )
     )
-    state = programs.AlgoState.initial(cfg)
-    metrics = programs.get_algorithm("remax")(w, stub_prompts(B), cfg, state)
+    state = iterations.get_algorithm("remax").state.initial(cfg)
+    metrics = iterations.get_algorithm("remax")(w, stub_prompts(B), cfg, state)
     batch = w.actor.updates[-1]
 
     b = (greedy[0] * greedy[1]).sum(-1) / 10.0  # the greedy responses' scores
@@ -243,13 +244,13 @@ def test_safe_rlhf_lagrangian_advantages_and_multiplier(scale):
         lambda_update_scale=scale,
     )
     cfg = algos.AlgorithmSettings(algos.AlgorithmConfig(adv_estimator="grpo"), safe)
-    state = programs.AlgoState.initial(cfg)
+    state = iterations.get_algorithm("safe_rlhf").state.initial(cfg)
     lam = 0.5
     scores = np.asarray([float(t == answers[i // n]) for i, t in enumerate(texts)], np.float32)
     costs = np.asarray([float("9" in t) for t in texts], np.float32)
     assert 0 < costs.sum() < len(costs) and 0 < scores.sum() < len(scores)
     for _ in range(2):
-        metrics = programs.get_algorithm("safe_rlhf")(w, stub_prompts(B, answers), cfg, state)
+        metrics = iterations.get_algorithm("safe_rlhf")(w, stub_prompts(B, answers), cfg, state)
         batch = w.actor.updates[-1]
         np.testing.assert_array_equal(np.asarray(batch["token_level_cost"]).sum(-1), costs)
         uid = list(batch["uid"])
@@ -273,11 +274,11 @@ def test_rule_costs_on_decoded_text():
     responses, mask = encode(["12", "19", "", "x", "9x"], 5, after_eos="9")  # '9's after each EOS
     texts = RuleRewardWorker(TOKENIZER).decode(responses, mask)
     assert texts == ["12", "19", "", "x", "9x"]  # valid tokens only, EOS skipped
-    np.testing.assert_array_equal(programs.rule_costs("forbidden_chars", mask, texts, "9"), [0, 1, 0, 0, 1])
-    np.testing.assert_array_equal(programs.rule_costs("forbidden_chars", mask, texts, "x2"), [1, 0, 0, 1, 1])
-    np.testing.assert_array_equal(programs.rule_costs("length", mask), mask.sum(-1))
+    np.testing.assert_array_equal(iterations.rule_costs("forbidden_chars", mask, texts, "9"), [0, 1, 0, 0, 1])
+    np.testing.assert_array_equal(iterations.rule_costs("forbidden_chars", mask, texts, "x2"), [1, 0, 0, 1, 1])
+    np.testing.assert_array_equal(iterations.rule_costs("length", mask), mask.sum(-1))
     with pytest.raises(ValueError, match="forbidden_chars, length"):
-        programs.rule_costs("toxicity", mask, texts)
+        iterations.rule_costs("toxicity", mask, texts)
 
 
 def test_multiplier_cap_and_projection():
@@ -286,7 +287,7 @@ def test_multiplier_cap_and_projection():
         ("linear", 1.0, 10.0, 2.0, 2.0),
         ("log", 1.0, 10.0, 3.0, 3.0),
     ):
-        state = programs.AlgoState(lagrange_multiplier=init)
+        state = iterations.SafeRLHFState(lagrange_multiplier=init)
         settings = algos.SafeRLHFConfig(cost_threshold=1.0, lambda_lr=0.5, lambda_update_scale=scale, lambda_max=cap)
         m = state.lagrange(settings)
         m.update(j_c)
@@ -323,7 +324,7 @@ def prompts():
         text = TOKENIZER.apply_chat_template(row["prompt"], add_generation_prompt=True, tokenize=False)
         tokens = TOKENIZER.encode(text, add_special_tokens=False)
         ids[i, PROMPT_LEN - len(tokens) :], mask[i, PROMPT_LEN - len(tokens) :] = tokens, 1
-    return programs.batch_from_prompts(
+    return iterations.batch_from_prompts(
         {
             "prompt_ids": ids,
             "prompt_mask": mask,
@@ -366,15 +367,15 @@ def workers():
 
 def _run(w, prompts, cfg, extra=()):
     settings = algorithm_settings(cfg)
-    name = programs.select_algorithm(settings)
-    state = programs.AlgoState.initial(settings)
-    metrics = programs.get_algorithm(name)(w, prompts, settings, state)
+    name = iterations.select_algorithm(settings)
+    state = iterations.get_algorithm(name).state.initial(settings)
+    metrics = iterations.get_algorithm(name)(w, prompts, settings, state)
     bad = {k: v for k, v in metrics.items() if not np.isfinite(v)}
     assert not bad, bad
     missing = (VERL_METRICS | set(extra)) - set(metrics)
     assert not missing, missing
     assert metrics["actor/update_skipped"] == 0
-    restored = programs.AlgoState()
+    restored = type(state)()
     restored.load_state_dict(json.loads(json.dumps(state.state_dict())))
     assert restored == state
     return metrics, state
@@ -400,7 +401,7 @@ def test_ppo_end_to_end(workers, prompts):
 
 
 @pytest.mark.parametrize("config", ["grpo_tiny", "rloo_tiny", "reinforce_pp_tiny"])
-def test_critic_free_programs_end_to_end(workers, prompts, config):
+def test_critic_free_iterations_end_to_end(workers, prompts, config):
     cfg = configs.get_config(config)
     w = Workers(actor=workers.actor, ref=workers.ref, reward=workers.reward)
     metrics, _ = _run(w, prompts, cfg)

@@ -1,6 +1,6 @@
-"""The steps every algorithm program is made of, each timed (verl's ``timing_s/*`` metrics).
+"""The steps every algorithm's iteration is made of, each timed (verl's ``timing_s/*`` metrics).
 
-An iteration of any program in :mod:`jaxflow.programs` reads::
+An iteration of any algorithm in :mod:`jaxflow.iterations` reads::
 
     timer = StepTimer()
     batch, metrics = rollout(w, prompts, timer, step=step)   # gen, old_log_prob, ref, values, reward
@@ -27,7 +27,7 @@ import jax
 from jaxflow.algos.kl import AdaptiveKLController, FixedKLController
 from jaxflow.algos.settings import AlgorithmConfig
 from jaxflow.data.batch import Batch
-from jaxflow.programs.batch_ops import apply_kl_penalty_to_batch, compute_advantage
+from jaxflow.iterations.batch_ops import apply_kl_penalty_to_batch, compute_advantage
 from jaxflow.workers.group import Workers
 from jaxflow.workers.reward import score_batch
 
@@ -86,7 +86,7 @@ def rollout(
         with timer("values"):
             batch |= ready(w.critic.values(batch))
     if w.reward is None:
-        raise ValueError("the program needs a reward (w.reward: a reward model and/or a rule scorer)")
+        raise ValueError("the iteration needs a reward (w.reward: a reward model and/or a rule scorer)")
     with timer("reward"):
         scores, reward_metrics = score_batch(w.reward, batch)
         batch |= ready(scores)
