@@ -32,6 +32,7 @@ from jaxflow.configs.resolve import ray_config, ray_devices
 from jaxflow.configs.run_spec import (
     RewardSpec,
     RunSpec,
+    TrainerSpec,
     build_tokenizer,
     data_spec,
     describe_run,
@@ -115,24 +116,7 @@ class RLTrainer:
         t, reward, data = trainer_spec(cfg), reward_spec(cfg), data_spec(cfg)
         self.run_dir = t.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        # First, before anything is built or written: the directory's lock (another run there is
-        # refused), and a fresh run refuses a directory that holds checkpoints (it never deletes them).
-        try:
-            self.ckpt = CheckpointManager(
-                self.run_dir,
-                max_to_keep=t.max_ckpt_to_keep,
-                save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
-                resume_mode=t.resume_mode,
-                resume_path=t.resume_from_path,
-            )
-        except FileExistsError as e:
-            raise ConfigError(
-                "trainer.resume_mode",
-                f"is 'disable' (a fresh run) but {self.run_dir} already holds "
-                f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
-                "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
-                "trainer.default_local_dir to another directory",
-            ) from e
+        self.ckpt = self._open_checkpoints(t)
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
         self.scorer = self._build_scorer(reward)
@@ -194,6 +178,27 @@ class RLTrainer:
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
 
     # ------------------------------------------------------------------ construction
+
+    def _open_checkpoints(self, t: TrainerSpec) -> CheckpointManager:
+        """First, before anything is built or written: the directory's lock (another run there
+        is refused), and a fresh run refuses a directory that holds checkpoints (it never
+        deletes them)."""
+        try:
+            return CheckpointManager(
+                self.run_dir,
+                max_to_keep=t.max_ckpt_to_keep,
+                save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
+                resume_mode=t.resume_mode,
+                resume_path=t.resume_from_path,
+            )
+        except FileExistsError as e:
+            raise ConfigError(
+                "trainer.resume_mode",
+                f"is 'disable' (a fresh run) but {self.run_dir} already holds "
+                f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
+                "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
+                "trainer.default_local_dir to another directory",
+            ) from e
 
     @staticmethod
     def _build_scorer(r: RewardSpec) -> RewardScorer:

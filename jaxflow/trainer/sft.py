@@ -100,24 +100,7 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
     rows = task.make_sft_examples(spec.data.num_train_examples, seed=spec.data.seed, split="train")
     data = tokenize_sft_examples(rows, tokenizer, spec.prompt_length, spec.response_length)
 
-    mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
-    graphdef, params = load_model(spec.models["actor"], mesh, rules)
-    tx, schedule = make_optimizer(
-        OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps, grad_clip=1.0)
-    )
-    state, shardings = create_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
-    k = num_micro_batches(s.batch_size, s.micro_batch_size_per_device, data_parallel_size(rules, mesh), "sft batch")
-    step_fn = make_train_step(
-        graphdef,
-        tx,
-        schedule,
-        sft_loss,
-        mesh=mesh,
-        rules=rules,
-        state_shardings=shardings,
-        batch_ndims={key: 2 for key in PROMPT_KEYS},
-        num_micro=k,
-    )
+    graphdef, state, step_fn = _sft_state_and_step(spec)
 
     t = spec.trainer
     logger = MetricsLogger(
@@ -175,6 +158,31 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
         flush=True,
     )
     return metrics, graphdef, state.params
+
+
+def _sft_state_and_step(spec: Any) -> tuple[nnx.GraphDef, Any, Any]:
+    """``(graphdef, train state, jitted step)`` of the supervised run ``spec`` (a `RunSpec`):
+    the actor on its training mesh, AdamW at ``jaxflow.sft.lr``, `sft_loss` micro-batched."""
+    s = spec.sft
+    mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
+    graphdef, params = load_model(spec.models["actor"], mesh, rules)
+    tx, schedule = make_optimizer(
+        OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps, grad_clip=1.0)
+    )
+    state, shardings = create_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
+    k = num_micro_batches(s.batch_size, s.micro_batch_size_per_device, data_parallel_size(rules, mesh), "sft batch")
+    step_fn = make_train_step(
+        graphdef,
+        tx,
+        schedule,
+        sft_loss,
+        mesh=mesh,
+        rules=rules,
+        state_shardings=shardings,
+        batch_ndims={key: 2 for key in PROMPT_KEYS},
+        num_micro=k,
+    )
+    return graphdef, state, step_fn
 
 
 def warm_start(cfg: ConfigDict, *, resuming: bool = False) -> tuple[ConfigDict, tuple[nnx.GraphDef, Any] | None]:

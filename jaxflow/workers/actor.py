@@ -41,7 +41,7 @@ from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
 from jaxflow.workers.protocols import DP_COMPUTE, register
-from jaxflow.workers.trainable import TrainableWorker, train_columns, train_step_program
+from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_columns, train_step_program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,14 +83,12 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ActorConfig:
+class ActorConfig(UpdateLoopConfig):
     """The policy update (verl's ``actor``). Batch sizes count responses.
 
     Attributes:
-      ppo_mini_batch_size: responses per optimizer step; the rollout size must be a multiple.
-      ppo_micro_batch_size_per_device: gradient-accumulation micro-batch, per data-parallel
-        device (None: the whole mini-batch at once).
-      ppo_epochs: passes over the rollout; ``shuffle``: a fresh permutation per pass.
+      ppo_mini_batch_size, ppo_micro_batch_size_per_device, ppo_epochs, shuffle, seed: the
+        update loop (`UpdateLoopConfig`).
       loss_mode, clip_ratio_low/high/c, loss_agg_mode, loss_scale_factor: the policy loss
         (`jaxflow.algos.compute_policy_loss`); ``policy_loss_kwargs``: mode-specific options
         as ``(name, value)`` pairs (hashable, so the config keys the compiled step).
@@ -111,11 +109,6 @@ class ActorConfig:
       optim: optimizer and schedule (read when the worker is built).
     """
 
-    ppo_mini_batch_size: int = 16
-    ppo_micro_batch_size_per_device: int | None = None
-    ppo_epochs: int = 1
-    shuffle: bool = True
-    seed: int = 0
     loss_mode: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2

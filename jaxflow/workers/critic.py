@@ -31,16 +31,16 @@ from jaxflow.workers.forward import PROMPT_KEYS, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.protocols import DP_COMPUTE, register
-from jaxflow.workers.trainable import TrainableWorker, train_step_program
+from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_step_program
 
 
 @dataclasses.dataclass(frozen=True)
-class CriticConfig:
+class CriticConfig(UpdateLoopConfig):
     """The value update (verl's ``critic``). Batch sizes count responses.
 
     Attributes:
-      ppo_mini_batch_size, ppo_micro_batch_size_per_device, ppo_epochs, shuffle, seed: as
-        for the actor.
+      ppo_mini_batch_size, ppo_micro_batch_size_per_device, ppo_epochs, shuffle, seed: the
+        update loop (`UpdateLoopConfig`).
       cliprange_value: ``eps_v``.
       loss_agg_mode, loss_scale_factor: aggregation of the value loss.
       forward_micro_batch_size_per_device: micro-batch of the `CriticWorker.values` forward.
@@ -51,11 +51,6 @@ class CriticConfig:
       optim: optimizer and schedule (read when the worker is built).
     """
 
-    ppo_mini_batch_size: int = 16
-    ppo_micro_batch_size_per_device: int | None = None
-    ppo_epochs: int = 1
-    shuffle: bool = True
-    seed: int = 0
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None

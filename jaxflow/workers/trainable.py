@@ -16,6 +16,7 @@ compiled once per micro-batch count and loss settings.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,6 +40,26 @@ from jaxflow.workers.train_state import (
 )
 
 _tree_all_finite = jax.jit(tree_all_finite)
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateLoopConfig:
+    """The update loop's settings, the first fields of `ActorConfig` and `CriticConfig` (verl's
+    names; batch sizes count responses).
+
+    Attributes:
+      ppo_mini_batch_size: responses per optimizer step; the rollout size must be a multiple.
+      ppo_micro_batch_size_per_device: gradient-accumulation micro-batch, per data-parallel
+        device (None: the whole mini-batch at once).
+      ppo_epochs: passes over the rollout; ``shuffle``: a fresh permutation per pass.
+      seed: with the training step, seeds the permutations.
+    """
+
+    ppo_mini_batch_size: int = 16
+    ppo_micro_batch_size_per_device: int | None = None
+    ppo_epochs: int = 1
+    shuffle: bool = True
+    seed: int = 0
 
 
 def train_columns(keys: tuple[str, ...], packed: bool) -> dict[str, int]:
@@ -90,10 +111,9 @@ class TrainableWorker(RoleWorker):
     optimizer state, applied-step count) sharded on its mesh, the optimizer buffers like their
     parameters; `update_epochs` runs the PPO update loop.
 
-    ``config`` (an `ActorConfig` or `CriticConfig`) gives the optimizer (``optim``) and the
-    loop's settings: ``ppo_mini_batch_size``, ``ppo_micro_batch_size_per_device``,
-    ``ppo_epochs``, ``shuffle``, ``seed``, ``use_remove_padding``, ``use_dynamic_bsz``,
-    ``ppo_max_token_len_per_device`` and ``loss_key()`` (what the compiled step depends on).
+    ``config`` (an `ActorConfig` or `CriticConfig`) gives the optimizer (``optim``), the
+    loop's settings (`UpdateLoopConfig`; ``use_remove_padding``, ``use_dynamic_bsz``,
+    ``ppo_max_token_len_per_device``) and ``loss_key()`` (what the compiled step depends on).
     Subclasses name their ``role`` (the metrics' prefix) and build their step
     (`build_train_step`)."""
 
