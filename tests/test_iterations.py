@@ -25,6 +25,7 @@ from jaxflow.workers import (
     LocalWorkerGroup,
     OptimConfig,
     RewardFn,
+    RoleSettings,
     RolloutConfig,
     RuleRewardWorker,
     Workers,
@@ -351,16 +352,18 @@ def workers():
         critic=models.init_model(CFG, "value", seed=1),
         cost_model=models.init_model(CFG, "reward", seed=2),
         rule_reward=RuleRewardWorker(TOKENIZER),
-        actor_config=ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
-        critic_config=CriticConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
-        rollout=RolloutConfig(
-            train=SamplingParams(
-                n=N,
-                max_new_tokens=MAX_NEW,
-                eos_token_ids=TOKENIZER.eos_token_id,
-                pad_token_id=TOKENIZER.pad_token_id,
-                seed=0,
-            )
+        settings=RoleSettings(
+            actor_config=ActorConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
+            critic_config=CriticConfig(ppo_mini_batch_size=8, optim=OptimConfig(lr=1e-4)),
+            rollout=RolloutConfig(
+                train=SamplingParams(
+                    n=N,
+                    max_new_tokens=MAX_NEW,
+                    eos_token_ids=TOKENIZER.eos_token_id,
+                    pad_token_id=TOKENIZER.pad_token_id,
+                    seed=0,
+                )
+            ),
         ),
     )
 

@@ -19,6 +19,7 @@ from jaxflow.workers import (
     ActorConfig,
     CriticConfig,
     OptimConfig,
+    RoleSettings,
     RolloutConfig,
     RuleRewardWorker,
     Workers,
@@ -104,9 +105,7 @@ def workers(request, modules):
         critic=modules["value"],
         reward_model=reward_model,
         rule_reward=RuleRewardWorker(TOKENIZER),
-        actor_config=ACTOR,
-        critic_config=CRITIC,
-        rollout=ROLLOUT,
+        settings=RoleSettings(actor_config=ACTOR, critic_config=CRITIC, rollout=ROLLOUT),
     )
     return request.param, placement, w
 

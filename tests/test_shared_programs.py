@@ -24,7 +24,7 @@ from jaxflow.sampling import lower_generate
 from jaxflow.trainer import builders
 from jaxflow.trainer.builders import count_train_prompts
 from jaxflow.trainer.rl import RLTrainer
-from jaxflow.workers import base as workers_base
+from jaxflow.workers import trainable as workers_trainable
 from jaxflow.workers.base import RoleWorker
 from jaxflow.workers.train_state import abstract_train_state
 
@@ -230,7 +230,7 @@ def zero_weights(monkeypatch):
         return zeros(state), shardings
 
     monkeypatch.setattr(builders, "init_sharded", init_sharded)
-    monkeypatch.setattr(workers_base, "create_train_state", create_train_state)
+    monkeypatch.setattr(workers_trainable, "create_train_state", create_train_state)
 
 
 @pytest.mark.parametrize("config", list(CASES))

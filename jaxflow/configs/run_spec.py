@@ -40,7 +40,7 @@ from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.mesh import Placement, Role
 from jaxflow.models import ModelConfig
 from jaxflow.sampling import SamplingParams
-from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RolloutConfig
+from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RoleSettings, RolloutConfig
 
 # Policy-loss options of the modes that take them (actor_rollout_ref.actor.policy_loss.*).
 POLICY_LOSS_OPTIONS = {
@@ -195,6 +195,21 @@ class RunSpec:
     sft: SFTSpec
     ref_use_remove_padding: bool = False
     ref_max_token_len_per_device: int | None = None
+
+    @property
+    def role_settings(self) -> RoleSettings:
+        """What the role workers are built with besides their models and placement (both
+        backends take it whole)."""
+        return RoleSettings(
+            actor_config=self.actor,
+            rollout=self.rollout,
+            critic_config=self.critic or CriticConfig(),
+            ref_micro_batch_size_per_device=self.ref_micro_batch_size_per_device,
+            reward_micro_batch_size_per_device=self.reward.micro_batch_size_per_device,
+            ref_use_remove_padding=self.ref_use_remove_padding,
+            ref_max_token_len_per_device=self.ref_max_token_len_per_device,
+            reward_use_remove_padding=self.reward.use_remove_padding,
+        )
 
     @property
     def n(self) -> int:

@@ -41,6 +41,7 @@ from jaxflow.configs.run_spec import (
 )
 from jaxflow.configs.validate import warn_ignored_under_auto
 from jaxflow.iterations import batch_from_prompts
+from jaxflow.mesh import Role
 from jaxflow.plan.lowering import run_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer import interrupt
@@ -222,7 +223,7 @@ class RLTrainer:
             worker process runs on its own mesh."""
             if self.backend is not None:
                 return functools.partial(load_model, spec.models[role])
-            phase = "train" if role in ("actor", "critic") else "infer"
+            phase = "train" if Role(role).trains else "infer"
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
@@ -235,14 +236,7 @@ class RLTrainer:
             reward_model=model("reward") if "reward" in spec.roles else None,
             cost_model=model("cost") if "cost" in spec.roles else None,
             rule_reward=RuleRewardWorker(self.tokenizer, self.scorer),
-            actor_config=spec.actor,
-            critic_config=spec.critic,
-            rollout=spec.rollout,
-            ref_micro_batch_size_per_device=spec.ref_micro_batch_size_per_device,
-            reward_micro_batch_size_per_device=spec.reward.micro_batch_size_per_device,
-            ref_use_remove_padding=spec.ref_use_remove_padding,
-            ref_max_token_len_per_device=spec.ref_max_token_len_per_device,
-            reward_use_remove_padding=spec.reward.use_remove_padding,
+            settings=spec.role_settings,
         )
 
     def close(self) -> None:

@@ -7,8 +7,8 @@
         meshes={"actor": "fsdp=2,tp=2"}, gen_tp={"actor": 2}, models={"actor": cfg, "ref": cfg})
     w = build_local_workers(placement, actor=policy, ref=policy, critic=value_model,
                             rule_reward=RuleRewardWorker(tokenizer),
-                            actor_config=ActorConfig(...),
-                            rollout=RolloutConfig(train=SamplingParams(max_new_tokens=8, n=4)))
+                            settings=RoleSettings(actor_config=ActorConfig(...),
+                                                  rollout=RolloutConfig(train=SamplingParams(n=4))))
     metrics = jaxflow.iterations.ppo_iteration(w, prompts, settings)
 
 Each role gets its placement mesh and rules (the actor its training mesh and rules, and the
@@ -20,9 +20,7 @@ directories.
 from __future__ import annotations
 
 from jaxflow.mesh import Placement
-from jaxflow.workers.actor import ActorConfig, RolloutConfig
 from jaxflow.workers.base import ModelLike
-from jaxflow.workers.critic import CriticConfig
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.reward import RewardFn, RuleRewardWorker
 from jaxflow.workers.roles import RoleSettings, make_role_worker
@@ -32,36 +30,17 @@ def build_local_workers(
     placement: Placement,
     *,
     actor: ModelLike,
-    actor_config: ActorConfig = ActorConfig(),
-    rollout: RolloutConfig = RolloutConfig(),
     ref: ModelLike | None = None,
     critic: ModelLike | None = None,
-    critic_config: CriticConfig = CriticConfig(),
     reward_model: ModelLike | None = None,
     rule_reward: RuleRewardWorker | None = None,
     cost_model: ModelLike | None = None,
+    settings: RoleSettings = RoleSettings(),
     reward_weights: tuple[float, float] = (1.0, 1.0),
-    strategy: str = "hybrid",
-    ref_micro_batch_size_per_device: int | None = None,
-    reward_micro_batch_size_per_device: int | None = None,
-    ref_use_remove_padding: bool = False,
-    ref_max_token_len_per_device: int | None = None,
-    reward_use_remove_padding: bool = False,
 ) -> Workers:
-    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says.
-    ``ref_micro_batch_size_per_device`` / ``reward_micro_batch_size_per_device``: the
-    micro-batches of the reference's and the reward (and cost) models' forwards."""
-    settings = RoleSettings(
-        actor_config=actor_config,
-        rollout=rollout,
-        critic_config=critic_config or CriticConfig(),
-        strategy=strategy,
-        ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
-        reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
-        ref_use_remove_padding=ref_use_remove_padding,
-        ref_max_token_len_per_device=ref_max_token_len_per_device,
-        reward_use_remove_padding=reward_use_remove_padding,
-    )
+    """`Workers` with a `LocalWorkerGroup` per given role, placed as ``placement`` says, each
+    built with its ``settings`` (`RoleSettings`: the updates, the rollout, the forwards'
+    micro-batches)."""
     models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
     groups = {
         role: LocalWorkerGroup(make_role_worker(role, placement, model, settings), name=role)

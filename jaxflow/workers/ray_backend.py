@@ -55,8 +55,6 @@ import numpy as np
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import Placement
-from jaxflow.workers.actor import ActorConfig, RolloutConfig
-from jaxflow.workers.critic import CriticConfig
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.host_transfer import (
     RowSplit,
@@ -679,21 +677,13 @@ class RayBackend:
         placement: Placement,
         *,
         actor: Any,
-        actor_config: ActorConfig = ActorConfig(),
-        rollout: RolloutConfig = RolloutConfig(),
         ref: Any = None,
         critic: Any = None,
-        critic_config: CriticConfig | None = None,
         reward_model: Any = None,
         rule_reward: RuleRewardWorker | None = None,
         cost_model: Any = None,
+        settings: RoleSettings = RoleSettings(),
         reward_weights: tuple[float, float] = (1.0, 1.0),
-        strategy: str = "hybrid",
-        ref_micro_batch_size_per_device: int | None = None,
-        reward_micro_batch_size_per_device: int | None = None,
-        ref_use_remove_padding: bool = False,
-        ref_max_token_len_per_device: int | None = None,
-        reward_use_remove_padding: bool = False,
     ) -> Workers:
         """`jaxflow.workers.build_local_workers` on Ray: one `ProcessGroup` per pool, the
         roles built in its processes. A model is a checkpoint directory, a ``(graphdef,
@@ -701,17 +691,6 @@ class RayBackend:
         devices hold: `ProcessGroup.ship_params`) or a callable ``(mesh, rules) -> model`` run
         in every process (each reads or initialises its own shards). The rule scorer runs on
         the driver."""
-        settings = RoleSettings(
-            actor_config=actor_config,
-            rollout=rollout,
-            critic_config=critic_config or CriticConfig(),
-            strategy=strategy,
-            ref_micro_batch_size_per_device=ref_micro_batch_size_per_device,
-            reward_micro_batch_size_per_device=reward_micro_batch_size_per_device,
-            ref_use_remove_padding=ref_use_remove_padding,
-            ref_max_token_len_per_device=ref_max_token_len_per_device,
-            reward_use_remove_padding=reward_use_remove_padding,
-        )
         models = {"actor": actor, "ref": ref, "critic": critic, "reward": reward_model, "cost": cost_model}
         groups: dict[str, WorkerGroup] = {}
         for pool, roles in placement.groups().items():
