@@ -60,7 +60,7 @@ class SafeRLHFConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
-    """Everything an iteration program reads besides the workers and the prompts."""
+    """Everything an algorithm's iteration reads besides the workers and the prompts."""
 
     algorithm: AlgorithmConfig = AlgorithmConfig()
     safe_rlhf: SafeRLHFConfig = SafeRLHFConfig()

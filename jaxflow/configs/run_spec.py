@@ -6,7 +6,7 @@ key. Each key is read here once (``rollout.n`` included)::
     spec = describe_run(cfg)                      # after configs.validate(cfg)
     spec.placement.mesh("actor", "train")         # meshes and rules per role and phase
     spec.actor, spec.critic, spec.rollout         # worker settings, micro-batches included
-    spec.algorithm                                # what an iteration program reads
+    spec.algorithm                                # what the algorithm's iteration reads
 
 Sizes. verl's batch keys count prompts; the worker configs count responses (``* n``).
 Optimizer steps (the learning-rate schedules' length) are counted per role:
@@ -165,7 +165,7 @@ class RunSpec:
       critic: the value update (None without a critic).
       reward: the reward model / rule scorer settings (the cost model shares the reward
         model's forward micro-batch).
-      algorithm: what the iteration program reads.
+      algorithm: what the algorithm's iteration reads.
       prompt_length, response_length: P and R; ``train_batch_size``: prompts per step.
       training_steps: iterations of the run; ``critic_warmup``: the first steps without an
         actor update.

@@ -222,7 +222,7 @@ class LocalWorkerGroup(WorkerGroup):
 
 @dataclasses.dataclass
 class Workers:
-    """The worker groups an algorithm program runs over (DESIGN.md's ``w``).
+    """The worker groups an algorithm's iteration runs over (DESIGN.md's ``w``).
 
     ``reward`` is a callable ``Batch -> Batch`` giving ``token_level_scores`` (a
     `jaxflow.workers.reward.RewardFn` over a reward-model group and/or a rule scorer).
