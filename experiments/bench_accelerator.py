@@ -63,7 +63,7 @@ TINY = dict(
 )
 PHASES = ("checkpoint", "hf", "torch_train", "rl", "xla_flags", "ceilings", "engine", "profile", "train", "wide")
 TINY_SKIPS = ("xla_flags", "wide")  # GPU flags; the wide model is the train and engine phases again
-ENGINE_VARIANTS = {"steps_per_sync_1": dict(steps_per_sync=1), "attention_jax": dict(attention="jax")}
+ENGINE_VARIANTS = {"steps_per_sync_1": dict(steps_per_sync=1), "attention_jax": dict(attention="jax")}  # EngineOptions
 # XLA:GPU command buffers (CUDA graphs): off, and with loops and conditionals inside them
 XLA_FLAG_VARIANTS = {
     "command_buffers_off": "--xla_gpu_enable_command_buffer=",
@@ -329,7 +329,7 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
     """`generate` of B prompts x n samples, P prompt tokens -> R new (every row to R: no EOS)."""
     import numpy as np
 
-    from jaxflow.sampling import SamplingParams, generate
+    from jaxflow.sampling import EngineOptions, SamplingParams, generate
 
     rng = np.random.default_rng(0)
     ids = rng.integers(3, model.cfg.vocab_size - 1, (B, P)).astype(np.int32)
@@ -338,7 +338,7 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
 
     def call():
         params = SamplingParams(max_new_tokens=R, n=n, temperature=1.0, eos_token_ids=(), seed=next(seeds))
-        out = generate(model, ids, mask, params, **kw)
+        out = generate(model, ids, mask, params, options=EngineOptions(**kw))
         out.responses.block_until_ready()
         return out
 
