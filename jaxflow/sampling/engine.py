@@ -173,69 +173,50 @@ def _replica_rules(rules: Rules) -> Rules:
     )
 
 
-def _generate_program(
-    graphdef,
-    state,
-    ids_RxBxP,
-    plen_RxB,
-    limits_RxN,
-    row_offset_R,
-    num_rows_R,
-    rng,
-    temperature,
-    top_p,
-    stop_tables,
-    *,
-    static: Static,
-    mesh: Mesh | None,
-    rules: Rules,
-):
-    """The traced program: every replica's `batcher.rollout`, each on its own dp group
-    (``shard_map`` manual over the mesh's batch axes, the rest of the mesh left to the
-    compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes selects over the
-    whole carry (the page pools copied every step, the prefill branch run every step).
-    Returns rows flattened to [replicas * rows, ...]."""
+def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, manual: bool, *args):
+    """The replica(s) of one dp group: [1, ...] inputs -> [1, ...] outputs (`batcher.rollout`
+    under the replica's rules; inside ``shard_map`` (``manual``), constraints and the kernels'
+    own ``shard_map`` name the context's partly manual mesh)."""
+    state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables = args
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
-    vocab_shards = (
-        1
-        if mesh is None
-        else math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0]))
+    vocab_axes = () if mesh is None else _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0])
+    here = jax.sharding.get_abstract_mesh() if manual else mesh
+    pool_layout = PoolLayout(
+        static.kernel,
+        kv_axes,
+        here if kv_axes else None,
+        interpret=static.kernel == "gpu" and _platform(mesh) != "gpu",
     )
-
-    def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables):
-        """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
-        model = nnx.merge(graphdef, state)
-        # inside shard_map, constraints (and the kernels' shard_map) name the context's
-        # (partly manual) mesh
-        here = jax.sharding.get_abstract_mesh() if manual else mesh
-        pool_layout = PoolLayout(
-            static.kernel,
-            kv_axes,
-            here if kv_axes else None,
-            interpret=static.kernel == "gpu" and _platform(mesh) != "gpu",
+    ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
+    with ctx:
+        out = rollout(
+            nnx.merge(graphdef, state),
+            ids[0],
+            plen[0],
+            limits[0],
+            offset[0],
+            num_rows[0],
+            rng,
+            temperature,
+            top_p,
+            stop_tables,
+            static,
+            pool_layout,
+            math.prod(mesh.shape[a] for a in vocab_axes) if mesh is not None else 1,
         )
-        ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
-        with ctx:
-            out = rollout(
-                model,
-                ids[0],
-                plen[0],
-                limits[0],
-                offset[0],
-                num_rows[0],
-                rng,
-                temperature,
-                top_p,
-                stop_tables,
-                static,
-                pool_layout,
-                vocab_shards,
-            )
-        return jax.tree.map(lambda x: x[None], out)
+    return jax.tree.map(lambda x: x[None], out)
 
-    args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p, stop_tables)
+
+def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules: Rules):
+    """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R,
+    num_rows_R, rng, temperature, top_p, stop_tables)``: every replica's `batcher.rollout`,
+    each on its own dp group (``shard_map`` manual over the mesh's batch axes, the rest of the
+    mesh left to the compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes
+    selects over the whole carry (the page pools copied every step, the prefill branch run
+    every step). Returns rows flattened to [replicas * rows, ...]."""
     axes = () if mesh is None else _axes_of(_batch_spec(rules, mesh)[0])
-    manual = bool(axes) and ids_RxBxP.shape[0] > 1
+    manual = bool(axes) and args[1].shape[0] > 1
+    local = functools.partial(_replica_rollout, graphdef, static, mesh, rules, manual)
     if not manual:
         out = local(*args)
     else:
@@ -280,7 +261,7 @@ def _axes_of(entry) -> tuple[str, ...]:
 def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules):
     """One jitted program per (model structure, static settings, mesh, rules); jax caches its
     compilations per input shapes and shardings."""
-    fn = functools.partial(_generate_program, graphdef, static=static, mesh=mesh, rules=rules)
+    fn = functools.partial(_generate_program, graphdef=graphdef, static=static, mesh=mesh, rules=rules)
     if mesh is None:
         return jax.jit(fn)
     rows2 = NamedSharding(mesh, _batch_spec(rules, mesh, None))
@@ -598,8 +579,11 @@ def memory_kv_tokens(shape: EngineShape, kv_shards: int, devices) -> int | None:
     `KV_MEMORY_FRACTION` of the free memory of the emptiest device, else the largest power of
     two pages that does (stable across calls, so the program is reused), if that beats the
     token-budget default. None (the default of `batcher.pool_pages`) on CPU, whose devices
-    report no memory, and where the fraction holds less. ``kv_shards``: the devices one
-    replica's pool is split over (its kv heads)."""
+    report no memory, where the fraction holds less, and in a multi-process world (each
+    process reads only its own devices' memory, and all must compile the same pool).
+    ``kv_shards``: the devices one replica's pool is split over (its kv heads)."""
+    if jax.process_count() > 1:  # each process sees only its own devices' memory; every one must pick the same pool
+        return None
     stats = [d.memory_stats() for d in devices]
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return None
