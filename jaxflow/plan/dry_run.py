@@ -500,7 +500,7 @@ def _role_plan(
         if f"actor/generate_{mode}" in wanted:
             specs[f"actor/generate_{mode}"], _ = progs.generate_program(run, mc, graphdef, state, engine, mode)
     if "actor/reshard" in wanted:
-        specs["actor/reshard"] = progs.reshard_program(engine, state)
+        specs["actor/reshard"] = progs.reshard_program(engine, state, progs.generation_dtype(mc))
     return rp
 
 

@@ -35,7 +35,7 @@ from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
-from jaxflow.sampling import SamplingParams, generate_from_state
+from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
 from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
@@ -43,6 +43,14 @@ from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_columns, train_step_program
+
+
+def generation_dtype(cfg: Any) -> Any:
+    """The dtype of the actor's generation copy: the model's compute dtype where it is
+    narrower than its (master) weights' (bf16 generation from float32 masters on
+    accelerators), else None (generation reads the weights as they are)."""
+    compute, stored = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    return compute if jnp.issubdtype(compute, jnp.floating) and compute.itemsize < stored.itemsize else None
 
 
 def cast_program(dtype: Any, shardings: Any):
@@ -329,8 +337,7 @@ class ActorWorker(TrainableWorker):
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
         r = self.rollout
         options = dict(
-            slots=r.max_num_seqs or None,
-            kv_tokens=r.max_total_tokens or None,
+            options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
             max_new_tokens=limits,
             tokenizer=r.tokenizer,
         )
@@ -362,14 +369,8 @@ class ActorWorker(TrainableWorker):
         return dict(self._gen_seconds)
 
     def generation_dtype(self) -> Any:
-        """The dtype of the generation copy: the model's compute dtype where it is narrower
-        than the (master) weights' (bf16 generation from float32 masters on accelerators),
-        else None (generation reads the weights as they are)."""
-        compute = jnp.dtype(self.model_config.dtype)
-        stored = jnp.dtype(jax.tree.leaves(self.params)[0].dtype)
-        if jnp.issubdtype(compute, jnp.floating) and compute.itemsize < stored.itemsize:
-            return compute
-        return None
+        """`generation_dtype` of this actor's model."""
+        return generation_dtype(self.model_config)
 
     def _generation_weights(self, stack: contextlib.ExitStack) -> tuple[Any, Mesh, Rules]:
         """The weights generation reads, with their mesh and rules. Same dtype as the
