@@ -63,6 +63,9 @@ class AlgorithmConfig:
       use_kl_in_reward: subtract ``beta * kl(old_log_probs, ref_log_prob)`` from the scores.
       kl_penalty: the KL estimator of that penalty (``kl``, ``abs``, ``mse``, ``low_var_kl``).
       kl_ctrl: its coefficient's controller.
+      gdpo_reward_keys, gdpo_reward_weights: ``gdpo``'s reward dimensions (keys of the reward
+        function's dict) and their weights (None: all 1).
+      rollout_correction: the rollout-correction settings (bypass mode, IS weights, rejection).
     """
 
     adv_estimator: str = "gae"
@@ -72,6 +75,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = KLControlConfig()
+    gdpo_reward_keys: tuple[str, ...] = ()
+    gdpo_reward_weights: tuple[float, ...] | None = None
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
 
 @dataclasses.dataclass(frozen=True)
