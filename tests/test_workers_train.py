@@ -243,7 +243,8 @@ def test_bypass_mode_step_reports_verls_rollout_corr_metrics(minibatch):
         policy_loss_kwargs=(("rollout_correction", rc),),
         optim=OptimConfig(lr=1e-3, eps=1e-4),
     )
-    worker = ActorWorker(models.init_model(CFG, seed=3), _mesh((1, 1, 1)), TRAIN_RULES, config)
+    one_layer = models.get_preset("tiny_llama", vocab_size=128, num_layers=1)  # half the compile
+    worker = ActorWorker(models.init_model(one_layer, seed=3), _mesh((1, 1, 1)), TRAIN_RULES, config)
     log_prob = np.asarray(worker.log_probs(Batch.from_dict(dict(minibatch)))["old_log_probs"])
     metrics = worker.train_step(minibatch)
     mask = minibatch["response_mask"]

@@ -114,8 +114,8 @@ def compute_advantage(
     ``rollout_is_weights`` are passed when the batch has them; ``group_ids`` come from the
     ``uid`` non-tensor column; with ``gdpo_reward_keys``, an estimator that takes
     ``gdpo_scores`` gets the reward function's named values (`gdpo_scores`) and their
-    ``gdpo_reward_weights``. Extra keyword
-    arguments reach the estimator (those it does not take are ignored)."""
+    ``gdpo_reward_weights``. Extra keyword arguments reach the estimator (those it does not
+    take are ignored)."""
     columns: dict[str, Any] = {k: _host(batch, k) for k in _ESTIMATOR_COLUMNS if k in batch}
     if "token_level_rewards" not in columns:
         columns["token_level_rewards"] = _host(batch, "token_level_scores")
