@@ -14,6 +14,7 @@ from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tasks import get_task
 from jaxflow.mesh import Placement
+from jaxflow.programs import steps
 from jaxflow.rewards import RewardScorer
 from jaxflow.sampling import SamplingParams
 from jaxflow.workers import (
@@ -272,3 +273,16 @@ def test_gdpo_reads_the_reward_functions_named_values():
     partial = batch.update(non_tensors={"reward_extra/acc": np.array([1, 0, np.nan, 0, 1, 0], np.float32)})
     with pytest.raises(ValueError, match="only 5 of 6 samples"):
         programs.compute_advantage(partial, "gdpo", gdpo_reward_keys=("acc",))
+
+
+def test_bypass_mode_rollout_takes_the_rollouts_log_probs(workers, prompts, monkeypatch):
+    """verl's bypass mode: old_log_probs are the rollout's own (no actor forward), and planners
+    know the update then reads them."""
+    _, _, w = workers
+    monkeypatch.setattr(w.actor, "log_probs", lambda *a, **k: pytest.fail("bypass mode recomputed old_log_probs"))
+    batch, _ = steps.rollout(w, prompts, steps.StepTimer(), step=0, bypass_mode=True)
+    np.testing.assert_array_equal(np.asarray(batch["old_log_probs"]), np.asarray(batch["rollout_log_probs"]))
+    bypass = algos.AlgorithmSettings(
+        algos.AlgorithmConfig(adv_estimator="grpo", rollout_correction=algos.RolloutCorrectionConfig(bypass_mode=True))
+    )
+    assert programs.rollout_scores_old_log_probs(bypass) and not programs.rollout_scores_old_log_probs(GRPO)

@@ -3,8 +3,11 @@
 All losses share the signature of :func:`compute_policy_loss`'s positional columns
 ``(old_log_prob, log_prob, advantages, response_mask)`` (``[B, T]`` each) and return
 ``(loss, metrics)`` where ``metrics`` always holds the scalars ``pg_clipfrac``,
-``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), so the output
-pytree does not depend on the mode. Gradients flow through ``log_prob`` only.
+``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), plus any metric
+of the loss's own under its verl name (``bypass_mode``'s ``rollout_corr/*``). Gradients flow
+through ``log_prob`` only. verl 0.9.1's newer losses live beside this module:
+`jaxflow.algos.trust_region_losses` (``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``) and
+`jaxflow.algos.rollout_correction` (``bypass_mode``).
 
 Global normalisation
 --------------------
@@ -170,7 +173,8 @@ def compute_policy_loss(
     **mode_kwargs: Any,
 ) -> tuple[Array, dict]:
     """Dispatches to the policy loss ``loss_mode`` (``vanilla``, ``gspo``, ``gpg``, ``cispo``,
-    ``clip_cov``, ``kl_cov``, ``geo_mean`` or a user-registered one).
+    ``clip_cov``, ``kl_cov``, ``geo_mean``, ``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``,
+    ``bypass_mode`` or a user-registered one).
 
     Clip ratios and ``loss_agg_mode`` are dropped for modes that do not use them;
     ``mode_kwargs`` are passed as-is, so a misspelt mode option raises ``TypeError``.
