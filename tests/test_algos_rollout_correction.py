@@ -128,3 +128,16 @@ def test_rollout_correction_from_a_mapping_and_unknown_keys():
             algos.compute_policy_loss(
                 old, lp, a, m, loss_mode="bypass_mode", rollout_correction={"rollout_is_treshold": 2}
             )
+
+
+def test_a_micro_batch_without_response_tokens_adds_nothing():
+    """verl raises on an empty mask; a jitted micro-batch cannot: its loss and every
+    rollout_corr metric are 0 (finite), so its token share (0) adds nothing."""
+    rc = algos.RolloutCorrectionConfig(**CONFIGS[4])
+    old, lp, a, m, _ = random_inputs(10).values()
+    loss, metrics = jax.jit(lambda *x: algos.compute_policy_loss(*x, loss_mode="bypass_mode", rollout_correction=rc))(
+        old, lp, a, np.zeros_like(m)
+    )
+    assert float(loss) == 0.0
+    corr = {k: float(v) for k, v in metrics.items() if k.startswith("rollout_corr/")}
+    assert len(corr) > 50 and all(v == 0.0 for v in corr.values()), corr

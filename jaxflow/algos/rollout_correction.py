@@ -21,7 +21,8 @@ Every metric carries verl's name, prefixed ``rollout_corr/`` by
 `compute_rollout_correction_and_rejection_mask`. All of it jits: the options and thresholds
 are static Python values, the metrics are 0-d arrays. Reductions over "valid sequences" (at
 least one response token) and over all rows are as verl's; verl raises for a batch without a
-response token, which a jitted function cannot, so its metrics are then undefined.
+response token, which a jitted function cannot: its metrics are then 0 (an empty
+micro-batch adds nothing to the mini-batch's).
 """
 
 from __future__ import annotations
@@ -392,7 +393,8 @@ def compute_rollout_correction_and_rejection_mask(
 ) -> tuple[Array | None, Array, dict[str, Array]]:
     """``(IS weights or None, response mask after rejection, metrics)``: the weights when
     ``rollout_is`` (and its threshold) is set, the rejection when ``rollout_rs`` is, the
-    off-policy diagnostics always; every metric named ``rollout_corr/<verl's name>``."""
+    off-policy diagnostics always; every metric named ``rollout_corr/<verl's name>`` (all 0
+    for a mask without a response token, where verl raises: an empty micro-batch's share)."""
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != jnp.shape(response_mask):
         raise ValueError(
             f"log-prob and mask shapes differ: {old_log_prob.shape}, {rollout_log_prob.shape}, "
@@ -411,7 +413,8 @@ def compute_rollout_correction_and_rejection_mask(
         mask, rs_metrics = compute_rollout_rejection_mask(log_ratio, response_mask, rollout_rs, rollout_rs_threshold)
         metrics |= rs_metrics
     metrics |= compute_offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask)
-    return weights, mask, {f"rollout_corr/{k}": v for k, v in metrics.items()}
+    has_tokens = jnp.any(jnp.asarray(response_mask) != 0)  # verl raises without one; an empty micro-batch: 0
+    return weights, mask, {f"rollout_corr/{k}": jnp.where(has_tokens, v, 0.0) for k, v in metrics.items()}
 
 
 # ----------------------------------------------------------------------------- losses
