@@ -14,7 +14,9 @@ never read from the batch, whose ``meta`` is provenance only), ``agg`` is
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
 ``actor/entropy``, ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL loss),
 ``actor/grad_norm`` (before clipping), ``actor/lr``, ``actor/update_skipped`` (1 for a step
-refused as non-finite: parameters and optimizer state unchanged).
+refused as non-finite: parameters and optimizer state unchanged), and a loss's own metrics
+under their names (``bypass_mode``'s ``rollout_corr/*``; micro-batches weighted by their
+share of the mini-batch's tokens).
 """
 
 from __future__ import annotations
@@ -226,13 +228,8 @@ def actor_loss(cfg: ActorConfig):
         loss = pg_loss - cfg.entropy_coeff * entropy_agg
         # Local masked means -> shares of the mini-batch's masked mean (they add up).
         share = masked_sum(jnp.ones_like(log_prob), mask) / jnp.maximum(gbi["batch_num_tokens"], 1)
-        aux = {
-            "pg_loss": pg_loss,
-            "entropy": entropy_agg,
-            "pg_clipfrac": pg["pg_clipfrac"] * share,
-            "pg_clipfrac_lower": pg["pg_clipfrac_lower"] * share,
-            "ppo_kl": pg["ppo_kl"] * share,
-        }
+        # pg_clipfrac, pg_clipfrac_lower, ppo_kl, and a loss's own metrics (bypass_mode's rollout_corr/*)
+        aux = {"pg_loss": pg_loss, "entropy": entropy_agg} | {k: v * share for k, v in pg.items()}
         if cfg.use_kl_loss:
             kl_loss = agg_loss(
                 kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg_kw
@@ -242,6 +239,11 @@ def actor_loss(cfg: ActorConfig):
         return loss, aux
 
     return loss_fn
+
+
+def _metric_name(name: str) -> str:
+    """``actor/<name>``; a name with its own section (a loss's ``rollout_corr/kl``) as is (verl)."""
+    return name if "/" in name else f"actor/{name}"
 
 
 def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
@@ -522,7 +524,7 @@ class ActorWorker(TrainableWorker):
             if layout is not None and cfg.log_balance:
                 balance.append(balance_metrics(layout))
         per_step = jax.device_get(per_step)
-        out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
+        out = {_metric_name(name): np.asarray([m[name] for m in per_step]) for name in per_step[0]}
         if balance:
             out |= {name: np.asarray([m[name] for m in balance]) for name in balance[0]}
         if cfg.use_kl_loss:
@@ -540,4 +542,4 @@ class ActorWorker(TrainableWorker):
         host = {k: host_array(minibatch[k]) for k in keys}
         inputs, _ = self.place_minibatch(host, np.arange(rows))
         self.state, metrics = step(self.state, inputs, {"temperature": np.float32(t)})
-        return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}
+        return {_metric_name(n): float(v) for n, v in jax.device_get(metrics).items()}
