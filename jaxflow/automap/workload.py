@@ -11,7 +11,8 @@ The dataflow (HybridFlow's PPO; the other algorithms drop roles they do not run)
 What the algorithm adds or drops is read from its registration
 (`jaxflow.iterations.Algorithm`): ``actor/log_probs`` runs when its rollout scores the old
 log-probs (``scores_old_log_probs``) or the actor's update is not on-policy (more than one
-optimizer step per rollout; otherwise the update's own forward gives them);
+optimizer step per rollout; otherwise the update's own forward gives them), never in verl's
+bypass mode (the rollout's own log-probs are the old ones);
 ``actor/generate_<mode>`` is each of its ``extra_rollouts`` (ReMax's greedy baseline), one
 response per prompt. The stages of one pool run one after another;
 :func:`jaxflow.automap.search.schedule` says when stages on disjoint pools overlap. Not
@@ -181,8 +182,11 @@ def workload_from_spec(spec: RunSpec) -> Workload:
     train = {"actor": spec.actor, "critic": spec.critic}
     train = {r: c for r, c in train.items() if r in spec.roles}
     algorithm = run_algorithm(spec)
+    # The actor's log-prob forward: the rollout scores them, or the update is not on-policy;
+    # never in bypass mode (the rollout's own log-probs are the old ones).
     scored = algorithm.scores_old_log_probs(spec.algorithm)
-    old_log_probs = scored or not spec.actor.is_on_policy(spec.rollout_rows)
+    bypass = spec.algorithm.algorithm.rollout_correction.bypass_mode
+    old_log_probs = not bypass and (scored or not spec.actor.is_on_policy(spec.rollout_rows))
     return Workload(
         name=spec.name,
         models=models,

@@ -30,6 +30,7 @@ from jaxflow.iterations.registry import (
     estimator_algorithm,
     get_algorithm,
     register_algorithm,
+    rollout_scores_old_log_probs,
     select_algorithm,
 )
 from jaxflow.iterations.remax import greedy_baseline, remax_iteration
@@ -68,6 +69,7 @@ __all__ = [
     "ppo_iteration",
     "register_algorithm",
     "remax_iteration",
+    "rollout_scores_old_log_probs",
     "rule_costs",
     "safe_rlhf_iteration",
     "select_algorithm",

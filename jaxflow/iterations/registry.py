@@ -81,7 +81,8 @@ class Algorithm:
       uses_critic: ``fn(settings) -> bool``: its iteration trains a critic and reads its
         ``values``; the run must then have one (`check_roles`).
       scores_old_log_probs: ``fn(settings) -> bool``: its rollout scores ``old_log_probs``
-        before the update; otherwise the actor's update takes them from its own forward when
+        before the update (in bypass mode every rollout carries them:
+        `rollout_scores_old_log_probs`); otherwise the actor's update takes them from its own forward when
         it is on-policy (`jaxflow.workers.ActorConfig.is_on_policy`). Planners read this to
         lower the train step the run calls.
       extra_rollouts: the sampling modes (`jaxflow.workers.RolloutConfig.resolve`) of the
@@ -185,3 +186,13 @@ def algorithm_for(settings: AlgorithmSettings) -> Algorithm:
 def select_algorithm(settings: AlgorithmSettings) -> str:
     """The name of the algorithm of ``settings`` (`algorithm_for`)."""
     return algorithm_for(settings).name
+
+
+def rollout_scores_old_log_probs(settings: AlgorithmSettings) -> bool:
+    """Whether the rollout of the algorithm of ``settings`` carries ``old_log_probs`` into the
+    update: its ``scores_old_log_probs``, or verl's bypass mode (any algorithm: they are the
+    rollout's own log-probs, no forward). Otherwise the actor's update takes them from its own
+    forward when it is on-policy or computes them itself. Planners read this to lower the
+    train step the run calls."""
+    bypass = settings.algorithm.rollout_correction.bypass_mode
+    return bool(bypass) or algorithm_for(settings).scores_old_log_probs(settings)

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.configs import ConfigError
 from jaxflow.configs.run_spec import RunSpec
-from jaxflow.iterations import Algorithm, algorithm_for
+from jaxflow.iterations import Algorithm, algorithm_for, rollout_scores_old_log_probs
 from jaxflow.mesh import Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
@@ -256,10 +256,10 @@ def run_algorithm(spec: RunSpec) -> Algorithm:
 def actor_on_policy(spec: RunSpec) -> bool:
     """Whether the actor's update runs on-policy (no ``old_log_probs`` column: the step's own
     forward, detached): the algorithm's rollout does not score them
-    (`jaxflow.iterations.Algorithm.scores_old_log_probs`) and one optimizer step covers the
+    (`jaxflow.iterations.rollout_scores_old_log_probs`) and one optimizer step covers the
     rollout (`ActorConfig.is_on_policy`), exactly as `ActorWorker.update` decides."""
-    scored = run_algorithm(spec).scores_old_log_probs(spec.algorithm)
-    return not scored and spec.actor.is_on_policy(spec.rollout_rows)
+    run_algorithm(spec)  # checked against the roles
+    return not rollout_scores_old_log_probs(spec.algorithm) and spec.actor.is_on_policy(spec.rollout_rows)
 
 
 def train_step_program(

@@ -14,7 +14,9 @@ never read from the batch, whose ``meta`` is provenance only), ``agg`` is
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
 ``actor/entropy``, ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL loss),
 ``actor/grad_norm`` (before clipping), ``actor/lr``, ``actor/update_skipped`` (1 for a step
-refused as non-finite: parameters and optimizer state unchanged).
+refused as non-finite: parameters and optimizer state unchanged), and a loss's own metrics
+under their names (``bypass_mode``'s ``rollout_corr/*``; micro-batches weighted by their
+share of the mini-batch's tokens).
 """
 
 from __future__ import annotations
@@ -206,13 +208,8 @@ def actor_loss(cfg: ActorConfig):
         loss = pg_loss - cfg.entropy_coeff * entropy_agg
         # Local masked means -> shares of the mini-batch's masked mean (they add up).
         share = masked_sum(jnp.ones_like(log_prob), mask) / jnp.maximum(gbi["batch_num_tokens"], 1)
-        aux = {
-            "pg_loss": pg_loss,
-            "entropy": entropy_agg,
-            "pg_clipfrac": pg["pg_clipfrac"] * share,
-            "pg_clipfrac_lower": pg["pg_clipfrac_lower"] * share,
-            "ppo_kl": pg["ppo_kl"] * share,
-        }
+        # pg_clipfrac, pg_clipfrac_lower, ppo_kl, and a loss's own metrics (bypass_mode's rollout_corr/*)
+        aux = {"pg_loss": pg_loss, "entropy": entropy_agg} | {k: v * share for k, v in pg.items()}
         if cfg.use_kl_loss:
             kl_loss = agg_loss(
                 kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg_kw

@@ -135,6 +135,11 @@ class TrainableWorker(RoleWorker):
         return self.state.params
 
     # ------------------------------------------------------------------ the update loop
+    def metric_name(self, name: str) -> str:
+        """``<role>/<name>``; a name with its own section (a loss's ``rollout_corr/kl``) as is
+        (verl's names)."""
+        return name if "/" in name else f"{self.role}/{name}"
+
     def build_train_step(self, num_micro: int, on_policy: bool) -> Any:
         """The role's jitted optimizer step (`train_step_program` with its loss)."""
         raise NotImplementedError
@@ -182,7 +187,7 @@ class TrainableWorker(RoleWorker):
     ) -> tuple[dict[str, np.ndarray], list[PackedLayout | None]]:
         """PPO epochs over shuffled mini-batches of the host columns, one optimizer step each
         (see the module docstring). ``step`` seeds the shuffle (None: this worker's count of
-        updates). Returns each metric's values, one per step, named ``<role>/<metric>``, and
+        updates). Returns each metric's values, one per step, named by `metric_name`, and
         each step's packed layout (None for padded rows)."""
         cfg = self.config
         train_step = self.train_program(cfg.ppo_mini_batch_size, on_policy)
@@ -199,7 +204,7 @@ class TrainableWorker(RoleWorker):
             per_step.append(metrics)
             layouts.append(layout)
         per_step = jax.device_get(per_step)
-        return {f"{self.role}/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}, layouts
+        return {self.metric_name(name): np.asarray([m[name] for m in per_step]) for name in per_step[0]}, layouts
 
     def step_on(
         self, minibatch: Mapping[str, Any], keys: tuple[str, ...], scalars: Mapping[str, Any]
@@ -211,7 +216,7 @@ class TrainableWorker(RoleWorker):
         step = self.train_program(rows)
         inputs, _ = self.place_minibatch(self.host_columns(minibatch, keys), np.arange(rows))
         self.state, metrics = step(self.state, inputs, scalars)
-        return {f"{self.role}/{n}": float(v) for n, v in jax.device_get(metrics).items()}
+        return {self.metric_name(n): float(v) for n, v in jax.device_get(metrics).items()}
 
     # ------------------------------------------------------------------ its state
     @register(ONE_TO_ALL)
