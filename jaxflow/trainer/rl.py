@@ -28,10 +28,11 @@ from ml_collections import ConfigDict
 
 from jaxflow.automap.auto import resolve_placement
 from jaxflow.configs import ConfigError
-from jaxflow.configs.resolve import ray_config, ray_devices
+from jaxflow.configs.resolve import SHAPE_KEYS, active_roles, model_config, ray_config, ray_devices
 from jaxflow.configs.run_spec import (
     RewardSpec,
     RunSpec,
+    algorithm_settings,
     build_tokenizer,
     data_spec,
     describe_run,
@@ -45,16 +46,17 @@ from jaxflow.trainer import interrupt
 from jaxflow.trainer.builders import (
     build_dataset,
     check_vocab,
+    cut_prompts_warning,
     dataset_sources,
     describe_source,
     load_model,
     train_loader,
 )
-from jaxflow.trainer.checkpoint import CheckpointManager, HostState, ItemIO
+from jaxflow.trainer.checkpoint import CheckpointManager, ExperimentMismatchError, HostState, ItemIO
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
-from jaxflow.trainer.outputs import check_run_config_target, set_aside_previous_outputs
+from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
@@ -81,6 +83,28 @@ CONSOLE_KEYS = {
 
 def _mean(value: Any) -> float:
     return float(np.mean(np.asarray(value, np.float64)))
+
+
+MODEL_SHAPE = ("model_type", *SHAPE_KEYS)
+
+
+def experiment_record(cfg: ConfigDict) -> dict[str, str]:
+    """What identifies an RL experiment's checkpoints (recorded in each, compared on resume):
+    the program and advantage estimator, the task (the built-in task, or the training files'
+    names), the roles, and each model's shape, one line each."""
+    settings = algorithm_settings(cfg)
+    files = [os.path.basename(f) for f in cfg.data.train_files]
+    record = {
+        "algorithm": f"{select_algorithm(settings)} ({settings.algorithm.adv_estimator})",
+        "task": ", ".join(files) if files else f"built-in {cfg.jaxflow.data.builtin_task}",
+        "roles": ", ".join(active_roles(cfg)),
+    }
+    for role in active_roles(cfg):
+        if role != "ref":  # the actor's model
+            mc = model_config(cfg, role)
+            shape = "unknown" if mc is None else " ".join(f"{k}={getattr(mc, k)}" for k in MODEL_SHAPE)
+            record[f"{role} model"] = shape
+    return record
 
 
 class RLTrainer:
@@ -123,7 +147,16 @@ class RLTrainer:
                 save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
                 resume_mode=t.resume_mode,
                 resume_path=t.resume_from_path,
+                experiment=experiment_record(cfg),
+                other_experiment_ok=t.resume_other_experiment,
             )
+        except ExperimentMismatchError as e:
+            key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.default_local_dir"
+            raise ConfigError(
+                key,
+                f"{e}. Give this run another {key}, or set jaxflow.trainer.resume_other_experiment=true to resume "
+                "it anyway",
+            ) from e
         except FileExistsError as e:
             raise ConfigError(
                 "trainer.resume_mode",
@@ -135,6 +168,12 @@ class RLTrainer:
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
         self.scorer = self._build_scorer(reward)
+        if reward.custom_function_path:
+            print(
+                f"reward: custom function {reward.custom_function_name}() from {reward.custom_function_path} "
+                "(custom_reward_function)",
+                flush=True,
+            )
         self.tokenizer = build_tokenizer(cfg)
         train, val = dataset_sources(data)
         self.train_data = build_dataset(data, train, self.tokenizer)
@@ -152,6 +191,10 @@ class RLTrainer:
             f"validation = {describe_source(val, self.val_data)}",
             flush=True,
         )
+        for split, dataset in (("training", self.train_data), ("validation", self.val_data)):
+            warning = cut_prompts_warning(split, dataset)
+            if warning:
+                log.warning("%s", warning)
         resuming = self.ckpt.resume_dir() is not None
         if resuming:  # it goes on with the outputs in the directory: they must be ours
             check_run_config_target(self.run_dir)
@@ -165,12 +208,14 @@ class RLTrainer:
             if t.backend == "ray":  # the workers read the warm start's HF directory (cfg names it),
                 actor_params = None  # each process only its shards
         self.cfg = cfg
+        self.ckpt.run_config = absolute_paths(cfg.to_dict())  # each step records the config it was saved with
         self.backend = None
         devices = None
         if t.backend == "ray":  # Ray is imported only on this path
             from jaxflow.workers.ray_backend import RayBackend
 
             self.backend = RayBackend(ray_config(cfg))
+            print(f"jaxflow: {self.backend.cluster}", flush=True)
             devices = ray_devices(cfg)
         self.spec: RunSpec = describe_run(
             cfg,
@@ -240,9 +285,10 @@ class RLTrainer:
         )
 
     def close(self) -> None:
-        """Stops the worker processes of the Ray backend (nothing to do locally)."""
+        """Stops the worker processes of the Ray backend, and the Ray instance it started
+        (nothing to do locally)."""
         if self.backend is not None:
-            self.backend.shutdown()
+            self.backend.close()
 
     # ------------------------------------------------------------------ state
 
@@ -411,7 +457,7 @@ class RLTrainer:
             self.spec.trainer.max_restarts,
             where,
         )
-        self.close()
+        self.backend.shutdown()  # the groups; the cluster stays
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"
         if step is None:
