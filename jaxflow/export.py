@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jaxflow.models import CheckpointError
     from jaxflow.run import storage_error
+    from jaxflow.trainer.checkpoint import MARKER
     from jaxflow.trainer.hf_export import ExportError, export_checkpoint, step_config
 
     try:
@@ -47,8 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except (KeyError, AttributeError) as e:  # a config.json from another jaxflow version lacks a key
         print(
-            f"error: {args.checkpoint}/config.json lacks a key this jaxflow reads ({type(e).__name__}: {e}); was "
-            "it written by another jaxflow version?",
+            f"error: the config of {args.checkpoint} (its config.json, or the step's {MARKER}) lacks a key this "
+            f"jaxflow reads ({type(e).__name__}: {e}); was it written by another jaxflow version?",
             file=sys.stderr,
         )
         return 2

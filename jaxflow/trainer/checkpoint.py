@@ -284,6 +284,14 @@ def is_complete(path: str | os.PathLike) -> bool:
     return step_of(path) is not None and path.is_dir() and (path / MARKER).is_file()
 
 
+def complete_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints in ``directory``, ascending (touches no device)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(step_of(p) for p in directory.iterdir() if is_complete(p))
+
+
 def read_marker(path: str | os.PathLike) -> dict[str, Any]:
     """The commit marker of the step directory ``path`` (``{}`` when absent or unreadable):
     ``step``, ``items``, and for steps saved since it was recorded, the run's ``experiment``
@@ -423,10 +431,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints in ``directory``, ascending."""
-        if not self.directory.is_dir():
-            return []
-        steps = [step_of(p) for p in self.directory.iterdir() if is_complete(p)]
-        return sorted(s for s in steps if s is not None)
+        return complete_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The latest complete step, or None."""

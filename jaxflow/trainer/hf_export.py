@@ -41,7 +41,7 @@ from ml_collections import ConfigDict
 import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import state_shardings
-from jaxflow.trainer.checkpoint import SKIP, CheckpointManager, read_marker
+from jaxflow.trainer.checkpoint import SKIP, STEP_PREFIX, CheckpointManager, complete_steps, read_marker
 from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
 from jaxflow.workers import TrainState, make_optimizer, train_state
 
@@ -259,17 +259,15 @@ def step_config(run_dir: str | os.PathLike, step: int | None = None) -> tuple[in
     complete one) and the config it was saved with (recorded in the step's marker; a step saved
     before jaxflow recorded it: the run's ``config.json``). A directory may hold steps of runs
     with other settings (``jaxflow.trainer.resume_other_experiment``): each is read with its own."""
-    ckpt = CheckpointManager(run_dir, read_only=True)
-    if not ckpt.all_steps():
+    steps = complete_steps(run_dir)  # (before the devices are simulated: nothing here touches one)
+    if not steps:
         run_config(run_dir)  # not a run directory at all: says so
         raise FileNotFoundError(f"no complete checkpoint in {Path(run_dir).absolute()}")
     if step is None:
-        step = ckpt.latest_step()
-    elif step not in ckpt.all_steps():
-        raise FileNotFoundError(
-            f"no complete checkpoint for step {step} in {Path(run_dir).absolute()} (have {ckpt.all_steps()})"
-        )
-    recorded = read_marker(ckpt.step_dir(step)).get("config")
+        step = steps[-1]
+    elif step not in steps:
+        raise FileNotFoundError(f"no complete checkpoint for step {step} in {Path(run_dir).absolute()} (have {steps})")
+    recorded = read_marker(Path(run_dir) / f"{STEP_PREFIX}_{step}").get("config")
     return step, ConfigDict(recorded) if isinstance(recorded, dict) else run_config(run_dir)
 
 

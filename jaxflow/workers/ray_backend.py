@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -527,10 +528,27 @@ def _signature(tree: Any) -> tuple:
     return tuple(jax.tree.leaves(jax.tree.map(sig, tree, is_leaf=lambda x: isinstance(x, Batch))))
 
 
+def _cluster_loss_said(method: Any) -> Any:
+    """A `ProcessGroup` method whose Ray system error (not a worker's own exception) raises
+    `ClusterLost` when the cluster itself went away."""
+
+    @functools.wraps(method)
+    def guarded(self: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        ray = _ray()
+        try:
+            return method(self, *args, **kwargs)
+        except (ray.exceptions.RaySystemError, ray.exceptions.RayActorError, ConnectionError):
+            self._check_cluster("starting it" if method.__name__ == "__init__" else method.__name__)
+            raise
+
+    return guarded
+
+
 class ProcessGroup:
     """The processes of one pool: a placement group of ``num_hosts`` bundles, one
     `HostProcess` actor per bundle, one `jax.distributed` world (module docstring)."""
 
+    @_cluster_loss_said
     def __init__(self, name: str, num_hosts: int, config: RayConfig):
         ray = _ray()
         from ray.util.placement_group import placement_group
@@ -699,6 +717,7 @@ class ProcessGroup:
         if self.dead is not None:
             raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
 
+    @_cluster_loss_said
     def build(
         self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Sequence[Any] | None = None
     ) -> RowSplit | None:
@@ -717,6 +736,7 @@ class ProcessGroup:
         )
         return built[0]["rows"]
 
+    @_cluster_loss_said
     def ship_params(self, role: str, kwargs: dict[str, Any], params: Any) -> tuple[ShippedParams, list[Any]]:
         """``params`` (the driver's arrays) as a `ShippedParams` and, per rank, one object-store
         reference to the blocks that rank's devices hold in ``role``'s layout: no rank
@@ -731,6 +751,7 @@ class ProcessGroup:
         )
         return ShippedParams(None, abstract), [ray.put(cut_blocks(params, k)) for k in keys]
 
+    @_cluster_loss_said
     def call(
         self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict, rows: RowSplit | None = None
     ) -> Any:
@@ -769,6 +790,7 @@ class ProcessGroup:
         self._seen.add(key)
         return assemble(outputs)
 
+    @_cluster_loss_said
     def io_stats(self) -> list[dict[str, int]]:
         """Each rank's `HostProcess.io_stats` (measured transfer counters)."""
         self._check_alive()
