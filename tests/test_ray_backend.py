@@ -36,7 +36,7 @@ from jaxflow.workers.ray_backend import (
     WorkerDied,
 )
 from jaxflow.workers.roles import RoleSettings, role_class
-from tests.cli import TINY, cli_env, one_line, run_cli, saving, still_alive, stop_when
+from tests.cli import TINY, cli_env, dead, one_line, run_cli, saving, still_alive, stop_when
 from tests.ray_toy import Loaded, Toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -292,6 +292,34 @@ def test_a_run_whose_cluster_goes_away_says_so(tmp_path):
     assert f"jaxflow: ray: joined the Ray cluster at {address}: RAY_ADDRESS names it" in lost.out
     assert one_line(lost.out, "error:").startswith(f"error: the Ray cluster at {address} is gone (noticed during ")
     assert "WorkerDied" not in lost.out and "Traceback" not in lost.out
+
+
+RAYLET = """
+import subprocess, sys, time
+host = "from jaxflow.workers.ray_host import HostProcess; import time; HostProcess('g', 0, 1, 1, 'cpu'); " \\
+    "print('up', flush=True); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", host], stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_host_process_ends_when_its_raylet_dies():
+    """A `HostProcess` whose parent (the raylet that started it, here a stand-in) is SIGKILLed
+    ends itself within a second: a run's Ray instance that dies never leaves a worker behind,
+    even one busy in a compiled loop."""
+    raylet = subprocess.Popen(
+        [sys.executable, "-c", RAYLET], stdout=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT
+    )
+    try:
+        host = int(raylet.stdout.readline())
+        assert not dead(host)
+        raylet.kill()
+        raylet.wait()
+        assert still_alive([host], within_s=5.0) == []
+    finally:
+        raylet.kill()
 
 
 def test_local_path_never_imports_ray():
