@@ -30,8 +30,10 @@ from jaxflow.automap.auto import resolve_placement
 from jaxflow.configs import ConfigError
 from jaxflow.configs.resolve import SHAPE_KEYS, active_roles, model_config, ray_config, ray_devices
 from jaxflow.configs.run_spec import (
+    DataSpec,
     RewardSpec,
     RunSpec,
+    TrainerSpec,
     algorithm_settings,
     build_tokenizer,
     data_spec,
@@ -139,62 +141,14 @@ class RLTrainer:
         self.run_dir = t.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         # First, before anything is built or written: the directory's lock (another run there is
-        # refused), and a fresh run refuses a directory that holds checkpoints (it never deletes them).
-        try:
-            self.ckpt = CheckpointManager(
-                self.run_dir,
-                max_to_keep=t.max_ckpt_to_keep,
-                save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
-                resume_mode=t.resume_mode,
-                resume_path=t.resume_from_path,
-                experiment=experiment_record(cfg),
-                other_experiment_ok=t.resume_other_experiment,
-            )
-        except ExperimentMismatchError as e:
-            key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.default_local_dir"
-            raise ConfigError(
-                key,
-                f"{e}. Give this run another {key}, or set jaxflow.trainer.resume_other_experiment=true to resume "
-                "it anyway",
-            ) from e
-        except FileExistsError as e:
-            raise ConfigError(
-                "trainer.resume_mode",
-                f"is 'disable' (a fresh run) but {self.run_dir} already holds "
-                f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
-                "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
-                "trainer.default_local_dir to another directory",
-            ) from e
+        # refused); a fresh run refuses a directory that holds checkpoints (it never deletes them),
+        # and a resume refuses another experiment's.
+        self.ckpt = self._open_checkpoints(t, experiment_record(cfg))
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
         self.scorer = self._build_scorer(reward)
-        if reward.custom_function_path:
-            print(
-                f"reward: custom function {reward.custom_function_name}() from {reward.custom_function_path} "
-                "(custom_reward_function)",
-                flush=True,
-            )
         self.tokenizer = build_tokenizer(cfg)
-        train, val = dataset_sources(data)
-        self.train_data = build_dataset(data, train, self.tokenizer)
-        self.val_data = build_dataset(data, val, self.tokenizer)
-        if not reward.custom_function_path:  # the built-in scorers compare one string or number
-            for dataset in (self.train_data, self.val_data):
-                dataset.check_ground_truths(
-                    (str, int, float),
-                    "the built-in reward functions compare the answer "
-                    "with one string or number; fix the data or use a custom reward function "
-                    "(custom_reward_function.path)",
-                )
-        print(
-            f"data: train = {describe_source(train, self.train_data)}; "
-            f"validation = {describe_source(val, self.val_data)}",
-            flush=True,
-        )
-        for split, dataset in (("training", self.train_data), ("validation", self.val_data)):
-            warning = cut_prompts_warning(split, dataset)
-            if warning:
-                log.warning("%s", warning)
+        self._load_prompts(data, reward)
         resuming = self.ckpt.resume_dir() is not None
         if resuming:  # it goes on with the outputs in the directory: they must be ours
             check_run_config_target(self.run_dir)
@@ -238,6 +192,66 @@ class RLTrainer:
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
 
     # ------------------------------------------------------------------ construction
+
+    def _open_checkpoints(self, t: TrainerSpec, experiment: dict[str, str]) -> CheckpointManager:
+        """The run directory's checkpoints, locked for this run; a fresh run in a directory that
+        holds checkpoints, or a resume of another experiment's, is a `ConfigError`."""
+        try:
+            return CheckpointManager(
+                self.run_dir,
+                max_to_keep=t.max_ckpt_to_keep,
+                save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
+                resume_mode=t.resume_mode,
+                resume_path=t.resume_from_path,
+                experiment=experiment,
+                other_experiment_ok=t.resume_other_experiment,
+            )
+        except ExperimentMismatchError as e:
+            key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.default_local_dir"
+            raise ConfigError(
+                key,
+                f"{e}. Give this run another {key}, or set jaxflow.trainer.resume_other_experiment=true to resume "
+                "it anyway",
+            ) from e
+        except FileExistsError as e:
+            raise ConfigError(
+                "trainer.resume_mode",
+                f"is 'disable' (a fresh run) but {self.run_dir} already holds "
+                f"checkpoints (steps {CheckpointManager(self.run_dir, read_only=True).all_steps()}); "
+                "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
+                "trainer.default_local_dir to another directory",
+            ) from e
+
+    def _load_prompts(self, data: DataSpec, reward: RewardSpec) -> None:
+        """The training and validation prompts, checked against the reward function, and the
+        start-up lines that say what the run reads: the custom reward function, each split's
+        source and how many prompts were cut (loudly when many were)."""
+        if reward.custom_function_path:
+            print(
+                f"reward: custom function {reward.custom_function_name}() from {reward.custom_function_path} "
+                "(custom_reward_function)",
+                flush=True,
+            )
+        train, val = dataset_sources(data)
+        self.train_data = build_dataset(data, train, self.tokenizer)
+        self.val_data = build_dataset(data, val, self.tokenizer)
+        if not reward.custom_function_path:  # the built-in scorers compare one string or number
+            for dataset in (self.train_data, self.val_data):
+                dataset.check_ground_truths(
+                    (str, int, float),
+                    "the built-in reward functions compare the answer "
+                    "with one string or number; fix the data or use a custom reward function "
+                    "(custom_reward_function.path)",
+                )
+        print(
+            f"data: train = {describe_source(train, self.train_data)}; "
+            f"validation = {describe_source(val, self.val_data)}",
+            flush=True,
+        )
+        for split, dataset in (("training", self.train_data), ("validation", self.val_data)):
+            warning = cut_prompts_warning(split, dataset)
+            if warning:
+                log.warning("%s", warning)
 
     @staticmethod
     def _build_scorer(r: RewardSpec) -> RewardScorer:
@@ -457,7 +471,8 @@ class RLTrainer:
             self.spec.trainer.max_restarts,
             where,
         )
-        self.backend.shutdown()  # the groups; the cluster stays
+        if self.backend is not None:
+            self.backend.shutdown()  # the groups; the cluster stays
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"
         if step is None:

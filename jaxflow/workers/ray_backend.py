@@ -15,8 +15,8 @@ Process model.
   device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool reserves one
   bundle per host (`PoolReservation`: CPU hosts packed in one placement group; GPU hosts as
   verl, a ``STRICT_PACK`` placement group per node; TPU hosts as whole slices through
-  ``ray.util.tpu``). A pool that the cluster cannot hold is reported (`Unschedulable`) after
-  ``schedule_timeout_s``.
+  ``ray.util.tpu``). A pool that the cluster cannot hold is reported (`Unschedulable`, with the
+  fix): at once when the whole cluster is too small, else after ``schedule_timeout_s``.
 * **One process per host per group, one JAX world per group.** A `ProcessGroup` starts one
   `jaxflow.workers.ray_host.HostProcess` actor per bundle; rank 0 picks a free port and every
   rank calls ``jax.distributed.initialize``. Roles that share a pool share its processes, and
@@ -551,7 +551,6 @@ class ProcessGroup:
     @_cluster_loss_said
     def __init__(self, name: str, num_hosts: int, config: RayConfig):
         ray = _ray()
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.num_hosts, self.config = name, num_hosts, config
@@ -562,51 +561,7 @@ class ProcessGroup:
         self._pgs: list[Any] = []
         self._slice = None
         self.reservation = config.reservation(num_hosts)
-        if self.reservation.tpu_slice is not None:
-            try:
-                from ray.util.tpu import slice_placement_group
-            except ImportError:  # an older Ray: one bundle per VM, not pinned to one slice
-                log.warning(
-                    "ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
-                    "(STRICT_SPREAD) instead of whole slices",
-                    name,
-                )
-                self.reservation = self.reservation.fallback()
-            else:
-                try:
-                    self._slice = slice_placement_group(
-                        **self.reservation.tpu_slice, head_reservation_timeout_s=config.schedule_timeout_s
-                    )
-                except Exception as e:  # no such slice in the cluster (Ray's own timeout)
-                    raise Unschedulable(
-                        f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
-                        f"could not be reserved: {e}",
-                        name,
-                    ) from e
-                self._pgs = [self._slice.placement_group]
-        if self._slice is None:
-            short = self.reservation.shortfall(ray.cluster_resources())
-            if short:  # never schedulable, however long one waits
-                raise Unschedulable(
-                    f"worker group {name!r}: {num_hosts} host bundle(s) of {config.bundle()} need {short}, more "
-                    f"than the whole Ray cluster has; {UNSCHEDULABLE_FIX}",
-                    name,
-                )
-            self._pgs = [
-                placement_group(list(bundles), strategy=strategy)
-                for bundles, strategy in self.reservation.placement_groups
-            ]
-        try:
-            ray.get([pg.ready() for pg in self._pgs], timeout=config.schedule_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self._release()
-            raise Unschedulable(
-                f"worker group {name!r}: {num_hosts} host bundle(s) of {config.bundle()} could not be scheduled "
-                f"within {config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
-                f"{ray.cluster_resources()}, available {ray.available_resources()}; other jobs may hold them, "
-                f"or no node holds a whole bundle: {UNSCHEDULABLE_FIX}",
-                name,
-            ) from None
+        self._reserve()
         remote = ray.remote(HostProcess)
         options = {
             "num_cpus": config.cpus_per_host,
@@ -641,6 +596,58 @@ class ProcessGroup:
         self.pids = [w["pid"] for w in worlds]
         self.address = address
         log.info("worker group %r started: %d processes, pids %s, coordinator %s", name, num_hosts, self.pids, address)
+
+    def _reserve(self) -> None:
+        """Reserves the pool's bundles (`PoolReservation`), or raises `Unschedulable` with the
+        fix: at once when the whole cluster is too small, else after ``schedule_timeout_s``."""
+        ray, name, config = _ray(), self.name, self.config
+        from ray.util.placement_group import placement_group
+
+        if self.reservation.tpu_slice is not None:
+            try:
+                from ray.util.tpu import slice_placement_group
+            except ImportError:  # an older Ray: one bundle per VM, not pinned to one slice
+                log.warning(
+                    "ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
+                    "(STRICT_SPREAD) instead of whole slices",
+                    name,
+                )
+                self.reservation = self.reservation.fallback()
+            else:
+                try:
+                    self._slice = slice_placement_group(
+                        **self.reservation.tpu_slice, head_reservation_timeout_s=config.schedule_timeout_s
+                    )
+                except Exception as e:  # no such slice in the cluster (Ray's own timeout)
+                    raise Unschedulable(
+                        f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
+                        f"could not be reserved: {e}",
+                        name,
+                    ) from e
+                self._pgs = [self._slice.placement_group]
+        if self._slice is None:
+            short = self.reservation.shortfall(ray.cluster_resources())
+            if short:  # never schedulable, however long one waits
+                raise Unschedulable(
+                    f"worker group {name!r}: {self.num_hosts} host bundle(s) of {config.bundle()} need {short}, "
+                    f"more than the whole Ray cluster has; {UNSCHEDULABLE_FIX}",
+                    name,
+                )
+            self._pgs = [
+                placement_group(list(bundles), strategy=strategy)
+                for bundles, strategy in self.reservation.placement_groups
+            ]
+        try:
+            ray.get([pg.ready() for pg in self._pgs], timeout=config.schedule_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._release()
+            raise Unschedulable(
+                f"worker group {name!r}: {self.num_hosts} host bundle(s) of {config.bundle()} could not be "
+                f"scheduled within {config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
+                f"{ray.cluster_resources()}, available {ray.available_resources()}; other jobs may hold them, "
+                f"or no node holds a whole bundle: {UNSCHEDULABLE_FIX}",
+                name,
+            ) from None
 
     # ------------------------------------------------------------------ calls
     def _gather(self, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
