@@ -139,6 +139,9 @@ class StubActor:
         n = len(responses) // len(prompts)
         return prompts.repeat(n).update(tensors={"responses": responses, "response_mask": mask})
 
+    def generation_seconds(self):
+        return [{}]  # one rank, no timed parts
+
     def log_probs(self, batch):
         mask = batch["response_mask"]
         return Batch.from_dict({"old_log_probs": (self.rng.normal(size=mask.shape) * mask).astype(np.float32)})

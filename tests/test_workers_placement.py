@@ -124,6 +124,7 @@ def test_split_pools_4_2_2(split):
         "abstract_train_state",
         "export_hf",
         "generate",
+        "generation_seconds",
         "get_train_state",
         "log_probs",
         "params_finite",

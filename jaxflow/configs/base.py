@@ -471,11 +471,19 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "Preset override: query heads (head_dim = hidden_size / num_heads); 0 = the preset's.",
         ),
         ("jaxflow.model.num_kv_heads", 4, "Preset override: key/value heads (GQA); 0 = the preset's."),
-        ("jaxflow.model.dtype", "float32", "Parameter dtype: float32 | bfloat16 | float16."),
+        (
+            "jaxflow.model.dtype",
+            "auto",
+            "Parameter dtype: auto | float32 | bfloat16 | float16. auto: float32 on CPU; on GPU and TPU float32 "
+            "master weights for the trained roles (actor, critic) and bfloat16 for the frozen ones (reference, "
+            "reward and cost models).",
+        ),
         (
             "jaxflow.model.compute_dtype",
-            "float32",
-            "Matmul dtype: float32 | bfloat16 | float16 (norms, softmax, log-softmax stay float32).",
+            "auto",
+            "Matmul dtype: auto | float32 | bfloat16 | float16 (norms, softmax, log-softmax, losses stay float32). "
+            "auto: float32 on CPU, bfloat16 on GPU and TPU. A compute dtype narrower than the actor's weights "
+            "makes the rollout's generation copy that dtype (bfloat16 generation from float32 masters).",
         ),
         (
             "jaxflow.model.scan_layers",

@@ -188,19 +188,45 @@ def path_key(role: str) -> str:
     }[role]
 
 
+TRAINED_ROLES = ("actor", "critic")
+
+
+def platform(cfg: ConfigDict) -> str:
+    """What the run's models run on: ``cpu``, ``gpu`` or ``tpu`` (the Ray hosts' accelerator,
+    else JAX's default backend)."""
+    if cfg.jaxflow.backend == "ray":
+        return cfg.jaxflow.ray.accelerator
+    import jax
+
+    return jax.default_backend()
+
+
+def resolve_dtypes(param: str, compute: str, role: str, platform: str) -> tuple[str, str]:
+    """``(param dtype, compute dtype)`` of a role's model with ``auto`` resolved: on CPU
+    float32 for both; on GPU and TPU bfloat16 matmuls, float32 master weights for the trained
+    roles and bfloat16 weights for the frozen ones."""
+    accelerator = platform in ("gpu", "tpu")
+    if compute == "auto":
+        compute = "bfloat16" if accelerator else "float32"
+    if param == "auto":
+        param = "bfloat16" if accelerator and role not in TRAINED_ROLES else "float32"
+    return param, compute
+
+
 def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
     """The role's :class:`jaxflow.models.ModelConfig` when its shape is known: a preset
     (empty path: ``jaxflow.model.preset``; ``preset:NAME``) with the ``jaxflow.model`` shape
-    overrides, or a checkpoint directory's ``config.json``; else None. Dtypes, layer scanning
-    and remat come from ``jaxflow.model`` either way."""
+    overrides, or a checkpoint directory's ``config.json``; else None. Dtypes (`resolve_dtypes`),
+    layer scanning and remat come from ``jaxflow.model`` either way."""
     import jax.numpy as jnp
 
     from jaxflow.models import PRESETS, ModelConfig
 
     m = cfg.jaxflow.model
+    param_dtype, compute_dtype = resolve_dtypes(m.dtype, m.compute_dtype, role, platform(cfg))
     options = dict(
-        param_dtype=getattr(jnp, m.dtype),
-        dtype=getattr(jnp, m.compute_dtype),
+        param_dtype=getattr(jnp, param_dtype),
+        dtype=getattr(jnp, compute_dtype),
         scan_layers=m.scan_layers,
         remat_policy=m.remat_policy,
     )

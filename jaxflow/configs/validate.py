@@ -48,7 +48,7 @@ from jaxflow.configs.resolve import (
 )
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 RESUME_MODES = ("disable", "auto", "resume_path")

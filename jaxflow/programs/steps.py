@@ -63,10 +63,19 @@ def ready(batch: Batch) -> Batch:
     return batch
 
 
+def gen_parts(w: Workers) -> dict[str, float]:
+    """The last rollout's parts on the actor's workers (`ActorWorker.generation_seconds`):
+    ``reshard``, ``engine``, ``post``, each the slowest rank's; whatever ``timing_s/gen``
+    holds beyond their sum is the controller's dispatch and the transfer of the rows."""
+    ranks = w.actor.generation_seconds()
+    return {k: max(r[k] for r in ranks) for k in ranks[0]} if ranks and ranks[0] else {}
+
+
 def rollout(
     w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, old_log_probs: bool = True
 ) -> tuple[Batch, dict[str, float]]:
-    """Generation and everything scored on it: ``responses`` (``gen``), ``old_log_probs``
+    """Generation and everything scored on it: ``responses`` (``gen``; its parts
+    ``gen_reshard``, ``gen_engine``, ``gen_post``: `gen_parts`), ``old_log_probs``
     (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
     takes them from its own forward when on-policy, or computes them itself),
     ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when ``w.critic`` (``values``),
@@ -76,6 +85,8 @@ def rollout(
     (`jaxflow.workers.packing`). Returns the batch and the rule scorer's ``reward/*`` metrics."""
     with timer("gen"):
         batch = ready(w.actor.generate(prompts, step=step))
+    for part, seconds in gen_parts(w).items():  # the slowest rank's, so the gap between them and gen is visible
+        timer.seconds[f"gen_{part}"] = seconds
     with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
         if old_log_probs:
             batch |= ready(w.actor.log_probs(batch))

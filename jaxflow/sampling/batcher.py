@@ -27,24 +27,30 @@ pages (the most one row ever holds privately) and a prefill group needs Rp pages
 When the priority row finishes it returns at least what it took below Rp, so the next one
 finds Rp pages again; the priority row always decodes, so the rollout always ends.
 
-Each iteration of the ``while_loop``: prefill a group if one is due and fits, admit waiting
-rows into free slots (in row order), give pages to rows that need one (or make them wait),
+The loop (`rollout`). Each trip (`iteration`) prefills every group that is due and fits,
+each followed by the admission of its rows into free slots (in row order); then it runs
+``steps_per_sync`` decode steps (`decode_step`) in a loop of known trip count: admit rows of
+prefilled prompts into freed slots, give pages to rows that need one (or make them wait),
 run the decoder on one token per slot (idle and waiting slots write to the trash page),
 sample, record, retire the rows that hit their ``max_new_tokens``, an EOS id or a stop string
-(`stops`). The loop ends when every row has finished.
+(`stops`). The loop ends when every row has finished. On GPU a ``while_loop`` predicate (and
+a ``cond``'s) is read back by the host, which drains the device's queue: the decode steps
+inside one trip have none, and a step past the end changes nothing, so ``steps_per_sync``
+trades up to ``steps_per_sync - 1`` idle steps for that many fewer round trips. What a row
+samples does not depend on it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import heapq
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxflow.mesh import constrain
-from jaxflow.models import ModelConfig
 from jaxflow.sampling.logits_processing import sample_tokens, token_log_probs
 from jaxflow.sampling.paged import TRASH_PAGE, PagedKVCache, PoolLayout
 
@@ -71,6 +77,7 @@ class Static:
     return_cache: bool = False
     use_stops: bool = False  # match stop strings (`stops.StopStrings` tables are arguments)
     kernel: str = "jax"  # the attention kernel (`paged.choose_kernel`)
+    steps_per_sync: int = 1  # decode steps per trip of the rollout loop (`iteration`)
 
 
 def reserve_pages(response_len: int, page_size: int) -> int:
@@ -161,16 +168,338 @@ def no_wait_peak_pages(
     return int(np.max(np.cumsum(d[order])))
 
 
-def layout(static: Static, prompt_len: int) -> dict[str, int]:
-    """Page counts of one replica: ``prompt_pages`` (Mp per prompt), ``table`` (M pages per
-    sequence), ``num_pages`` and ``reserve`` (Rp, `reserve_pages`)."""
-    T = static.page_size
-    return dict(
-        prompt_pages=-(-prompt_len // T),
-        table=-(-(prompt_len + static.response_len) // T),
-        num_pages=static.num_pages,
-        reserve=reserve_pages(static.response_len, T),
+class Carry(NamedTuple):
+    """The rollout loop's state (one replica). ``_S`` per decode slot, ``_B`` per prompt,
+    ``_N`` per row; ``pools``: the page pools of every layer (`PagedKVCache.pools`)."""
+
+    pools: Any
+    active_S: jax.Array  # the slot holds a row that has not finished
+    row_S: jax.Array  # its row id
+    pos_S: jax.Array  # position (== cache slot) of its next input token
+    tok_S: jax.Array  # its next input token
+    gen_S: jax.Array  # tokens it has generated
+    limit_S: jax.Array  # its max_new_tokens
+    first_private_S: jax.Array  # j0: its first page that is not its prompt's
+    table_SxM: jax.Array  # its page table
+    stop_state_S: jax.Array  # its state in the stop-string automaton
+    next_row: jax.Array  # the next row to admit
+    prompt_table_BxMp: jax.Array  # each prompt's pages
+    prefilled: jax.Array  # prompts prefilled so far
+    alive_B: jax.Array  # the prompt's pages are held
+    waiting_B: jax.Array  # samples of the prompt not finished yet
+    free_F: jax.Array  # the free-page stack (entries [0, top) are free)
+    top: jax.Array
+    steps: jax.Array  # decode steps in which some slot ran
+    peak_pages: jax.Array
+    waits: jax.Array  # slot-steps in which an active row waited for a page
+    out_tok_NxR: jax.Array
+    out_logp_NxR: jax.Array
+    lengths_N: jax.Array
+    out_logits_NxRxV: Any = None  # debug output (`Static.return_logits`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """One replica's rollout inputs, closed over by the loop's steps (all traced in one
+    program): the model, the right-padded prompts (chunk-padded ``ids_BxCP``, row i's tokens in
+    columns [0, prompt_len_B[i])), each row's limit, the sampler's settings and the sizes
+    derived from ``static`` (see `layout`)."""
+
+    model: Any
+    static: Static
+    pool_layout: PoolLayout
+    vocab_shards: int
+    prompt_len: int  # P, the prompt bucket
+    ids_BxCP: jax.Array
+    prompt_len_B: jax.Array
+    last_token_B: jax.Array
+    limits_N: jax.Array
+    row_offset: jax.Array
+    num_rows: jax.Array
+    rng: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
+    eos_E: jax.Array
+    stop_tables: tuple
+
+    @property
+    def B(self) -> int:
+        return self.prompt_len_B.shape[0]
+
+    @property
+    def N(self) -> int:
+        return self.B * self.static.n
+
+    @property
+    def prompt_pages(self) -> int:  # Mp
+        return -(-self.prompt_len // self.static.page_size)
+
+    @property
+    def table_pages(self) -> int:  # M
+        return -(-(self.prompt_len + self.static.response_len) // self.static.page_size)
+
+    @property
+    def reserve(self) -> int:  # Rp
+        return reserve_pages(self.static.response_len, self.static.page_size)
+
+    @property
+    def free_pages(self) -> int:  # F: every page but the trash page
+        return self.static.num_pages - 1
+
+    def cache(self, pools, table, positions) -> PagedKVCache:
+        return PagedKVCache(
+            pools, table, positions, layout=self.pool_layout, sliding_window=self.model.cfg.sliding_window
+        )
+
+
+def initial_carry(ro: Rollout) -> Carry:
+    """Empty slots, every page on the free stack, outputs at the pad id."""
+    st, cfg = ro.static, ro.model.cfg
+    S, M, N, R = st.slots, ro.table_pages, ro.N, st.response_len
+    zeros_S = jnp.zeros(S, jnp.int32)
+    pools = PagedKVCache.zeros(cfg, st.num_pages, st.page_size, not cfg.scan_layers, ro.pool_layout)
+    return Carry(
+        pools=_pool_constraint(ro.pool_layout)(pools),
+        active_S=jnp.zeros(S, bool),
+        row_S=zeros_S,
+        pos_S=zeros_S,
+        tok_S=zeros_S,
+        gen_S=zeros_S,
+        limit_S=zeros_S,
+        first_private_S=zeros_S,
+        table_SxM=jnp.zeros((S, M), jnp.int32),
+        stop_state_S=zeros_S,
+        next_row=jnp.int32(0),
+        prompt_table_BxMp=jnp.zeros((ro.B, ro.prompt_pages), jnp.int32),
+        prefilled=jnp.int32(0),
+        alive_B=jnp.zeros(ro.B, bool),
+        waiting_B=jnp.full(ro.B, st.n, jnp.int32),
+        free_F=1 + jnp.arange(ro.free_pages, dtype=jnp.int32),
+        top=jnp.int32(ro.free_pages),
+        steps=jnp.int32(0),
+        peak_pages=jnp.int32(0),
+        waits=jnp.int32(0),
+        out_tok_NxR=jnp.full((N, R), st.pad_token_id, jnp.int32),
+        out_logp_NxR=jnp.zeros((N, R), jnp.float32),
+        lengths_N=jnp.zeros(N, jnp.int32),
+        out_logits_NxRxV=jnp.zeros((N, R, cfg.vocab_size), jnp.float32) if st.return_logits else None,
     )
+
+
+def _ready_rows(ro: Rollout, c: Carry) -> jax.Array:
+    """Rows whose prompt is prefilled."""
+    return jnp.minimum(c.prefilled * ro.static.n, ro.num_rows)
+
+
+def prefill_due(ro: Rollout, c: Carry) -> jax.Array:
+    """A new prefill group is due once every row of the prefilled prompts has had a slot, a
+    slot is free, rows remain, and its pages leave the priority row's reserve."""
+    ready = _ready_rows(ro, c)
+    fits = c.top - ro.static.prefill_rows * ro.prompt_pages >= ro.reserve
+    return jnp.any(~c.active_S) & (c.next_row >= ready) & (ready < ro.num_rows) & fits
+
+
+def prefill_group(ro: Rollout, c: Carry) -> Carry:
+    """The next Gr prompts: Mp pages each from the free stack, then their first p_i - 1
+    tokens written in chunks of C tokens."""
+    st = ro.static
+    Gr, C, Mp, M = st.prefill_rows, st.prefill_len, ro.prompt_pages, ro.table_pages
+    first = c.prefilled
+    pages_GxMp = jax.lax.dynamic_slice_in_dim(c.free_F, c.top - Gr * Mp, Gr * Mp).reshape(Gr, Mp)
+    table_GxM = jnp.pad(pages_GxMp, ((0, 0), (0, M - Mp)))
+    rows_GxCP = jax.lax.dynamic_slice_in_dim(ro.ids_BxCP, first, Gr, axis=0)
+    plen_G = jax.lax.dynamic_slice_in_dim(ro.prompt_len_B, first, Gr)
+    pin = _pool_constraint(ro.pool_layout)
+
+    def chunk(i, pools):
+        tok_GxC = jax.lax.dynamic_slice_in_dim(rows_GxCP, i * C, C, axis=1)
+        pos_C = i * C + jnp.arange(C, dtype=jnp.int32)
+        pos_GxC = jnp.where(pos_C[None, :] < plen_G[:, None] - 1, pos_C[None, :], -1)
+        _, out = ro.model.model(tok_GxC, None, pos_GxC, ro.cache(pools, table_GxM, pos_GxC))
+        return pin(out.pools)
+
+    with jax.named_scope("prefill"):
+        pools = jax.lax.fori_loop(0, ro.ids_BxCP.shape[1] // C, chunk, c.pools)
+    return c._replace(
+        pools=pools,
+        prefilled=first + Gr,
+        top=c.top - Gr * Mp,
+        prompt_table_BxMp=jax.lax.dynamic_update_slice_in_dim(c.prompt_table_BxMp, pages_GxMp, first, axis=0),
+        alive_B=jax.lax.dynamic_update_slice_in_dim(c.alive_B, jnp.ones(Gr, bool), first, axis=0),
+    )
+
+
+def admit(ro: Rollout, c: Carry) -> Carry:
+    """Waiting rows of prefilled prompts into free slots, in row order: each starts at its
+    prompt's last token with the prompt's first j0 pages shared."""
+    st = ro.static
+    T, n, M, Mp = st.page_size, st.n, ro.table_pages, ro.prompt_pages
+    free_slot_S = ~c.active_S
+    cand_S = c.next_row + jnp.cumsum(free_slot_S) - 1
+    new_S = free_slot_S & (cand_S < _ready_rows(ro, c))
+    cand_S = jnp.clip(cand_S, 0, ro.N - 1)
+    b_S = cand_S // n
+    p_S = ro.prompt_len_B[b_S]
+    j0_S = (p_S - 1) // T
+    prompt_rows_SxM = jnp.pad(c.prompt_table_BxMp[b_S], ((0, 0), (0, M - Mp)))
+    shared_SxM = jnp.where(jnp.arange(M)[None, :] < j0_S[:, None], prompt_rows_SxM, TRASH_PAGE)
+    return c._replace(
+        active_S=c.active_S | new_S,
+        row_S=jnp.where(new_S, cand_S, c.row_S),
+        pos_S=jnp.where(new_S, p_S - 1, c.pos_S),
+        tok_S=jnp.where(new_S, ro.last_token_B[b_S], c.tok_S),
+        gen_S=jnp.where(new_S, 0, c.gen_S),
+        limit_S=jnp.where(new_S, ro.limits_N[cand_S], c.limit_S),
+        first_private_S=jnp.where(new_S, j0_S, c.first_private_S),
+        table_SxM=jnp.where(new_S[:, None], shared_SxM, c.table_SxM),
+        next_row=c.next_row + jnp.sum(new_S),
+        stop_state_S=jnp.where(new_S, 0, c.stop_state_S),
+    )
+
+
+def allocate(ro: Rollout, c: Carry) -> tuple[jax.Array, jax.Array, Carry]:
+    """A page for every active row whose next position starts one: the priority row (the
+    lowest active row id) always, the others while Rp pages stay on the stack. Returns the
+    rows that wait, those that got their first page (gen == 0), and the carry."""
+    T, F, Rp = ro.static.page_size, ro.free_pages, ro.reserve
+    page_idx_S = c.pos_S // T
+    cur_S = jnp.take_along_axis(c.table_SxM, page_idx_S[:, None], axis=1)[:, 0]
+    need_S = c.active_S & (cur_S == TRASH_PAGE)
+    priority_S = c.active_S & (c.row_S == jnp.min(jnp.where(c.active_S, c.row_S, ro.N)))
+    others_S = need_S & ~priority_S
+    rank_S = jnp.cumsum(others_S) - 1 + jnp.any(need_S & priority_S)  # the priority row takes the first page
+    granted_S = (need_S & priority_S) | (others_S & (c.top - 1 - rank_S >= Rp))
+    rank_S = jnp.where(priority_S, 0, rank_S)
+    page_S = c.free_F[jnp.clip(c.top - 1 - rank_S, 0, F - 1)]
+    slots = jnp.arange(ro.static.slots)
+    table = c.table_SxM.at[slots, page_idx_S].set(jnp.where(granted_S, page_S, cur_S))
+    first_S = granted_S & (c.gen_S == 0)
+    return need_S & ~granted_S, first_S, c._replace(table_SxM=table, top=c.top - jnp.sum(granted_S))
+
+
+def copy_prompt_tails(ro: Rollout, c: Carry, first_S: jax.Array) -> Carry:
+    """The private copy of page j0 of each row's prompt (its tail tokens) when the row gets
+    that page (its first). Unconditional (rows without a tail copy the trash page onto
+    itself): a ``cond`` would cost a device-to-host round trip per step on GPU."""
+    n, T, Mp, M = ro.static.n, ro.static.page_size, ro.prompt_pages, ro.table_pages
+    b_S = c.row_S // n
+    j0_S = c.first_private_S
+    has_tail_S = first_S & ((ro.prompt_len_B[b_S] - 1) % T != 0)
+    src_S = jnp.where(has_tail_S, c.prompt_table_BxMp[b_S, jnp.minimum(j0_S, Mp - 1)], TRASH_PAGE)
+    dst_S = jnp.where(has_tail_S, c.table_SxM[jnp.arange(ro.static.slots), jnp.minimum(j0_S, M - 1)], TRASH_PAGE)
+    axis = ro.pool_layout.page_axis + (1 if ro.model.cfg.scan_layers else 0)
+    index = (slice(None),) * axis
+
+    def copy(x):
+        return x.at[index + (dst_S,)].set(x[index + (src_S,)])
+
+    return c._replace(pools=_pool_constraint(ro.pool_layout)(jax.tree.map(copy, c.pools)))
+
+
+def sample_step(ro: Rollout, c: Carry, run_S: jax.Array):
+    """The decoder on one token per slot (slots not in ``run_S`` write to the trash page),
+    then the sampled tokens [S], their log-probs [S], the logits [S, V] and the new pools."""
+    st = ro.static
+    positions_Sx1 = jnp.where(run_S, c.pos_S, -1)[:, None]
+    hidden, kv = ro.model.model(c.tok_S[:, None], None, positions_Sx1, ro.cache(c.pools, c.table_SxM, positions_Sx1))
+    with jax.named_scope("lm_head"):
+        logits_SxV = ro.model.logits(hidden)[:, 0]
+    temperature = jnp.float32(1.0) if st.greedy else ro.temperature
+    with jax.named_scope("sample"):  # the scopes name the ops in profiles (experiments/bench_sampling.py)
+        keys_S = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(ro.rng, ro.row_offset + r), j))(
+            c.row_S, c.gen_S
+        )
+        tok_S = sample_tokens(
+            keys_S,
+            logits_SxV,
+            greedy=st.greedy,
+            temperature=temperature,
+            top_k=st.top_k,
+            top_p=ro.top_p,
+            use_top_p=st.use_top_p,
+            vocab_shards=ro.vocab_shards,
+        )
+    with jax.named_scope("log_prob"):
+        logp_S = token_log_probs(logits_SxV, tok_S, temperature)
+    return tok_S, logp_S, logits_SxV, _pool_constraint(ro.pool_layout)(kv.pools)
+
+
+def record(ro: Rollout, c: Carry, run_S, wait_S, tok_S, logp_S, logits_SxV, pools) -> tuple[jax.Array, Carry]:
+    """This step's tokens into the outputs and the slots advanced; returns the rows that
+    finished (their limit, an EOS id or a stop string)."""
+    N = ro.N
+    row_w_S = jnp.where(run_S, c.row_S, N)  # idle and waiting slots write nowhere
+    gen_S = c.gen_S + run_S
+    stop_S = jnp.any(tok_S[:, None] == ro.eos_E[None, :], axis=-1)
+    stop_state_S = c.stop_state_S
+    if ro.static.use_stops:
+        token_class_V, next_state_SxC, hit_SxC = ro.stop_tables
+        cls_S = token_class_V[tok_S]
+        stop_S |= hit_SxC[stop_state_S, cls_S]
+        stop_state_S = jnp.where(run_S, next_state_SxC[stop_state_S, cls_S], stop_state_S)
+    done_S = run_S & ((gen_S >= c.limit_S) | stop_S)
+    logits = c.out_logits_NxRxV
+    if logits is not None:
+        logits = logits.at[row_w_S, c.gen_S].set(logits_SxV, mode="drop")
+    return done_S, c._replace(
+        pools=pools,
+        tok_S=jnp.where(run_S, tok_S, c.tok_S),
+        pos_S=c.pos_S + run_S,
+        gen_S=gen_S,
+        stop_state_S=stop_state_S,
+        steps=c.steps + jnp.any(run_S),
+        waits=c.waits + jnp.sum(wait_S),
+        out_tok_NxR=c.out_tok_NxR.at[row_w_S, c.gen_S].set(tok_S, mode="drop"),
+        out_logp_NxR=c.out_logp_NxR.at[row_w_S, c.gen_S].set(logp_S, mode="drop"),
+        lengths_N=c.lengths_N.at[jnp.where(done_S, c.row_S, N)].set(gen_S, mode="drop"),
+        peak_pages=jnp.maximum(c.peak_pages, ro.free_pages - c.top),
+        out_logits_NxRxV=logits,
+    )
+
+
+def retire(ro: Rollout, c: Carry, done_S: jax.Array) -> Carry:
+    """Finished rows free their slots; their private pages go back on the free stack, and so
+    do the pages of a prompt whose last sample finished."""
+    n, B, M, Mp, F = ro.static.n, ro.B, ro.table_pages, ro.prompt_pages, ro.free_pages
+    own_SxM = done_S[:, None] & (jnp.arange(M)[None, :] >= c.first_private_S[:, None]) & (c.table_SxM != TRASH_PAGE)
+    waiting_B = c.waiting_B.at[jnp.where(done_S, c.row_S // n, B)].add(-1, mode="drop")
+    released_B = c.alive_B & (waiting_B == 0)
+    pages = jnp.concatenate([c.table_SxM.reshape(-1), c.prompt_table_BxMp.reshape(-1)])
+    give_back = jnp.concatenate([own_SxM.reshape(-1), jnp.repeat(released_B, Mp)])
+    at = jnp.where(give_back, c.top + jnp.cumsum(give_back) - 1, F)
+    return c._replace(
+        free_F=c.free_F.at[at].set(pages, mode="drop"),
+        top=c.top + jnp.sum(give_back),
+        table_SxM=jnp.where(done_S[:, None], TRASH_PAGE, c.table_SxM),
+        active_S=c.active_S & ~done_S,
+        waiting_B=waiting_B,
+        alive_B=c.alive_B & ~released_B,
+    )
+
+
+def decode_step(ro: Rollout, c: Carry) -> Carry:
+    """One token for every active row that gets its page: admit, allocate, copy prompt
+    tails, decode and sample, record, retire. With nothing left to do it changes nothing
+    but the trash page (so the loop may run it past the end)."""
+    c = admit(ro, c)
+    wait_S, first_S, c = allocate(ro, c)
+    c = copy_prompt_tails(ro, c, first_S)
+    run_S = c.active_S & ~wait_S
+    tok_S, logp_S, logits_SxV, pools = sample_step(ro, c, run_S)
+    done_S, c = record(ro, c, run_S, wait_S, tok_S, logp_S, logits_SxV, pools)
+    return retire(ro, c, done_S)
+
+
+def work_left(ro: Rollout, c: Carry) -> jax.Array:
+    return (c.next_row < ro.num_rows) | jnp.any(c.active_S)
+
+
+def iteration(ro: Rollout, c: Carry) -> Carry:
+    """One trip of the rollout loop: every prefill group that is due (each followed by the
+    admission of its rows), then ``static.steps_per_sync`` decode steps in a loop of known
+    trip count (no predicate read back by the host between them)."""
+    c = jax.lax.while_loop(lambda c: prefill_due(ro, c), lambda c: admit(ro, prefill_group(ro, c)), c)
+    return jax.lax.fori_loop(0, ro.static.steps_per_sync, lambda _, c: decode_step(ro, c), c)
 
 
 def rollout(
@@ -196,233 +525,40 @@ def rollout(
     devices the logits' vocabulary is split over inside the replica (the sampler's blocks
     then tile the shards). Returns bucket-sized outputs and statistics (``peak_pages`` and
     ``waits``: slot-steps spent waiting for a page, both measured)."""
-    cfg: ModelConfig = model.cfg
-    B, P = prompt_ids_BxP.shape
-    N, R, S, T, n = B * static.n, static.response_len, static.slots, static.page_size, static.n
-    lay = layout(static, P)
-    Mp, M, Rp = lay["prompt_pages"], lay["table"], lay["reserve"]
-    F = lay["num_pages"] - 1  # every page but the trash page starts on the free stack
-    per_layer = not cfg.scan_layers
-    axis = pool_layout.page_axis + (0 if per_layer else 1)  # the pages axis of a pool array
-    constrain_pools = _pool_constraint(pool_layout)
-    pools = constrain_pools(PagedKVCache.zeros(cfg, lay["num_pages"], T, per_layer, pool_layout))
-
-    def cache(pools, table, positions):
-        return PagedKVCache(pools, table, positions, layout=pool_layout, sliding_window=cfg.sliding_window)
-
-    Gr, C = static.prefill_rows, static.prefill_len
-    chunks = -(-P // C)
-    ids = jnp.pad(prompt_ids_BxP, ((0, 0), (0, chunks * C - P)))
-    last_token_B = jnp.take_along_axis(prompt_ids_BxP, (prompt_len_B - 1)[:, None], axis=1)[:, 0]
-    temperature = jnp.float32(1.0) if static.greedy else temperature
-    eos = jnp.asarray(static.eos_token_ids or (-1,), jnp.int32)
-    token_class_V, next_state_SxC, hit_SxC = stop_tables
-    slot_ids = jnp.arange(S)
-    V = cfg.vocab_size
-
-    carry = dict(
-        pools=pools,
-        active=jnp.zeros(S, bool),
-        row=jnp.zeros(S, jnp.int32),
-        pos=jnp.zeros(S, jnp.int32),
-        tok=jnp.zeros(S, jnp.int32),
-        gen=jnp.zeros(S, jnp.int32),
-        limit=jnp.zeros(S, jnp.int32),
-        first_private=jnp.zeros(S, jnp.int32),
-        table=jnp.zeros((S, M), jnp.int32),
-        next_row=jnp.int32(0),
-        stop_state=jnp.zeros(S, jnp.int32),
-        prompt_table=jnp.zeros((B, Mp), jnp.int32),
-        prefilled=jnp.int32(0),
-        alive=jnp.zeros(B, bool),
-        waiting=jnp.full(B, n, jnp.int32),  # samples of each prompt not finished yet
-        free=1 + jnp.arange(F, dtype=jnp.int32),
-        top=jnp.int32(F),
-        steps=jnp.int32(0),
-        peak_pages=jnp.int32(0),
-        waits=jnp.int32(0),
-        out_tok=jnp.full((N, R), static.pad_token_id, jnp.int32),
-        out_logp=jnp.zeros((N, R), jnp.float32),
-        lengths=jnp.zeros(N, jnp.int32),
+    _, P = prompt_ids_BxP.shape
+    C = static.prefill_len
+    ro = Rollout(
+        model=model,
+        static=static,
+        pool_layout=pool_layout,
+        vocab_shards=vocab_shards,
+        prompt_len=P,
+        ids_BxCP=jnp.pad(prompt_ids_BxP, ((0, 0), (0, -(-P // C) * C - P))),
+        prompt_len_B=prompt_len_B,
+        last_token_B=jnp.take_along_axis(prompt_ids_BxP, (prompt_len_B - 1)[:, None], axis=1)[:, 0],
+        limits_N=limits_N,
+        row_offset=row_offset,
+        num_rows=num_rows,
+        rng=rng,
+        temperature=temperature,
+        top_p=top_p,
+        eos_E=jnp.asarray(static.eos_token_ids or (-1,), jnp.int32),
+        stop_tables=stop_tables,
     )
-    if static.return_logits:
-        carry["out_logits"] = jnp.zeros((N, R, V), jnp.float32)
-
-    def prefill_group(c):
-        """The next Gr prompts: Mp pages each from the free stack, then their first p_i - 1
-        tokens written in chunks of C tokens."""
-        first = c["prefilled"]
-        pages_GxMp = jax.lax.dynamic_slice_in_dim(c["free"], c["top"] - Gr * Mp, Gr * Mp).reshape(Gr, Mp)
-        table = jnp.pad(pages_GxMp, ((0, 0), (0, M - Mp)))
-        rows = jax.lax.dynamic_slice_in_dim(ids, first, Gr, axis=0)
-        plen_G = jax.lax.dynamic_slice_in_dim(prompt_len_B, first, Gr)
-
-        def chunk(i, pools):
-            tok_GxC = jax.lax.dynamic_slice_in_dim(rows, i * C, C, axis=1)
-            pos_C = i * C + jnp.arange(C, dtype=jnp.int32)
-            pos_GxC = jnp.where(pos_C[None, :] < plen_G[:, None] - 1, pos_C[None, :], -1)
-            _, out = model.model(tok_GxC, None, pos_GxC, cache(pools, table, pos_GxC))
-            return constrain_pools(out.pools)
-
-        with jax.named_scope("prefill"):
-            pools = jax.lax.fori_loop(0, chunks, chunk, c["pools"])
-        return dict(
-            c,
-            pools=pools,
-            prefilled=first + Gr,
-            top=c["top"] - Gr * Mp,
-            prompt_table=jax.lax.dynamic_update_slice_in_dim(c["prompt_table"], pages_GxMp, first, axis=0),
-            alive=jax.lax.dynamic_update_slice_in_dim(c["alive"], jnp.ones(Gr, bool), first, axis=0),
-        )
-
-    def admit(c):
-        # a new prefill group once every row of the prefilled prompts has a slot, if its pages
-        # leave the priority row's reserve
-        ready = jnp.minimum(c["prefilled"] * n, num_rows)
-        wanted = jnp.any(~c["active"]) & (c["next_row"] >= ready) & (ready < num_rows) & (c["top"] - Gr * Mp >= Rp)
-        c = jax.lax.cond(wanted, prefill_group, lambda c: c, c)
-        ready = jnp.minimum(c["prefilled"] * n, num_rows)
-        free_slot = ~c["active"]
-        cand = c["next_row"] + jnp.cumsum(free_slot) - 1
-        new = free_slot & (cand < ready)
-        cand = jnp.clip(cand, 0, N - 1)
-        b = cand // n
-        p = prompt_len_B[b]
-        j0 = (p - 1) // T
-        prompt_rows = jnp.pad(c["prompt_table"][b], ((0, 0), (0, M - Mp)))
-        shared = jnp.where(jnp.arange(M)[None, :] < j0[:, None], prompt_rows, TRASH_PAGE)
-        return dict(
-            c,
-            active=c["active"] | new,
-            row=jnp.where(new, cand, c["row"]),
-            pos=jnp.where(new, p - 1, c["pos"]),
-            tok=jnp.where(new, last_token_B[b], c["tok"]),
-            gen=jnp.where(new, 0, c["gen"]),
-            limit=jnp.where(new, limits_N[cand], c["limit"]),
-            first_private=jnp.where(new, j0, c["first_private"]),
-            table=jnp.where(new[:, None], shared, c["table"]),
-            next_row=c["next_row"] + jnp.sum(new),
-            stop_state=jnp.where(new, 0, c["stop_state"]),
-        )
-
-    def allocate(c):
-        """A page for every active row whose next position starts one: the priority row (the
-        lowest active row id) always, the others while Rp pages stay on the stack. Returns
-        the rows that wait and those that got their first page (gen == 0)."""
-        page_idx = c["pos"] // T
-        cur = jnp.take_along_axis(c["table"], page_idx[:, None], axis=1)[:, 0]
-        need = c["active"] & (cur == TRASH_PAGE)
-        priority = c["active"] & (c["row"] == jnp.min(jnp.where(c["active"], c["row"], N)))
-        others = need & ~priority
-        rank = jnp.cumsum(others) - 1 + jnp.any(need & priority)  # the priority row takes the first page
-        granted = (need & priority) | (others & (c["top"] - 1 - rank >= Rp))
-        rank = jnp.where(priority, 0, rank)
-        page = c["free"][jnp.clip(c["top"] - 1 - rank, 0, F - 1)]
-        table = c["table"].at[slot_ids, page_idx].set(jnp.where(granted, page, cur))
-        return need & ~granted, granted & (c["gen"] == 0), dict(c, table=table, top=c["top"] - jnp.sum(granted))
-
-    def copy_prompt_tail(c, first):
-        """The private copy of page j0 of each row's prompt (its tail tokens), when the row
-        gets that page (its first)."""
-        b = c["row"] // n
-        j0 = c["first_private"]
-        has_tail = first & ((prompt_len_B[b] - 1) % T != 0)
-        src = jnp.where(has_tail, c["prompt_table"][b, jnp.minimum(j0, Mp - 1)], TRASH_PAGE)
-        dst = jnp.where(has_tail, c["table"][slot_ids, jnp.minimum(j0, M - 1)], TRASH_PAGE)
-
-        def copy(x):
-            index = (slice(None),) * axis
-            return x.at[index + (dst,)].set(x[index + (src,)])
-
-        pools = jax.lax.cond(jnp.any(has_tail), lambda p: jax.tree.map(copy, p), lambda p: p, c["pools"])
-        return dict(c, pools=constrain_pools(pools))
-
-    def body(c):
-        c = admit(c)
-        wait, first, c = allocate(c)
-        c = copy_prompt_tail(c, first)
-        run = c["active"] & ~wait
-        positions = jnp.where(run, c["pos"], -1)[:, None]
-        hidden, kv = model.model(c["tok"][:, None], None, positions, cache(c["pools"], c["table"], positions))
-        with jax.named_scope("lm_head"):
-            logits_SxV = model.logits(hidden)[:, 0]
-        with jax.named_scope("sample"):  # the scopes name the ops in profiles (experiments/bench_sampling.py)
-            keys = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(rng, row_offset + r), j))(
-                c["row"], c["gen"]
-            )
-            tok = sample_tokens(
-                keys,
-                logits_SxV,
-                greedy=static.greedy,
-                temperature=temperature,
-                top_k=static.top_k,
-                top_p=top_p,
-                use_top_p=static.use_top_p,
-                vocab_shards=vocab_shards,
-            )
-        with jax.named_scope("log_prob"):
-            logp = token_log_probs(logits_SxV, tok, temperature)
-        row_w = jnp.where(run, c["row"], N)  # idle and waiting slots write nowhere
-        gen = c["gen"] + run
-        stop = jnp.any(tok[:, None] == eos[None, :], axis=-1)
-        stop_state = c["stop_state"]
-        if static.use_stops:
-            cls = token_class_V[tok]
-            stop |= hit_SxC[stop_state, cls]
-            stop_state = jnp.where(run, next_state_SxC[stop_state, cls], stop_state)
-        done = run & ((gen >= c["limit"]) | stop)
-        out = dict(
-            c,
-            pools=constrain_pools(kv.pools),
-            tok=jnp.where(run, tok, c["tok"]),
-            pos=c["pos"] + run,
-            gen=gen,
-            stop_state=stop_state,
-            steps=c["steps"] + 1,
-            waits=c["waits"] + jnp.sum(wait),
-            out_tok=c["out_tok"].at[row_w, c["gen"]].set(tok, mode="drop"),
-            out_logp=c["out_logp"].at[row_w, c["gen"]].set(logp, mode="drop"),
-            lengths=c["lengths"].at[jnp.where(done, c["row"], N)].set(gen, mode="drop"),
-            peak_pages=jnp.maximum(c["peak_pages"], F - c["top"]),
-        )
-        if static.return_logits:
-            out["out_logits"] = c["out_logits"].at[row_w, c["gen"]].set(logits_SxV, mode="drop")
-        # retire finished rows: their private pages go back on the free stack, and so do the
-        # pages of a prompt whose last sample finished
-        own = done[:, None] & (jnp.arange(M)[None, :] >= c["first_private"][:, None]) & (c["table"] != TRASH_PAGE)
-        waiting = c["waiting"].at[jnp.where(done, c["row"] // n, B)].add(-1, mode="drop")
-        released = c["alive"] & (waiting == 0)
-        pages = jnp.concatenate([c["table"].reshape(-1), c["prompt_table"].reshape(-1)])
-        give_back = jnp.concatenate([own.reshape(-1), jnp.repeat(released, Mp)])
-        at = jnp.where(give_back, c["top"] + jnp.cumsum(give_back) - 1, F)
-        out.update(
-            free=c["free"].at[at].set(pages, mode="drop"),
-            top=c["top"] + jnp.sum(give_back),
-            table=jnp.where(done[:, None], TRASH_PAGE, c["table"]),
-            active=c["active"] & ~done,
-            waiting=waiting,
-            alive=c["alive"] & ~released,
-        )
-        return out
-
-    def cond(c):
-        return (c["next_row"] < num_rows) | jnp.any(c["active"])
-
-    c = jax.lax.while_loop(cond, body, carry)
-    mask = (jnp.arange(R)[None, :] < c["lengths"][:, None]).astype(jnp.int32)
+    c = jax.lax.while_loop(lambda c: work_left(ro, c), lambda c: iteration(ro, c), initial_carry(ro))
     out = dict(
-        responses=c["out_tok"],
-        response_mask=mask,
-        log_probs=c["out_logp"],
-        lengths=c["lengths"],
-        num_steps=c["steps"],
-        peak_pages=c["peak_pages"],
-        waits=c["waits"],
+        responses=c.out_tok_NxR,
+        response_mask=(jnp.arange(static.response_len)[None, :] < c.lengths_N[:, None]).astype(jnp.int32),
+        log_probs=c.out_logp_NxR,
+        lengths=c.lengths_N,
+        num_steps=c.steps,
+        peak_pages=c.peak_pages,
+        waits=c.waits,
     )
     if static.return_logits:
-        out["logits"] = c["out_logits"]
+        out["logits"] = c.out_logits_NxRxV
     if static.return_cache:
-        stacked = jax.tree.map(lambda *x: jnp.stack(x), *c["pools"]) if per_layer else c["pools"]
+        stacked = c.pools if model.cfg.scan_layers else jax.tree.map(lambda *x: jnp.stack(x), *c.pools)
         out["k_pages"], out["v_pages"] = pool_layout.to_heads_major(stacked)
     return out
 
@@ -441,7 +577,10 @@ def _pool_constraint(pool_layout: PoolLayout):
 __all__ = [
     "DEFAULT_RESPONSE_SHARE",
     "Static",
-    "layout",
+    "Carry",
+    "Rollout",
+    "decode_step",
+    "iteration",
     "no_wait_peak_pages",
     "pool_bounds",
     "pool_pages",

@@ -268,6 +268,17 @@ def _generate_program(
     return dict(out, **flat, num_steps=jnp.max(out["num_steps"]))
 
 
+STEPS_PER_SYNC = {"cpu": 1, "gpu": 8, "tpu": 8}
+
+
+def default_steps_per_sync(platform: str) -> int:
+    """Decode steps per trip of the rollout loop (`batcher.iteration`): on GPU and TPU the
+    loop's predicate is read back by the host every trip, which drains the device's queue, so
+    several steps go between reads; on CPU there is no queue to drain and a step past the end
+    costs its full compute, so one."""
+    return STEPS_PER_SYNC.get(platform, 8)
+
+
 def _platform(mesh: Mesh | None) -> str:
     """The platform the program runs on (``cpu``, ``gpu``, ``tpu``)."""
     return (mesh.devices.flat[0] if mesh is not None else jax.devices()[0]).platform
@@ -400,6 +411,7 @@ def _prepare(
     return_logits: bool = False,
     return_cache: bool = False,
     place: bool = True,
+    steps_per_sync: int | None = None,
 ) -> _Call:
     cfg = _config_of(graphdef, state)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
@@ -418,6 +430,8 @@ def _prepare(
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if slots is not None and slots < 1:
         raise ValueError(f"slots must be >= 1, got {slots}")
+    if steps_per_sync is not None and steps_per_sync < 1:
+        raise ValueError(f"steps_per_sync must be >= 1 (or None: by platform), got {steps_per_sync}")
     if kv_tokens is not None and kv_tokens < 1:
         raise ValueError(f"kv_tokens must be >= 1 (or None: the default budget), got {kv_tokens}")
     if params.stop and (stop_strings is None or stop_strings.strings != params.stop):
@@ -480,6 +494,12 @@ def _prepare(
             slots,
             page_size,
         )
+    elif kv_tokens is None and place:
+        kv_tokens = memory_kv_tokens(
+            engine_shape(cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size),
+            _kv_shards(rules, mesh),
+            list(mesh.devices.flat) if mesh is not None else jax.devices()[:1],
+        )
     shape = engine_shape(
         cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size, kv_tokens=kv_tokens
     )
@@ -500,6 +520,7 @@ def _prepare(
         return_cache=return_cache,
         use_stops=bool(params.stop),
         kernel=_kernel(cfg, mesh, rules, attention),
+        steps_per_sync=steps_per_sync or default_steps_per_sync(_platform(mesh)),
     )
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
     args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p), stop_tables)
@@ -509,12 +530,43 @@ def _prepare(
         slots=static.slots,
         page_size=page_size,
         attention=static.kernel,
+        steps_per_sync=static.steps_per_sync,
         pages_per_replica=shape.pages,
         pad_token_id=int(pad),
         kv_pool_bytes=replicas * shape.pool_bytes,
         page_bytes=page_bytes,
     )
     return _Call(program, args, B * n, params.max_new_tokens, stats)
+
+
+KV_MEMORY_FRACTION = 0.5  # of the free device memory, for the default pool on an accelerator
+
+
+def memory_kv_tokens(shape: EngineShape, kv_shards: int, devices) -> int | None:
+    """The default budget of a rollout whose rows may stop early, on a device that reports its
+    memory (GPU, TPU): the worst-case pool (no row ever waits) when it fits in
+    `KV_MEMORY_FRACTION` of the free memory of the emptiest device, else the largest power of
+    two pages that does (stable across calls, so the program is reused), if that beats the
+    token-budget default. None (the default of `batcher.pool_pages`) on CPU, whose devices
+    report no memory, and where the fraction holds less. ``kv_shards``: the devices one
+    replica's pool is split over (its kv heads)."""
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(not s or "bytes_limit" not in s for s in stats):
+        return None
+    free = min(s["bytes_limit"] - s["bytes_in_use"] for s in stats)
+    page_bytes = shape.pool_bytes / shape.pages / kv_shards
+    fit = int(KV_MEMORY_FRACTION * free // page_bytes)
+    if fit >= shape.worst_case_pages:
+        return (shape.worst_case_pages - 1) * shape.page_size
+    pages = 1 << (fit.bit_length() - 1) if fit > 0 else 0
+    return (pages - 1) * shape.page_size if pages > shape.pages else None
+
+
+def _kv_shards(rules: Rules, mesh: Mesh | None) -> int:
+    """The devices the kv heads of one replica are split over."""
+    if mesh is None:
+        return 1
+    return math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0]))
 
 
 def _expected_kv_tokens(cfg, plen_RxB, limits_RxN, num_rows_R, prompt_len, params, replicas, slots, page_size):
@@ -623,6 +675,7 @@ def generate_from_state(
     stop_strings: StopStrings | None = None,
     return_logits: bool = False,
     return_cache: bool = False,
+    steps_per_sync: int | None = None,
 ) -> GenerateOutput:
     """Sample ``params.n`` responses for each of the B left-padded prompts.
 
@@ -639,8 +692,10 @@ def generate_from_state(
     or its prebuilt ``stop_strings`` (`StopStrings.build`). With ``mesh``, prompts, slots and
     pages are split over the ``batch`` axes of ``rules``. The compiled program is cached per
     (graphdef, static settings, mesh, rules, bucket shapes), so repeated calls compile
-    nothing. ``rng`` (a PRNG key) overrides ``params.seed``. ``return_logits`` /
-    ``return_cache`` add debug outputs (separate programs; for tests).
+    nothing. ``rng`` (a PRNG key) overrides ``params.seed``. ``steps_per_sync``: decode steps
+    per trip of the rollout loop (None: `default_steps_per_sync` of the platform; what is
+    sampled does not depend on it). ``return_logits`` / ``return_cache`` add debug outputs
+    (separate programs; for tests).
     """
     if params.stop and stop_strings is None:
         if tokenizer is None:
@@ -663,6 +718,7 @@ def generate_from_state(
         stop_strings,
         return_logits,
         return_cache,
+        steps_per_sync=steps_per_sync,
     )
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols
@@ -702,6 +758,7 @@ def lower_generate(
     stop_strings: StopStrings | None = None,
     return_logits: bool = False,
     return_cache: bool = False,
+    steps_per_sync: int | None = None,
 ) -> jax.stages.Lowered:
     """The program `generate_from_state` runs for these arguments, lowered but not run:
     ``.compile()`` gives its HLO (``as_text()``), ``memory_analysis()`` and
@@ -725,6 +782,7 @@ def lower_generate(
         return_logits,
         return_cache,
         place=False,
+        steps_per_sync=steps_per_sync,
     )
     return call.program.lower(*call.args)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,8 +49,14 @@ from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig, make_optimizer
 from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
-from jaxflow.workers.protocols import DP_COMPUTE, register
+from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
+
+
+def cast_program(dtype: Any, shardings: Any):
+    """A jitted copy of the weights in ``dtype`` with their shardings (each device casts its
+    own shard)."""
+    return jax.jit(lambda params: jax.tree.map(lambda x: x.astype(dtype), params), out_shardings=shardings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +327,7 @@ class ActorWorker(TrainableWorker):
             self.engine = HybridEngine(self.mesh, self.rules, gen_tp, strategy=strategy, gen_rules=gen_rules)
         self._num_rollouts = 0
         self._num_updates = 0
+        self._gen_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
@@ -352,22 +360,59 @@ class ActorWorker(TrainableWorker):
             tokenizer=r.tokenizer,
         )
         with contextlib.ExitStack() as stack:
-            if self.engine is None:
-                gen_params, mesh, rules = self.params, self.mesh, self.rules
-            else:  # the training weights are donated into the generation copy and sliced back after
-                gen_params = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
-                mesh, rules = self.engine.gen_mesh, self.engine.gen_rules
+            t0 = time.perf_counter()
+            gen_params, mesh, rules = self._generation_weights(stack)
+            jax.block_until_ready(gen_params)
+            t1 = time.perf_counter()
             out = generate_from_state(
                 self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options
             )
             responses, response_mask, log_probs = jax.block_until_ready(
                 (out.responses, out.response_mask, out.log_probs)
             )
-        rows = prompts.repeat(params.n, interleave=True)
-        return rows.update(
+            t2 = time.perf_counter()
+        rows = prompts.repeat(params.n, interleave=True).update(
             tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
             meta={"temperature": 1.0 if params.greedy else float(params.temperature)},
         )
+        self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
+        return rows
+
+    @register(ONE_TO_ALL)
+    def generation_seconds(self) -> dict[str, float]:
+        """The last `generate` call's parts, wall-clock seconds on this worker: ``reshard``
+        (the generation copy: cast and/or the hybrid engine's switch), ``engine`` (the
+        rollout program, to its outputs' readiness), ``post`` (giving the weights back and
+        assembling the rows)."""
+        return dict(self._gen_seconds)
+
+    def generation_dtype(self) -> Any:
+        """The dtype of the generation copy: the model's compute dtype where it is narrower
+        than the (master) weights' (bf16 generation from float32 masters on accelerators),
+        else None (generation reads the weights as they are)."""
+        compute = jnp.dtype(self.model_config.dtype)
+        stored = jnp.dtype(jax.tree.leaves(self.params)[0].dtype)
+        if jnp.issubdtype(compute, jnp.floating) and compute.itemsize < stored.itemsize:
+            return compute
+        return None
+
+    def _generation_weights(self, stack: contextlib.ExitStack) -> tuple[Any, Mesh, Rules]:
+        """The weights generation reads, with their mesh and rules. Same dtype as the
+        masters: the training weights themselves, or (hybrid engine) the training state
+        donated into the generation layout and given back on exit. Narrower (`generation_dtype`):
+        a cast copy, resharded into the generation layout (the cast copy donated), dropped on
+        exit; the masters stay untouched."""
+        dtype = self.generation_dtype()
+        if dtype is None:
+            if self.engine is None:
+                return self.params, self.mesh, self.rules
+            gen = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
+            return gen, self.engine.gen_mesh, self.engine.gen_rules
+        cast = self._compiled(("cast", dtype.name), lambda: cast_program(dtype, self.state_shardings.params))
+        low = cast(self.params)
+        if self.engine is None:
+            return low, self.mesh, self.rules
+        return self.engine.to_generation(low, donate=True), self.engine.gen_mesh, self.engine.gen_rules
 
     def _set_trained_params(self, params: Any) -> None:
         self.state = dataclasses.replace(self.state, params=params)

@@ -115,6 +115,7 @@ class RoleWorker:
         self.graphdef, params = split_model(model, self.mesh, self.rules, self.head)
         self._set_params(params)
         self._programs: dict[Any, Any] = {}
+        self._model_config = None
 
     # Subclasses that train keep params inside a TrainState; see `params`.
     def _set_params(self, params: Any) -> None:
@@ -180,6 +181,13 @@ class RoleWorker:
         tensor at a time (`jaxflow.models.save_pretrained`: in a multi-process world process 0
         writes the files, every process takes part in gathering each tensor)."""
         save_pretrained(nnx.merge(self.graphdef, self.params), path)
+
+    @property
+    def model_config(self) -> Any:
+        """The model's `jaxflow.models.ModelConfig` (a static attribute of its graph)."""
+        if self._model_config is None:
+            self._model_config = nnx.merge(self.graphdef, self.params).cfg
+        return self._model_config
 
     def _compiled(self, key: Any, build) -> Any:
         """A jitted program built once per key (e.g. the set of input columns)."""

@@ -46,17 +46,13 @@ def full_sequence(tensors: Mapping[str, Array]) -> tuple[Array, Array, int]:
     return ids, mask, prompt_ids.shape[1]
 
 
-def response_logits(model: Any, tensors: Mapping[str, Array], temperature: Any) -> Array:
-    """``logits / T`` at the positions that predict the response tokens: ``[B, R, V]`` (f32)."""
+def response_hidden(model: Any, tensors: Mapping[str, Array]) -> Array:
+    """A CausalLM's final hidden states at the positions that predict the response tokens:
+    ``[B, R, D]``."""
     ids, mask, P = full_sequence(tensors)
     R = tensors["responses"].shape[1]
-    if hasattr(model, "logits"):  # CausalLM: the LM head runs on the R predicting positions only
-        hidden_BxLxD, _ = model.model(ids, mask)
-        logits_BxRxV = model.logits(jax.lax.slice_in_dim(hidden_BxLxD, P - 1, P - 1 + R, axis=1))
-    else:
-        logits_BxRxV = jax.lax.slice_in_dim(model(ids, attention_mask=mask), P - 1, P - 1 + R, axis=1)
-    logits_BxRxV = logits_BxRxV.astype(jnp.promote_types(logits_BxRxV.dtype, jnp.float32))
-    return logits_BxRxV / jnp.asarray(temperature, logits_BxRxV.dtype)
+    hidden_BxLxD, _ = model.model(ids, mask)
+    return jax.lax.slice_in_dim(hidden_BxLxD, P - 1, P - 1 + R, axis=1)
 
 
 def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array) -> Array:
@@ -64,6 +60,47 @@ def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array) -> Array:
     lse_BxR = jax.nn.logsumexp(logits_BxRxV, axis=-1)
     picked_BxR = jnp.take_along_axis(logits_BxRxV, tokens_BxR.astype(jnp.int32)[..., None], axis=-1)[..., 0]
     return picked_BxR - lse_BxR
+
+
+LOGITS_CHUNK_BYTES = 1 << 28  # float32 logits of one chunk of positions (`head_log_probs`)
+
+
+def position_chunks(rows: int, positions: int, vocab: int, budget: int) -> int:
+    """The fewest chunks k (a divisor of ``positions``) whose float32 logits ``[rows,
+    positions / k, vocab]`` fit in ``budget`` bytes (one position per chunk at worst)."""
+    for k in range(1, positions + 1):
+        if positions % k == 0 and rows * (positions // k) * vocab * 4 <= budget:
+            return k
+    return positions
+
+
+def head_log_probs(
+    model: Any, hidden_BxLxD: Array, tokens_BxL: Array, temperature: Any, with_entropy: bool
+) -> tuple[Array, Array | None]:
+    """``log_softmax(head(hidden) / T)[token]`` and the entropies ``[B, L]`` through the LM
+    head in chunks of positions (`position_chunks`), each chunk's logits recomputed in the
+    backward pass (``jax.checkpoint``): float32 logits of a large vocabulary (152k rows for
+    Qwen2.5) are never held for the whole micro-batch at once, forward or backward. One chunk
+    is the plain computation."""
+    B, L, _ = hidden_BxLxD.shape
+
+    def chunk(h_BxCxD, t_BxC):
+        logits = model.logits(h_BxCxD)
+        logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+        logits = logits / jnp.asarray(temperature, logits.dtype)
+        lp = token_log_probs(logits, t_BxC)
+        return lp, (compute_entropy_from_logits(logits) if with_entropy else jnp.zeros_like(lp))
+
+    k = position_chunks(B, L, model.cfg.vocab_size, LOGITS_CHUNK_BYTES)
+    if k == 1:
+        lp, ent = chunk(hidden_BxLxD, tokens_BxL)
+    else:
+        C = L // k
+        h_KxBxCxD = jnp.swapaxes(hidden_BxLxD.reshape(B, k, C, -1), 0, 1)
+        t_KxBxC = jnp.swapaxes(tokens_BxL.astype(jnp.int32).reshape(B, k, C), 0, 1)
+        lp, ent = jax.lax.map(lambda xs: jax.checkpoint(chunk)(*xs), (h_KxBxCxD, t_KxBxC))
+        lp, ent = (jnp.swapaxes(x, 0, 1).reshape(B, L) for x in (lp, ent))
+    return lp, (ent if with_entropy else None)
 
 
 def is_packed(tensors: Mapping[str, Array]) -> bool:
@@ -93,18 +130,15 @@ def log_probs_and_entropy(
     model: Any, tensors: Mapping[str, Array], temperature: Any, with_entropy: bool = True
 ) -> tuple[Array, Array | None]:
     """Response log-probs ``[B, R]`` and token entropies ``[B, R]`` (or None) at temperature T,
-    from padded rows or from a packed micro-batch (same values on the real tokens)."""
+    from padded rows or from a packed micro-batch (same values on the real tokens); the LM
+    head runs on the positions that predict responses only, in chunks (`head_log_probs`)."""
     if is_packed(tensors):
-        logits_NxCxV = model.logits(packed_outputs(model, tensors))
-        logits_NxCxV = logits_NxCxV / jnp.asarray(temperature, logits_NxCxV.dtype)
         index = tensors["response_index"]
-        log_probs = read_responses(token_log_probs(logits_NxCxV, tensors["packed_targets"]), index)
-        entropy = read_responses(compute_entropy_from_logits(logits_NxCxV), index) if with_entropy else None
-        return log_probs, entropy
-    logits_BxRxV = response_logits(model, tensors, temperature)
-    log_probs = token_log_probs(logits_BxRxV, tensors["responses"])
-    entropy = compute_entropy_from_logits(logits_BxRxV) if with_entropy else None
-    return log_probs, entropy
+        lp, ent = head_log_probs(
+            model, packed_outputs(model, tensors), tensors["packed_targets"], temperature, with_entropy
+        )
+        return read_responses(lp, index), (read_responses(ent, index) if with_entropy else None)
+    return head_log_probs(model, response_hidden(model, tensors), tensors["responses"], temperature, with_entropy)
 
 
 def response_values(model: Any, tensors: Mapping[str, Array]) -> Array:
