@@ -28,6 +28,7 @@ from tests.cli import (
     TINY,
     cli_env,
     complete_steps,
+    descendants,
     one_line,
     run_cli,
     saving,
@@ -175,22 +176,6 @@ def test_reward_functions_that_cannot_work_stop_the_run_in_one_line(tmp_path):
     assert "step 1 |" not in out
 
 
-def _children(pid):
-    out = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out |= {int(p) for p in f.read().split()}
-    return out
-
-
-def _dead(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_a_killed_driver(tmp_path):
     marker = tmp_path / "called"
     hang = _reward_file(
@@ -203,8 +188,6 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
             time.sleep(1000)
     """,
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
     cmd = [
         sys.executable,
         "-m",
@@ -215,7 +198,7 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
         "--config.jaxflow.reward.batch_timeout_s=120",
         f"--config.trainer.default_local_dir={tmp_path / 'run'}",
     ]
-    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in driver.stdout], daemon=True).start()
     try:
@@ -234,14 +217,11 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
         assert called_at is not None and any("timed out on sample" in line for line in seen), "".join(seen)
         # Reported when it happens (1 s limit), far inside the 120 s batch deadline.
         assert reported_at - called_at < 30
-        children = _children(driver.pid)  # the reward worker (hanging again) and the resource tracker
+        children = descendants(driver.pid)  # the reward worker (hanging again) and the resource tracker
         assert children
         driver.kill()  # SIGKILL, as the OOM killer would
         driver.wait()
-        deadline = time.monotonic() + 10
-        while not all(_dead(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(_dead(p) for p in children), [p for p in children if not _dead(p)]
+        assert still_alive(children) == []
     finally:
         if driver.poll() is None:
             driver.kill()
