@@ -156,11 +156,14 @@ def _log_unraisable(info: Any) -> None:
         exc_info=(info.exc_type, info.exc_value, info.exc_traceback),
     )
     if issubclass(info.exc_type, KeyboardInterrupt):
-        # Ctrl-C landed where Python cannot raise it (e.g. JAX's garbage-collector callback) and
-        # would be lost: deliver it again, to be raised in the main thread's own code.
+        # Ctrl-C (or SIGTERM) landed where Python cannot raise it (e.g. JAX's garbage-collector
+        # callback) and would be lost: deliver it again, to be raised in the main thread's own
+        # code. From another thread: called here, in the main thread, the handler would raise
+        # inside this hook, where it is lost again (with a traceback on the console).
         import _thread
+        import threading
 
-        _thread.interrupt_main()
+        threading.Thread(target=_thread.interrupt_main, daemon=True).start()
 
 
 def _run_dir(cfg: Any) -> str | None:

@@ -155,15 +155,30 @@ def stop_when(args, run_dir, until, stop, env=None, timeout=600) -> Stopped:
     return Stopped(proc.returncode, "".join(seen), processes)
 
 
-def saving(step: int):
-    """``until`` of `stop_when`: the save of ``step`` is under way (its temporary directory exists)."""
-    return lambda run_dir: any(run_dir.glob(f"step_{step}.orbax-checkpoint-tmp*"))
+def saving(run_dir: Path):
+    """``until`` of `stop_when`: a save is under way (a temporary step directory that was not
+    in ``run_dir`` before, e.g. an earlier run's debris) while a complete checkpoint exists (the
+    one a run stopped now names)."""
+    debris = set(Path(run_dir).glob("step_*.orbax-checkpoint-tmp*"))
+    return lambda run_dir: bool(complete_steps(run_dir) and set(run_dir.glob("step_*.orbax-checkpoint-tmp*")) - debris)
+
+
+def steps_left(run_dir: Path) -> list[str]:
+    """The names of ``run_dir``'s step entries that are neither complete checkpoints nor orbax's
+    temporary directories (a save cut short must leave only those)."""
+    complete = {f"step_{s}" for s in complete_steps(run_dir)}
+    return sorted(
+        p.name for p in Path(run_dir).glob("step_*") if p.name not in complete and ".orbax-checkpoint-tmp" not in p.name
+    )
 
 
 def one_line(out: str, prefix: str) -> str:
-    """The single line of ``out`` that starts with ``prefix``."""
-    (line,) = [line for line in out.splitlines() if line.startswith(prefix)]
-    return line
+    """The single line of ``out`` that starts with ``prefix`` (from ``prefix`` on: a signal
+    that interrupts a ``print`` between its text and its newline glues the run's last line to
+    the stopped one)."""
+    lines = [line[line.index(prefix) :] for line in out.splitlines() if prefix in line]
+    assert len(lines) == 1, f"{len(lines)} lines with {prefix!r} in:\n{out}"
+    return lines[0]
 
 
 def complete_steps(run_dir: Path) -> list[int]:

@@ -36,7 +36,7 @@ from jaxflow.workers.ray_backend import (
     WorkerDied,
 )
 from jaxflow.workers.roles import RoleSettings, role_class
-from tests.cli import TINY, cli_env, dead, one_line, saving, still_alive, stop_when
+from tests.cli import TINY, cli_env, complete_steps, dead, one_line, saving, steps_left, still_alive, stop_when
 from tests.ray_toy import Loaded, Toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,7 +222,7 @@ def test_a_run_starts_its_own_ray_beside_anothers_and_sigterm_stops_it_all(backe
     """This session's Ray is another process's private instance for the run: with no cluster
     named, ``python -m jaxflow.run --config.jaxflow.backend=ray`` starts its own (one line says
     so) and this one is untouched (its free CPUs never change; its group still answers).
-    SIGTERM while step 2 is saved, then (resumed) during its first step: exit 143, one line
+    SIGTERM while a step is saved, then (resumed) during its first step: exit 143, one line
     naming the last complete checkpoint, and within 10 s no process of the run is left: its
     worker, its Ray (GCS, raylet, dashboard agent, ...). Ray's start-up noise (token
     authentication, the fork warning, its INFO lines) is in the log file, not on the console."""
@@ -233,8 +233,8 @@ def test_a_run_starts_its_own_ray_beside_anothers_and_sigterm_stops_it_all(backe
     run_dir = tmp_path / "run"
     env = {k: v for k, v in cli_env().items() if k != "RAY_AUTH_MODE"}  # a user's shell: Ray warns of its tokens
     try:
-        in_save = stop_when(RAY_TINY, run_dir, saving(2), signal.SIGTERM, env=env)
-        left = sorted(p.name for p in run_dir.glob("step_*"))
+        in_save = stop_when(RAY_TINY, run_dir, saving(run_dir), signal.SIGTERM, env=env)
+        saved, odd = complete_steps(run_dir), steps_left(run_dir)
         in_step = stop_when(RAY_TINY, run_dir, "jaxflow: grpo (grpo) for", signal.SIGTERM, env=env)
     finally:
         stop.set()
@@ -246,17 +246,17 @@ def test_a_run_starts_its_own_ray_beside_anothers_and_sigterm_stops_it_all(backe
         line = one_line(stopped.out, "jaxflow: ray: started a private Ray instance at ")
         assert ours not in line and "neither jaxflow.ray.address nor RAY_ADDRESS names a cluster" in line
         assert one_line(stopped.out, "terminated (SIGTERM):").startswith(
-            f"terminated (SIGTERM): the latest complete checkpoint is step 1 in {run_dir}"
+            f"terminated (SIGTERM): the latest complete checkpoint is step {saved[-1]} in {run_dir}"
         )
         assert "Traceback" not in stopped.out and "SIGTERM received" not in stopped.out
         for noise in ("Token authentication", "os.fork()", "Started a local Ray instance", "(HostProcess"):
             assert noise not in stopped.out, (noise, stopped.out)
         assert len(stopped.processes) >= 4 and still_alive(stopped.processes) == []  # Ray's and the worker
-    assert any(name.startswith("step_2.orbax-checkpoint-tmp") for name in left), left  # the save cut short
-    assert f"resumed from {run_dir / 'step_1'} at step 1" in in_step.out
+    assert odd == [], odd  # the save cut short is never a step
+    assert f"resumed from {run_dir / f'step_{saved[-1]}'} at step {saved[-1]}" in in_step.out
     # Stopped in a step, the second run wrote no step and removed the first one's debris: the
     # directory is the one it resumed from, so the next run resumes alike.
-    assert sorted(p.name for p in run_dir.glob("step_*")) == ["step_1"]
+    assert sorted(p.name for p in run_dir.glob("step_*")) == [f"step_{s}" for s in saved]
     log_text = (run_dir / "jaxflow.log").read_text()
     assert "INFO ray._private.worker: Started a local Ray instance." in log_text
     assert "WARNING ray._private.authentication.authentication_token_setup: Token authentication is enabled" in log_text

@@ -5,6 +5,7 @@ The runs are the tiniest that exercise the real paths (one device, one layer, 2 
 responses, 1-4 steps); several assertions share one run where they check the same directory.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -26,12 +27,14 @@ from tests.cli import (
     REPO,
     SIGNALS,
     TINY,
+    Stopped,
     cli_env,
     complete_steps,
     descendants,
     one_line,
     run_cli,
     saving,
+    steps_left,
     still_alive,
     stop_when,
 )
@@ -366,39 +369,57 @@ def stopped_runs(tmp_path_factory):
     ]
     runs = {}
     for name, until, signum in (
-        ("ctrl_c_in_save", saving(2), signal.SIGINT),
+        ("ctrl_c_in_save", saving, signal.SIGINT),
         ("sigterm_in_step", "jaxflow: ppo (gae) for", signal.SIGTERM),
-        ("sigterm_in_save", saving(2), signal.SIGTERM),
+        ("sigterm_in_save", saving, signal.SIGTERM),
     ):
-        stopped = stop_when(args, run_dir, until, signum)
-        left = sorted(p.name for p in run_dir.glob("step_*"))
-        runs[name] = (stopped, left, still_alive(stopped.processes))
+        before = complete_steps(run_dir)
+        stopped = stop_when(args, run_dir, until(run_dir) if callable(until) else until, signum)
+        runs[name] = Interrupted(stopped, before, complete_steps(run_dir), steps_left(run_dir), run_dir)
     return {"run_dir": run_dir, "reward": reward, "runs": runs}
+
+
+@dataclasses.dataclass
+class Interrupted:
+    """A run stopped by a signal and the run directory's complete steps before and after it (and
+    any step entry that is neither complete nor orbax's temporary directory)."""
+
+    stopped: Stopped
+    before: list[int]
+    after: list[int]
+    odd: list[str]
+    run_dir: Path
+
+    def check(self, code: int, prefix: str) -> None:
+        """Exit ``code``, one line naming the latest complete checkpoint, no traceback, no
+        process of the run alive 10 s later, a resume from where the run before left."""
+        out, run_dir = self.stopped.out, self.run_dir
+        assert self.stopped.code == code, out
+        line = one_line(out, prefix)
+        assert f"the latest complete checkpoint is step {self.after[-1]} in {run_dir}" in line, line
+        assert "Traceback" not in out and "ERROR" not in out and "Metadata file" not in out, out
+        assert self.stopped.processes and still_alive(self.stopped.processes) == []
+        assert self.odd == [], self.odd  # a save cut short is never a step
+        if self.before:
+            step = self.before[-1]
+            assert f"resumed from {run_dir / f'step_{step}'} at step {step}" in out, out
 
 
 def test_ctrl_c_and_sigterm_in_a_step_or_a_save_are_one_line_and_the_next_run_resumes(stopped_runs):
     """Exit 130 (Ctrl-C) or 143 (SIGTERM, as SLURM, Kubernetes and ``timeout`` stop jobs), one
-    line naming the last complete checkpoint, no traceback, no process of the run alive 10 s
-    later; the save cut short is never a step, and the next run resumes from the last complete
-    one. The start-up lines name the custom reward function and the prompts cut to 3 tokens
-    (loudly: all of them); healthy checkpoints give no orbax warnings."""
-    run_dir, runs = stopped_runs["run_dir"], stopped_runs["runs"]
-    for name, (stopped, left, alive) in runs.items():
-        code, prefix = SIGNALS[signal.SIGINT if name == "ctrl_c_in_save" else signal.SIGTERM]
-        assert stopped.code == code, (name, stopped.out)
-        line = one_line(stopped.out, prefix)
-        assert f"the latest complete checkpoint is step 1 in {run_dir}" in line, (name, line)
-        assert "Traceback" not in stopped.out and "ERROR" not in stopped.out and "Metadata file" not in stopped.out
-        assert stopped.processes and alive == [], (name, alive)  # the reward workers and their tracker
-        saved = [n for n in left if n.startswith("step_2")]
-        if name.endswith("in_save"):  # the signal landed while step 2 was written: left incomplete
-            assert saved and all(".orbax-checkpoint-tmp" in n for n in saved), (name, left)
-        else:
-            assert not saved, left  # the previous run's cut-short save was removed
-        if name != "ctrl_c_in_save":
-            assert f"resumed from {run_dir / 'step_1'} at step 1" in stopped.out, (name, stopped.out)
-        assert (run_dir / "step_1" / "_CHECKPOINT_METADATA").is_file()  # orbax's own, so it never warns
-    first = runs["ctrl_c_in_save"][0].out
+    line naming the last complete checkpoint, no traceback, no process of the run (its reward
+    workers) alive 10 s later; the save cut short is never a step, and the next run resumes from
+    the last complete one (the last run's: in the next test). The start-up lines name the custom
+    reward function and the prompts cut to 3 tokens (loudly: all of them); healthy checkpoints
+    give no orbax warnings."""
+    runs = stopped_runs["runs"]
+    runs["ctrl_c_in_save"].check(*SIGNALS[signal.SIGINT])
+    runs["sigterm_in_step"].check(*SIGNALS[signal.SIGTERM])
+    runs["sigterm_in_save"].check(*SIGNALS[signal.SIGTERM])
+    assert runs["sigterm_in_step"].after == runs["sigterm_in_step"].before  # stopped before a save
+    run_dir = stopped_runs["run_dir"]
+    assert (run_dir / "step_1" / "_CHECKPOINT_METADATA").is_file()  # orbax's own: it never warns
+    first = runs["ctrl_c_in_save"].stopped.out
     assert f"reward: custom function compute_score() from {stopped_runs['reward']}" in first
     assert (
         "train = BUILT-IN task 'addition' (train split, 8 prompts, 8 truncated to 3 tokens (data.truncation=right)"
@@ -419,20 +440,21 @@ def _digest_without_log(run_dir):
 
 def test_another_experiment_is_refused_and_each_step_exports_with_its_own_config(stopped_runs, tmp_path, capsys):
     """GRPO pointed at the PPO directory: refused in one line naming the differences, nothing
-    changed. With jaxflow.trainer.resume_other_experiment=true it resumes PPO's step 1 (its
-    actor) and saves GRPO's step 2, whose config.json replaces PPO's; the export still reads
-    each step as it was saved (step 1 has a critic, step 2 none) and names the step it took;
-    an export to a full disk is one line."""
+    changed. With jaxflow.trainer.resume_other_experiment=true it resumes PPO's latest step k
+    (its actor; the resume after the last SIGTERM of the previous test) and saves GRPO's step
+    k + 1, whose config.json replaces PPO's; the export still reads each step as it was saved
+    (step k has a critic, step k + 1 none) and names the step it took; an export to a full disk
+    is one line."""
     from jaxflow.export import main as export_main
 
     run_dir = stopped_runs["run_dir"]
-    before = _digest_without_log(run_dir)
-    grpo = [*TINY, "--config.trainer.total_training_steps=2", "--config.trainer.save_freq=1"]
+    before, k = _digest_without_log(run_dir), complete_steps(run_dir)[-1]
+    grpo = [*TINY, f"--config.trainer.total_training_steps={k + 1}", "--config.trainer.save_freq=1"]
     code, out = run_cli(grpo, run_dir)
     assert code == 2 and len(out.strip().splitlines()) == 1, out
     line = one_line(out, "error:")
     assert line.startswith(
-        f"error: trainer.default_local_dir: {run_dir / 'step_1'} is a checkpoint of another experiment ("
+        f"error: trainer.default_local_dir: {run_dir / f'step_{k}'} is a checkpoint of another experiment ("
     )
     for difference in (
         "algorithm ppo (gae) there, grpo (grpo) here",
@@ -446,7 +468,7 @@ def test_another_experiment_is_refused_and_each_step_exports_with_its_own_config
 
     code, out = run_cli([*grpo, "--config.jaxflow.trainer.resume_other_experiment=true"], run_dir)
     assert code == 0, out
-    assert f"resumed from {run_dir / 'step_1'} at step 1" in out and complete_steps(run_dir) == [1, 2]
+    assert f"resumed from {run_dir / f'step_{k}'} at step {k}" in out and complete_steps(run_dir)[-2:] == [k, k + 1]
     assert json.loads((run_dir / "config.json").read_text())["algorithm"]["adv_estimator"] == "grpo"
 
     def export(*args):
@@ -455,18 +477,18 @@ def test_another_experiment_is_refused_and_each_step_exports_with_its_own_config
         return code, captured.out.strip(), captured.err.strip()
 
     code, _, err = export("--role", "critic", "--out", str(tmp_path / "critic"))
-    assert code == 2 and err == f"error: step 2 of {run_dir}: the run has no critic (its roles: actor)", err
-    code, out, _ = export("--role", "critic", "--step", "1", "--out", str(tmp_path / "critic"))
-    assert code == 0 and out == f"wrote {tmp_path / 'critic'}: the critic of step 1 (as asked) of {run_dir}", out
+    assert code == 2 and err == f"error: step {k + 1} of {run_dir}: the run has no critic (its roles: actor)", err
+    code, out, _ = export("--role", "critic", "--step", str(k), "--out", str(tmp_path / "critic"))
+    assert code == 0 and out == f"wrote {tmp_path / 'critic'}: the critic of step {k} (as asked) of {run_dir}", out
     assert json.loads((tmp_path / "critic" / "config.json").read_text())["architectures"] == [
         "LlamaForTokenClassification"
     ]
     code, out, _ = export("--out", str(tmp_path / "actor"))
-    assert code == 0 and out.endswith(f"the actor of step 2 (the latest complete step) of {run_dir}"), out
+    assert code == 0 and out.endswith(f"the actor of step {k + 1} (the latest complete step) of {run_dir}"), out
 
     if _unshare_works():  # an export to a disk that fills up: one line, exit 2, nothing left behind
         full = tmp_path / "full"
-        export_args = ["jaxflow.export", "--checkpoint", str(run_dir), "--step", "1", "--out", str(full / "export")]
+        export_args = ["jaxflow.export", "--checkpoint", str(run_dir), "--step", str(k), "--out", str(full / "export")]
         code, out, left = run_on_tmpfs(export_args, full, "size=64k", listed=full)
         assert code == 2, out
         assert re.fullmatch(
