@@ -258,3 +258,36 @@ def test_head_in_chunks_equals_one_chunk(model, monkeypatch):
     np.testing.assert_allclose(np.asarray(ent4), np.asarray(ent1), rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- fused attention
+
+
+def test_fused_attention_layout_and_mask():
+    """The cuDNN path's layout and mask (through ``jax.nn.dot_product_attention``'s XLA
+    implementation, which takes the same arguments) == jaxflow's attention on every real
+    query: left padding, causality, grouped kv heads."""
+    from jaxflow.models.decoder import dot_product_attention, fused_attention
+
+    rng = np.random.default_rng(0)
+    B, L, H, N, K = 3, 7, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, L, H, K)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, L, N, K)), jnp.float32) for _ in range(2))
+    real = np.arange(L)[None, :] >= np.array([[0], [2], [5]])  # left padding of 0, 2, 5 tokens
+    mask = jnp.asarray(np.tril(np.ones((L, L), bool))[None] & real[:, None, :])
+    want = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+    got = fused_attention(q, k, v, mask, "xla")
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.asarray(got)).all()
+
+
+def test_cudnn_attention_where_it_applies():
+    from jaxflow.configs.resolve import with_platform_attention
+
+    bf16 = CFG.replace(dtype=jnp.bfloat16)
+    assert with_platform_attention(bf16, "gpu").attention_impl == "cudnn"
+    assert with_platform_attention(bf16, "cpu").attention_impl == "xla"
+    assert with_platform_attention(bf16, "tpu").attention_impl == "xla"
+    assert with_platform_attention(CFG, "gpu").attention_impl == "xla"  # float32 compute
+    with pytest.raises(ValueError, match="cudnn"):
+        CFG.replace(attention_impl="cudnn")
