@@ -62,7 +62,8 @@ TINY = dict(
     wide=dict(preset="tiny_llama", B=4, P=8, R=8, rows=2, tP=8, tR=8),
 )
 PHASES = ("checkpoint", "hf", "torch_train", "rl", "xla_flags", "ceilings", "engine", "profile", "train", "wide")
-ENGINE_VARIANTS = {"steps_per_sync_1": dict(steps_per_sync=1), "attention_jax": dict(attention="jax")}
+TINY_SKIPS = ("xla_flags", "wide")  # GPU flags; the wide model is the train and engine phases again
+ENGINE_VARIANTS = {"steps_per_sync_1": dict(steps_per_sync=1), "attention_jax": dict(attention="jax")}  # EngineOptions
 # XLA:GPU command buffers (CUDA graphs): off, and with loops and conditionals inside them
 XLA_FLAG_VARIANTS = {
     "command_buffers_off": "--xla_gpu_enable_command_buffer=",
@@ -328,7 +329,7 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
     """`generate` of B prompts x n samples, P prompt tokens -> R new (every row to R: no EOS)."""
     import numpy as np
 
-    from jaxflow.sampling import SamplingParams, generate
+    from jaxflow.sampling import EngineOptions, SamplingParams, generate
 
     rng = np.random.default_rng(0)
     ids = rng.integers(3, model.cfg.vocab_size - 1, (B, P)).astype(np.int32)
@@ -337,7 +338,7 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
 
     def call():
         params = SamplingParams(max_new_tokens=R, n=n, temperature=1.0, eos_token_ids=(), seed=next(seeds))
-        out = generate(model, ids, mask, params, **kw)
+        out = generate(model, ids, mask, params, options=EngineOptions(**kw))
         out.responses.block_until_ready()
         return out
 
@@ -513,12 +514,20 @@ def wide(a, sizes, ceil) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU, about a minute)")
-    ap.add_argument("--phases", default=",".join(PHASES))
+    ap.add_argument(
+        "--phases", default=None, help=f"comma list of {PHASES} (default: all; --tiny: all but {TINY_SKIPS})"
+    )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the device (H100/H200 SXM)")
     ap.add_argument("--wide_layers", type=int, default=12)
-    ap.add_argument("--engine_variants", default="steps_per_sync_1,attention_jax", help=f"of {sorted(ENGINE_VARIANTS)}")
-    ap.add_argument("--train_variants", default="xla", help="attention implementations besides the run's default")
+    ap.add_argument(
+        "--engine_variants",
+        default=None,
+        help=f"comma list of {sorted(ENGINE_VARIANTS)} (default: all; none with --tiny)",
+    )
+    ap.add_argument(
+        "--train_variants", default=None, help="attention implementations besides the run's default (default: xla)"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--payload", default=None, help=argparse.SUPPRESS)
@@ -527,6 +536,12 @@ def main(argv=None) -> int:
         print(json.dumps(WORKERS[a.worker](json.loads(a.payload)), default=str))
         return 0
     sizes = TINY if a.tiny else FULL
+    if a.phases is None:
+        a.phases = ",".join(p for p in PHASES if not (a.tiny and p in TINY_SKIPS))
+    if a.engine_variants is None:
+        a.engine_variants = "" if a.tiny else ",".join(ENGINE_VARIANTS)
+    if a.train_variants is None:
+        a.train_variants = "" if a.tiny else "xla"
     phases = [p for p in a.phases.split(",") if p]
     unknown = set(phases) - set(PHASES)
     if unknown:

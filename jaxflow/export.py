@@ -35,9 +35,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from jaxflow.models import CheckpointError
-    from jaxflow.run import storage_error
     from jaxflow.trainer.checkpoint import MARKER
     from jaxflow.trainer.hf_export import ExportError, export_checkpoint, step_config
+    from jaxflow.trainer.outputs import storage_error
 
     try:
         step, cfg = step_config(args.checkpoint, args.step)  # the step's own config

@@ -8,10 +8,8 @@ On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import sys
 from typing import Any
 
@@ -58,44 +56,6 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         FileExistsError,
         RunDirInUseError,
     )
-
-
-# errno values that mean "the user's storage refused the write", not a bug.
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_FULL = " (is the disk full?)"
-# The same, as libraries that are not Python's OSError say it (tensorstore, safetensors), with a hint.
-_STORAGE_TEXTS = {
-    "No space left on device": _FULL,
-    "Disk quota exceeded": _FULL,
-    "File too large": _FULL,
-    "Read-only file system": "",
-    "Permission denied": "",
-}
-_QUOTED_PATH = re.compile(r"""["'](/[^"']+)["']""")
-
-
-def _chain(e: BaseException) -> list[BaseException]:
-    out = []
-    while e is not None and e not in out:
-        out.append(e)
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-    return out
-
-
-def storage_error(e: BaseException) -> str | None:
-    """One line for an exception caused by the storage (disk full, read-only, no permission),
-    or None (also used by ``python -m jaxflow.export``)."""
-    for cause in _chain(e):
-        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
-            where = f" {cause.filename}" if cause.filename else ""
-            hint = _FULL if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
-            return f"cannot write{where}: {cause.strerror}{hint}"
-        text = str(cause)
-        for known, hint in _STORAGE_TEXTS.items():
-            if known in text:  # the file: the last absolute path the message quotes
-                paths = _QUOTED_PATH.findall(text)
-                return f"cannot write{f' {paths[-1]}' if paths else ''}: {known}{hint}"
-    return None
 
 
 # Orbax's (absl) warnings that are not news on the console (the log file keeps them): an
@@ -238,6 +198,8 @@ def _report(e: BaseException, log_path: str | None) -> int:
     if isinstance(e, _user_errors()):
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from jaxflow.trainer.outputs import storage_error
+
     storage = storage_error(e)
     if storage is not None:
         print(f"error: {storage}", file=sys.stderr)
@@ -281,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handlers, log_path = _setup_logging(run_dir)
     except OSError as e:
+        from jaxflow.trainer.outputs import storage_error
+
         print(f"error: {storage_error(e) or e} (the run directory {run_dir})", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("python -m jaxflow.run %s", " ".join(argv))

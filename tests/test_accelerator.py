@@ -18,7 +18,7 @@ import jaxflow.workers.forward as forward
 from jaxflow.configs.resolve import resolve_dtypes
 from jaxflow.data.batch import Batch
 from jaxflow.models import PRESETS, init_model
-from jaxflow.sampling import SamplingParams, engine_shape, generate, generate_from_state, lower_generate
+from jaxflow.sampling import EngineOptions, SamplingParams, engine_shape, generate, generate_from_state, lower_generate
 from jaxflow.sampling.engine import memory_kv_tokens
 from jaxflow.workers import ActorWorker, RolloutConfig
 
@@ -104,7 +104,7 @@ def _loop_computations(hlo: str) -> set[str]:
 def _compiled_rollout(num_layers: int) -> str:
     g, s = nnx.split(nnx.eval_shape(lambda: init_model(CFG.replace(num_layers=num_layers), "lm")))
     ids, mask = _prompts()
-    return lower_generate(g, s, ids, mask, PARAMS, slots=8).compile().as_text()
+    return lower_generate(g, s, ids, mask, PARAMS, options=EngineOptions(slots=8)).compile().as_text()
 
 
 def test_pages_are_written_in_place():
@@ -146,8 +146,8 @@ def test_steps_per_sync_gives_the_same_samples(model, steps_per_sync):
     (6 slots for 24 rows), early stops and a pool small enough that rows wait for pages."""
     ids, mask = _prompts()
     kw = dict(slots=6, page_size=4, kv_tokens=4 * 48)
-    one = generate(model, ids, mask, PARAMS, steps_per_sync=1, **kw)
-    many = generate(model, ids, mask, PARAMS, steps_per_sync=steps_per_sync, **kw)
+    one = generate(model, ids, mask, PARAMS, options=EngineOptions(steps_per_sync=1, **kw))
+    many = generate(model, ids, mask, PARAMS, options=EngineOptions(steps_per_sync=steps_per_sync, **kw))
     assert int(one.stats["waits"][0]) > 0 and len(set(np.asarray(one.lengths).tolist())) > 3
     assert many.stats["steps_per_sync"] == steps_per_sync
     for name in ("responses", "response_mask", "log_probs", "lengths"):
