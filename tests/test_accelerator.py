@@ -291,3 +291,53 @@ def test_cudnn_attention_where_it_applies():
     assert with_platform_attention(CFG, "gpu").attention_impl == "xla"  # float32 compute
     with pytest.raises(ValueError, match="cudnn"):
         CFG.replace(attention_impl="cudnn")
+
+
+# ---------------------------------------------------------------------- compiled ahead
+
+
+@pytest.mark.slow
+def test_programs_compiled_ahead_are_what_step_one_loads(tmp_path):
+    """``jaxflow.trainer.compile_ahead=on`` through the CLI, with an empty persistent cache:
+    the step's programs compile concurrently before step 1, and step 1 then loads each of them
+    from the cache (the cache keys match: the same programs) instead of compiling it."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHONPATH=root,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxflow.run",
+        "--config=grpo_tiny",
+        "--config.jaxflow.num_devices=1",
+        "--config.jaxflow.sft.warm_start_steps=0",
+        "--config.trainer.total_training_steps=1",
+        "--config.trainer.val_before_train=False",
+        "--config.trainer.test_freq=-1",
+        "--config.data.train_batch_size=4",
+        "--config.actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "--config.jaxflow.data.num_train_examples=16",
+        "--config.jaxflow.data.num_val_examples=4",
+        "--config.jaxflow.trainer.compile_ahead=on",
+        f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ahead = re.search(r"compiled ahead: (\d+) programs in [^:]*: (.*)", p.stdout)
+    loaded = re.search(r"\((\d+) loaded from the persistent cache\)", p.stdout)
+    assert ahead and loaded, p.stdout[-2000:]
+    names = [part.rsplit(" ", 2)[0] for part in ahead.group(2).split(", ")]
+    assert {"actor/generate", "actor/train_step", "ref/log_probs"} <= set(names)
+    # The engine's jitted rollout is one object per configuration (`sampling.engine`), so the
+    # program compiled ahead is reused from memory; every other one is loaded from the cache.
+    in_memory = sum(name.startswith("actor/generate") for name in names)
+    assert int(loaded.group(1)) >= len(names) - in_memory == int(ahead.group(1)) - in_memory

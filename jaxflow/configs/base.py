@@ -591,6 +591,12 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "this run's); false = refuse it in one line naming the differences, before anything in the directory "
             "changes.",
         ),
+        (
+            "jaxflow.trainer.compile_ahead",
+            "auto",
+            "Compile the programs of a step concurrently, before step 1, into the persistent compilation cache "
+            "(the local backend, with the cache on): auto (on GPU and TPU) | on | off.",
+        ),
         # --- jaxflow: SFT warm start -------------------------------------------------------------
         ("jaxflow.sft.steps", 300, "sft job: optimizer steps on the built-in task's demonstrations."),
         (

@@ -40,6 +40,7 @@ from jaxflow.configs.resolve import (
     checkpoint_dir,
     model_config,
     model_path,
+    platform,
 )
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
@@ -139,6 +140,7 @@ class TrainerSpec:
     max_nonfinite_steps: int
     backend: str
     max_restarts: int
+    compile_ahead: bool  # `jaxflow.trainer.compile_ahead.compile_ahead` before step 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,6 +487,7 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
         max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps,
         backend=cfg.jaxflow.backend,
         max_restarts=cfg.jaxflow.ray.max_restarts,
+        compile_ahead={"on": True, "off": False}.get(cfg.jaxflow.trainer.compile_ahead, platform(cfg) != "cpu"),
     )
 
 

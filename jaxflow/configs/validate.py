@@ -51,6 +51,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+COMPILE_AHEAD = ("auto", "on", "off")
 RESUME_MODES = ("disable", "auto", "resume_path")
 JOBS = ("rl", "sft")
 BACKENDS = ("local", "ray")
@@ -200,6 +201,7 @@ def _check_enums(c: _Checker) -> None:
         ("jaxflow.model.dtype", DTYPES),
         ("jaxflow.model.compute_dtype", DTYPES),
         ("jaxflow.model.remat_policy", REMAT_POLICIES),
+        ("jaxflow.trainer.compile_ahead", COMPILE_AHEAD),
         ("jaxflow.optim.state_dtype", STATE_DTYPES),
         ("jaxflow.data.builtin_task", TASKS),
         ("jaxflow.safe_rlhf.cost_rule", COST_RULES),

@@ -474,15 +474,14 @@ def _eos_ids(params: SamplingParams, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,)
 
 
-def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, mesh, rules, place) -> int | None:
+def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, mesh, rules) -> int | None:
     """The pool's budget when the caller gives none: rows that can only stop at their limits
     get the peak of their schedule (`_expected_kv_tokens`); others, on an accelerator, what
-    free memory holds (`memory_kv_tokens`); else None (`batcher.pool_pages`' default)."""
+    its free memory holds (`memory_kv_tokens`; also when only lowering, so that a program
+    compiled ahead is the one a call runs); else None (`batcher.pool_pages`' default)."""
     replicas = rows.offsets_R.shape[0]
     if not eos and not params.stop:
         return _expected_kv_tokens(cfg, rows, params, replicas, options.slots, options.page_size)
-    if not place:
-        return None
     shape = engine_shape(
         cfg,
         rows.prompts,
@@ -523,7 +522,7 @@ def _prepare(
         rng = jax.random.key(params.seed) if place else jax.eval_shape(jax.random.key, params.seed)
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng)
-    kv_tokens = options.kv_tokens or _default_kv_tokens(cfg, rows, params, eos, options, mesh, rules, place)
+    kv_tokens = options.kv_tokens or _default_kv_tokens(cfg, rows, params, eos, options, mesh, rules)
     shape = engine_shape(
         cfg,
         *ids.shape,

@@ -9,6 +9,7 @@ import threading
 import jax.monitoring
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
 class CompileLog:
@@ -18,8 +19,14 @@ class CompileLog:
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
         self.counts: dict[str, int] = {}
+        self.cache_hits = 0  # executables loaded from the persistent cache
         self._lock = threading.Lock()
         self._listening = False
+
+    def _hit(self, event: str, **kwargs) -> None:
+        if event == CACHE_HIT_EVENT:
+            with self._lock:
+                self.cache_hits += 1
 
     def _listener(self, event: str, duration: float, **kwargs) -> None:
         if event != COMPILE_EVENT:
@@ -32,12 +39,14 @@ class CompileLog:
     def __enter__(self) -> CompileLog:
         if not self._listening:
             jax.monitoring.register_event_duration_secs_listener(self._listener)
+            jax.monitoring.register_event_listener(self._hit)
             self._listening = True
         return self
 
     def __exit__(self, *exc) -> None:
         if self._listening:
             jax.monitoring.unregister_event_duration_listener(self._listener)
+            jax.monitoring.unregister_event_listener(self._hit)
             self._listening = False
 
     @property
@@ -54,4 +63,5 @@ class CompileLog:
             for name, s in ranked[:top]
         ]
         more = f", {len(ranked) - top} more" if len(ranked) > top else ""
-        return f"compiled {sum(self.counts.values())} programs in {self.total:.1f} s: {', '.join(parts)}{more}"
+        hits = f" ({self.cache_hits} loaded from the persistent cache)" if self.cache_hits else ""
+        return f"compiled {sum(self.counts.values())} programs in {self.total:.1f} s{hits}: {', '.join(parts)}{more}"

@@ -55,6 +55,8 @@ from jaxflow.trainer.builders import (
     train_loader,
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, ExperimentMismatchError, HostState, ItemIO
+from jaxflow.trainer.compile_ahead import cache_enabled, compile_ahead
+from jaxflow.trainer.compile_ahead import describe as describe_compile_ahead
 from jaxflow.trainer.compile_log import CompileLog
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with
@@ -208,6 +210,10 @@ class RLTrainer:
         self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(self.spec.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
+        if self.spec.trainer.compile_ahead and self.backend is None and cache_enabled():
+            t0 = time.perf_counter()
+            seconds = compile_ahead(self.cfg, len(self.train_data))
+            print(describe_compile_ahead(seconds, time.perf_counter() - t0), flush=True)
 
     # ------------------------------------------------------------------ construction
 
