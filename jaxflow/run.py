@@ -8,10 +8,8 @@ On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
-import re
 import sys
 from typing import Any
 
@@ -19,6 +17,7 @@ from jaxflow.mesh.devices import enable_compilation_cache, simulate_devices
 
 LOG_FILE = "jaxflow.log"
 INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
+TERMINATED = 143  # the exit code of a run stopped by SIGTERM (128 + SIGTERM)
 
 USAGE = """usage: python -m jaxflow.run [--config=NAME|path/to/config.py] [--config.KEY=VALUE ...] [--dry_run]
                              [--json=PATH]
@@ -44,9 +43,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.models import CheckpointError
     from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
     from jaxflow.trainer.outputs import RunDirInUseError
+    from jaxflow.workers.ray_backend import ClusterError
 
     return (
         ConfigError,
+        ClusterError,
         DatasetError,
         CheckpointError,
         UnknownDataSourceError,
@@ -57,47 +58,18 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     )
 
 
-# errno values that mean "the user's storage refused the write", not a bug.
-_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
-_FULL = " (is the disk full?)"
-# The same, as libraries that are not Python's OSError say it (tensorstore, safetensors), with a hint.
-_STORAGE_TEXTS = {
-    "No space left on device": _FULL,
-    "Disk quota exceeded": _FULL,
-    "File too large": _FULL,
-    "Read-only file system": "",
-    "Permission denied": "",
-}
-_QUOTED_PATH = re.compile(r"""["'](/[^"']+)["']""")
+# Orbax's (absl) warnings that are not news on the console (the log file keeps them): an
+# exception in one of its threads is raised in the main thread too, where the run reports it in
+# one line; a step without orbax's own metadata file (saved before jaxflow wrote one) is healthy.
+_ORBAX_NOISE = ("raised an exception", "Metadata file does not exist")
 
 
-def _chain(e: BaseException) -> list[BaseException]:
-    out = []
-    while e is not None and e not in out:
-        out.append(e)
-        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-    return out
-
-
-def _storage_error(e: BaseException) -> str | None:
-    """One line for an exception caused by the storage (disk full, read-only, no permission)."""
-    for cause in _chain(e):
-        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
-            where = f" {cause.filename}" if cause.filename else ""
-            hint = _FULL if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
-            return f"cannot write{where}: {cause.strerror}{hint}"
-        text = str(cause)
-        for known, hint in _STORAGE_TEXTS.items():
-            if known in text:  # the file: the last absolute path the message quotes
-                paths = _QUOTED_PATH.findall(text)
-                return f"cannot write{f' {paths[-1]}' if paths else ''}: {known}{hint}"
-    return None
-
-
-def _not_rethrown(record: logging.LogRecord) -> bool:
-    """False for orbax's reports of an exception in one of its threads: the same exception is
-    raised in the main thread, where the run reports it in one line (the log file keeps both)."""
-    return not (record.name == "absl" and "raised an exception" in record.getMessage())
+def _not_noise(record: logging.LogRecord) -> bool:
+    """False for the records that go to the log file only: those of `_ORBAX_NOISE`, and Ray's
+    below ERROR (start-up, token authentication: the run says in one line which cluster it uses)."""
+    if record.name == "absl":
+        return not any(text in record.getMessage() for text in _ORBAX_NOISE)
+    return not ((record.name == "ray" or record.name.startswith("ray.")) and record.levelno < logging.ERROR)
 
 
 class _NoTraceback(logging.Formatter):
@@ -121,7 +93,7 @@ def _setup_logging(run_dir: str | None) -> tuple[list[logging.Handler], str | No
     console = logging.StreamHandler(sys.stderr)
     console.setLevel(logging.WARNING)
     console.setFormatter(_NoTraceback("%(levelname)s %(name)s: %(message)s"))
-    console.addFilter(_not_rethrown)
+    console.addFilter(_not_noise)
     handlers: list[logging.Handler] = [console]
     path = None
     if run_dir is not None:
@@ -144,11 +116,14 @@ def _log_unraisable(info: Any) -> None:
         exc_info=(info.exc_type, info.exc_value, info.exc_traceback),
     )
     if issubclass(info.exc_type, KeyboardInterrupt):
-        # Ctrl-C landed where Python cannot raise it (e.g. JAX's garbage-collector callback) and
-        # would be lost: deliver it again, to be raised in the main thread's own code.
+        # Ctrl-C (or SIGTERM) landed where Python cannot raise it (e.g. JAX's garbage-collector
+        # callback) and would be lost: deliver it again, to be raised in the main thread's own
+        # code. From another thread: called here, in the main thread, the handler would raise
+        # inside this hook, where it is lost again (with a traceback on the console).
         import _thread
+        import threading
 
-        _thread.interrupt_main()
+        threading.Thread(target=_thread.interrupt_main, daemon=True).start()
 
 
 def _run_dir(cfg: Any) -> str | None:
@@ -223,7 +198,9 @@ def _report(e: BaseException, log_path: str | None) -> int:
     if isinstance(e, _user_errors()):
         print(f"error: {e}", file=sys.stderr)
         return 2
-    storage = _storage_error(e)
+    from jaxflow.trainer.outputs import storage_error
+
+    storage = storage_error(e)
     if storage is not None:
         print(f"error: {storage}", file=sys.stderr)
         return 2
@@ -266,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         handlers, log_path = _setup_logging(run_dir)
     except OSError as e:
-        print(f"error: {_storage_error(e) or e} (the run directory {run_dir})", file=sys.stderr)
+        from jaxflow.trainer.outputs import storage_error
+
+        print(f"error: {storage_error(e) or e} (the run directory {run_dir})", file=sys.stderr)
         return 2
     logging.getLogger(__name__).info("python -m jaxflow.run %s", " ".join(argv))
     # Errors that native threads report as "unraisable" (e.g. tensorstore's callbacks into
@@ -278,11 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache()
     from jaxflow.trainer import interrupt
 
-    interrupt.install()  # a Ctrl-C swallowed by library code still stops the run within a step
+    interrupt.install()  # a Ctrl-C (or SIGTERM) swallowed by library code still stops the run within a step
     try:
         return _train(cfg, json_path)
     except KeyboardInterrupt:
         logging.getLogger(__name__).info("interrupted", exc_info=True)
+        if interrupt.terminated():
+            print(f"terminated (SIGTERM): {_checkpoints(run_dir)}", file=sys.stderr)
+            return TERMINATED
         print(f"interrupted: {_checkpoints(run_dir)}", file=sys.stderr)
         return INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every failure becomes one line; the log has the rest
@@ -311,9 +293,10 @@ def _checkpoints(run_dir: str | None) -> str:
 
 if __name__ == "__main__":
     code = main()
-    if code == INTERRUPTED:
+    if code in (INTERRUPTED, TERMINATED):
         # Threads of a checkpoint write cut short may wait forever, or complain while the
-        # interpreter shuts down: leave without joining them (our files are closed by now).
+        # interpreter shuts down: leave without joining them (our files are closed by now, the
+        # worker groups and a Ray instance the run started are stopped).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

@@ -8,6 +8,7 @@ import dataclasses
 import io
 import json
 import math
+import shlex
 
 import jax
 import numpy as np
@@ -22,6 +23,7 @@ from jaxflow.automap.search import Mapper, allocations, bell, evaluate, pool_siz
 from jaxflow.automap.simulate import generate_time, infer_time, train_time
 from jaxflow.automap.verify import apply_plan, compile_check
 from jaxflow.automap.workload import workload_from_config
+from jaxflow.configs.overrides import get_value
 from jaxflow.mesh import Placement, state_shardings
 from jaxflow.models import init_model
 
@@ -731,3 +733,52 @@ def test_ray_pools_take_whole_hosts():
     resolved = resolve_placement(cfg, log=None)
     sizes = resolved.jaxflow.placement.pool_sizes or (8,)
     assert all(s % 4 == 0 for s in sizes) and sum(sizes) == 8
+
+
+def test_cli_flags_are_checked_and_named_and_json_goes_to_its_path(tmp_path):
+    """Found by trying: ``--devices=0`` and ``--devices=8 --devices_per_host=3`` said "no plan
+    fits ... 0.0 GiB"; ``--devices=eight`` gave int()'s message without the flag; ``--json=PATH``
+    printed the JSON and wrote nothing; the printed overrides were a shell syntax error."""
+
+    def run(*args):
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["--config=ppo_tiny", *args])
+        return code, out.getvalue(), err.getvalue()
+
+    for args, message in (
+        (["--devices=0"], "error: --devices=0: must be >= 1\n"),
+        (["--devices=eight"], "error: --devices=eight: expected an integer\n"),
+        (
+            ["--devices=8", "--devices_per_host=3"],
+            "error: --devices=8 is not a whole number of hosts of 3 devices (--devices_per_host)\n",
+        ),
+        (["--devices=8", "--time_limit_s=soon"], "error: --time_limit_s=soon: expected a number\n"),
+        (
+            ["--devices=8", "--memory_scale=generate"],
+            "error: --memory_scale: 'generate' is not PHASE:FACTOR (e.g. generate:3.2)\n",
+        ),
+        (["--devices=8", "--json="], "error: --json= needs a path (or --json alone: the JSON on stdout)\n"),
+    ):
+        assert run(*args) == (2, "", message), args
+
+    path = tmp_path / "plan.json"
+    code, out, err = run(
+        "--devices=8", "--device_kind=a100-80g", "--top=2", "--config.jaxflow.placement.type=auto", f"--json={path}"
+    )
+    assert code == 0 and err == "" and out.startswith("auto-mapper: ppo_tiny on 8 x a100-80g"), err
+    assert out.rstrip().endswith(f"wrote {path}")
+    d = json.loads(path.read_text())
+    assert len(d["candidates"]) == 2 and d["best"] == d["candidates"][0]
+    # Each overrides line, pasted after `python -m jaxflow.run` in a shell, gives the plan's config.
+    lines = [line.split("overrides: ", 1)[1] for line in out.splitlines() if "overrides: " in line]
+    assert len(lines) == 2
+    for line, plan in zip(lines, d["candidates"]):
+        name, overrides, rest = configs.parse_cli_args(["--config=ppo_tiny", *shlex.split(line)])
+        assert rest == []
+        cfg = configs.get_config(name)
+        configs.apply_overrides(cfg, overrides)
+        configs.validate(cfg)
+        for key, value in plan["overrides"].items():
+            got = get_value(cfg, key)
+            assert (list(got) if isinstance(got, (tuple, list)) else got) == value, (key, got, value)

@@ -9,6 +9,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from jaxflow import configs
 from jaxflow.configs.run_spec import build_tokenizer
 from jaxflow.export import main as export_main
 from jaxflow.run import main as run_main
-from jaxflow.trainer.checkpoint import SKIP, CheckpointManager
+from jaxflow.trainer.checkpoint import MARKER, SKIP, CheckpointManager
 from jaxflow.trainer.hf_export import EXPORT_MARKER, abstract_train_state, run_config
 from jaxflow.trainer.sft import run_sft
 from tests.hf_reference import hf_logits
@@ -216,15 +217,19 @@ def test_export_cli_errors_are_one_line(run_dir, tmp_path, capsys):
     assert err.startswith("error:") and "step 7" in err
     assert export_main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
     assert "config.json" in capsys.readouterr().err
-    # A run config from another jaxflow version (a key it lacks).
+    # A run from another jaxflow version: its step records no config (the run's config.json is
+    # read) and that config lacks a key.
     old = tmp_path / "old_run"
-    old.mkdir()
+    shutil.copytree(run_dir / "step_1", old / "step_1")
+    marker = json.loads((old / "step_1" / MARKER).read_text())
+    (old / "step_1" / MARKER).write_text(json.dumps({k: marker[k] for k in ("format", "step", "items", "time")}))
     config = json.loads((run_dir / "config.json").read_text())
     del config["jaxflow"]["num_devices"]
     (old / "config.json").write_text(json.dumps(config))
     assert export_main(["--checkpoint", str(old), "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {old}/config.json lacks a key this jaxflow reads") and err.count("\n") == 1, err
+    assert err.startswith(f"error: the config of {old} (its config.json, or the step's") and err.count("\n") == 1, err
+    assert "lacks a key this jaxflow reads" in err
     assert not (tmp_path / "x").exists()
 
 

@@ -36,6 +36,7 @@ from jaxflow.workers.ray_backend import (
     WorkerDied,
 )
 from jaxflow.workers.roles import RoleSettings, role_class
+from tests.cli import TINY, cli_env, complete_steps, dead, one_line, saving, steps_left, still_alive, stop_when
 from tests.ray_toy import Loaded, Toy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,16 +131,36 @@ def test_call_past_its_deadline_is_an_error(backend):
         processes.shutdown()
 
 
-def test_unschedulable_group_is_reported(backend):
+def test_unschedulable_group_is_reported_with_the_fix(backend, toy_groups, tmp_path, capsys):
+    """More than the whole cluster holds: refused at once; more than it has free (the toy group
+    holds 4 of its 8 CPUs): refused after ``schedule_timeout_s``; both say how to fix it. Through
+    the CLI (here in-process, on this session's Ray): one ``error:`` line, exit 2."""
     start = time.monotonic()
     with pytest.raises(
         Unschedulable,
-        match=r"worker group 'huge': 64 host bundle\(s\) of \{'CPU': 1.0\} could not be "
-        r"scheduled within 3s",
+        match=r"worker group 'huge': 64 host bundle\(s\) of \{'CPU': 1.0\} need CPU 64 \(the cluster has 8\), more than the whole Ray cluster has; lower jaxflow.ray.cpus_per_host",
     ):
         backend.process_group("huge", 64)
-    assert time.monotonic() - start < 30
-    assert "huge" not in backend.groups
+    assert time.monotonic() - start < 3  # no wait for what can never come
+    with pytest.raises(
+        Unschedulable,
+        match=r"worker group 'busy': 5 host bundle\(s\) of \{'CPU': 1.0\} could not be scheduled within 3s "
+        r"\(jaxflow.ray.schedule_timeout_s\); the cluster has .*; other jobs may hold them, or no node holds a "
+        r"whole bundle: lower jaxflow.ray.cpus_per_host",
+    ):
+        backend.process_group("busy", 5)
+    assert "huge" not in backend.groups and "busy" not in backend.groups
+
+    from jaxflow.run import main
+
+    args = [*TINY, "--config.jaxflow.backend=ray", "--config.jaxflow.ray.devices_per_host=1"]
+    assert main([*args, "--config.jaxflow.ray.cpus_per_host=64", f"--config.trainer.default_local_dir={tmp_path}"]) == 2
+    out, err = capsys.readouterr()
+    assert "jaxflow: ray: using the Ray instance this process had joined" in out
+    assert err.startswith(
+        "error: worker group 'global': 1 host bundle(s) of {'CPU': 64.0} need CPU 64 (the cluster has 8)"
+    )
+    assert err.count("\n") == 1 and "jaxflow.ray.cpus_per_host" in err, err
 
 
 ORPHAN_DRIVER = """
@@ -180,6 +201,129 @@ def test_ctrl_c_at_the_driver_leaves_no_worker_processes(backend):
         if driver.poll() is None:
             driver.kill()
     assert _wait_gone(pids) == []
+
+
+RAY_TINY = [
+    *TINY,
+    "--config.jaxflow.backend=ray",
+    "--config.jaxflow.ray.devices_per_host=1",
+    "--config.trainer.save_freq=1",
+    "--config.trainer.total_training_steps=100",
+]
+
+
+def _watch_resources(stop: threading.Event, seen: set) -> None:
+    while not stop.is_set():
+        seen.add(ray.available_resources().get("CPU"))
+        time.sleep(0.2)
+
+
+def test_a_run_starts_its_own_ray_beside_anothers_and_sigterm_stops_it_all(backend, toy_groups, tmp_path):
+    """This session's Ray is another process's private instance for the run: with no cluster
+    named, ``python -m jaxflow.run --config.jaxflow.backend=ray`` starts its own (one line says
+    so) and this one is untouched (its free CPUs never change; its group still answers).
+    SIGTERM while a step is saved, then (resumed) during its first step: exit 143, one line
+    naming the last complete checkpoint, and within 10 s no process of the run is left: its
+    worker, its Ray (GCS, raylet, dashboard agent, ...). Ray's start-up noise (token
+    authentication, the fork warning, its INFO lines) is in the log file, not on the console."""
+    ours = ray.get_runtime_context().gcs_address
+    stop, free = threading.Event(), set()
+    watcher = threading.Thread(target=_watch_resources, args=(stop, free))
+    watcher.start()
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in cli_env().items() if k != "RAY_AUTH_MODE"}  # a user's shell: Ray warns of its tokens
+    try:
+        in_save = stop_when(RAY_TINY, run_dir, saving(run_dir), signal.SIGTERM, env=env)
+        saved, odd = complete_steps(run_dir), steps_left(run_dir)
+        in_step = stop_when(RAY_TINY, run_dir, "jaxflow: grpo (grpo) for", signal.SIGTERM, env=env)
+    finally:
+        stop.set()
+        watcher.join()
+    assert len(free) == 1, free  # nothing of the runs was placed on this session's Ray
+    assert toy_groups["ray"].hello("still here") == ["hi still here"]
+    for stopped in (in_save, in_step):
+        assert stopped.code == 143, stopped.out
+        line = one_line(stopped.out, "jaxflow: ray: started a private Ray instance at ")
+        assert ours not in line and "neither jaxflow.ray.address nor RAY_ADDRESS names a cluster" in line
+        assert one_line(stopped.out, "terminated (SIGTERM):").startswith(
+            f"terminated (SIGTERM): the latest complete checkpoint is step {saved[-1]} in {run_dir}"
+        )
+        assert "Traceback" not in stopped.out and "SIGTERM received" not in stopped.out
+        for noise in ("Token authentication", "os.fork()", "Started a local Ray instance", "(HostProcess"):
+            assert noise not in stopped.out, (noise, stopped.out)
+        assert len(stopped.processes) >= 4 and still_alive(stopped.processes) == []  # Ray's and the worker
+    assert odd == [], odd  # the save cut short is never a step
+    assert f"resumed from {run_dir / f'step_{saved[-1]}'} at step {saved[-1]}" in in_step.out
+    # Stopped in a step, the second run wrote no step and removed the first one's debris: the
+    # directory is the one it resumed from, so the next run resumes alike.
+    assert sorted(p.name for p in run_dir.glob("step_*")) == [f"step_{s}" for s in saved]
+    log_text = (run_dir / "jaxflow.log").read_text()
+    assert "INFO ray._private.worker: Started a local Ray instance." in log_text
+    assert "WARNING ray._private.authentication.authentication_token_setup: Token authentication is enabled" in log_text
+
+
+OWNER = """
+import sys, ray
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.readline()  # then exits: ray.shutdown() stops its instance
+"""
+
+
+def test_a_run_whose_cluster_goes_away_says_so(tmp_path):
+    """A run that joined another process's Ray instance (RAY_ADDRESS) while its owner stops it:
+    one line saying the cluster is gone, exit 2; not a worker's death."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        address = owner.stdout.readline().strip()
+
+        def owner_stops() -> None:
+            owner.stdin.write("\n")
+            owner.stdin.flush()
+
+        env = cli_env(RAY_ADDRESS=address, RAY_AUTH_MODE="token")  # Ray's own clusters use token authentication
+        lost = stop_when(RAY_TINY, tmp_path / "run", "jaxflow: ray: joined", owner_stops, env=env)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert lost.code == 2, lost.out
+    assert f"jaxflow: ray: joined the Ray cluster at {address}: RAY_ADDRESS names it" in lost.out
+    assert one_line(lost.out, "error:").startswith(f"error: the Ray cluster at {address} is gone (noticed during ")
+    assert "WorkerDied" not in lost.out and "Traceback" not in lost.out
+
+
+RAYLET = """
+import subprocess, sys, time
+host = "from jaxflow.workers.ray_host import HostProcess; import time; HostProcess('g', 0, 1, 1, 'cpu'); " \\
+    "print('up', flush=True); time.sleep(600)"
+child = subprocess.Popen([sys.executable, "-c", host], stdout=subprocess.PIPE, text=True)
+child.stdout.readline()
+print(child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_host_process_ends_when_its_raylet_dies():
+    """A `HostProcess` whose parent (the raylet that started it, here a stand-in) is SIGKILLed
+    ends itself within a second: a run's Ray instance that dies never leaves a worker behind,
+    even one busy in a compiled loop."""
+    raylet = subprocess.Popen(
+        [sys.executable, "-c", RAYLET], stdout=subprocess.PIPE, text=True, env=cli_env(), cwd=ROOT
+    )
+    try:
+        host = int(raylet.stdout.readline())
+        assert not dead(host)
+        raylet.kill()
+        raylet.wait()
+        assert still_alive([host], within_s=5.0) == []
+    finally:
+        raylet.kill()
 
 
 def test_local_path_never_imports_ray():
@@ -433,6 +577,8 @@ def test_cli_ray_run_killed_and_restarted_equals_the_local_run(cli_runs):
     assert not bad, bad
     assert len(diffs) > 2 * 20  # every metric of every step was compared
     assert all((ray_dir / f"step_{s}" / "jaxflow_checkpoint.json").is_file() for s in (1, 2))
+    # What the workers print (gloo's connection reports) is in the log file, not on the console.
+    assert re.search(r"jaxflow\.workers\.ray_host: \(HostProcess pid=\d+\) \[Gloo\] Rank \d", log_text)
     assert _wait_gone(started[0] + started[1]) == []
 
 

@@ -5,6 +5,7 @@ The runs are the tiniest that exercise the real paths (one device, one layer, 2 
 responses, 1-4 steps); several assertions share one run where they check the same directory.
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -22,38 +23,21 @@ from pathlib import Path
 import pytest
 
 from jaxflow.run import main
-
-REPO = Path(__file__).resolve().parents[1]
-
-TINY = [
-    "--config=grpo_tiny",
-    "--config.actor_rollout_ref.actor.use_kl_loss=false",  # no reference model to compile
-    "--config.trainer.test_freq=-1",
-    "--config.trainer.val_before_train=false",
-    "--config.jaxflow.sft.warm_start_steps=0",
-    "--config.data.train_batch_size=2",
-    "--config.actor_rollout_ref.rollout.n=2",
-    "--config.actor_rollout_ref.actor.ppo_mini_batch_size=2",
-    "--config.actor_rollout_ref.actor.ppo_micro_batch_size_per_device=4",
-    "--config.jaxflow.data.num_train_examples=8",
-    "--config.jaxflow.data.num_val_examples=4",
-    "--config.jaxflow.num_devices=1",
-    "--config.jaxflow.mesh.actor.train.tp=1",
-    "--config.jaxflow.mesh.actor.generate.tp=1",
-    "--config.jaxflow.model.num_layers=1",
-    "--config.trainer.logger=console,jsonl",
-]
-
-
-def run_cli(args, run_dir, timeout=600):
-    """``python -m jaxflow.run`` as a user runs it; ``(exit code, stdout + stderr)``."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, "-m", "jaxflow.run", *args, f"--config.trainer.default_local_dir={run_dir}"]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
-    )
-    return proc.returncode, proc.stdout
+from tests.cli import (
+    REPO,
+    SIGNALS,
+    TINY,
+    Stopped,
+    cli_env,
+    complete_steps,
+    descendants,
+    one_line,
+    run_cli,
+    saving,
+    steps_left,
+    still_alive,
+    stop_when,
+)
 
 
 def tree_digest(path: Path) -> dict[str, str]:
@@ -195,22 +179,6 @@ def test_reward_functions_that_cannot_work_stop_the_run_in_one_line(tmp_path):
     assert "step 1 |" not in out
 
 
-def _children(pid):
-    out = set()
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out |= {int(p) for p in f.read().split()}
-    return out
-
-
-def _dead(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_a_killed_driver(tmp_path):
     marker = tmp_path / "called"
     hang = _reward_file(
@@ -223,8 +191,6 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
             time.sleep(1000)
     """,
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
     cmd = [
         sys.executable,
         "-m",
@@ -235,7 +201,7 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
         "--config.jaxflow.reward.batch_timeout_s=120",
         f"--config.trainer.default_local_dir={tmp_path / 'run'}",
     ]
-    driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    driver = subprocess.Popen(cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in driver.stdout], daemon=True).start()
     try:
@@ -254,14 +220,11 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
         assert called_at is not None and any("timed out on sample" in line for line in seen), "".join(seen)
         # Reported when it happens (1 s limit), far inside the 120 s batch deadline.
         assert reported_at - called_at < 30
-        children = _children(driver.pid)  # the reward worker (hanging again) and the resource tracker
+        children = descendants(driver.pid)  # the reward worker (hanging again) and the resource tracker
         assert children
         driver.kill()  # SIGKILL, as the OOM killer would
         driver.wait()
-        deadline = time.monotonic() + 10
-        while not all(_dead(p) for p in children) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert all(_dead(p) for p in children), [p for p in children if not _dead(p)]
+        assert still_alive(children) == []
     finally:
         if driver.poll() is None:
             driver.kill()
@@ -320,6 +283,24 @@ def test_data_and_tokenizers_that_do_not_fit_are_refused_before_training(tmp_pat
             [f"the tokenizer has 204 ids but the actor model {ckpt} has 128 vocabulary rows"],
         )
     )
+    # A KV-cache budget below what the rollout needs (found by trying: it failed after the pools
+    # were built, naming an internal variable), and a stop id the model can never sample.
+    cases.append(
+        (
+            ["--config.actor_rollout_ref.rollout.max_total_tokens=2"],
+            [
+                "error: actor_rollout_ref.rollout.max_total_tokens: 2 tokens is below the smallest KV-cache pool "
+                "this rollout can run in, 96 tokens per generation replica (a prefill group of 4 prompts of 16 "
+                "tokens and one response of 16, in pages of 16)"
+            ],
+        )
+    )
+    cases.append(
+        (
+            ["--config.actor_rollout_ref.rollout.stop_token_ids=[3,128]"],
+            ["actor_rollout_ref.rollout.stop_token_ids: [128] are not ids of the actor model's vocabulary (0..127)"],
+        )
+    )
     for args, messages in cases:
         assert main([*base, *args]) == 2, args
         err = capsys.readouterr().err.strip()
@@ -351,54 +332,169 @@ def test_config_files_that_fail_are_one_line(tmp_path, capsys, body, message):
     assert err.startswith("error:") and "\n" not in err and message.format(path=path) in err, err
 
 
-def test_ctrl_c_during_a_save_exits_in_one_line_and_the_next_run_resumes(tmp_path):
-    """A model large enough that each save (~400 MB with Adam's moments) outlasts a training
-    step, so the SIGINT lands while a step is being written."""
-    run_dir = tmp_path / "run"
-    big = [
-        "--config.jaxflow.model.hidden_size=1024",
-        "--config.jaxflow.model.intermediate_size=4096",
-        "--config.jaxflow.model.num_layers=2",
-        "--config.trainer.save_freq=1",
-        "--config.trainer.max_actor_ckpt_to_keep=2",
-    ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
-    cmd = [
-        sys.executable,
-        "-m",
-        "jaxflow.run",
-        *TINY,
-        *big,
+# ----------------------------------------------------------------------------- signals, resumes
+# One PPO run directory (actor + critic, a custom reward function, prompts cut to 3 tokens, a
+# checkpoint every step) through three runs stopped by signals; the next test continues in it
+# with another experiment.
+
+PPO = [
+    "--config=ppo_tiny",
+    *TINY[1:],
+    "--config.algorithm.use_kl_in_reward=false",  # no reference model to compile
+    "--config.critic.ppo_mini_batch_size=2",
+    "--config.critic.ppo_micro_batch_size_per_device=4",
+    "--config.trainer.save_freq=1",
+    "--config.trainer.max_actor_ckpt_to_keep=2",
+]
+MY_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    return float(solution_str.strip() == str(ground_truth))
+"""
+
+
+@pytest.fixture(scope="module")
+def stopped_runs(tmp_path_factory):
+    """The three runs (`Stopped`) and what each left: Ctrl-C as step 2 is saved; resumed, SIGTERM
+    during its first step (compiling); resumed, SIGTERM as its first step is saved."""
+    tmp = tmp_path_factory.mktemp("stopped")
+    reward = tmp / "my_reward.py"
+    reward.write_text(MY_REWARD)
+    run_dir = tmp / "run"
+    args = [
+        *PPO,
         "--config.trainer.total_training_steps=100",
-        f"--config.trainer.default_local_dir={run_dir}",
+        f"--config.custom_reward_function.path={reward}",
+        "--config.data.max_prompt_length=3",
+        "--config.data.truncation=right",
     ]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        saving = None
-        while saving is None and time.monotonic() < deadline and proc.poll() is None:
-            saving = next((p.name for p in run_dir.glob("step_*.orbax-checkpoint-tmp*")), None)
-            time.sleep(0.005)
-        assert saving is not None, "no save was seen in progress"
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, out
-    assert "Traceback" not in out and "ERROR" not in out, out
-    (line,) = [line for line in out.splitlines() if line.startswith("interrupted:")]
-    complete = sorted(
-        int(p.name.split("_")[1])
-        for p in run_dir.glob("step_*")
-        if p.name.split("_")[1].isdigit() and (p / "jaxflow_checkpoint.json").exists()
+    runs = {}
+    for name, until, signum in (
+        ("ctrl_c_in_save", saving, signal.SIGINT),
+        ("sigterm_in_step", "jaxflow: ppo (gae) for", signal.SIGTERM),
+        ("sigterm_in_save", saving, signal.SIGTERM),
+    ):
+        before = complete_steps(run_dir)
+        stopped = stop_when(args, run_dir, until(run_dir) if callable(until) else until, signum)
+        runs[name] = Interrupted(stopped, before, complete_steps(run_dir), steps_left(run_dir), run_dir)
+    return {"run_dir": run_dir, "reward": reward, "runs": runs}
+
+
+@dataclasses.dataclass
+class Interrupted:
+    """A run stopped by a signal and the run directory's complete steps before and after it (and
+    any step entry that is neither complete nor orbax's temporary directory)."""
+
+    stopped: Stopped
+    before: list[int]
+    after: list[int]
+    odd: list[str]
+    run_dir: Path
+
+    def check(self, code: int, prefix: str) -> None:
+        """Exit ``code``, one line naming the latest complete checkpoint, no traceback, no
+        process of the run alive 10 s later, a resume from where the run before left."""
+        out, run_dir = self.stopped.out, self.run_dir
+        assert self.stopped.code == code, out
+        line = one_line(out, prefix)
+        assert f"the latest complete checkpoint is step {self.after[-1]} in {run_dir}" in line, line
+        assert "Traceback" not in out and "ERROR" not in out and "Metadata file" not in out, out
+        assert self.stopped.processes and still_alive(self.stopped.processes) == []
+        assert self.odd == [], self.odd  # a save cut short is never a step
+        if self.before:
+            step = self.before[-1]
+            assert f"resumed from {run_dir / f'step_{step}'} at step {step}" in out, out
+
+
+def test_ctrl_c_and_sigterm_in_a_step_or_a_save_are_one_line_and_the_next_run_resumes(stopped_runs):
+    """Exit 130 (Ctrl-C) or 143 (SIGTERM, as SLURM, Kubernetes and ``timeout`` stop jobs), one
+    line naming the last complete checkpoint, no traceback, no process of the run (its reward
+    workers) alive 10 s later; the save cut short is never a step, and the next run resumes from
+    the last complete one (the last run's: in the next test). The start-up lines name the custom
+    reward function and the prompts cut to 3 tokens (loudly: all of them); healthy checkpoints
+    give no orbax warnings."""
+    runs = stopped_runs["runs"]
+    runs["ctrl_c_in_save"].check(*SIGNALS[signal.SIGINT])
+    runs["sigterm_in_step"].check(*SIGNALS[signal.SIGTERM])
+    runs["sigterm_in_save"].check(*SIGNALS[signal.SIGTERM])
+    assert runs["sigterm_in_step"].after == runs["sigterm_in_step"].before  # stopped before a save
+    run_dir = stopped_runs["run_dir"]
+    assert (run_dir / "step_1" / "_CHECKPOINT_METADATA").is_file()  # orbax's own: it never warns
+    first = runs["ctrl_c_in_save"].stopped.out
+    assert f"reward: custom function compute_score() from {stopped_runs['reward']}" in first
+    assert (
+        "train = BUILT-IN task 'addition' (train split, 8 prompts, 8 truncated to 3 tokens (data.truncation=right)"
+        in first
     )
-    if complete:
-        assert f"the latest complete checkpoint is step {complete[-1]}" in line, (line, complete)
-    # The log file has the details the console left out.
-    assert "KeyboardInterrupt" in (run_dir / "jaxflow.log").read_text()
+    assert (
+        "WARNING jaxflow.trainer.rl: 8 of the 8 training prompts (100%) are longer than data.max_prompt_length=3"
+        in first
+    )
+    assert "4 of the 4 validation prompts (100%)" in first
+    assert "KeyboardInterrupt" in (run_dir / "jaxflow.log").read_text()  # the details are in the log
+
+
+def _digest_without_log(run_dir):
+    """What a run directory holds, but the log (every run appends to it) and the lock (its holder's pid)."""
+    return {k: v for k, v in tree_digest(run_dir).items() if k not in ("jaxflow.log", ".jaxflow.lock")}
+
+
+def test_another_experiment_is_refused_and_each_step_exports_with_its_own_config(stopped_runs, tmp_path, capsys):
+    """GRPO pointed at the PPO directory: refused in one line naming the differences, nothing
+    changed. With jaxflow.trainer.resume_other_experiment=true it resumes PPO's latest step k
+    (its actor; the resume after the last SIGTERM of the previous test) and saves GRPO's step
+    k + 1, whose config.json replaces PPO's; the export still reads each step as it was saved
+    (step k has a critic, step k + 1 none) and names the step it took; an export to a full disk
+    is one line."""
+    from jaxflow.export import main as export_main
+
+    run_dir = stopped_runs["run_dir"]
+    before, k = _digest_without_log(run_dir), complete_steps(run_dir)[-1]
+    grpo = [*TINY, f"--config.trainer.total_training_steps={k + 1}", "--config.trainer.save_freq=1"]
+    code, out = run_cli(grpo, run_dir)
+    assert code == 2 and len(out.strip().splitlines()) == 1, out
+    line = one_line(out, "error:")
+    assert line.startswith(
+        f"error: trainer.default_local_dir: {run_dir / f'step_{k}'} is a checkpoint of another experiment ("
+    )
+    for difference in (
+        "algorithm ppo (gae) there, grpo (grpo) here",
+        "roles actor, critic there, actor here",
+        "task built-in addition there, built-in reverse_digits here",
+        "critic model model_type=llama",
+    ):
+        assert difference in line, (difference, line)
+    assert "nothing was changed" in line and "jaxflow.trainer.resume_other_experiment=true" in line
+    assert _digest_without_log(run_dir) == before
+
+    code, out = run_cli([*grpo, "--config.jaxflow.trainer.resume_other_experiment=true"], run_dir)
+    assert code == 0, out
+    assert f"resumed from {run_dir / f'step_{k}'} at step {k}" in out and complete_steps(run_dir)[-2:] == [k, k + 1]
+    assert json.loads((run_dir / "config.json").read_text())["algorithm"]["adv_estimator"] == "grpo"
+
+    def export(*args):
+        code = export_main(["--checkpoint", str(run_dir), *args])
+        captured = capsys.readouterr()
+        return code, captured.out.strip(), captured.err.strip()
+
+    code, _, err = export("--role", "critic", "--out", str(tmp_path / "critic"))
+    assert code == 2 and err == f"error: step {k + 1} of {run_dir}: the run has no critic (its roles: actor)", err
+    code, out, _ = export("--role", "critic", "--step", str(k), "--out", str(tmp_path / "critic"))
+    assert code == 0 and out == f"wrote {tmp_path / 'critic'}: the critic of step {k} (as asked) of {run_dir}", out
+    assert json.loads((tmp_path / "critic" / "config.json").read_text())["architectures"] == [
+        "LlamaForTokenClassification"
+    ]
+    code, out, _ = export("--out", str(tmp_path / "actor"))
+    assert code == 0 and out.endswith(f"the actor of step {k + 1} (the latest complete step) of {run_dir}"), out
+
+    if _unshare_works():  # an export to a disk that fills up: one line, exit 2, nothing left behind
+        full = tmp_path / "full"
+        export_args = ["jaxflow.export", "--checkpoint", str(run_dir), "--step", str(k), "--out", str(full / "export")]
+        code, out, left = run_on_tmpfs(export_args, full, "size=64k", listed=full)
+        assert code == 2, out
+        assert re.fullmatch(
+            rf"error: cannot write {full}/\S+: No space left on device \(is the disk full\?\)", out.strip()
+        ), out
+        assert left == [], left
 
 
 def _unshare_works() -> bool:
@@ -408,45 +504,37 @@ def _unshare_works() -> bool:
         return False
 
 
-def run_on_tmpfs(args, mount: Path, options: str, timeout=600):
-    """``python -m jaxflow.run`` with a tmpfs (``mount -o options``: ``size=512k`` is a disk that
-    fills up, ``ro`` a read-only one) mounted at ``mount``, in a private mount namespace
-    (``unshare``: the mount is the run's alone and goes away with it). ``(exit code, output,
-    what is left in the run directory)``."""
+def run_on_tmpfs(module_args, mount: Path, options: str, listed: Path, timeout=600):
+    """``python -m MODULE ARGS...`` (``module_args``) with a tmpfs (``mount -o options``:
+    ``size=512k`` is a disk that fills up, ``ro`` a read-only one) mounted at ``mount``, in a
+    private mount namespace (``unshare``: the mount is the command's alone and goes away with
+    it). ``(exit code, output, what is left in the directory listed)``."""
     if not _unshare_works():
         pytest.skip("needs `unshare -rm` (user and mount namespaces) to mount a small or read-only tmpfs")
     mount.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = str(REPO)
-    run_dir = mount / "run"
     script = (
         'mount -t tmpfs -o "$1" tmpfs "$0" || exit 99; shift; "$@"; rc=$?; echo "LEFT:"; '
-        f"ls -a {run_dir} 2>/dev/null; exit $rc"
+        f"ls -a {listed} 2>/dev/null; exit $rc"
     )
-    cmd = [
-        "unshare",
-        "-rm",
-        "sh",
-        "-c",
-        script,
-        str(mount),
-        options,
-        sys.executable,
-        "-m",
-        "jaxflow.run",
-        *args,
-        f"--config.trainer.default_local_dir={run_dir}",
-    ]
+    cmd = ["unshare", "-rm", "sh", "-c", script, str(mount), options, sys.executable, "-m", *module_args]
     proc = subprocess.run(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
+        cmd, cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout
     )
     out, _, left = proc.stdout.rpartition("LEFT:\n")
     return proc.returncode, out, sorted(set(left.split()) - {".", ".."})
 
 
+def run_cli_on_tmpfs(args, mount: Path, options: str):
+    """`run_on_tmpfs` of ``python -m jaxflow.run`` writing its run directory ``<mount>/run``."""
+    run_dir = mount / "run"
+    return run_on_tmpfs(
+        ["jaxflow.run", *args, f"--config.trainer.default_local_dir={run_dir}"], mount, options, listed=run_dir
+    )
+
+
 def test_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
     # A read-only file system: refused before anything is built.
-    code, out, _ = run_on_tmpfs([*TINY, "--config.trainer.total_training_steps=1"], tmp_path / "ro", "ro")
+    code, out, _ = run_cli_on_tmpfs([*TINY, "--config.trainer.total_training_steps=1"], tmp_path / "ro", "ro")
     assert code == 2, out
     (line,) = error_lines(out)
     assert (
@@ -458,7 +546,7 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line(tmp_path):
     # A disk that fills up while the first checkpoint is written (512 KiB: the logs and the
     # config fit, the actor's arrays do not): one line naming the file and the cause, no
     # traceback, no error records of orbax's threads; the cut-short save is never a complete step.
-    code, out, left = run_on_tmpfs(
+    code, out, left = run_cli_on_tmpfs(
         [*TINY, "--config.trainer.total_training_steps=1", "--config.trainer.save_freq=1"],
         tmp_path / "full",
         "size=512k",

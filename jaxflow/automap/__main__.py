@@ -15,13 +15,17 @@ memory (activations, KV cache) is scaled by what XLA allocated and the search ru
 (HybridFlow's; jaxflow's RL programs run one stage at a time, the default). The search stops
 at ``--time_limit_s`` (default 60) and then says it was cut short.
 ``--json`` prints one object: ``{"best": plan, "candidates": [plans], "truncated": bool,
-"search": {...}, ...}``.
+"search": {...}, ...}`` instead of the ranking; ``--json=PATH`` prints the ranking and writes
+that object to PATH (as ``python -m jaxflow.run --dry_run --json=PATH`` does).
+Each plan's ``overrides:`` line is shell-quoted: paste it after ``python -m jaxflow.run``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shlex
 import sys
 import time
 from typing import Any
@@ -36,6 +40,35 @@ def _flag(rest: list[str], name: str, default: Any = None) -> Any:
         if a.startswith(f"--{name}="):
             return a.split("=", 1)[1]
     return default
+
+
+def _typed(rest: list[str], name: str, kind: type, default: Any, minimum: float | None = None) -> Any:
+    """``--name=VALUE`` as ``kind`` (``default`` when absent); a ValueError naming the flag
+    for a missing value, one of another type, or one below ``minimum``."""
+    raw = _flag(rest, name)
+    if raw is None:
+        return default
+    if raw is True or raw == "":
+        raise ValueError(f"--{name} needs a value (--{name}=...)")
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise ValueError(f"--{name}={raw}: expected {'an integer' if kind is int else 'a number'}") from None
+    if minimum is not None and value < minimum:
+        raise ValueError(f"--{name}={raw}: must be >= {minimum:g}")
+    return value
+
+
+def _memory_scales(text: str) -> dict[str, float]:
+    """``--memory_scale=generate:3.2,train:1.5`` as ``{phase: factor}``."""
+    scales = {}
+    for item in filter(None, text.split(",")):
+        phase, _, factor = item.partition(":")
+        try:
+            scales[phase] = float(factor)
+        except ValueError:
+            raise ValueError(f"--memory_scale: {item!r} is not PHASE:FACTOR (e.g. generate:3.2)") from None
+    return scales
 
 
 def _format_plan(rank: int, d: dict[str, Any]) -> str:
@@ -55,7 +88,9 @@ def _format_plan(rank: int, d: dict[str, Any]) -> str:
     )
     lines.append(
         "  overrides: "
-        + " ".join(f"--config.{k}={v if not isinstance(v, list) else tuple(v)}" for k, v in d["overrides"].items())
+        + " ".join(
+            shlex.quote(f"--config.{k}={v if not isinstance(v, list) else tuple(v)}") for k, v in d["overrides"].items()
+        )
     )
     if "compiled" in d:
         c = d["compiled"]
@@ -74,6 +109,134 @@ def _format_plan(rank: int, d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+KNOWN = (
+    "--devices",
+    "--device_kind",
+    "--devices_per_host",
+    "--memory_gib",
+    "--top",
+    "--verify",
+    "--json",
+    "--time_limit_s",
+    "--concurrent",
+    "--memory_scale",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The command line's flags, typed (`_options`)."""
+
+    devices: int
+    device_kind: str
+    devices_per_host: int | None
+    memory_gib: float | None
+    top: int
+    verify_top: int
+    time_limit_s: float
+    concurrent: bool
+    memory_scale: dict[str, float]
+    json_to: str | bool | None  # True: the JSON on stdout; a path: written there; None: no JSON
+
+
+def _options(rest: list[str], default_devices: int) -> Options:
+    """The flags of ``rest``; a ValueError naming the flag that is wrong."""
+    json_to = _flag(rest, "json", None)
+    if json_to == "":
+        raise ValueError("--json= needs a path (or --json alone: the JSON on stdout)")
+    return Options(
+        devices=_typed(rest, "devices", int, default_devices, minimum=1),
+        device_kind=str(_flag(rest, "device_kind", "cpu")),
+        devices_per_host=_typed(rest, "devices_per_host", int, None, minimum=1),
+        memory_gib=_typed(rest, "memory_gib", float, None),
+        top=_typed(rest, "top", int, 5, minimum=1),
+        verify_top=1 if _flag(rest, "verify") is True else _typed(rest, "verify", int, 0, minimum=0),
+        time_limit_s=_typed(rest, "time_limit_s", float, 60.0),
+        concurrent=bool(_flag(rest, "concurrent", False)),
+        memory_scale=_memory_scales(str(_flag(rest, "memory_scale", ""))),
+        json_to=json_to,
+    )
+
+
+def _search(cfg: Any, o: Options, say: Any) -> tuple[Any, Any, list[Any], Any, float]:
+    """``(profile, mapper, plans, best, search seconds)``; ValueError for a cluster no plan fits."""
+    from jaxflow.automap.profiles import get_profile
+    from jaxflow.automap.search import Mapper
+    from jaxflow.automap.verify import search_verified
+    from jaxflow.automap.workload import workload_from_config
+
+    prof = get_profile(o.device_kind, o.devices_per_host, o.memory_gib)
+    per = prof.devices_per_host
+    if o.devices > per and o.devices % per:
+        where = "--devices_per_host" if o.devices_per_host else f"the {prof.name} profile's; --devices_per_host"
+        raise ValueError(f"--devices={o.devices} is not a whole number of hosts of {per} devices ({where})")
+    t0 = time.perf_counter()
+    mapper = Mapper(
+        workload_from_config(cfg), o.devices, prof, concurrent=o.concurrent, whole_hosts=cfg.jaxflow.backend == "ray"
+    )
+    for phase, factor in o.memory_scale.items():
+        mapper.scale_memory(phase, factor)
+    plans = mapper.search(top=o.top, time_limit_s=o.time_limit_s)
+    search_s = time.perf_counter() - t0
+    best = plans[0]
+    if o.verify_top:
+        best, plans = search_verified(
+            cfg, mapper, o.devices, attempts=o.verify_top, log=say, top=max(o.top, 20), time_limit_s=o.time_limit_s
+        )
+    return prof, mapper, plans, best, search_s
+
+
+def _result(name: str, o: Options, prof: Any, mapper: Any, plans: list[Any], best: Any, search_s: float) -> dict:
+    """The ``--json`` object."""
+    return {
+        "config": name,
+        "devices": o.devices,
+        "device_kind": prof.name,
+        "devices_per_host": prof.devices_per_host,
+        "profile": prof.to_dict(),
+        "search_s": search_s,
+        "truncated": mapper.truncated,
+        "search": {
+            "time_limit_s": o.time_limit_s,
+            "truncated": mapper.truncated,
+            "concurrent": mapper.concurrent,
+            "placements_explored": mapper.placements_done,
+            "placements_total": mapper.placements_total,
+            "allocations_evaluated": mapper.evaluated,
+            "layouts_simulated": mapper.layouts_simulated,
+        },
+        "plans_evaluated": mapper.evaluated,
+        "best": best.to_dict(o.devices),
+        "best_rank": plans.index(best) + 1,
+        "memory_scale": mapper.memory_scale,
+        "candidates": [p.to_dict(o.devices) for p in plans[: o.top]],
+    }
+
+
+def _print_ranking(name: str, o: Options, prof: Any, mapper: Any, plans: list[Any], best: Any, search_s: float) -> None:
+    print(
+        f"auto-mapper: {name} on {o.devices} x {prof.name} ({prof.devices_per_host} per host, "
+        f"{prof.budget_bytes / 2**30:.1f} GiB usable each; profile {prof.source}); searched "
+        f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
+        f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}"
+    )
+    if mapper.memory_scale:
+        print(
+            "estimated working memory scaled to what the compiled programs hold: "
+            + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items())
+        )
+    if mapper.truncated:
+        print(
+            f"WARNING: search cut short at the {o.time_limit_s:g} s time limit: {mapper.placements_done} of "
+            f"{mapper.placements_total} placements explored; the ranking covers only those (raise --time_limit_s)"
+        )
+    for i, p in enumerate(plans[: o.top], 1):
+        print(_format_plan(i, p.to_dict(o.devices)))
+    if best is not plans[0]:
+        print("chosen (the best plan that compiles and fits):")
+        print(_format_plan(plans.index(best) + 1, best.to_dict(o.devices)))
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from jaxflow import configs
@@ -86,115 +249,40 @@ def main(argv: list[str] | None = None) -> int:
     if "--help" in rest or "-h" in rest:
         print(USAGE)
         return 0
-    known = (
-        "--devices",
-        "--device_kind",
-        "--devices_per_host",
-        "--memory_gib",
-        "--top",
-        "--verify",
-        "--json",
-        "--time_limit_s",
-        "--concurrent",
-        "--memory_scale",
-    )
-    unknown = [a for a in rest if a.split("=", 1)[0] not in known]
+    unknown = [a for a in rest if a.split("=", 1)[0] not in KNOWN]
     if unknown:
         print(f"error: unknown argument(s) {unknown}\n{USAGE}", file=sys.stderr)
         return 2
     try:
         cfg = configs.get_config(name)
         configs.apply_overrides(cfg, overrides)
-        devices = int(_flag(rest, "devices", cfg.jaxflow.num_devices))
-        kind = _flag(rest, "device_kind", "cpu")
-        per_host = _flag(rest, "devices_per_host")
-        memory = _flag(rest, "memory_gib")
-        top = int(_flag(rest, "top", 5))
-        verify = _flag(rest, "verify", False)
-        verify_top = 0 if verify is False else (1 if verify is True else int(verify))
-        time_limit = float(_flag(rest, "time_limit_s", 60.0))
-        concurrent = bool(_flag(rest, "concurrent", False))
-        scales = {
-            phase: float(f)
-            for phase, f in (item.split(":") for item in filter(None, str(_flag(rest, "memory_scale", "")).split(",")))
-        }
+        o = _options(rest, cfg.jaxflow.num_devices)
     except (configs.ConfigError, ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if verify_top:  # simulated devices must be set before JAX starts
+    if o.verify_top:  # simulated devices must be set before JAX starts
         flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={devices}"])
-    from jaxflow.automap.profiles import get_profile
-    from jaxflow.automap.search import Mapper
-    from jaxflow.automap.verify import search_verified
-    from jaxflow.automap.workload import workload_from_config
-
-    as_json = bool(_flag(rest, "json", False))
+        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={o.devices}"])
+    as_json = o.json_to is True
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if as_json else (lambda s: print(s, flush=True))
     try:
-        prof = get_profile(kind, int(per_host) if per_host else None, float(memory) if memory else None)
-        t0 = time.perf_counter()
-        w = workload_from_config(cfg)
-        mapper = Mapper(w, devices, prof, concurrent=concurrent, whole_hosts=cfg.jaxflow.backend == "ray")
-        for phase, factor in scales.items():
-            mapper.scale_memory(phase, factor)
-        plans = mapper.search(top=top, time_limit_s=time_limit)
-        search_s = time.perf_counter() - t0
-        best = plans[0]
-        if verify_top:
-            best, plans = search_verified(
-                cfg, mapper, devices, attempts=verify_top, log=say, top=max(top, 20), time_limit_s=time_limit
-            )
+        found = _search(cfg, o, say)
     except (ValueError, KeyError, configs.ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    result = {
-        "config": name,
-        "devices": devices,
-        "device_kind": prof.name,
-        "devices_per_host": prof.devices_per_host,
-        "profile": prof.to_dict(),
-        "search_s": search_s,
-        "truncated": mapper.truncated,
-        "search": {
-            "time_limit_s": time_limit,
-            "truncated": mapper.truncated,
-            "concurrent": mapper.concurrent,
-            "placements_explored": mapper.placements_done,
-            "placements_total": mapper.placements_total,
-            "allocations_evaluated": mapper.evaluated,
-            "layouts_simulated": mapper.layouts_simulated,
-        },
-        "plans_evaluated": mapper.evaluated,
-        "best": best.to_dict(devices),
-        "best_rank": plans.index(best) + 1,
-        "memory_scale": mapper.memory_scale,
-        "candidates": [p.to_dict(devices) for p in plans[:top]],
-    }
+    result = _result(name, o, *found)
     if as_json:
         print(json.dumps(result, indent=2))
         return 0
-    print(
-        f"auto-mapper: {name} on {devices} x {prof.name} ({prof.devices_per_host} per host, "
-        f"{prof.budget_bytes / 2**30:.1f} GiB usable each; profile {prof.source}); searched "
-        f"{mapper.evaluated} allocations ({mapper.layouts_simulated} layouts simulated) in {search_s:.1f} s "
-        f"(measured); stages {'overlap across pools' if mapper.concurrent else 'run one at a time'}"
-    )
-    if mapper.memory_scale:
-        print(
-            "estimated working memory scaled to what the compiled programs hold: "
-            + ", ".join(f"{phase} x{f:.2f}" for phase, f in mapper.memory_scale.items())
-        )
-    if mapper.truncated:
-        print(
-            f"WARNING: search cut short at the {time_limit:g} s time limit: {mapper.placements_done} of "
-            f"{mapper.placements_total} placements explored; the ranking covers only those (raise --time_limit_s)"
-        )
-    for i, p in enumerate(plans[:top], 1):
-        print(_format_plan(i, p.to_dict(devices)))
-    if best is not plans[0]:
-        print("chosen (the best plan that compiles and fits):")
-        print(_format_plan(plans.index(best) + 1, best.to_dict(devices)))
+    _print_ranking(name, o, *found)
+    if o.json_to is not None:
+        try:
+            with open(o.json_to, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+        except OSError as e:
+            print(f"error: --json={o.json_to}: cannot write it: {e.strerror}", file=sys.stderr)
+            return 2
+        print(f"wrote {o.json_to}")
     return 0
 
 

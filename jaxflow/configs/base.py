@@ -430,8 +430,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
         (
             "jaxflow.ray.address",
             "",
-            "ray backend: cluster to join (e.g. 'auto' or 'ray://head:10001'); empty = a running cluster if there is one, "
-            "else a local Ray started by the run.",
+            "ray backend: cluster to join (e.g. 'head:6379' or 'ray://head:10001'; 'auto' joins any Ray instance on this "
+            "machine, even another process's private one); empty = RAY_ADDRESS, else a cluster started with `ray start` "
+            "on this machine, else a private Ray instance that the run starts and stops.",
         ),
         (
             "jaxflow.ray.devices_per_host",
@@ -582,6 +583,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "jaxflow.trainer.max_nonfinite_steps",
             3,
             "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped).",
+        ),
+        (
+            "jaxflow.trainer.resume_other_experiment",
+            False,
+            "Resume a checkpoint that records another experiment (algorithm, task, roles or model shapes differ from "
+            "this run's); false = refuse it in one line naming the differences, before anything in the directory "
+            "changes.",
         ),
         (
             "jaxflow.trainer.compile_ahead",

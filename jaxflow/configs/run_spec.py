@@ -134,6 +134,7 @@ class TrainerSpec:
     save_hf: bool
     resume_mode: str
     resume_from_path: str | None
+    resume_other_experiment: bool
     max_ckpt_to_keep: int | None
     max_nonfinite_steps: int
     backend: str
@@ -495,6 +496,7 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
         save_hf=t.save_hf,
         resume_mode=t.resume_mode,
         resume_from_path=t.resume_from_path,
+        resume_other_experiment=cfg.jaxflow.trainer.resume_other_experiment,
         max_ckpt_to_keep=min(keep) if keep else None,
         max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps,
         backend=cfg.jaxflow.backend,

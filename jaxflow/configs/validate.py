@@ -693,9 +693,18 @@ def _check_model_fit(c: _Checker) -> None:
 
 
 def _check_model_lengths(c: _Checker) -> None:
+    """The prompt and response lengths, the char tokenizer and the stop token ids against the
+    actor model (when its shape is known)."""
     cfg = c.cfg
     actor = model_config(cfg, "actor")
     if actor is not None:
+        beyond = [t for t in cfg.actor_rollout_ref.rollout.stop_token_ids if t >= actor.vocab_size]
+        c.check(
+            not beyond,
+            f"{ROLLOUT}.stop_token_ids",
+            f"{beyond} are not ids of the actor model's vocabulary (0..{actor.vocab_size - 1}): it never samples "
+            "them, so they would never stop a response",
+        )
         total = cfg.data.max_prompt_length + cfg.data.max_response_length
         c.check(
             total <= actor.max_position_embeddings,
@@ -709,6 +718,42 @@ def _check_model_lengths(c: _Checker) -> None:
                 "actor_rollout_ref.model.path",
                 f"the model's vocab_size={actor.vocab_size} is smaller than the char tokenizer's 100 ids",
             )
+
+
+def _check_kv_budget(c: _Checker, replicas: int) -> None:
+    """``rollout.max_total_tokens`` (when set) holds the smallest KV-cache pool the rollout can
+    run in on each of ``replicas`` generation replicas (`jaxflow.sampling.batcher.pool_bounds`:
+    one prefill group's prompts and one response, in pages). Without a placement yet (auto),
+    ``replicas`` is the device count: the fewest prompts per replica, a bound that any plan
+    needs."""
+    from jaxflow.sampling.batcher import pool_bounds
+    from jaxflow.sampling.engine import (
+        DEFAULT_PAGE_SIZE,
+        PREFILL_ROWS,
+        PROMPT_BUCKET_MIN,
+        RESPONSE_BUCKET_MIN,
+        bucket_size,
+    )
+
+    cfg, key = c.cfg, f"{ROLLOUT}.max_total_tokens"
+    budget = cfg.actor_rollout_ref.rollout.max_total_tokens
+    if not budget:
+        return
+    calls = [cfg.data.train_batch_size, cfg.data.val_batch_size]  # prompts per generate call (val: if known)
+    if cfg.data.val_batch_size is None and not cfg.data.val_files:
+        calls[1] = cfg.jaxflow.data.num_val_examples
+    prompts = max(bucket_size(n, multiple=replicas) // replicas for n in calls if n)
+    group, T = min(prompts, PREFILL_ROWS), DEFAULT_PAGE_SIZE
+    P = bucket_size(cfg.data.max_prompt_length, minimum=PROMPT_BUCKET_MIN)
+    R = bucket_size(cfg.data.max_response_length, minimum=RESPONSE_BUCKET_MIN)
+    least, _ = pool_bounds(prompts, P, R, prompts, group, T)
+    c.check(
+        1 + -(-budget // T) >= least,
+        key,
+        f"{budget} tokens is below the smallest KV-cache pool this rollout can run in, {(least - 1) * T} tokens per "
+        f"generation replica (a prefill group of {group} prompts of {P} tokens and one response of {R}, in pages "
+        f"of {T}); set at least that, or 0 for the default budget",
+    )
 
 
 def _check_structure(c: _Checker) -> None:
@@ -730,6 +775,8 @@ def _check_structure(c: _Checker) -> None:
     )
     _check_batches(c)
     if not c.items:
+        gen_dp = sizes["dp"] * (n // tp if n % tp == 0 else 1)  # the actor's generation replicas
+        _check_kv_budget(c, gen_dp)
         _check_model_fit(c)
 
 
@@ -786,6 +833,7 @@ def validate(cfg: ConfigDict) -> None:
         )
         _check_batches(c)
         _check_model_lengths(c)
+        _check_kv_budget(c, cfg.jaxflow.num_devices)
         c.raise_if_any()
         return
     _check_structure(c)

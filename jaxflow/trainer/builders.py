@@ -77,12 +77,45 @@ def count_train_prompts(data: DataSpec, tokenizer: Any) -> int | None:
     return None if isinstance(train, BuiltinSplit) else len(build_dataset(data, train, tokenizer))
 
 
+CUT_WARNING_FRACTION = 0.05  # more of a split's prompts truncated or dropped than this is said loudly
+
+
+def _cuts(dataset: PromptDataset) -> str:
+    """``", 3 truncated to 16 tokens (data.truncation=left)"``, or the dropped count, or ``""``."""
+    stats, limit = dataset.stats, dataset.max_prompt_length
+    if stats["num_truncated"]:
+        return f", {stats['num_truncated']} truncated to {limit} tokens (data.truncation={dataset.truncation})"
+    if stats["num_filtered"]:
+        return f", {stats['num_filtered']} longer than {limit} tokens dropped (data.truncation=filter)"
+    return ""
+
+
 def describe_source(source: DataSource, dataset: PromptDataset) -> str:
-    """For the console: where a split's prompts come from, and how many were kept."""
+    """For the console: where a split's prompts come from, how many were kept, and how many
+    were truncated or dropped as longer than ``data.max_prompt_length``."""
     if isinstance(source, BuiltinSplit):
         key = "data.train_files" if source.split == "train" else "data.val_files"
-        return f"BUILT-IN task {source.task.name!r} ({source.split} split, {len(dataset)} prompts; {key} is empty)"
-    return f"{', '.join(source)} ({len(dataset)} prompts)"
+        return (
+            f"BUILT-IN task {source.task.name!r} ({source.split} split, {len(dataset)} prompts{_cuts(dataset)}; "
+            f"{key} is empty)"
+        )
+    return f"{', '.join(source)} ({len(dataset)} prompts{_cuts(dataset)})"
+
+
+def cut_prompts_warning(split: str, dataset: PromptDataset) -> str | None:
+    """A warning when more than `CUT_WARNING_FRACTION` of a split's prompts were truncated or
+    dropped as longer than ``data.max_prompt_length`` (the model then trains on, or is scored
+    on, something else than the data says), or None."""
+    stats = dataset.stats
+    cut = stats["num_truncated"] + stats["num_filtered"]
+    if cut <= CUT_WARNING_FRACTION * stats["num_rows"]:
+        return None
+    done = "truncated" if stats["num_truncated"] else "dropped"
+    return (
+        f"{cut} of the {stats['num_rows']} {split} prompts ({cut / stats['num_rows']:.0%}) are longer than "
+        f"data.max_prompt_length={dataset.max_prompt_length} tokens and were {done} (data.truncation="
+        f"{dataset.truncation}); raise data.max_prompt_length if that is not what you want"
+    )
 
 
 def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:

@@ -5,7 +5,9 @@ Layout of ``directory``::
     step_10/
       actor_params/ actor_opt_state/ critic_params/ ...   one orbax item per array tree
       host/                                               JSON: step, data-loader position, RNG, ...
-      jaxflow_checkpoint.json                             our commit marker (written last)
+      _CHECKPOINT_METADATA                                orbax's step metadata
+      jaxflow_checkpoint.json                             our commit marker (written last): the items, the
+                                                          run's experiment record and config
       hf_actor/                                           optional HF export (trainer.save_hf, written by
                                                           jaxflow.trainer.hf_export after the step is complete)
 
@@ -68,11 +70,24 @@ _TMP_MARK = "orbax-checkpoint-tmp"  # orbax's name for a step not yet committed;
 _TMP_RE = re.compile(rf"^{STEP_PREFIX}_\d+\.{_TMP_MARK}")
 _ITEM_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_]*$")
 _FORMAT_VERSION = 1
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"  # orbax's step metadata file (it reads one in every step)
+_ARRAY_HANDLER, _JSON_HANDLER = (
+    f"{h.__module__}.{h.__qualname__}" for h in (ocp.StandardCheckpointHandler, ocp.JsonCheckpointHandler)
+)
 SKIP = ocp.PLACEHOLDER  # a restore target leaf that is not read (comes back as SKIP)
 
 
 class CheckpointMismatchError(CheckpointError):
     """The checkpoint's tree structure or shapes differ from the restore targets."""
+
+
+class ExperimentMismatchError(CheckpointError):
+    """The checkpoint to resume records another experiment (`CheckpointManager`'s
+    ``experiment``); ``differences`` names each field that differs."""
+
+    def __init__(self, message: str, *, path: Path, differences: list[str]):
+        super().__init__(message)
+        self.path, self.differences = path, differences
 
 
 class DamagedCheckpointError(CheckpointError):
@@ -267,6 +282,35 @@ def is_complete(path: str | os.PathLike) -> bool:
     return step_of(path) is not None and path.is_dir() and (path / MARKER).is_file()
 
 
+def complete_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps of the complete checkpoints in ``directory``, ascending (touches no device)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(step_of(p) for p in directory.iterdir() if is_complete(p))
+
+
+def read_marker(path: str | os.PathLike) -> dict[str, Any]:
+    """The commit marker of the step directory ``path`` (``{}`` when absent or unreadable):
+    ``step``, ``items``, and for steps saved since it was recorded, the run's ``experiment``
+    and ``config``."""
+    try:
+        marker = json.loads((Path(path) / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def experiment_differences(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """``"field: recorded (there) vs current (here)"`` for each field of two experiment
+    records that differs (fields missing on one side count as differences)."""
+    return [
+        f"{key} {recorded.get(key, 'none')} there, {current.get(key, 'none')} here"
+        for key in sorted(set(recorded) | set(current))
+        if recorded.get(key) != current.get(key)
+    ]
+
+
 def _write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
@@ -283,6 +327,12 @@ class CheckpointManager:
     checkpoints is an error: ``FileExistsError``; nothing is deleted), ``"auto"`` continues
     from the latest complete checkpoint if there is one, ``"resume_path"`` from the step
     directory ``resume_path`` (any directory; later saves still go to ``directory``).
+
+    ``experiment``: what identifies the run (e.g. algorithm, task, roles, model shapes; a JSON
+    object of one-line values), recorded in every step's marker with ``run_config`` (the run's
+    whole config, set once it is known). A writer refuses, before it touches the directory, to
+    resume a step whose recorded experiment differs (`ExperimentMismatchError`, naming each
+    difference) unless ``other_experiment_ok``; steps that record none are resumed.
 
     ``save`` writes a step when ``step % save_interval_steps == 0`` or ``force=True`` and keeps
     the latest ``max_to_keep`` complete steps (None: all). A save at step N first moves any
@@ -302,6 +352,8 @@ class CheckpointManager:
         resume_path: str | os.PathLike | None = None,
         async_save: bool = False,
         read_only: bool = False,
+        experiment: Mapping[str, Any] | None = None,
+        other_experiment_ok: bool = False,
     ):
         if resume_mode not in RESUME_MODES:
             raise ValueError(f"resume_mode must be one of {RESUME_MODES}, got {resume_mode!r}")
@@ -323,12 +375,16 @@ class CheckpointManager:
         self._primary = jax.process_index() == 0
         self._lock: RunDirLock | None = None
         self._mgr = None
+        self.experiment = dict(experiment) if experiment is not None else None
+        self.run_config: dict[str, Any] | None = None  # recorded in each step's marker
 
         if not read_only:
             self.directory.mkdir(parents=True, exist_ok=True)
             if self._primary:
                 self._lock = RunDirLock(self.directory)  # before the clean-up: another writer's save is not debris
             try:
+                if self.experiment is not None and not other_experiment_ok:
+                    self._check_experiment()  # before the clean-up: a refused run changes nothing
                 if self._primary:
                     self._remove_incomplete()
                 if resume_mode == "disable" and self.all_steps():
@@ -352,6 +408,20 @@ class CheckpointManager:
                 ),
             )
 
+    def _check_experiment(self) -> None:
+        """Raises `ExperimentMismatchError` when the step to resume records another experiment."""
+        path = self.resume_dir()
+        recorded = read_marker(path).get("experiment") if path is not None else None
+        if not isinstance(recorded, dict):
+            return
+        differences = experiment_differences(recorded, self.experiment)
+        if differences:
+            raise ExperimentMismatchError(
+                f"{path} is a checkpoint of another experiment ({'; '.join(differences)}); nothing was changed",
+                path=path,
+                differences=differences,
+            )
+
     # ------------------------------------------------------------------ listing
 
     def step_dir(self, step: int) -> Path:
@@ -359,10 +429,7 @@ class CheckpointManager:
 
     def all_steps(self) -> list[int]:
         """Steps of the complete checkpoints in ``directory``, ascending."""
-        if not self.directory.is_dir():
-            return []
-        steps = [step_of(p) for p in self.directory.iterdir() if is_complete(p)]
-        return sorted(s for s in steps if s is not None)
+        return complete_steps(self.directory)
 
     def latest_step(self) -> int | None:
         """The latest complete step, or None."""
@@ -463,7 +530,8 @@ class CheckpointManager:
         primary writes its metadata), then the host state; the directory is renamed to
         ``step_N`` once all is down, then the marker. A save cut short leaves the temporary
         directory, which the next writer removes, or a marker-less step it moves aside."""
-        tmp = self.directory / f"{STEP_PREFIX}_{step}.{_TMP_MARK}-jaxflow-{time.time_ns()}"
+        started = time.time_ns()
+        tmp = self.directory / f"{STEP_PREFIX}_{step}.{_TMP_MARK}-jaxflow-{started}"
         try:
             tmp.mkdir()
             for name, tree in arrays.items():
@@ -473,6 +541,19 @@ class CheckpointManager:
                     save_item(tmp / name, tree)
             with ocp.Checkpointer(ocp.JsonCheckpointHandler()) as checkpointer:
                 checkpointer.save(tmp / HOST_ITEM, args=ocp.args.JsonSave(host_json))
+            if self._primary:  # what orbax writes for a step it saves itself (else it warns on every read)
+                handlers = {name: _ARRAY_HANDLER for name in arrays} | {HOST_ITEM: _JSON_HANDLER}
+                _write_json_atomic(
+                    tmp / ORBAX_STEP_METADATA,
+                    {
+                        "item_handlers": handlers,
+                        "metrics": {},
+                        "performance_metrics": {},
+                        "init_timestamp_nsecs": started,
+                        "commit_timestamp_nsecs": time.time_ns(),
+                        "custom_metadata": {},
+                    },
+                )
             os.replace(tmp, self.step_dir(step))
         finally:
             self._mgr.reload()
@@ -492,9 +573,12 @@ class CheckpointManager:
         for step, names in pending:
             path = self.step_dir(step)
             if self._primary and path.is_dir():
-                _write_json_atomic(
-                    path / MARKER, {"format": _FORMAT_VERSION, "step": step, "items": names, "time": time.time()}
-                )
+                marker = {"format": _FORMAT_VERSION, "step": step, "items": names, "time": time.time()}
+                if self.experiment is not None:
+                    marker["experiment"] = self.experiment
+                if self.run_config is not None:
+                    marker["config"] = self.run_config
+                _write_json_atomic(path / MARKER, marker)
         if pending:
             self._prune()
 

@@ -41,16 +41,21 @@ from ml_collections import ConfigDict
 import jaxflow.models as models
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
 from jaxflow.mesh import TRAINING_ROLES, Role, state_shardings
-from jaxflow.trainer.checkpoint import SKIP, CheckpointManager
+from jaxflow.trainer.checkpoint import SKIP, STEP_PREFIX, CheckpointManager, complete_steps, read_marker
 from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
 from jaxflow.workers import TrainState, make_optimizer, train_state
 
+_DEFERRED = (signal.SIGINT, signal.SIGTERM)  # held back over the renames that replace an export
 HF_DIR = "hf_actor"  # <run_dir>/hf_actor: the actor at the end of the run
 EXPORT_MARKER = "jaxflow_export.json"  # in every export: the files it wrote (so a later export may replace them)
 
 
 class ExportError(RuntimeError):
     """Writing an HF export failed (names the export's directory)."""
+
+
+class NoSuchRoleError(ValueError):
+    """The run (or the step) has no such role."""
 
 
 def _exported_files(out: Path) -> set[str] | None:
@@ -195,24 +200,28 @@ def write_hf_with(
 
 @contextlib.contextmanager
 def _ctrl_c_deferred():
-    """A Ctrl-C (SIGINT) inside the block is handed to the handler it would have met (Python's:
-    ``KeyboardInterrupt``) when the block ends (main thread only; a SIGKILL in between is what
-    `_recover` is for)."""
+    """A Ctrl-C (SIGINT) or SIGTERM inside the block is handed to the handler it would have met
+    (Python's for SIGINT: ``KeyboardInterrupt``; jaxflow.run's for both) when the block ends
+    (main thread only; a SIGKILL in between is what `_recover` is for)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda *a: caught.append(a))
-    previous = signal.default_int_handler if previous is None else previous
+    previous = {signum: signal.signal(signum, lambda *a: caught.append(a)) for signum in _DEFERRED}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
     if caught:
-        if callable(previous):
-            previous(*caught[0])
-        elif previous != signal.SIG_IGN:
-            raise KeyboardInterrupt
+        signum, frame = caught[0]
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        elif handler != signal.SIG_IGN:  # the signal's default: Python's KeyboardInterrupt, or the end
+            if signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            signal.raise_signal(signum)
 
 
 def run_config(run_dir: str | os.PathLike) -> ConfigDict:
@@ -233,7 +242,7 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
         raise ValueError(f"role must be one of {sorted(TRAINING_ROLES)}, got {role!r}")
     spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if role not in spec.roles:
-        raise ValueError(f"the run has no {role} (its roles: {', '.join(spec.roles)})")
+        raise NoSuchRoleError(f"the run has no {role} (its roles: {', '.join(spec.roles)})")
     mcfg = spec.models[role].config
     if mcfg is None:
         raise FileNotFoundError(f"the {role}'s model config is unknown: no config.json in {spec.models[role].path}")
@@ -244,16 +253,37 @@ def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nn
     return graphdef, state  # leaves: jax.ShapeDtypeStruct with their shardings
 
 
+def step_config(run_dir: str | os.PathLike, step: int | None = None) -> tuple[int, ConfigDict]:
+    """``(step, config)``: the saved ``step`` of the run in ``run_dir`` (default: the latest
+    complete one) and the config it was saved with (recorded in the step's marker; a step saved
+    before jaxflow recorded it: the run's ``config.json``). A directory may hold steps of runs
+    with other settings (``jaxflow.trainer.resume_other_experiment``): each is read with its own."""
+    steps = complete_steps(run_dir)  # (before the devices are simulated: nothing here touches one)
+    if not steps:
+        run_config(run_dir)  # not a run directory at all: says so
+        raise FileNotFoundError(f"no complete checkpoint in {Path(run_dir).absolute()}")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise FileNotFoundError(f"no complete checkpoint for step {step} in {Path(run_dir).absolute()} (have {steps})")
+    recorded = read_marker(Path(run_dir) / f"{STEP_PREFIX}_{step}").get("config")
+    return step, ConfigDict(recorded) if isinstance(recorded, dict) else run_config(run_dir)
+
+
 def export_checkpoint(
     run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None, role: str = "actor"
 ) -> Path:
     """Write ``role`` of the saved ``step`` (default: the latest complete one) of the run in
-    ``run_dir`` as an HF directory ``out_dir``, with the run's tokenizer. Only the parameters
-    are read (the optimizer state's leaves are skipped)."""
+    ``run_dir`` as an HF directory ``out_dir``, with the run's tokenizer, as the step's own
+    config describes it (`step_config`). Only the parameters are read (the optimizer state's
+    leaves are skipped)."""
     check_export_target(out_dir, protect=(run_dir,))
-    cfg = run_config(run_dir)
+    step, cfg = step_config(run_dir, step)
     tokenizer = build_tokenizer(cfg)
-    graphdef, abstract = abstract_train_state(cfg, role, tokenizer)
+    try:
+        graphdef, abstract = abstract_train_state(cfg, role, tokenizer)
+    except NoSuchRoleError as e:
+        raise NoSuchRoleError(f"step {step} of {Path(run_dir).absolute()}: {e}") from None
     abstract = dataclasses.replace(abstract, opt_state=jax.tree.map(lambda _: SKIP, abstract.opt_state), step=SKIP)
     ckpt = CheckpointManager(run_dir, read_only=True)
     restored = ckpt.restore(step, targets={role: abstract})

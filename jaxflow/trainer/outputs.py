@@ -17,13 +17,17 @@
   ``config.json`` there that is not a jaxflow run config is never replaced.
 * **Absolute paths.** The saved config names every local path absolutely, so the run can be
   exported (``python -m jaxflow.export``) from any working directory.
+* **Storage that refuses a write** (full, read-only, no permission) is one line naming the file
+  and the cause (`storage_error`), for the run and the export alike.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -192,3 +196,41 @@ def write_run_config(run_dir: str | os.PathLike, cfg: Any) -> Path:
     tmp.write_text(json.dumps(data, indent=1, default=str))
     os.replace(tmp, path)
     return path
+
+
+# errno values that mean "the user's storage refused the write", not a bug.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+_FULL = " (is the disk full?)"
+# The same, as libraries that are not Python's OSError say it (tensorstore, safetensors), with a hint.
+_STORAGE_TEXTS = {
+    "No space left on device": _FULL,
+    "Disk quota exceeded": _FULL,
+    "File too large": _FULL,
+    "Read-only file system": "",
+    "Permission denied": "",
+}
+_QUOTED_PATH = re.compile(r"""["'](/[^"']+)["']""")
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    out = []
+    while e is not None and e not in out:
+        out.append(e)
+        e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+    return out
+
+
+def storage_error(e: BaseException) -> str | None:
+    """One line for an exception caused by the storage (disk full, read-only, no permission),
+    or None: what ``python -m jaxflow.run`` and ``python -m jaxflow.export`` say for it."""
+    for cause in _chain(e):
+        if isinstance(cause, OSError) and cause.errno in _STORAGE_ERRNOS:
+            where = f" {cause.filename}" if cause.filename else ""
+            hint = _FULL if cause.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+            return f"cannot write{where}: {cause.strerror}{hint}"
+        text = str(cause)
+        for known, hint in _STORAGE_TEXTS.items():
+            if known in text:  # the file: the last absolute path the message quotes
+                paths = _QUOTED_PATH.findall(text)
+                return f"cannot write{f' {paths[-1]}' if paths else ''}: {known}{hint}"
+    return None

@@ -28,11 +28,13 @@ from ml_collections import ConfigDict
 
 from jaxflow.automap.auto import resolve_placement
 from jaxflow.configs import ConfigError
-from jaxflow.configs.resolve import ray_config, ray_devices
+from jaxflow.configs.resolve import SHAPE_KEYS, active_roles, model_config, ray_config, ray_devices
 from jaxflow.configs.run_spec import (
+    DataSpec,
     RewardSpec,
     RunSpec,
     TrainerSpec,
+    algorithm_settings,
     build_tokenizer,
     data_spec,
     describe_run,
@@ -40,7 +42,7 @@ from jaxflow.configs.run_spec import (
     trainer_spec,
 )
 from jaxflow.configs.validate import warn_ignored_under_auto
-from jaxflow.iterations import batch_from_prompts
+from jaxflow.iterations import batch_from_prompts, select_algorithm
 from jaxflow.mesh import Role
 from jaxflow.plan.lowering import run_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
@@ -48,19 +50,20 @@ from jaxflow.trainer import interrupt
 from jaxflow.trainer.builders import (
     build_dataset,
     check_vocab,
+    cut_prompts_warning,
     dataset_sources,
     describe_source,
     load_model,
     train_loader,
 )
-from jaxflow.trainer.checkpoint import CheckpointManager, HostState, ItemIO
+from jaxflow.trainer.checkpoint import CheckpointManager, ExperimentMismatchError, HostState, ItemIO
 from jaxflow.trainer.compile_ahead import cache_enabled, compile_ahead
 from jaxflow.trainer.compile_ahead import describe as describe_compile_ahead
 from jaxflow.trainer.compile_log import CompileLog
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
-from jaxflow.trainer.outputs import check_run_config_target, set_aside_previous_outputs
+from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
@@ -104,6 +107,28 @@ def _mean(value: Any) -> float:
     return float(np.mean(np.asarray(value, np.float64)))
 
 
+MODEL_SHAPE = ("model_type", *SHAPE_KEYS)
+
+
+def experiment_record(cfg: ConfigDict) -> dict[str, str]:
+    """What identifies an RL experiment's checkpoints (recorded in each, compared on resume):
+    the algorithm and advantage estimator, the task (the built-in task, or the training files'
+    names), the roles, and each model's shape, one line each."""
+    settings = algorithm_settings(cfg)
+    files = [os.path.basename(f) for f in cfg.data.train_files]
+    record = {
+        "algorithm": f"{select_algorithm(settings)} ({settings.algorithm.adv_estimator})",
+        "task": ", ".join(files) if files else f"built-in {cfg.jaxflow.data.builtin_task}",
+        "roles": ", ".join(active_roles(cfg)),
+    }
+    for role in active_roles(cfg):
+        if role != "ref":  # the actor's model
+            mc = model_config(cfg, role)
+            shape = "unknown" if mc is None else " ".join(f"{k}={getattr(mc, k)}" for k in MODEL_SHAPE)
+            record[f"{role} model"] = shape
+    return record
+
+
 class RLTrainer:
     """Everything one RL run needs, built from a validated experiment config."""
 
@@ -137,27 +162,15 @@ class RLTrainer:
         t, reward, data = trainer_spec(cfg), reward_spec(cfg), data_spec(cfg)
         self.run_dir = t.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
-        self.ckpt = self._open_checkpoints(t)
+        # First, before anything is built or written: the directory's lock (another run there is
+        # refused); a fresh run refuses a directory that holds checkpoints (it never deletes them),
+        # and a resume refuses another experiment's.
+        self.ckpt = self._open_checkpoints(t, experiment_record(cfg))
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
         self.scorer = self._build_scorer(reward)
         self.tokenizer = build_tokenizer(cfg)
-        train, val = dataset_sources(data)
-        self.train_data = build_dataset(data, train, self.tokenizer)
-        self.val_data = build_dataset(data, val, self.tokenizer)
-        if not reward.custom_function_path:  # the built-in scorers compare one string or number
-            for dataset in (self.train_data, self.val_data):
-                dataset.check_ground_truths(
-                    (str, int, float),
-                    "the built-in reward functions compare the answer "
-                    "with one string or number; fix the data or use a custom reward function "
-                    "(custom_reward_function.path)",
-                )
-        print(
-            f"data: train = {describe_source(train, self.train_data)}; "
-            f"validation = {describe_source(val, self.val_data)}",
-            flush=True,
-        )
+        self._load_prompts(data, reward)
         resuming = self.ckpt.resume_dir() is not None
         if resuming:  # it goes on with the outputs in the directory: they must be ours
             check_run_config_target(self.run_dir)
@@ -171,12 +184,14 @@ class RLTrainer:
             if t.backend == "ray":  # the workers read the warm start's HF directory (cfg names it),
                 actor_params = None  # each process only its shards
         self.cfg = cfg
+        self.ckpt.run_config = absolute_paths(cfg.to_dict())  # each step records the config it was saved with
         self.backend = None
         devices = None
         if t.backend == "ray":  # Ray is imported only on this path
             from jaxflow.workers.ray_backend import RayBackend
 
             self.backend = RayBackend(ray_config(cfg))
+            print(f"jaxflow: {self.backend.cluster}", flush=True)
             devices = ray_devices(cfg)
         self.spec: RunSpec = describe_run(
             cfg,
@@ -204,10 +219,9 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ construction
 
-    def _open_checkpoints(self, t: TrainerSpec) -> CheckpointManager:
-        """First, before anything is built or written: the directory's lock (another run there
-        is refused), and a fresh run refuses a directory that holds checkpoints (it never
-        deletes them)."""
+    def _open_checkpoints(self, t: TrainerSpec, experiment: dict[str, str]) -> CheckpointManager:
+        """The run directory's checkpoints, locked for this run; a fresh run in a directory that
+        holds checkpoints, or a resume of another experiment's, is a `ConfigError`."""
         try:
             return CheckpointManager(
                 self.run_dir,
@@ -215,7 +229,16 @@ class RLTrainer:
                 save_interval_steps=t.save_freq if t.save_freq > 0 else 1 << 30,
                 resume_mode=t.resume_mode,
                 resume_path=t.resume_from_path,
+                experiment=experiment,
+                other_experiment_ok=t.resume_other_experiment,
             )
+        except ExperimentMismatchError as e:
+            key = "trainer.resume_from_path" if t.resume_mode == "resume_path" else "trainer.default_local_dir"
+            raise ConfigError(
+                key,
+                f"{e}. Give this run another {key}, or set jaxflow.trainer.resume_other_experiment=true to resume "
+                "it anyway",
+            ) from e
         except FileExistsError as e:
             raise ConfigError(
                 "trainer.resume_mode",
@@ -224,6 +247,37 @@ class RLTrainer:
                 "nothing was deleted. Continue them with trainer.resume_mode=auto, or set "
                 "trainer.default_local_dir to another directory",
             ) from e
+
+    def _load_prompts(self, data: DataSpec, reward: RewardSpec) -> None:
+        """The training and validation prompts, checked against the reward function, and the
+        start-up lines that say what the run reads: the custom reward function, each split's
+        source and how many prompts were cut (loudly when many were)."""
+        if reward.custom_function_path:
+            print(
+                f"reward: custom function {reward.custom_function_name}() from {reward.custom_function_path} "
+                "(custom_reward_function)",
+                flush=True,
+            )
+        train, val = dataset_sources(data)
+        self.train_data = build_dataset(data, train, self.tokenizer)
+        self.val_data = build_dataset(data, val, self.tokenizer)
+        if not reward.custom_function_path:  # the built-in scorers compare one string or number
+            for dataset in (self.train_data, self.val_data):
+                dataset.check_ground_truths(
+                    (str, int, float),
+                    "the built-in reward functions compare the answer "
+                    "with one string or number; fix the data or use a custom reward function "
+                    "(custom_reward_function.path)",
+                )
+        print(
+            f"data: train = {describe_source(train, self.train_data)}; "
+            f"validation = {describe_source(val, self.val_data)}",
+            flush=True,
+        )
+        for split, dataset in (("training", self.train_data), ("validation", self.val_data)):
+            warning = cut_prompts_warning(split, dataset)
+            if warning:
+                log.warning("%s", warning)
 
     @staticmethod
     def _build_scorer(r: RewardSpec) -> RewardScorer:
@@ -264,11 +318,11 @@ class RLTrainer:
         )
 
     def close(self) -> None:
-        """Stops the worker processes of the Ray backend (nothing to do locally) and the
-        compile log."""
+        """Stops the worker processes of the Ray backend and the Ray instance it started
+        (nothing to do locally), and the compile log."""
         self.compiles.__exit__()
         if self.backend is not None:
-            self.backend.shutdown()
+            self.backend.close()
 
     # ------------------------------------------------------------------ state
 
@@ -446,7 +500,8 @@ class RLTrainer:
             self.spec.trainer.max_restarts,
             where,
         )
-        self.close()
+        if self.backend is not None:
+            self.backend.shutdown()  # the groups; the cluster stays
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"
         if step is None:

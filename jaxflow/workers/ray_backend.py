@@ -15,8 +15,8 @@ Process model.
   device of a host: ``devices(n)``); a pool must hold whole hosts. Each pool reserves one
   bundle per host (`PoolReservation`: CPU hosts packed in one placement group; GPU hosts as
   verl, a ``STRICT_PACK`` placement group per node; TPU hosts as whole slices through
-  ``ray.util.tpu``). A pool that the cluster cannot hold is reported (`Unschedulable`) after
-  ``schedule_timeout_s``.
+  ``ray.util.tpu``). A pool that the cluster cannot hold is reported (`Unschedulable`, with the
+  fix): at once when the whole cluster is too small, else after ``schedule_timeout_s``.
 * **One process per host per group, one JAX world per group.** A `ProcessGroup` starts one
   `jaxflow.workers.ray_host.HostProcess` actor per bundle; rank 0 picks a free port and every
   rank calls ``jax.distributed.initialize``. Roles that share a pool share its processes, and
@@ -34,19 +34,30 @@ Process model.
   ``sync_deadline_s`` for world set-up and builds. A rank that dies (`WorkerDied`) or a call
   past its deadline (`DeadlineExceeded`) raises naming the group and rank, and the group's
   processes are killed (the world cannot continue without a rank). `RayBackend.shutdown`
-  (also on exit from ``with``) kills every process it started; Ray kills a driver's actors
-  when the driver dies.
+  kills every process it started; `RayBackend.close` (also on exit from ``with``) then stops
+  the private Ray instance it started. Ray kills a driver's actors when the driver dies, and
+  each `HostProcess` ends itself when its raylet dies (a parent-death watch).
+* **Which cluster.** `choose_cluster`: ``jaxflow.ray.address``, else ``RAY_ADDRESS``, else a
+  cluster started with ``ray start``, else a private instance of the run's own; never another
+  process's private instance. When the cluster goes away mid-run, the error says so
+  (`ClusterLost`); a pool the cluster can never hold is refused at once (`Unschedulable`).
 
 Ray is imported only here and only when a backend is made: the local path never loads it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
+import signal
+import socket
+import threading
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,6 +90,7 @@ from jaxflow.workers.reward import RuleRewardWorker
 from jaxflow.workers.roles import RoleSettings, role_class
 
 log = logging.getLogger(__name__)
+worker_log = logging.getLogger("jaxflow.workers.ray_host")  # the worker processes' forwarded output
 
 ACCELERATORS = ("cpu", "gpu", "tpu")
 
@@ -87,6 +99,12 @@ ACCELERATORS = ("cpu", "gpu", "tpu")
 # (DP_COMPUTE_REPEAT: generation schedules the whole prompt batch; DP_TRAIN: mini-batches are
 # drawn from the whole batch) send the whole batch to every rank, put once.
 ROWS_BY_PROCESS = {DP_COMPUTE: unpad, DP_COMPUTE_METRIC: lambda metrics, pad_size: metrics}
+LOST_GRACE_S = 5.0  # after a worker's death, how long the cluster's GCS is watched for going away too
+UNSCHEDULABLE_FIX = (
+    "lower jaxflow.ray.cpus_per_host, or the hosts the run needs (jaxflow.num_devices / "
+    "jaxflow.ray.devices_per_host), or run on a cluster that holds them (jaxflow.ray.address or RAY_ADDRESS; "
+    "with both empty the run starts a Ray instance of its own, sized for it)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +112,8 @@ class RayConfig:
     """Settings of the Ray backend (``jaxflow.ray.*`` in an experiment config).
 
     Attributes:
-      address: Ray cluster to join; ``""`` joins a running one (``ray start``, RAY_ADDRESS)
-        if there is one and otherwise starts a local one.
+      address: Ray cluster to join; ``""``: RAY_ADDRESS, else the cluster ``ray start``
+        started on this machine, else a private instance (`choose_cluster`).
       devices_per_host: accelerators per host (CPU: simulated devices per process).
       cpus_per_host: CPU cores of each host's bundle.
       accelerator: ``cpu`` | ``gpu`` | ``tpu``.
@@ -198,6 +216,20 @@ class PoolReservation:
         if self.tpu_slice is None:
             object.__setattr__(self, "num_hosts", sum(len(b) for b, _ in self.placement_groups))
 
+    def shortfall(self, cluster: dict[str, float]) -> str:
+        """What the reservation needs beyond ``cluster``'s total resources (``ray.cluster_resources()``),
+        e.g. ``"CPU 64.0 (the cluster has 8.0)"``; ``""`` when the totals suffice."""
+        need: dict[str, float] = {}
+        for bundles, _ in self.placement_groups:
+            for bundle in bundles:
+                for resource, amount in bundle.items():
+                    need[resource] = need.get(resource, 0.0) + amount
+        return ", ".join(
+            f"{resource} {amount:g} (the cluster has {cluster.get(resource, 0.0):g})"
+            for resource, amount in sorted(need.items())
+            if amount > cluster.get(resource, 0.0)
+        )
+
     def slot(self, rank: int) -> tuple[int, int]:
         """``(placement group, bundle index)`` of host ``rank``."""
         if self.tpu_slice is not None or len(self.placement_groups) == 1:
@@ -238,8 +270,18 @@ class DeadlineExceeded(WorkerGroupError):
     """A remote call did not finish within its deadline."""
 
 
-class Unschedulable(WorkerGroupError):
+class ClusterError(RuntimeError):
+    """The Ray cluster cannot run the job (an infrastructure fault, not jaxflow's): it cannot
+    hold a pool (`Unschedulable`) or it went away (`ClusterLost`). The message says the fix."""
+
+
+class Unschedulable(WorkerGroupError, ClusterError):
     """The cluster cannot hold a pool's bundles."""
+
+
+class ClusterLost(ClusterError):
+    """The Ray cluster itself went away (its owner stopped it, its head died): not a worker's
+    fault, and restarting worker groups in it cannot help."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,6 +366,126 @@ def _ray():
     return ray
 
 
+@dataclasses.dataclass(frozen=True)
+class ClusterChoice:
+    """The Ray cluster a run uses: ``init_address`` is what ``ray.init`` gets (``"local"``: a
+    private instance; None: Ray finds the one RAY_ADDRESS or ``ray start`` names, and turns on
+    its token authentication as for any cluster it finds itself), ``reason`` says why, for the
+    run's start-up line."""
+
+    init_address: str | None
+    reason: str
+
+    @property
+    def private(self) -> bool:
+        return self.init_address == "local"
+
+
+def _answers(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether something accepts connections at ``host:port`` (a Ray GCS)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def _goes_away(address: str, within_s: float) -> bool:
+    """Whether the GCS at ``address`` stops answering within ``within_s`` seconds: a cluster
+    whose owner shuts it down kills its actors first and its GCS a second or two later."""
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if not _answers(address, timeout_s=1.0):
+            return True
+        time.sleep(0.25)
+    return False
+
+
+def _ray_start_address() -> tuple[str, str] | None:
+    """``(address, file)`` of the cluster that ``ray start`` last started on this machine (Ray
+    records it in ``<ray temp dir>/ray_current_cluster``; ``ray stop`` removes it), or None."""
+    try:
+        from ray._common.utils import get_ray_address_file
+    except ImportError:  # older Ray
+        from ray._private.utils import get_ray_address_file
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as f:
+            address = f.read().strip()
+    except OSError:
+        return None
+    return (address, path) if address else None
+
+
+def choose_cluster(address: str = "") -> ClusterChoice:
+    """Which Ray cluster a run uses: ``address`` (``jaxflow.ray.address``) when given, else
+    ``RAY_ADDRESS``, else the cluster that ``ray start`` started on this machine if it answers,
+    else a private instance that the run starts (and stops). Never a private instance of another
+    process (a notebook's or a test session's plain ``ray.init()``, another run's), which Ray's
+    ``address="auto"`` would join: the run would compete for its CPUs and die with it."""
+    if address:
+        return ClusterChoice(address, "jaxflow.ray.address names it")
+    if os.environ.get("RAY_ADDRESS"):
+        return ClusterChoice(None, "RAY_ADDRESS names it")
+    started = _ray_start_address()
+    if started is not None and _answers(started[0]):
+        return ClusterChoice(None, f"it was started with `ray start` on this machine ({started[1]})")
+    stale = f"; `ray start`'s cluster in {started[1]}, {started[0]}, does not answer" if started else ""
+    return ClusterChoice(
+        "local",
+        "neither jaxflow.ray.address nor RAY_ADDRESS names a cluster and none was started with `ray start`"
+        f"{stale}; other Ray instances on this machine are left alone; it stops with the run",
+    )
+
+
+def _ray_logs_to_python_logging() -> None:
+    """Ray's log records (its ``ray`` loggers: start-up, token authentication, ...) go through
+    Python logging like any library's, to the application's handlers (``jaxflow.run``: the
+    log file, the console from WARNING up, Ray's below ERROR not), instead of Ray's own stderr
+    handler."""
+    ray_log = logging.getLogger("ray")
+    for handler in list(ray_log.handlers):
+        if type(handler).__name__ == "PlainRayHandler":
+            ray_log.removeHandler(handler)
+    ray_log.propagate = True
+
+
+def _log_worker_lines(data: dict[str, Any]) -> None:
+    who = data.get("actor_name") or data.get("task_name") or "worker"
+    for line in data.get("lines", ()):
+        worker_log.info("(%s pid=%s) %s", who, data.get("pid"), line)
+
+
+def _worker_output_to_log() -> None:
+    """What the worker processes print (Ray forwards it to the driver: gloo's connection
+    reports, XLA's warnings) goes to the ``jaxflow.workers.ray_host`` logger at INFO (the run's
+    log file), not to the console; a worker's failure reaches the driver as its exception."""
+    try:
+        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
+    except ImportError:  # another Ray: its own printing stays
+        return
+    dispatcher.remove_handler("ray_print_logs")
+    dispatcher.add_handler("jaxflow_log", _log_worker_lines)
+
+
+@contextlib.contextmanager
+def _handlers_kept(*signums: int):
+    """Restores the Python handlers of ``signums`` after the block (main thread only):
+    ``ray.init`` replaces SIGTERM's with absl's failure handler (a C stack, exit 1), which
+    would bypass the run's own (stop the groups, one line, exit 143)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {signum: signal.getsignal(signum) for signum in signums}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
 def _env_for_workers(config: RayConfig) -> dict[str, str]:
     """The worker processes' environment: this jaxflow first on the path (the driver's
     checkout) and the driver's XLA flags without its simulated device count. On CPU the
@@ -364,13 +526,29 @@ def _signature(tree: Any) -> tuple:
     return tuple(jax.tree.leaves(jax.tree.map(sig, tree, is_leaf=lambda x: isinstance(x, Batch))))
 
 
+def _cluster_loss_said(method: Any) -> Any:
+    """A `ProcessGroup` method whose Ray system error (not a worker's own exception) raises
+    `ClusterLost` when the cluster itself went away."""
+
+    @functools.wraps(method)
+    def guarded(self: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
+        ray = _ray()
+        try:
+            return method(self, *args, **kwargs)
+        except (ray.exceptions.RaySystemError, ray.exceptions.RayActorError, ConnectionError):
+            self._check_cluster("starting it" if method.__name__ == "__init__" else method.__name__)
+            raise
+
+    return guarded
+
+
 class ProcessGroup:
     """The processes of one pool: a placement group of ``num_hosts`` bundles, one
     `HostProcess` actor per bundle, one `jax.distributed` world (module docstring)."""
 
+    @_cluster_loss_said
     def __init__(self, name: str, num_hosts: int, config: RayConfig):
         ray = _ray()
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.name, self.num_hosts, self.config = name, num_hosts, config
@@ -381,43 +559,7 @@ class ProcessGroup:
         self._pgs: list[Any] = []
         self._slice = None
         self.reservation = config.reservation(num_hosts)
-        if self.reservation.tpu_slice is not None:
-            try:
-                from ray.util.tpu import slice_placement_group
-            except ImportError:  # an older Ray: one bundle per VM, not pinned to one slice
-                log.warning(
-                    "ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
-                    "(STRICT_SPREAD) instead of whole slices",
-                    name,
-                )
-                self.reservation = self.reservation.fallback()
-            else:
-                try:
-                    self._slice = slice_placement_group(
-                        **self.reservation.tpu_slice, head_reservation_timeout_s=config.schedule_timeout_s
-                    )
-                except Exception as e:  # no such slice in the cluster (Ray's own timeout)
-                    raise Unschedulable(
-                        f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
-                        f"could not be reserved: {e}",
-                        name,
-                    ) from e
-                self._pgs = [self._slice.placement_group]
-        if self._slice is None:
-            self._pgs = [
-                placement_group(list(bundles), strategy=strategy)
-                for bundles, strategy in self.reservation.placement_groups
-            ]
-        try:
-            ray.get([pg.ready() for pg in self._pgs], timeout=config.schedule_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self._release()
-            raise Unschedulable(
-                f"worker group {name!r}: {num_hosts} host bundle(s) of {config.bundle()} could not be scheduled "
-                f"within {config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
-                f"{ray.cluster_resources()}, available {ray.available_resources()}",
-                name,
-            ) from None
+        self._reserve()
         remote = ray.remote(HostProcess)
         options = {
             "num_cpus": config.cpus_per_host,
@@ -453,6 +595,58 @@ class ProcessGroup:
         self.address = address
         log.info("worker group %r started: %d processes, pids %s, coordinator %s", name, num_hosts, self.pids, address)
 
+    def _reserve(self) -> None:
+        """Reserves the pool's bundles (`PoolReservation`), or raises `Unschedulable` with the
+        fix: at once when the whole cluster is too small, else after ``schedule_timeout_s``."""
+        ray, name, config = _ray(), self.name, self.config
+        from ray.util.placement_group import placement_group
+
+        if self.reservation.tpu_slice is not None:
+            try:
+                from ray.util.tpu import slice_placement_group
+            except ImportError:  # an older Ray: one bundle per VM, not pinned to one slice
+                log.warning(
+                    "ray.util.tpu is not available: worker group %r reserves one bundle per TPU VM "
+                    "(STRICT_SPREAD) instead of whole slices",
+                    name,
+                )
+                self.reservation = self.reservation.fallback()
+            else:
+                try:
+                    self._slice = slice_placement_group(
+                        **self.reservation.tpu_slice, head_reservation_timeout_s=config.schedule_timeout_s
+                    )
+                except Exception as e:  # no such slice in the cluster (Ray's own timeout)
+                    raise Unschedulable(
+                        f"worker group {name!r}: the TPU slice(s) {self.reservation.describe()} "
+                        f"could not be reserved: {e}",
+                        name,
+                    ) from e
+                self._pgs = [self._slice.placement_group]
+        if self._slice is None:
+            short = self.reservation.shortfall(ray.cluster_resources())
+            if short:  # never schedulable, however long one waits
+                raise Unschedulable(
+                    f"worker group {name!r}: {self.num_hosts} host bundle(s) of {config.bundle()} need {short}, "
+                    f"more than the whole Ray cluster has; {UNSCHEDULABLE_FIX}",
+                    name,
+                )
+            self._pgs = [
+                placement_group(list(bundles), strategy=strategy)
+                for bundles, strategy in self.reservation.placement_groups
+            ]
+        try:
+            ray.get([pg.ready() for pg in self._pgs], timeout=config.schedule_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._release()
+            raise Unschedulable(
+                f"worker group {name!r}: {self.num_hosts} host bundle(s) of {config.bundle()} could not be "
+                f"scheduled within {config.schedule_timeout_s:g}s (jaxflow.ray.schedule_timeout_s); the cluster has "
+                f"{ray.cluster_resources()}, available {ray.available_resources()}; other jobs may hold them, "
+                f"or no node holds a whole bundle: {UNSCHEDULABLE_FIX}",
+                name,
+            ) from None
+
     # ------------------------------------------------------------------ calls
     def _gather(self, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
         """Every rank's result, waiting at most ``deadline_s`` (module docstring)."""
@@ -484,6 +678,7 @@ class ProcessGroup:
                 results[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
                 pid = self.pids[rank] if rank < len(self.pids) else "?"
+                self._check_cluster(what)
                 self.shutdown(f"rank {rank} died")
                 raise WorkerDied(
                     f"worker group {self.name!r} rank {rank} (pid {pid}) died during {what}: "
@@ -496,6 +691,7 @@ class ProcessGroup:
                     failure = (rank, e.cause if isinstance(e.cause, BaseException) else e)
                     end = min(end, time.monotonic() + self.config.sync_deadline_s)
             except ray.exceptions.RayError as e:  # e.g. OutOfMemoryError: Ray's memory monitor killed the process
+                self._check_cluster(what)
                 self.shutdown(f"rank {rank} lost")
                 raise WorkerDied(
                     f"worker group {self.name!r} rank {rank} was lost during {what}: {type(e).__name__}: "
@@ -509,10 +705,24 @@ class ProcessGroup:
             raise error
         return results
 
+    def _check_cluster(self, what: str) -> None:
+        """Raises `ClusterLost` when the cluster itself is gone (a worker's death is then its
+        symptom); the group's handles are dropped, not killed (there is nobody to ask)."""
+        gcs = _ray().get_runtime_context().gcs_address
+        if not _goes_away(gcs, LOST_GRACE_S):
+            return
+        self.dead, self.actors, self._pgs, self._slice = "the Ray cluster is gone", [], [], None
+        raise ClusterLost(
+            f"the Ray cluster at {gcs} is gone (noticed during {what} of worker group {self.name!r}): whoever "
+            "started it stopped it, or its head node died; run again (with jaxflow.ray.address and RAY_ADDRESS "
+            "empty, the run starts a Ray instance of its own)"
+        )
+
     def _check_alive(self) -> None:
         if self.dead is not None:
             raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
 
+    @_cluster_loss_said
     def build(
         self, role: str, worker_cls: Any, kwargs: dict[str, Any], blocks: Sequence[Any] | None = None
     ) -> RowSplit | None:
@@ -531,6 +741,7 @@ class ProcessGroup:
         )
         return built[0]["rows"]
 
+    @_cluster_loss_said
     def ship_params(self, role: str, kwargs: dict[str, Any], params: Any) -> tuple[ShippedParams, list[Any]]:
         """``params`` (the driver's arrays) as a `ShippedParams` and, per rank, one object-store
         reference to the blocks that rank's devices hold in ``role``'s layout: no rank
@@ -545,6 +756,7 @@ class ProcessGroup:
         )
         return ShippedParams(None, abstract), [ray.put(cut_blocks(params, k)) for k in keys]
 
+    @_cluster_loss_said
     def call(
         self, role: str, method: str, protocol: Protocol, args: tuple, kwargs: dict, rows: RowSplit | None = None
     ) -> Any:
@@ -583,6 +795,7 @@ class ProcessGroup:
         self._seen.add(key)
         return assemble(outputs)
 
+    @_cluster_loss_said
     def io_stats(self) -> list[dict[str, int]]:
         """Each rank's `HostProcess.io_stats` (measured transfer counters)."""
         self._check_alive()
@@ -641,20 +854,47 @@ class RayWorkerGroup(WorkerGroup):
 
 
 class RayBackend:
-    """Joins (or starts) Ray and starts worker groups; a context manager that stops them."""
+    """Joins or starts Ray (`choose_cluster`) and starts worker groups; a context manager that
+    stops them, and the Ray instance it started (`close`). ``cluster`` says in one line which
+    cluster the run uses and why."""
 
     def __init__(self, config: RayConfig = RayConfig()):
         self.config = config
         self.groups: dict[str, ProcessGroup] = {}
+        self.owns_cluster = False
         ray = _ray()
-        if not ray.is_initialized():
-            if config.address:
-                ray.init(address=config.address, include_dashboard=False, log_to_driver=True)
-            else:
-                try:
-                    ray.init(address="auto", include_dashboard=False)
-                except (ConnectionError, RuntimeError, ValueError):
-                    ray.init(num_cpus=max(os.cpu_count() or 1, config.local_num_cpus or 0), include_dashboard=False)
+        if ray.is_initialized():
+            self.cluster = (
+                f"ray: using the Ray instance this process had joined ({ray.get_runtime_context().gcs_address})"
+            )
+            return
+        choice, cpus = choose_cluster(config.address), {}
+        _ray_logs_to_python_logging()
+        with _handlers_kept(signal.SIGINT, signal.SIGTERM), warnings.catch_warnings():
+            # Ray starts its GCS and raylet with fork + exec, which CPython's check for a fork
+            # in a threaded process reports; nothing runs between the two.
+            warnings.filterwarnings("ignore", message=r"os\.fork\(\) was called", category=RuntimeWarning)
+            if choice.private:
+                cpus = {"num_cpus": max(os.cpu_count() or 1, config.local_num_cpus or 0)}
+            try:
+                ray.init(address=choice.init_address, include_dashboard=False, configure_logging=False, **cpus)
+            except (ConnectionError, ray.exceptions.AuthenticationError) as e:
+                ray.shutdown()
+                where = choice.init_address or os.environ.get("RAY_ADDRESS") or "the address `ray start` recorded"
+                raise ClusterError(
+                    f"cannot join the Ray cluster at {where} ({choice.reason}): {' '.join(str(e).split())[:300]}; "
+                    "if it uses token authentication (Ray's default for the clusters it starts), set "
+                    "RAY_AUTH_MODE=token"
+                ) from e
+            except BaseException:  # e.g. Ctrl-C while Ray starts: what it started so far stops
+                ray.shutdown()
+                raise
+            self.owns_cluster = choice.private
+        _worker_output_to_log()
+        gcs = ray.get_runtime_context().gcs_address
+        verb = "started a private Ray instance" if self.owns_cluster else "joined the Ray cluster"
+        self.cluster = f"ray: {verb} at {gcs}: {choice.reason}"
+        log.info("%s", self.cluster)
 
     def devices(self, num_devices: int) -> tuple[HostSlot, ...]:
         """``num_devices`` `HostSlot`s, ``devices_per_host`` per host (a Placement's devices)."""
@@ -712,13 +952,23 @@ class RayBackend:
         return workers_from_groups(groups, rule_reward=rule, reward_weights=reward_weights)
 
     def shutdown(self) -> None:
-        """Stops every group this backend started."""
+        """Stops every group this backend started (the cluster stays: a restart starts new ones)."""
         for group in self.groups.values():
             group.shutdown()
         self.groups.clear()
+
+    def close(self) -> None:
+        """`shutdown`, then stops the private Ray instance this backend started, all of its
+        processes (GCS, raylet, dashboard agent, log monitor, workers); a joined cluster stays."""
+        try:
+            self.shutdown()
+        finally:
+            if self.owns_cluster:
+                self.owns_cluster = False
+                _ray().shutdown()
 
     def __enter__(self) -> RayBackend:
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.shutdown()
+        self.close()

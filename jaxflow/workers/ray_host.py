@@ -22,6 +22,9 @@ life:
    rows)`` is the same for a data-parallel method whose batch tensors arrive by process: this
    process's rows become global arrays (`jaxflow.workers.host_transfer.rows_to_global`).
 
+A thread of each process watches its parent (the raylet that started it) and ends the
+process when that dies, so a process whose Ray instance is gone never lingers.
+
 Nothing here imports Ray: the class is turned into an actor by the driver.
 """
 
@@ -29,10 +32,22 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from typing import Any
 
 ROLE_FROM_PLACEMENT = "placement"
+PARENT_POLL_S = 0.5
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """Ends this process once ``parent_pid`` (the raylet that started it) is no longer its
+    parent: the Ray instance is gone (e.g. its driver was killed), and nobody is left to stop
+    this process, which may be inside a collective or a compiled loop for minutes."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            os._exit(1)
 
 
 class HostProcess:
@@ -51,6 +66,7 @@ class HostProcess:
         self.devices_per_process, self.platform = devices_per_process, platform
         self.roles: dict[str, Any] = {}
         self.infos: dict[str, Any] = {}
+        threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
         # Measured: tensor bytes received by data-parallel calls (their rows), and parameter
         # bytes received from the driver (`ShippedParams` blocks).
         self.io = {"row_bytes": 0, "param_bytes": 0}
