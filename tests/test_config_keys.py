@@ -143,6 +143,9 @@ SPLIT = [
 GDPO = ["algorithm.adv_estimator=gdpo", f"{R}.n=2", "algorithm.gdpo_reward_keys=[fmt]"]
 RC = "algorithm.rollout_correction"
 BYPASS = [f"{RC}.bypass_mode=True"]
+FG, OB = "algorithm.filter_groups", "reward_model.overlong_buffer"
+FILTER = [f"{FG}.enable=True", f"{FG}.metric=acc"]
+OVERLONG = [f"{OB}.enable=True", f"{OB}.len=2"]
 FILES = "@files"  # replaced by the test's data files (train with a long prompt, val)
 
 
@@ -304,6 +307,10 @@ CHECKS = {
     "reward_model.model.use_remove_padding": (True, [], spec("reward.use_remove_padding")),
     "reward_model.micro_batch_size_per_device": (8, [], spec("reward.micro_batch_size_per_device")),
     "custom_reward_function.path": ("@reward", [], spec("reward.custom_function_path")),
+    f"{OB}.enable": (True, [f"{OB}.len=2"], spec("reward.overlong")),
+    f"{OB}.len": (3, OVERLONG, spec("reward.overlong.length")),
+    f"{OB}.penalty_factor": (0.5, OVERLONG, spec("reward.overlong.penalty_factor")),
+    f"{OB}.log": (True, OVERLONG, spec("reward.overlong.log")),
     "custom_reward_function.name": (
         "score_it",
         ["custom_reward_function.path=@reward"],
@@ -319,6 +326,9 @@ CHECKS = {
         spec("algorithm.algorithm.gdpo_reward_weights"),
     ),
     "algorithm.lam": (0.95, [], spec("algorithm.algorithm.lam")),
+    f"{FG}.enable": (True, [f"{FG}.metric=acc"], spec("algorithm.algorithm.filter_groups.enable")),
+    f"{FG}.metric": ("seq_reward", FILTER, spec("algorithm.algorithm.filter_groups.metric")),
+    f"{FG}.max_num_gen_batches": (5, FILTER, spec("algorithm.algorithm.filter_groups.max_num_gen_batches")),
     "algorithm.norm_adv_by_std_in_grpo": (
         False,
         ["algorithm.adv_estimator=grpo", f"{R}.n=2"],

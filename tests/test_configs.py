@@ -35,6 +35,7 @@ def test_named_configs_are_the_requested_set():
     assert set(configs.NAMED) == {
         "ppo_tiny",
         "grpo_tiny",
+        "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",
         "reinforce_pp_tiny",
@@ -54,8 +55,8 @@ def test_named_configs_are_the_requested_set():
 def test_tiny_configs_are_cpu_sized(name):
     cfg = get_config(name)
     assert cfg.jaxflow.num_devices == 8 and cfg.jaxflow.placement.type == "auto"
-    # the default run (grpo_tiny) learns digit reversal, scored on held-out strings
-    assert cfg.jaxflow.data.builtin_task == ("reverse_digits" if name == "grpo_tiny" else "addition")
+    # the default run (grpo_tiny, and DAPO on it) learns digit reversal, scored on held-out strings
+    assert cfg.jaxflow.data.builtin_task == ("reverse_digits" if name in ("grpo_tiny", "dapo_tiny") else "addition")
     assert not cfg.data.train_files
     model = configs.model_config(cfg, "actor")
     assert 64 <= model.hidden_size <= 128 and 2 <= model.num_layers <= 4
@@ -74,6 +75,7 @@ def test_tiny_configs_select_their_algorithms():
     assert est == {
         "ppo_tiny": "gae",
         "grpo_tiny": "grpo",
+        "dapo_tiny": "grpo",
         "remax_tiny": "remax",
         "rloo_tiny": "rloo",
         "reinforce_pp_tiny": "reinforce_plus_plus",
@@ -86,6 +88,10 @@ def test_tiny_configs_select_their_algorithms():
     assert safe.jaxflow.safe_rlhf.enable and safe.jaxflow.safe_rlhf.cost_rule in ("forbidden_chars", "length")
     sft = get_config("sft_tiny")
     assert sft.jaxflow.job == "sft" and configs.active_roles(sft) == ("actor",)
+    dapo = get_config("dapo_tiny")  # DAPO: clip-higher, token-mean, dynamic sampling, overlong shaping
+    actor = dapo.actor_rollout_ref.actor
+    assert actor.clip_ratio_high > actor.clip_ratio_low and actor.loss_agg_mode == "token-mean"
+    assert dapo.algorithm.filter_groups.enable and dapo.reward_model.overlong_buffer.enable
 
 
 @pytest.mark.parametrize("name", list(PAPER))
@@ -266,6 +272,10 @@ MALFORMED = [
         "reward_model.model.path",
         "unknown preset 'llama9'",
     ),
+    # DAPO
+    ("dapo_tiny", ["algorithm.filter_groups.metric=None"], "algorithm.filter_groups.metric", "must be set"),
+    ("dapo_tiny", ["reward_model.overlong_buffer.len=0"], "reward_model.overlong_buffer.len", "must be in [1, "),
+    ("dapo_tiny", ["reward_model.overlong_buffer.len=9"], "reward_model.overlong_buffer.len", "max_response_length=8"),
     # verl 0.9.1's estimators and losses
     ("grpo_tiny", ["algorithm.adv_estimator=gdpo"], "algorithm.gdpo_reward_keys", "gdpo needs the reward dimensions"),
     (

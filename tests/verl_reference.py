@@ -403,3 +403,46 @@ def ref_tir_otb(r, m, index, old_lp, sum_pi_squared, is_weights=None, handle_zer
     for i, n in enumerate(lengths):
         adv[i, m[i] != 0] = (g_k[i] - baselines[i])[:n]
     return adv * m, returns
+
+
+# --------------------------------------------------------------------------- DAPO (verl-recipe dapo/)
+
+
+def ref_dapo_reward(score, valid_response_length, max_resp_len, buffer_len, penalty_factor):
+    """verl's DAPORewardManager for one sample: the score plus the overlong reward."""
+    expected_len = max_resp_len - buffer_len
+    exceed_len = valid_response_length - expected_len
+    overlong_reward = min(-exceed_len / buffer_len * penalty_factor, 0)
+    return score + overlong_reward, overlong_reward
+
+
+def ref_kept_traj_idxs(uids, metric_vals):
+    """verl's RayDAPOTrainer.fit: the trajectories of the prompt groups whose metric's std is
+    positive or that hold one trajectory, and how many prompts that is."""
+    prompt_uid2metric_vals = defaultdict(list)
+    for uid, metric_val in zip(uids, metric_vals, strict=True):
+        prompt_uid2metric_vals[uid].append(metric_val)
+    prompt_uid2metric_std = {uid: np.std(vals) for uid, vals in prompt_uid2metric_vals.items()}
+    kept_prompt_uids = [
+        uid for uid, std in prompt_uid2metric_std.items() if std > 0 or len(prompt_uid2metric_vals[uid]) == 1
+    ]
+    kept_traj_idxs = [idx for idx, uid in enumerate(uids) if uid in kept_prompt_uids]
+    return kept_traj_idxs, len(kept_prompt_uids)
+
+
+def ref_dynamic_sampling(gen_batches, train_batch_size, n, max_num_gen_batches):
+    """verl's loop over generation batches ``[(uids, metric_vals), ...]``: the kept
+    trajectories as ``(generation batch, index)`` pairs, the generation batches used; a
+    ValueError when they run out of budget (or a RuntimeError when the given ones run out)."""
+    batch, num_prompt_in_batch, num_gen_batches = [], 0, 0
+    for g, (uids, vals) in enumerate(gen_batches):
+        num_gen_batches += 1
+        kept, num_prompts = ref_kept_traj_idxs(uids, vals)
+        num_prompt_in_batch += num_prompts
+        batch += [(g, i) for i in kept]
+        if num_prompt_in_batch < train_batch_size:
+            if max_num_gen_batches <= 0 or num_gen_batches < max_num_gen_batches:
+                continue
+            raise ValueError(f"{num_gen_batches=} >= {max_num_gen_batches=}. Generated too many.")
+        return batch[: train_batch_size * n], num_gen_batches
+    raise RuntimeError("the test gave too few generation batches")

@@ -84,6 +84,7 @@ from jaxflow.algos.safe_rlhf import (
 from jaxflow.algos.settings import (
     AlgorithmConfig,
     AlgorithmSettings,
+    FilterGroupsConfig,
     KLControlConfig,
     RolloutCorrectionConfig,
     SafeRLHFConfig,
@@ -106,6 +107,7 @@ __all__ = [
     "AlgorithmConfig",
     "AlgorithmSettings",
     "COMMON_POLICY_LOSS_KEYWORDS",
+    "FilterGroupsConfig",
     "FixedKLController",
     "KLControlConfig",
     "KL_ESTIMATOR_REGISTRY",

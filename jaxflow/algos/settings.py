@@ -53,6 +53,25 @@ class RolloutCorrectionConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class FilterGroupsConfig:
+    """verl's ``algorithm.filter_groups``: DAPO's dynamic sampling (`jaxflow.iterations.dynamic_sampling`).
+
+    Attributes:
+      enable: keep only the prompt groups whose ``metric`` varies across their samples,
+        generating more prompt batches until the training batch is full.
+      metric: ``seq_reward`` (sum of ``token_level_scores``), ``seq_final_reward`` (sum of
+        ``token_level_rewards``, after the in-reward KL penalty) or a named value of the
+        reward (``acc``, or a key of the reward function's dict).
+      max_num_gen_batches: the most generation batches per step (> 0); more is an error, as
+        verl's; <= 0: no limit.
+    """
+
+    enable: bool = False
+    metric: str | None = None
+    max_num_gen_batches: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """verl's ``algorithm`` section.
 
@@ -66,6 +85,7 @@ class AlgorithmConfig:
       gdpo_reward_keys, gdpo_reward_weights: ``gdpo``'s reward dimensions (keys of the reward
         function's dict) and their weights (None: all 1).
       rollout_correction: the rollout-correction settings (bypass mode, IS weights, rejection).
+      filter_groups: DAPO's dynamic sampling.
     """
 
     adv_estimator: str = "gae"
@@ -78,6 +98,7 @@ class AlgorithmConfig:
     gdpo_reward_keys: tuple[str, ...] = ()
     gdpo_reward_weights: tuple[float, ...] | None = None
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    filter_groups: FilterGroupsConfig = FilterGroupsConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ NAMED: dict[str, str] = {
     for name in (
         "ppo_tiny",
         "grpo_tiny",
+        "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",
         "reinforce_pp_tiny",

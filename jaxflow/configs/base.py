@@ -309,6 +309,20 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             _opt(str),
             "Python file with a user reward function; None = built-in scorers by data_source.",
         ),
+        (
+            "reward_model.overlong_buffer.enable",
+            False,
+            "DAPO's overlong reward shaping: the rule reward of a response longer than data.max_response_length - len "
+            "tokens falls linearly, to -penalty_factor at data.max_response_length.",
+        ),
+        ("reward_model.overlong_buffer.len", 0, "Overlong shaping: the buffer's tokens (> 0 when enabled)."),
+        ("reward_model.overlong_buffer.penalty_factor", 0.0, "Overlong shaping: the penalty at the response limit."),
+        (
+            "reward_model.overlong_buffer.log",
+            False,
+            "Overlong shaping: also report overlong_reward and overlong (1 when penalised) per response, as the "
+            "reward's named values (reward_extra/*).",
+        ),
         ("custom_reward_function.name", "compute_score", "Function name in that file."),
         # --- algorithm (verl) --------------------------------------------------------------------
         (
@@ -377,6 +391,23 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "algorithm.rollout_correction.rollout_rs_threshold",
             _opt(str),
             "Their thresholds: one for all or one per criterion (comma-separated); *_k1 take 'lower_upper' ratio bounds.",
+        ),
+        (
+            "algorithm.filter_groups.enable",
+            False,
+            "DAPO's dynamic sampling: train only on prompt groups whose filter_groups.metric varies across their "
+            "samples, generating more prompt batches of data.train_batch_size until the batch is full.",
+        ),
+        (
+            "algorithm.filter_groups.metric",
+            _opt(str),
+            "filter_groups: seq_reward (summed token_level_scores) | seq_final_reward (summed token_level_rewards, after "
+            "the in-reward KL) | acc (the reward function's score before shaping) | a key of the reward function's dict.",
+        ),
+        (
+            "algorithm.filter_groups.max_num_gen_batches",
+            0,
+            "filter_groups: the most generation batches per step; more is an error (as verl); <= 0 = no limit.",
         ),
         # --- trainer (verl) ----------------------------------------------------------------------
         ("trainer.total_epochs", 1, "Passes over the training prompts (when total_training_steps is None)."),

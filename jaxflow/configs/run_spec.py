@@ -28,6 +28,7 @@ from ml_collections import ConfigDict
 from jaxflow.algos.settings import (
     AlgorithmConfig,
     AlgorithmSettings,
+    FilterGroupsConfig,
     KLControlConfig,
     RolloutCorrectionConfig,
     SafeRLHFConfig,
@@ -46,6 +47,7 @@ from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.mesh import Placement, Role
 from jaxflow.models import ModelConfig
+from jaxflow.rewards import OverlongBuffer
 from jaxflow.sampling import SamplingParams
 from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RoleSettings, RolloutConfig
 
@@ -81,7 +83,8 @@ class ModelSpec:
 class RewardSpec:
     """The reward: an optional reward model (its forward micro-batch, packed or padded; the
     cost model shares them), and the rule scorer: the custom function and its time limits per
-    sample, per batch and for loading, and the failure fraction that stops the run."""
+    sample, per batch and for loading, the failure fraction that stops the run, and DAPO's
+    overlong reward shaping (``reward_model.overlong_buffer``; None: off)."""
 
     model: bool
     micro_batch_size_per_device: int | None
@@ -92,6 +95,7 @@ class RewardSpec:
     load_timeout_s: float
     max_failure_fraction: float
     use_remove_padding: bool = False
+    overlong: OverlongBuffer | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -428,6 +432,11 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
             gdpo_reward_keys=tuple(a.gdpo_reward_keys),
             gdpo_reward_weights=None if a.gdpo_reward_weights is None else tuple(a.gdpo_reward_weights),
             rollout_correction=rollout_correction(cfg),
+            filter_groups=FilterGroupsConfig(
+                enable=a.filter_groups.enable,
+                metric=a.filter_groups.metric,
+                max_num_gen_batches=a.filter_groups.max_num_gen_batches,
+            ),
         ),
         safe_rlhf=SafeRLHFConfig(
             enable=s.enable,
@@ -456,7 +465,16 @@ def reward_spec(cfg: ConfigDict) -> RewardSpec:
         load_timeout_s=r.load_timeout_s,
         max_failure_fraction=r.max_failure_fraction,
         use_remove_padding=cfg.reward_model.model.use_remove_padding,
+        overlong=overlong_buffer(cfg),
     )
+
+
+def overlong_buffer(cfg: ConfigDict) -> OverlongBuffer | None:
+    """``reward_model.overlong_buffer`` over ``data.max_response_length`` (None: disabled)."""
+    ob = cfg.reward_model.overlong_buffer
+    if not ob.enable:
+        return None
+    return OverlongBuffer(ob.len, ob.penalty_factor, cfg.data.max_response_length, ob.log)
 
 
 def data_spec(cfg: ConfigDict) -> DataSpec:

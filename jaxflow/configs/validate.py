@@ -408,6 +408,7 @@ def _check_algorithm(c: _Checker) -> None:
         )
     _check_policy_loss_options(c)
     _check_rollout_correction(c)
+    _check_dapo(c)
     s = cfg.jaxflow.safe_rlhf
     if s.enable:
         c.positive("jaxflow.safe_rlhf.lambda_lr")
@@ -427,6 +428,26 @@ def _check_algorithm(c: _Checker) -> None:
                 "jaxflow.safe_rlhf.forbidden_chars",
                 "the forbidden_chars cost rule needs at least one character",
             )
+
+
+def _check_dapo(c: _Checker) -> None:
+    """``algorithm.filter_groups`` and ``reward_model.overlong_buffer`` (whether the algorithm
+    samples more prompt batches: `jaxflow.plan.lowering.run_algorithm`)."""
+    fg, ob = c.cfg.algorithm.filter_groups, c.cfg.reward_model.overlong_buffer
+    if fg.enable:
+        c.check(
+            bool(fg.metric),
+            "algorithm.filter_groups.metric",
+            "must be set when filter_groups is enabled: seq_reward, seq_final_reward, acc, or a key of the reward "
+            "function's dict",
+        )
+    if ob.enable:
+        limit = c.cfg.data.max_response_length
+        c.check(
+            0 < ob.len <= limit,
+            "reward_model.overlong_buffer.len",
+            f"must be in [1, data.max_response_length={limit}] when the overlong penalty is enabled, got {ob.len}",
+        )
 
 
 def _check_gdpo(c: _Checker) -> None:

@@ -18,12 +18,13 @@ reference (needed for the in-reward KL penalty or the actor's KL loss). Everythi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from jaxflow.algos.kl import get_kl_controller
 from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings
 from jaxflow.data.batch import Batch
-from jaxflow.iterations import steps
+from jaxflow.iterations import dynamic_sampling, steps
 from jaxflow.iterations.batch_ops import compute_data_metrics, estimator_reads
 from jaxflow.iterations.registry import GENERAL, estimator_algorithm, register_algorithm
 from jaxflow.iterations.state import KLState
@@ -41,6 +42,7 @@ def ppo_iteration(
     *,
     step: int | None = None,
     update_actor: bool = True,
+    next_prompts: Callable[[], Batch] | None = None,
 ) -> dict[str, float]:
     """One rollout + update over the worker groups ``w`` (`jaxflow.workers.Workers`).
 
@@ -50,7 +52,10 @@ def ppo_iteration(
     run repeats the uninterrupted one; None: the workers count calls). ``update_actor``:
     False during verl's ``trainer.critic_warmup`` steps. ``kl_ctrl``: the in-reward KL
     controller, kept by the caller across iterations (default: a new one from
-    ``settings.algorithm.kl_ctrl``, i.e. no adaptation carried over). Returns the
+    ``settings.algorithm.kl_ctrl``, i.e. no adaptation carried over). ``next_prompts``:
+    the next prompt batch, for DAPO's dynamic sampling (``settings.algorithm.filter_groups``,
+    `jaxflow.iterations.dynamic_sampling`: generation batches until the training batch holds
+    ``len(prompts)`` groups with signal). Returns the
     iteration's metrics, with each step's wall-clock seconds (``timing_s/*``,
     `jaxflow.iterations.steps`). The registered algorithms ``ppo``, ``grpo``, ``rloo`` and
     ``reinforce_pp`` are this function with a `KLState`.
@@ -59,16 +64,24 @@ def ppo_iteration(
     if algo.use_kl_in_reward and kl_ctrl is None:
         kl_ctrl = get_kl_controller(algo.kl_ctrl)
     timer = steps.StepTimer()
-    # gen, old_log_prob (only when the advantages need it: the update gets it itself), ref, values, reward
-    batch, metrics = steps.rollout(
-        w,
-        prompts,
-        timer,
-        step=step,
-        old_log_probs=needs_old_log_probs(algo),
-        bypass_mode=algo.rollout_correction.bypass_mode,
-    )
-    batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)
+    if algo.filter_groups.enable:
+        if next_prompts is None:
+            raise ValueError("algorithm.filter_groups needs next_prompts (the next prompt batch)")
+        batch, metrics = dynamic_sampling.sample_groups(
+            w, prompts, next_prompts, settings, kl_ctrl, timer, step=step, old_log_probs=needs_old_log_probs(algo)
+        )
+        kl = {}
+    else:
+        # gen, old_log_prob (only when the advantages need it: the update gets it itself), ref, values, reward
+        batch, metrics = steps.rollout(
+            w,
+            prompts,
+            timer,
+            step=step,
+            old_log_probs=needs_old_log_probs(algo),
+            bypass_mode=algo.rollout_correction.bypass_mode,
+        )
+        batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     metrics |= kl | steps.update(w, batch, timer, step=step, update_actor=update_actor)
     return metrics | compute_data_metrics(batch) | timer.metrics()
@@ -104,7 +117,9 @@ def _shared(
 
 def _family(**options: Any):
     """`register_algorithm` for an algorithm running `ppo_iteration`."""
-    return register_algorithm(scores_old_log_probs=_scores_old_log_probs, state=KLState, **options)
+    return register_algorithm(
+        scores_old_log_probs=_scores_old_log_probs, state=KLState, dynamic_sampling=True, **options
+    )
 
 
 @_family(name="ppo", estimators=("gae",))

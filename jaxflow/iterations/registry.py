@@ -90,6 +90,9 @@ class Algorithm:
         ``("greedy",)``, one response per prompt); the dry run compiles them as
         ``actor/generate_<mode>``, the auto-mapper schedules them.
       state: the `AlgoState` subclass it carries across iterations.
+      dynamic_sampling: its iteration takes ``next_prompts`` (``() -> Batch``, the next prompt
+        batch) and with ``algorithm.filter_groups`` samples from more prompt batches until
+        the training batch is full (DAPO's dynamic sampling); the trainer passes it then.
     """
 
     name: str
@@ -100,6 +103,7 @@ class Algorithm:
     scores_old_log_probs: SettingsFlag = functools.partial(_always, True)
     extra_rollouts: tuple[str, ...] = ()
     state: type[AlgoState] = AlgoState
+    dynamic_sampling: bool = False
 
     def __call__(self, w: Any, prompts: Any, settings: AlgorithmSettings, state: AlgoState, **kwargs: Any):
         return self.iteration(w, prompts, settings, state, **kwargs)
@@ -122,6 +126,7 @@ def register_algorithm(
     scores_old_log_probs: bool | SettingsFlag = True,
     extra_rollouts: Sequence[str] = (),
     state: type[AlgoState] = AlgoState,
+    dynamic_sampling: bool = False,
     override: bool = False,
 ) -> Callable[[Iteration], Algorithm]:
     """Decorator registering an iteration as the `Algorithm` ``name`` (see its attributes;
@@ -138,6 +143,7 @@ def register_algorithm(
             _flag(scores_old_log_probs),
             tuple(extra_rollouts),
             state,
+            dynamic_sampling,
         )
         claimed = {e: a for a in _records() if a.name != name for e in a.estimators}
         taken = sorted(e for e in record.estimators if e in claimed)

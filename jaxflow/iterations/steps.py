@@ -4,6 +4,7 @@ An iteration of any algorithm in :mod:`jaxflow.iterations` reads::
 
     timer = StepTimer()
     batch, metrics = rollout(w, prompts, timer, step=step)   # gen, old_log_prob, ref, values, reward
+    #   (generate, log_probs, values, reward: DAPO's dynamic sampling runs them in its own order)
     batch, kl = kl_in_reward(batch, settings.algorithm, kl_ctrl)
     batch = advantages(batch, settings.algorithm, timer)  # adv
     metrics |= kl | update(w, batch, timer, step=step, update_actor=update_actor)
@@ -71,6 +72,57 @@ def gen_parts(w: Workers) -> dict[str, float]:
     return {k: max(r[k] for r in ranks) for k in ranks[0]} if ranks and ranks[0] else {}
 
 
+def generate(w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, prompt_offset: int = 0) -> Batch:
+    """``responses`` of the prompts (``gen``; its parts ``gen_reshard``, ``gen_engine``,
+    ``gen_post``: `gen_parts`, adding up over the step's generation batches). ``step`` and
+    ``prompt_offset`` seed the rollout (`jaxflow.workers.ActorWorker.generate`)."""
+    with timer("gen"):
+        batch = ready(w.actor.generate(prompts, step=step, prompt_offset=prompt_offset))
+    for part, seconds in gen_parts(w).items():  # the slowest rank's, so the gap between them and gen is visible
+        timer.seconds[f"gen_{part}"] = timer.seconds.get(f"gen_{part}", 0.0) + seconds
+    return batch
+
+
+def log_probs(
+    w: Workers,
+    batch: Batch,
+    timer: StepTimer,
+    *,
+    old_log_probs: bool = True,
+    bypass_mode: bool = False,
+) -> Batch:
+    """The log-probs of the responses: ``old_log_probs`` (``old_log_prob``; skipped when
+    ``old_log_probs`` is False: the actor's update then takes them from its own forward when
+    on-policy, or computes them itself; with ``bypass_mode`` they are the rollout's
+    ``rollout_log_probs``, verl's bypass mode) and ``ref_log_prob`` when ``w.ref`` (``ref``)."""
+    with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
+        if bypass_mode:
+            batch = batch.update(tensors={"old_log_probs": batch["rollout_log_probs"]})
+        elif old_log_probs:
+            batch |= ready(w.actor.log_probs(batch))
+    if w.ref is not None:
+        with timer("ref"):
+            batch |= ready(w.ref.log_probs(batch))
+    return batch
+
+
+def values(w: Workers, batch: Batch, timer: StepTimer) -> Batch:
+    """The critic's ``values`` when ``w.critic`` (``values``)."""
+    if w.critic is not None:
+        with timer("values"):
+            batch |= ready(w.critic.values(batch))
+    return batch
+
+
+def reward(w: Workers, batch: Batch, timer: StepTimer) -> tuple[Batch, dict[str, float]]:
+    """``token_level_scores`` (``reward``) and the rule scorer's ``reward/*`` metrics."""
+    if w.reward is None:
+        raise ValueError("the iteration needs a reward (w.reward: a reward model and/or a rule scorer)")
+    with timer("reward"):
+        scores, reward_metrics = score_batch(w.reward, batch)
+        return batch | ready(scores), reward_metrics
+
+
 def rollout(
     w: Workers,
     prompts: Batch,
@@ -80,37 +132,13 @@ def rollout(
     old_log_probs: bool = True,
     bypass_mode: bool = False,
 ) -> tuple[Batch, dict[str, float]]:
-    """Generation and everything scored on it: ``responses`` (``gen``; its parts
-    ``gen_reshard``, ``gen_engine``, ``gen_post``: `gen_parts`), ``old_log_probs``
-    (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
-    takes them from its own forward when on-policy, or computes them itself; with
-    ``bypass_mode`` they are the rollout's ``rollout_log_probs``, verl's bypass mode),
-    ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when ``w.critic`` (``values``),
-    ``token_level_scores`` (``reward``). ``step`` seeds the rollout (the actor's training
-    sampling parameters). No reordering for data-parallel balance here: every packed pass
-    deals its rows to its own mesh's data-parallel ranks balanced by tokens
-    (`jaxflow.workers.packing`). Returns the batch and the rule scorer's ``reward/*`` metrics."""
-    with timer("gen"):
-        batch = ready(w.actor.generate(prompts, step=step))
-    for part, seconds in gen_parts(w).items():  # the slowest rank's, so the gap between them and gen is visible
-        timer.seconds[f"gen_{part}"] = seconds
-    with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
-        if bypass_mode:
-            batch = batch.update(tensors={"old_log_probs": batch["rollout_log_probs"]})
-        elif old_log_probs:
-            batch |= ready(w.actor.log_probs(batch))
-    if w.ref is not None:
-        with timer("ref"):
-            batch |= ready(w.ref.log_probs(batch))
-    if w.critic is not None:
-        with timer("values"):
-            batch |= ready(w.critic.values(batch))
-    if w.reward is None:
-        raise ValueError("the iteration needs a reward (w.reward: a reward model and/or a rule scorer)")
-    with timer("reward"):
-        scores, reward_metrics = score_batch(w.reward, batch)
-        batch |= ready(scores)
-    return batch, reward_metrics
+    """Generation and everything scored on it: `generate`, `log_probs`, `values`, `reward`. No
+    reordering for data-parallel balance here: every packed pass deals its rows to its own
+    mesh's data-parallel ranks balanced by tokens (`jaxflow.workers.packing`). Returns the
+    batch and the rule scorer's ``reward/*`` metrics."""
+    batch = generate(w, prompts, timer, step=step)
+    batch = log_probs(w, batch, timer, old_log_probs=old_log_probs, bypass_mode=bypass_mode)
+    return reward(w, values(w, batch, timer), timer)
 
 
 def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:

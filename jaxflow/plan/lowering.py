@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.configs import ConfigError
 from jaxflow.configs.run_spec import RunSpec
-from jaxflow.iterations import Algorithm, algorithm_for, rollout_scores_old_log_probs
+from jaxflow.iterations import Algorithm, algorithm_for, algorithm_names, get_algorithm, rollout_scores_old_log_probs
 from jaxflow.mesh import Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
@@ -244,12 +244,19 @@ def train_micro_batches(spec: RunSpec, role: str, rules: Rules, mesh: Mesh) -> t
 def run_algorithm(spec: RunSpec) -> Algorithm:
     """The run's algorithm (`jaxflow.iterations.algorithm_for`: the record the run, the dry run
     and the auto-mapper read), checked against the run's roles (`Algorithm.check_roles`; a
-    `ConfigError` naming ``critic.enable``)."""
+    `ConfigError` naming ``critic.enable``) and against DAPO's dynamic sampling (an algorithm
+    that samples more prompt batches: `Algorithm.dynamic_sampling`)."""
     algorithm = algorithm_for(spec.algorithm)
     try:
         algorithm.check_roles(spec.algorithm, spec.roles)
     except ValueError as e:
         raise ConfigError("critic.enable", str(e)) from None
+    if spec.algorithm.algorithm.filter_groups.enable and not algorithm.dynamic_sampling:
+        raise ConfigError(
+            "algorithm.filter_groups.enable",
+            f"algorithm {algorithm.name!r} does not sample more prompt batches; dynamic sampling runs with "
+            f"{', '.join(n for n in algorithm_names() if get_algorithm(n).dynamic_sampling)}",
+        )
     return algorithm
 
 

@@ -7,6 +7,7 @@
   is counted, but a function that fails on every sample of a batch (or on too many) raises
   :class:`RewardFunctionError`. :func:`token_level_scores` puts scores on the last response token;
   :func:`extra_columns` makes the other named values a function returns batch columns.
+- :class:`OverlongBuffer` (:mod:`~jaxflow.rewards.shaping`): DAPO's overlong reward shaping.
 """
 
 from jaxflow.rewards import gsm8k, math  # noqa: F401  (registers their data sources)
@@ -28,9 +29,11 @@ from jaxflow.rewards.scorer import (
     normalize_reward,
     token_level_scores,
 )
+from jaxflow.rewards.shaping import OverlongBuffer
 
 __all__ = [
     "EXTRA_COLUMN_PREFIX",
+    "OverlongBuffer",
     "RewardFunctionError",
     "RewardResult",
     "RewardScorer",

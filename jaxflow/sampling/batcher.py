@@ -2,10 +2,12 @@
 decode slots with chunked prefill and prompt pages shared by the n samples, all inside one
 compiled program (no host round trip, no recompilation as sequences come and go).
 
-Rows. Row r is sample ``r % n`` of prompt ``r // n`` (verl's interleaved repeat). A row's
-randomness is ``fold_in(fold_in(key, global row id), token index)``, so what a row samples does
-not depend on its slot, on when it was admitted or had to wait, on the other rows, on the
-size of the page pool, or on the mesh.
+Rows. Row r is sample ``j = r % n`` of prompt ``b = r // n`` (verl's interleaved repeat). A
+row's randomness is ``fold_in(fold_in(fold_in(key, prompt id), j), token index)`` (`row_keys`),
+the prompt id being the caller's (``prompt_index_B``: e.g. the prompt's place in the training
+step's stream of prompts), so what a row samples does not depend on its slot, on when it was
+admitted or had to wait, on the other rows, on the replica it runs on, on the size of the page
+pool, or on the mesh.
 
 Pages (see `paged`). Page 0 is the trash page; every other page starts on a free stack.
 Prompts are prefilled in groups of ``prefill_rows`` (in chunks of ``prefill_len`` tokens), a
@@ -214,7 +216,7 @@ class Rollout:
     prompt_len_B: jax.Array
     last_token_B: jax.Array
     limits_N: jax.Array
-    row_offset: jax.Array
+    prompt_index_B: jax.Array
     num_rows: jax.Array
     rng: jax.Array
     temperature: jax.Array
@@ -407,9 +409,7 @@ def sample_step(ro: Rollout, c: Carry, run_S: jax.Array):
         logits_SxV = ro.model.logits(hidden)[:, 0]
     temperature = jnp.float32(1.0) if st.greedy else ro.temperature
     with jax.named_scope("sample"):  # the scopes name the ops in profiles (experiments/bench_sampling.py)
-        keys_S = jax.vmap(lambda r, j: jax.random.fold_in(jax.random.fold_in(ro.rng, ro.row_offset + r), j))(
-            c.row_S, c.gen_S
-        )
+        keys_S = row_keys(ro.rng, ro.prompt_index_B, st.n, c.row_S, c.gen_S)
         tok_S = sample_tokens(
             keys_S,
             logits_SxV,
@@ -423,6 +423,17 @@ def sample_step(ro: Rollout, c: Carry, run_S: jax.Array):
     with jax.named_scope("log_prob"):
         logp_S = token_log_probs(logits_SxV, tok_S, temperature)
     return tok_S, logp_S, logits_SxV, _pool_constraint(ro.pool_layout)(kv.pools)
+
+
+def row_keys(rng: jax.Array, prompt_index_B: jax.Array, n: int, row_S: jax.Array, token_S: jax.Array) -> jax.Array:
+    """The PRNG key of token ``token_S`` of each row ``row_S`` (sample ``row % n`` of prompt
+    ``row // n``): ``fold_in(fold_in(fold_in(rng, prompt_index_B[row // n]), row % n), token)``."""
+
+    def key(row, token):
+        prompt = jax.random.fold_in(rng, prompt_index_B[row // n])
+        return jax.random.fold_in(jax.random.fold_in(prompt, row % n), token)
+
+    return jax.vmap(key)(row_S, token_S)
 
 
 def record(ro: Rollout, c: Carry, run_S, wait_S, tok_S, logp_S, logits_SxV, pools) -> tuple[jax.Array, Carry]:
@@ -508,7 +519,7 @@ def rollout(
     prompt_ids_BxP,
     prompt_len_B,
     limits_N,
-    row_offset,
+    prompt_index_B,
     num_rows,
     rng,
     temperature,
@@ -519,9 +530,9 @@ def rollout(
     vocab_shards: int = 1,
 ):
     """One replica's rollout. ``prompt_ids_BxP`` right-padded (row i's tokens in columns
-    [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``num_rows``
-    the rows to generate (later rows are bucket padding), ``row_offset`` this replica's first
-    global row id, ``stop_tables`` the `stops.StopStrings` arrays (token_class_V,
+    [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``prompt_index_B``
+    each prompt's id (seeds its samples: `row_keys`), ``num_rows`` the rows to generate (later
+    rows are bucket padding), ``stop_tables`` the `stops.StopStrings` arrays (token_class_V,
     next_state_SxC, hit_SxC; unused without ``static.use_stops``), ``vocab_shards`` the
     devices the logits' vocabulary is split over inside the replica (the sampler's blocks
     then tile the shards). Returns bucket-sized outputs and statistics (``peak_pages`` and
@@ -538,7 +549,7 @@ def rollout(
         prompt_len_B=prompt_len_B,
         last_token_B=jnp.take_along_axis(prompt_ids_BxP, (prompt_len_B - 1)[:, None], axis=1)[:, 0],
         limits_N=limits_N,
-        row_offset=row_offset,
+        prompt_index_B=prompt_index_B,
         num_rows=num_rows,
         rng=rng,
         temperature=temperature,
@@ -587,4 +598,5 @@ __all__ = [
     "pool_pages",
     "reserve_pages",
     "rollout",
+    "row_keys",
 ]

@@ -177,7 +177,7 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
     """The replica(s) of one dp group: [1, ...] inputs -> [1, ...] outputs (`batcher.rollout`
     under the replica's rules; inside ``shard_map`` (``manual``), constraints and the kernels'
     own ``shard_map`` name the context's partly manual mesh)."""
-    state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables = args
+    state, ids, plen, limits, prompt_index, num_rows, rng, temperature, top_p, stop_tables = args
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
     vocab_axes = () if mesh is None else _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0])
     here = jax.sharding.get_abstract_mesh() if manual else mesh
@@ -194,7 +194,7 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
             ids[0],
             plen[0],
             limits[0],
-            offset[0],
+            prompt_index[0],
             num_rows[0],
             rng,
             temperature,
@@ -208,7 +208,7 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
 
 
 def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules: Rules):
-    """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R,
+    """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, prompt_index_RxB,
     num_rows_R, rng, temperature, top_p, stop_tables)``: every replica's `batcher.rollout`,
     each on its own dp group (``shard_map`` manual over the mesh's batch axes, the rest of the
     mesh left to the compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes
@@ -396,26 +396,33 @@ class EngineOptions:
 class _Rows:
     """A call's rows after host-side bucketing: per replica, right-padded prompts
     ``ids_RxBxP`` (row i's tokens in columns [0, plen_i); bucket padding copies prompt 0),
-    their lengths ``plen_RxB``, each row's limit ``limits_RxN`` (1 on padding), the first
-    global row id ``offsets_R`` and the real rows ``num_rows_R``; ``prompts`` and
-    ``prompt_len`` as the caller gave them."""
+    their lengths ``plen_RxB``, each row's limit ``limits_RxN`` (1 on padding), each prompt's
+    id ``prompt_index_RxB`` (seeds its samples; padding: ids past the caller's) and the real
+    rows ``num_rows_R``; ``prompts`` and ``prompt_len`` as the caller gave them."""
 
     ids_RxBxP: np.ndarray
     plen_RxB: np.ndarray
     limits_RxN: np.ndarray
-    offsets_R: np.ndarray
+    prompt_index_RxB: np.ndarray
     num_rows_R: np.ndarray
     prompts: int
     prompt_len: int
 
     @property
+    def replicas(self) -> int:
+        return self.num_rows_R.shape[0]
+
+    @property
     def arrays(self) -> list[np.ndarray]:
-        return [self.ids_RxBxP, self.plen_RxB, self.limits_RxN, self.offsets_R, self.num_rows_R]
+        return [self.ids_RxBxP, self.plen_RxB, self.limits_RxN, self.prompt_index_RxB, self.num_rows_R]
 
 
-def _bucket_rows(ids: np.ndarray, mask: np.ndarray, limits: np.ndarray, n: int, pad: int, replicas: int) -> _Rows:
-    """Left-padded prompts [B, L] and row limits [B * n] as `_Rows`: the prompt batch rounded to
-    ``replicas * 2^k`` and the prompt length to a power of two (`bucket_size`)."""
+def _bucket_rows(
+    ids: np.ndarray, mask: np.ndarray, limits: np.ndarray, n: int, pad: int, replicas: int, prompt_index: np.ndarray
+) -> _Rows:
+    """Left-padded prompts [B, L], row limits [B * n] and prompt ids [B] as `_Rows`: the prompt
+    batch rounded to ``replicas * 2^k`` and the prompt length to a power of two
+    (`bucket_size`)."""
     B, L = ids.shape
     Bb = bucket_size(B, multiple=replicas)
     P = bucket_size(L, minimum=PROMPT_BUCKET_MIN)
@@ -426,13 +433,14 @@ def _bucket_rows(ids: np.ndarray, mask: np.ndarray, limits: np.ndarray, n: int, 
     right[B:] = right[0]
     plen = np.concatenate([plen, np.full(Bb - B, plen[0], np.int32)])
     limits = np.concatenate([limits, np.ones((Bb - B) * n, np.int32)])
+    index = np.concatenate([prompt_index, int(prompt_index.max()) + 1 + np.arange(Bb - B)]).astype(np.int32)
     Br = Bb // replicas
     offsets = np.arange(replicas, dtype=np.int32) * Br * n
     return _Rows(
         ids_RxBxP=right.reshape(replicas, Br, P),
         plen_RxB=plen.reshape(replicas, Br),
         limits_RxN=limits.reshape(replicas, Br * n),
-        offsets_R=offsets,
+        prompt_index_RxB=index.reshape(replicas, Br),
         num_rows_R=np.clip(B * n - offsets, 0, Br * n).astype(np.int32),
         prompts=B,
         prompt_len=L,
@@ -479,7 +487,7 @@ def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, me
     get the peak of their schedule (`_expected_kv_tokens`); others, on an accelerator, what
     its free memory holds (`memory_kv_tokens`; also when only lowering, so that a program
     compiled ahead is the one a call runs); else None (`batcher.pool_pages`' default)."""
-    replicas = rows.offsets_R.shape[0]
+    replicas = rows.replicas
     if not eos and not params.stop:
         return _expected_kv_tokens(cfg, rows, params, replicas, options.slots, options.page_size)
     shape = engine_shape(
@@ -496,6 +504,18 @@ def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, me
     return memory_kv_tokens(shape, _kv_shards(rules, mesh), devices)
 
 
+def _prompt_index(prompt_index, B: int) -> np.ndarray:
+    """Each prompt's id ``[B]`` (default ``0 .. B - 1``): non-negative, distinct integers."""
+    if prompt_index is None:
+        return np.arange(B, dtype=np.int32)
+    index = np.asarray(jax.device_get(prompt_index))
+    if index.shape != (B,) or not np.issubdtype(index.dtype, np.integer):
+        raise ValueError(f"prompt_index must be {B} integers (one per prompt), got {index.dtype} {index.shape}")
+    if index.min() < 0 or index.max() >= np.iinfo(np.int32).max - B or len(np.unique(index)) != B:
+        raise ValueError(f"prompt_index must be distinct non-negative int32 ids, got {index[:8].tolist()}...")
+    return index.astype(np.int32)
+
+
 def _prepare(
     graphdef,
     state,
@@ -509,14 +529,16 @@ def _prepare(
     max_new_tokens,
     options: EngineOptions,
     stop_strings: StopStrings | None,
+    prompt_index=None,
     place: bool = True,
 ) -> _Call:
     cfg = _config_of(graphdef, state)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
+    prompt_index = _prompt_index(prompt_index, len(ids))
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
     eos = _eos_ids(params, cfg)
     replicas = _batch_axis_size(rules, mesh)
-    rows = _bucket_rows(ids, mask, _row_limits(params, max_new_tokens, len(ids)), params.n, pad, replicas)
+    rows = _bucket_rows(ids, mask, _row_limits(params, max_new_tokens, len(ids)), params.n, pad, replicas, prompt_index)
     stop_tables = _stop_tables(params, stop_strings, cfg.vocab_size)
     if rng is None:
         rng = jax.random.key(params.seed) if place else jax.eval_shape(jax.random.key, params.seed)
@@ -703,6 +725,7 @@ def generate_from_state(
     options: EngineOptions = EngineOptions(),
     tokenizer: Any = None,
     stop_strings: StopStrings | None = None,
+    prompt_index=None,
 ) -> GenerateOutput:
     """Sample ``params.n`` responses for each of the B left-padded prompts.
 
@@ -716,6 +739,9 @@ def generate_from_state(
     prompts, slots and pages are split over the ``batch`` axes of ``rules``. The compiled
     program is cached per (graphdef, static settings, mesh, rules, bucket shapes), so
     repeated calls compile nothing. ``rng`` (a PRNG key) overrides ``params.seed``.
+    ``prompt_index`` ([B] distinct non-negative ids; default ``0 .. B - 1``): sample ``j`` of
+    prompt ``i`` draws its token ``t`` with ``fold_in(fold_in(fold_in(rng, prompt_index[i]), j),
+    t)`` (`batcher.row_keys`), whatever the mesh, the replicas, the slots or the page pool.
     """
     if params.stop and stop_strings is None:
         if tokenizer is None:
@@ -733,6 +759,7 @@ def generate_from_state(
         max_new_tokens=max_new_tokens,
         options=options,
         stop_strings=stop_strings,
+        prompt_index=prompt_index,
     )
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols

@@ -313,7 +313,7 @@ class RLTrainer:
             critic=model("critic") if "critic" in spec.roles else None,
             reward_model=model("reward") if "reward" in spec.roles else None,
             cost_model=model("cost") if "cost" in spec.roles else None,
-            rule_reward=RuleRewardWorker(self.tokenizer, self.scorer),
+            rule_reward=RuleRewardWorker(self.tokenizer, self.scorer, overlong=spec.reward.overlong),
             settings=spec.role_settings,
         )
 
@@ -384,6 +384,9 @@ class RLTrainer:
         """One iteration of the algorithm on the next prompt batch; verl-named metrics."""
         start = time.perf_counter()
         prompts = batch_from_prompts(next(self.loader))
+        more = {}
+        if self.spec.algorithm.algorithm.filter_groups.enable:  # DAPO's dynamic sampling reads on
+            more["next_prompts"] = lambda: batch_from_prompts(next(self.loader))
         raw = self.algorithm(
             self.workers,
             prompts,
@@ -391,6 +394,7 @@ class RLTrainer:
             self.algo_state,
             step=step,
             update_actor=step > self.spec.critic_warmup,
+            **more,
         )
         metrics = {k: _mean(v) for k, v in scalar_metrics(raw).items()} if raw else {}
         metrics.update({k: _mean(v) for k, v in raw.items() if k not in metrics and np.size(v)})

@@ -311,13 +311,24 @@ class ActorWorker(TrainableWorker):
 
     # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
-    def generate(self, prompts: Batch, *, sampling: SamplingParams | str = "train", step: int | None = None) -> Batch:
+    def generate(
+        self,
+        prompts: Batch,
+        *,
+        sampling: SamplingParams | str = "train",
+        step: int | None = None,
+        prompt_offset: int = 0,
+    ) -> Batch:
         """``n`` responses per prompt with ``sampling`` (`RolloutConfig.resolve`: the training
         or validation parameters, ``"greedy"``, or explicit `SamplingParams`). ``step``: the
         training step; the rollout key is ``fold_in(key(seed), step)``, so a resumed run
         samples what the uninterrupted run would have (None: this worker's call count).
-        Returns the prompts repeated ``n`` times (interleaved, with a ``uid`` per prompt: its
-        samples share it) plus ``responses``, ``response_mask``, ``rollout_log_probs`` (the
+        Prompt ``i`` is prompt ``prompt_offset + i`` of the step (a step may sample several
+        prompt batches: DAPO's dynamic sampling), and its ``j``-th sample's token ``t`` draws
+        from ``fold_in(fold_in(fold_in(key, prompt_offset + i), j), t)``: the same tokens on
+        any mesh, placement, backend or process count. Returns the prompts repeated ``n``
+        times (interleaved, with a ``uid`` per prompt, ``"<step>:<prompt>"``: its samples
+        share it) plus ``responses``, ``response_mask``, ``rollout_log_probs`` (the
         sampler's log-probs) and the provenance ``meta["temperature"]``. An optional integer
         column ``max_new_tokens`` [B] limits each prompt's responses (vLLM's per-request
         ``max_tokens``; at most the sampling parameters' ``max_new_tokens``)."""
@@ -330,13 +341,15 @@ class ActorWorker(TrainableWorker):
             index = self._num_rollouts
             self._num_rollouts += 1
         rng = jax.random.fold_in(jax.random.key(params.seed), index)
+        prompt_index = prompt_offset + np.arange(len(prompts), dtype=np.int32)
         if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
-            prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
+            prompts = prompts.update(non_tensors={"uid": [f"{index}:{i}" for i in prompt_index]})
         r = self.rollout
         options = dict(
             options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
             max_new_tokens=limits,
             tokenizer=r.tokenizer,
+            prompt_index=prompt_index,
         )
         with contextlib.ExitStack() as stack:
             t0 = time.perf_counter()

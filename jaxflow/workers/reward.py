@@ -17,7 +17,14 @@ from jax.sharding import Mesh
 from jaxflow.data.batch import Batch
 from jaxflow.data.tasks import TASKS, task_reward
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.rewards import RewardScorer, extra_columns, register_reward, token_level_scores
+from jaxflow.rewards import (
+    EXTRA_COLUMN_PREFIX,
+    OverlongBuffer,
+    RewardScorer,
+    extra_columns,
+    register_reward,
+    token_level_scores,
+)
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
@@ -101,7 +108,11 @@ class RewardModelWorker(RoleWorker):
 
 class RuleRewardWorker:
     """Host-side rule-based scorer: decodes each response's valid tokens and scores it with
-    `jaxflow.rewards.RewardScorer` by ``data_source`` (or a user function).
+    `jaxflow.rewards.RewardScorer` by ``data_source`` (or a user function), as verl's DAPO
+    reward manager: the function's score, plus DAPO's overlong penalty when ``overlong``
+    (`jaxflow.rewards.shaping.OverlongBuffer`) is given; the function's own score is also kept
+    as the named value ``acc`` when it did not return one (what ``algorithm.filter_groups``'s
+    ``metric=acc`` reads).
 
     Reads the non-tensor columns ``data_source``, ``ground_truth`` and (optionally)
     ``extra_info`` that prompt batches carry (`jaxflow.iterations.batch_from_prompts`).
@@ -110,12 +121,21 @@ class RuleRewardWorker:
       tokenizer: decodes responses (``batch_decode``; special tokens are skipped, as verl).
       scorer: a `RewardScorer` (default: the built-in functions, inline).
       output_key: the ``[B, R]`` column written.
+      overlong: DAPO's overlong reward shaping (None: none).
     """
 
-    def __init__(self, tokenizer: Any, scorer: RewardScorer | None = None, *, output_key: str = "token_level_scores"):
+    def __init__(
+        self,
+        tokenizer: Any,
+        scorer: RewardScorer | None = None,
+        *,
+        output_key: str = "token_level_scores",
+        overlong: OverlongBuffer | None = None,
+    ):
         self.tokenizer = tokenizer
         self.scorer = scorer if scorer is not None else RewardScorer()
         self.output_key = output_key
+        self.overlong = overlong
 
     def decode(self, responses: np.ndarray, response_mask: np.ndarray) -> list[str]:
         rows = [r[m > 0].tolist() for r, m in zip(responses, response_mask)]
@@ -125,9 +145,11 @@ class RuleRewardWorker:
     def scores(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``(scores, metrics)``: ``output_key`` [B, R] (host) with the decoded
         ``response_text`` and the function's other named values (``reward_extra/<key>``,
-        `jaxflow.rewards.extra_columns`), and the scorer's metrics (``reward/mean``, ``reward/num_errors``,
-        ...; `jaxflow.rewards.RewardResult`). A host-side group of one rank: the group call
-        returns a list holding this one pair."""
+        `jaxflow.rewards.extra_columns`, with ``acc`` and, when ``overlong.log``,
+        ``overlong_reward`` and ``overlong``), and the scorer's metrics (``reward/mean``,
+        ``reward/num_errors``, ...; `jaxflow.rewards.RewardResult`: the function's scores,
+        before shaping). A host-side group of one rank: the group call returns a list holding
+        this one pair."""
         responses = np.asarray(jax.device_get(batch["responses"]))
         mask = np.asarray(jax.device_get(batch["response_mask"]))
         texts = self.decode(responses, mask)
@@ -138,10 +160,16 @@ class RuleRewardWorker:
             list(batch["ground_truth"]),
             None if extra is None else list(extra),
         )
-        out = Batch.from_dict(
-            {self.output_key: token_level_scores(result.scores, mask)},
-            {"response_text": texts, **extra_columns(result)},
-        )
+        named = extra_columns(result)
+        named.setdefault(EXTRA_COLUMN_PREFIX + "acc", result.scores.astype(np.float32))
+        scores = result.scores
+        if self.overlong is not None:
+            penalty = self.overlong.penalty((mask > 0).sum(axis=1))
+            scores = scores + penalty
+            if self.overlong.log:
+                named[EXTRA_COLUMN_PREFIX + "overlong_reward"] = penalty
+                named[EXTRA_COLUMN_PREFIX + "overlong"] = (penalty < 0).astype(np.float32)
+        out = Batch.from_dict({self.output_key: token_level_scores(scores, mask)}, {"response_text": texts, **named})
         return out, dict(result.metrics)
 
 
