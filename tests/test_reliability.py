@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from jaxflow.run import main
+from tests.child_env import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,7 @@ TINY = [
 
 def run_cli(args, run_dir, timeout=600):
     """``python -m jaxflow.run`` as a user runs it; ``(exit code, stdout + stderr)``."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(REPO)
     cmd = [sys.executable, "-m", "jaxflow.run", *args, f"--config.trainer.default_local_dir={run_dir}"]
     proc = subprocess.run(
@@ -223,7 +224,7 @@ def test_a_hanging_reward_function_is_reported_at_once_and_its_workers_die_with_
             time.sleep(1000)
     """,
     )
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(REPO)
     cmd = [
         sys.executable,
@@ -362,7 +363,7 @@ def test_ctrl_c_during_a_save_exits_in_one_line_and_the_next_run_resumes(tmp_pat
         "--config.trainer.save_freq=1",
         "--config.trainer.max_actor_ckpt_to_keep=2",
     ]
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(REPO)
     cmd = [
         sys.executable,
@@ -416,7 +417,7 @@ def run_on_tmpfs(args, mount: Path, options: str, timeout=600):
     if not _unshare_works():
         pytest.skip("needs `unshare -rm` (user and mount namespaces) to mount a small or read-only tmpfs")
     mount.mkdir(parents=True, exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(REPO)
     run_dir = mount / "run"
     script = (
