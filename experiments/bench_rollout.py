@@ -182,7 +182,7 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
     import jax.numpy as jnp
 
     from jaxflow.models import from_pretrained
-    from jaxflow.sampling import SamplingParams, generate
+    from jaxflow.sampling import EngineOptions, SamplingParams, generate
 
     w = workload(args)
     ids, mask, lengths = workload_rows(args)
@@ -190,17 +190,15 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
     params = SamplingParams(
         max_new_tokens=w["max_new_tokens"], greedy=args.greedy, temperature=1.0, n=w["n"], eos_token_ids=(), seed=0
     )
-    engine = {}
+    engine = EngineOptions()
     if per_row:
-        slots = args.slots or w["slots"]
-        if slots:
-            engine["slots"] = slots
-        if args.page_size:
-            engine["page_size"] = args.page_size
+        engine = EngineOptions(
+            slots=(args.slots or w["slots"]) or None, page_size=args.page_size or EngineOptions().page_size
+        )
     result = {}
 
     def call():
-        out = generate(model, ids, mask, params, **engine, **({"max_new_tokens": lengths} if per_row else {}))
+        out = generate(model, ids, mask, params, options=engine, max_new_tokens=lengths if per_row else None)
         jax.block_until_ready(out.responses)
         result["out"] = out
 
@@ -231,7 +229,7 @@ def bench_jaxflow(path: str, args, per_row: bool) -> dict:
 
         short, long = w["step_tokens"]
         res["decode_step"] = dict(
-            decode_step_seconds(model, ids, mask, params, short=short, long=long, reps=args.reps, **engine),
+            decode_step_seconds(model, ids, mask, params, short=short, long=long, reps=args.reps, options=engine),
             mean_kv_tokens=w["prompt_len"] + (short + long) / 2,
         )
     return res

@@ -28,6 +28,7 @@ projections and MLP, scheduling). All measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -44,7 +45,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from jaxflow.models import ModelConfig, from_pretrained, init_model, save_pretrained  # noqa: E402
-from jaxflow.sampling import SamplingParams, generate  # noqa: E402
+from jaxflow.sampling import EngineOptions, SamplingParams, generate  # noqa: E402
 
 # --tiny: every size small (a smoke test of the script, seconds); flags given beside it still apply.
 TINY = dict(
@@ -194,7 +195,15 @@ def bench_hf(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
 
 
 def decode_step_seconds(
-    model, ids: np.ndarray, mask: np.ndarray, params: SamplingParams, *, short: int, long: int, reps: int, **engine
+    model,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    params: SamplingParams,
+    *,
+    short: int,
+    long: int,
+    reps: int,
+    options: EngineOptions = EngineOptions(),
 ) -> dict:
     """Measured: the decode step's own wall time. Two rollouts of one program (same buckets
     and page pool) whose rows all run exactly ``short`` and ``long`` tokens (``params`` must
@@ -206,19 +215,19 @@ def decode_step_seconds(
         raise ValueError("decode_step_seconds needs rows that run exactly to their limits (eos_token_ids=())")
     rows = ids.shape[0] * params.n
 
-    def run(length: int, **kw):
-        out = generate(model, ids, mask, params, max_new_tokens=np.full(rows, length, np.int32), **engine, **kw)
+    def run(length: int, opts: EngineOptions = options):
+        out = generate(model, ids, mask, params, max_new_tokens=np.full(rows, length, np.int32), options=opts)
         out.responses.block_until_ready()
         return out
 
     pool = run(long).stats  # the long rollout's pool serves both (one program)
-    kv = dict(kv_tokens=(pool["pages_per_replica"] - 1) * pool["page_size"])
-    steps = {length: int(run(length, **kv).num_steps) for length in (short, long)}
+    same_pool = dataclasses.replace(options, kv_tokens=(pool["pages_per_replica"] - 1) * pool["page_size"])
+    steps = {length: int(run(length, same_pool).num_steps) for length in (short, long)}
     times: dict[int, list[float]] = {short: [], long: []}
     for _ in range(reps):
         for length in (short, long):
             t0 = time.perf_counter()
-            run(length, **kv)
+            run(length, same_pool)
             times[length].append(time.perf_counter() - t0)
     step = (statistics.median(times[long]) - statistics.median(times[short])) / (steps[long] - steps[short])
     return dict(
@@ -255,7 +264,12 @@ def _part(op_name: str) -> str:
 
 
 def profile_decode_step(
-    model, ids: np.ndarray, mask: np.ndarray, params: SamplingParams, length: int, **engine
+    model,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    params: SamplingParams,
+    length: int,
+    options: EngineOptions = EngineOptions(),
 ) -> dict:
     """Measured: XLA:CPU thread time per decode step by part, from a ``jax.profiler`` trace of
     one rollout whose rows run ``length`` tokens. Each thunk event is named after its HLO
@@ -272,18 +286,18 @@ def profile_decode_step(
     rows = ids.shape[0] * params.n
     limits = np.full(rows, length, np.int32)
     graphdef, state = nnx.split(model)
-    hlo = lower_generate(graphdef, state, ids, mask, params, max_new_tokens=limits, **engine).compile().as_text()
+    hlo = lower_generate(graphdef, state, ids, mask, params, max_new_tokens=limits, options=options).compile().as_text()
     op_of = {}
     for line in hlo.splitlines():
         m = re.match(r"\s*(?:ROOT )?%?([\w.-]+) = \S+ (\w[\w-]*)\(", line)
         if m and m.group(2) not in ("while", "conditional", "call", "parameter", "get-tuple-element", "tuple"):
             name = re.search(r'op_name="([^"]*)"', line)
             op_of[m.group(1)] = name.group(1) if name else ""
-    out = generate(model, ids, mask, params, max_new_tokens=limits, **engine)  # compiled already: warm
+    out = generate(model, ids, mask, params, max_new_tokens=limits, options=options)  # compiled already: warm
     out.responses.block_until_ready()
     with tempfile.TemporaryDirectory() as trace_dir:
         jax.profiler.start_trace(trace_dir)
-        out = generate(model, ids, mask, params, max_new_tokens=limits, **engine)
+        out = generate(model, ids, mask, params, max_new_tokens=limits, options=options)
         out.responses.block_until_ready()
         jax.profiler.stop_trace()
         data = jax.profiler.ProfileData.from_file(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0])

@@ -18,7 +18,7 @@ import jaxflow.workers.forward as forward
 from jaxflow.configs.resolve import resolve_dtypes
 from jaxflow.data.batch import Batch
 from jaxflow.models import PRESETS, init_model
-from jaxflow.sampling import SamplingParams, engine_shape, generate, generate_from_state, lower_generate
+from jaxflow.sampling import EngineOptions, SamplingParams, engine_shape, generate, generate_from_state, lower_generate
 from jaxflow.sampling.engine import memory_kv_tokens
 from jaxflow.workers import ActorWorker, RolloutConfig
 
@@ -104,7 +104,7 @@ def _loop_computations(hlo: str) -> set[str]:
 def _compiled_rollout(num_layers: int) -> str:
     g, s = nnx.split(nnx.eval_shape(lambda: init_model(CFG.replace(num_layers=num_layers), "lm")))
     ids, mask = _prompts()
-    return lower_generate(g, s, ids, mask, PARAMS, slots=8).compile().as_text()
+    return lower_generate(g, s, ids, mask, PARAMS, options=EngineOptions(slots=8)).compile().as_text()
 
 
 def test_pages_are_written_in_place():
@@ -146,8 +146,8 @@ def test_steps_per_sync_gives_the_same_samples(model, steps_per_sync):
     (6 slots for 24 rows), early stops and a pool small enough that rows wait for pages."""
     ids, mask = _prompts()
     kw = dict(slots=6, page_size=4, kv_tokens=4 * 48)
-    one = generate(model, ids, mask, PARAMS, steps_per_sync=1, **kw)
-    many = generate(model, ids, mask, PARAMS, steps_per_sync=steps_per_sync, **kw)
+    one = generate(model, ids, mask, PARAMS, options=EngineOptions(steps_per_sync=1, **kw))
+    many = generate(model, ids, mask, PARAMS, options=EngineOptions(steps_per_sync=steps_per_sync, **kw))
     assert int(one.stats["waits"][0]) > 0 and len(set(np.asarray(one.lengths).tolist())) > 3
     assert many.stats["steps_per_sync"] == steps_per_sync
     for name in ("responses", "response_mask", "log_probs", "lengths"):
@@ -258,3 +258,86 @@ def test_head_in_chunks_equals_one_chunk(model, monkeypatch):
     np.testing.assert_allclose(np.asarray(ent4), np.asarray(ent1), rtol=1e-6, atol=1e-6)
     for a, b in zip(jax.tree.leaves(g4), jax.tree.leaves(g1)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- fused attention
+
+
+def test_fused_attention_layout_and_mask():
+    """The cuDNN path's layout and mask (through ``jax.nn.dot_product_attention``'s XLA
+    implementation, which takes the same arguments) == jaxflow's attention on every real
+    query: left padding, causality, grouped kv heads."""
+    from jaxflow.models.decoder import dot_product_attention, fused_attention
+
+    rng = np.random.default_rng(0)
+    B, L, H, N, K = 3, 7, 4, 2, 8
+    q = jnp.asarray(rng.normal(size=(B, L, H, K)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(B, L, N, K)), jnp.float32) for _ in range(2))
+    real = np.arange(L)[None, :] >= np.array([[0], [2], [5]])  # left padding of 0, 2, 5 tokens
+    mask = jnp.asarray(np.tril(np.ones((L, L), bool))[None] & real[:, None, :])
+    want = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask)
+    got = fused_attention(q, k, v, mask, "xla")
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real], rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.asarray(got)).all()
+
+
+def test_cudnn_attention_where_it_applies():
+    from jaxflow.configs.resolve import with_platform_attention
+
+    bf16 = CFG.replace(dtype=jnp.bfloat16)
+    assert with_platform_attention(bf16, "gpu").attention_impl == "cudnn"
+    assert with_platform_attention(bf16, "cpu").attention_impl == "xla"
+    assert with_platform_attention(bf16, "tpu").attention_impl == "xla"
+    assert with_platform_attention(CFG, "gpu").attention_impl == "xla"  # float32 compute
+    with pytest.raises(ValueError, match="cudnn"):
+        CFG.replace(attention_impl="cudnn")
+
+
+# ---------------------------------------------------------------------- compiled ahead
+
+
+@pytest.mark.slow
+def test_programs_compiled_ahead_are_what_step_one_loads(tmp_path):
+    """``jaxflow.trainer.compile_ahead=on`` through the CLI, with an empty persistent cache:
+    the step's programs compile concurrently before step 1, and step 1 then loads each of them
+    from the cache (the cache keys match: the same programs) instead of compiling it."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        XLA_FLAGS="",
+        JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHONPATH=root,
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxflow.run",
+        "--config=grpo_tiny",
+        "--config.jaxflow.num_devices=1",
+        "--config.jaxflow.sft.warm_start_steps=0",
+        "--config.trainer.total_training_steps=1",
+        "--config.trainer.val_before_train=False",
+        "--config.trainer.test_freq=-1",
+        "--config.data.train_batch_size=4",
+        "--config.actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "--config.jaxflow.data.num_train_examples=16",
+        "--config.jaxflow.data.num_val_examples=4",
+        "--config.jaxflow.trainer.compile_ahead=on",
+        f"--config.trainer.default_local_dir={tmp_path / 'run'}",
+    ]
+    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    ahead = re.search(r"compiled ahead: (\d+) programs in [^:]*: (.*)", p.stdout)
+    loaded = re.search(r"\((\d+) loaded from the persistent cache\)", p.stdout)
+    assert ahead and loaded, p.stdout[-2000:]
+    names = [part.rsplit(" ", 2)[0] for part in ahead.group(2).split(", ")]
+    assert {"actor/generate", "actor/train_step", "ref/log_probs"} <= set(names)
+    # The engine's jitted rollout is one object per configuration (`sampling.engine`), so the
+    # program compiled ahead is reused from memory; every other one is loaded from the cache.
+    in_memory = sum(name.startswith("actor/generate") for name in names)
+    assert int(loaded.group(1)) >= len(names) - in_memory == int(ahead.group(1)) - in_memory

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxflow.algos as algos
+from tests.verl_reference import ref_gdpo, ref_otb, ref_tir_otb
 
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
 GAMMA, LAM = 0.97, 0.9
@@ -366,6 +367,136 @@ def test_vmap_over_independent_batches():
             for name in names:
                 np.testing.assert_allclose(out[name][0][i], ref[name][0], atol=1e-12, rtol=0, err_msg=name)
                 np.testing.assert_allclose(out[name][1][i], ref[name][1], atol=1e-12, rtol=0, err_msg=name)
+
+
+# --------------------------------------------------------------------------- verl 0.9.1: gdpo, OTB
+
+
+def random_groups_batch(seed, holes=False):
+    """Random shape; groups of 1..4 samples in shuffled order (singletons included); ragged
+    right-padded masks with an empty response, or (``holes``) masks with masked tool-output
+    tokens inside; outcome rewards on each response's last token plus some on others; old
+    log-probs, sum_pi_squared in [p^2, 1] and IS weights."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 5, size=rng.integers(3, 6))
+    group_ids = rng.permutation(np.repeat(rng.permutation(100)[: len(sizes)], sizes))
+    b, t = len(group_ids), int(rng.integers(3, 9))
+    lengths = rng.integers(0, t + 1, size=b)
+    lengths[rng.integers(b)] = 0
+    m = (np.arange(t)[None] < lengths[:, None]).astype(np.float64)
+    if holes:
+        m[rng.random((b, t)) < 0.25] = 0.0
+    r = rng.normal(size=(b, t)) * (rng.random((b, t)) < 0.3)
+    for i in range(b):
+        if m[i].any():
+            r[i, np.flatnonzero(m[i])[-1]] += rng.normal()
+    p_old = rng.uniform(0.02, 0.98, (b, t))
+    return dict(
+        token_level_rewards=r * m,
+        response_mask=m,
+        group_ids=group_ids,
+        old_log_probs=np.log(p_old),
+        sum_pi_squared=p_old**2 + rng.uniform(0, 1 - p_old**2),
+        rollout_is_weights=rng.uniform(0.5, 1.5, (b, t)),
+        gdpo_scores=rng.normal(size=(3, b)) * rng.choice([1.0, 10.0], size=(3, 1)),
+    )
+
+
+def test_gdpo_matches_verl():
+    """Per-dimension GRPO, weighted sum, masked whitening (verl 0.9.1), with 1-3 named reward
+    dimensions, weights or none, with and without the std, and the one-dimension fallback on
+    token_level_rewards: float64 on three random batches, float32 on one."""
+    fn = algos.get_adv_estimator_fn("gdpo")
+    for seed, dtype in ((0, np.float64), (1, np.float64), (2, np.float64), (3, np.float32)):
+        with jax.enable_x64(dtype is np.float64):
+            batch = cast(random_groups_batch(seed), dtype)
+            ref = batch_as_f64(batch, dtype)
+            m, g = ref["response_mask"], ref["group_ids"]
+            for k, weights in ((1, None), (2, (0.3, 1.7)), (3, (1.0, 0.5, 2.0))):
+                for norm in (True, False):
+                    named = dict(batch, gdpo_scores=batch["gdpo_scores"][:k])
+                    adv, ret = fn(**named, gdpo_reward_weights=weights, norm_adv_by_std_in_grpo=norm)
+                    want, _ = ref_gdpo(ref["gdpo_scores"][:k], weights or (1.0,) * k, m, g, norm=norm)
+                    what = f"seed={seed} K={k} norm={norm}"
+                    np.testing.assert_allclose(np.asarray(adv), want, atol=TOL[dtype], rtol=0, err_msg=what)
+                    np.testing.assert_array_equal(np.asarray(adv), np.asarray(ret))
+            unnamed = {k: v for k, v in batch.items() if k != "gdpo_scores"}
+            adv, _ = fn(**unnamed)  # no named scores: the summed token rewards are the one dimension
+            want, _ = ref_gdpo(r_scores(ref["token_level_rewards"], m)[None], (1.0,), m, g)
+            np.testing.assert_allclose(np.asarray(adv), want, atol=TOL[dtype], rtol=0)
+
+
+def test_gdpo_normalises_each_dimension_before_adding():
+    """A dimension's scale does not matter to GDPO (each is normalised in its group first),
+    while it dominates GRPO on the summed reward."""
+    with jax.enable_x64(True):
+        batch = random_groups_batch(7)
+        scores = batch["gdpo_scores"][:2]
+        louder = scores * np.array([[100.0], [1.0]])
+        gdpo = algos.get_adv_estimator_fn("gdpo")
+        np.testing.assert_allclose(
+            np.asarray(gdpo(**dict(batch, gdpo_scores=louder))[0]),
+            np.asarray(gdpo(**dict(batch, gdpo_scores=scores))[0]),
+            atol=1e-6,  # the groups' epsilon=1e-6 is not scaled
+        )
+        m = batch["response_mask"]
+        summed = [
+            ref_grpo(np.eye(m.shape[1])[[-1] * len(m)] * s.sum(0)[:, None], np.ones_like(m), batch["group_ids"])
+            for s in (scores, louder)
+        ]
+        assert np.abs(summed[0] - summed[1]).max() > 0.1
+
+
+def test_gdpo_rejects_mismatched_inputs():
+    batch = random_groups_batch(0)
+    fn = algos.get_adv_estimator_fn("gdpo")
+    with pytest.raises(ValueError, match="2 weights for 3 reward dimensions"):
+        fn(**batch, gdpo_reward_weights=(1.0, 2.0))
+    with pytest.raises(ValueError, match=r"\[K, B\]"):
+        fn(**dict(batch, gdpo_scores=batch["gdpo_scores"][:, :-1]))
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_matches_verl(name):
+    """Both OTB variants (verl 0.9.1), with and without the zero tail and IS weights, on
+    right-padded masks and on masks with holes (where they differ): float64 on four random
+    batches, float32 on one."""
+    ref_fn = {"optimal_token_baseline": ref_otb, "tir_optimal_token_baseline": ref_tir_otb}[name]
+    fn = algos.get_adv_estimator_fn(name)
+    zero_tails, results = 0, {}
+    for seed, dtype in ((0, np.float64), (1, np.float64), (2, np.float64), (3, np.float64), (1, np.float32)):
+        with jax.enable_x64(dtype is np.float64):
+            batch = cast(random_groups_batch(seed, holes=seed % 2 == 1), dtype)
+            ref = batch_as_f64(batch, dtype)
+            cols = [
+                ref[k] for k in ("token_level_rewards", "response_mask", "group_ids", "old_log_probs", "sum_pi_squared")
+            ]
+            for zero_tail in (True, False):
+                for use_w in (False, True):
+                    w = batch["rollout_is_weights"] if use_w else None
+                    adv, ret = fn(**dict(batch, rollout_is_weights=w), handle_zero_tail=zero_tail)
+                    want_adv, want_ret = ref_fn(*cols, ref["rollout_is_weights"] if use_w else None, zero_tail)
+                    what = f"seed={seed} {dtype.__name__} zero_tail={zero_tail} is={use_w}"
+                    np.testing.assert_allclose(np.asarray(adv), want_adv, atol=TOL[dtype], rtol=0, err_msg=what)
+                    np.testing.assert_allclose(np.asarray(ret), want_ret, atol=TOL[dtype], rtol=0, err_msg=what)
+                    if use_w:
+                        results[zero_tail] = np.asarray(adv)
+            zero_tails += int(np.abs(results[True] - results[False]).max() > 0)
+    assert zero_tails >= 3  # the zero tail changes the advantages on most of these batches
+
+
+def test_tir_otb_is_otb_when_responses_are_contiguous():
+    """Without holes and empty responses, aligning by generated-token index is aligning by
+    position: the two variants agree."""
+    with jax.enable_x64(True):
+        for seed in range(2):
+            batch = random_groups_batch(seed)
+            keep = batch["response_mask"].sum(-1) > 0
+            batch = {k: (v[:, keep] if k == "gdpo_scores" else v[keep]) for k, v in batch.items()}
+            a = algos.get_adv_estimator_fn("optimal_token_baseline")(**batch)
+            b = algos.get_adv_estimator_fn("tir_optimal_token_baseline")(**batch)
+            np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), atol=1e-12)
+            np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), atol=1e-12)
 
 
 # --------------------------------------------------------------------------- registry

@@ -1,4 +1,5 @@
-"""Policy losses and ``agg_loss`` against NumPy references written here from the formulas.
+"""Policy losses and ``agg_loss`` against NumPy references written from verl's formulas (here,
+and for the losses verl 0.9.1 added in `tests.verl_reference`).
 
 The log-ratios are drawn from a grid that straddles every clip boundary (rho < 1 - eps,
 inside, > 1 + eps, > c for the dual clip) with advantages of both signs, kept away from the
@@ -7,18 +8,34 @@ selections of clip_cov / kl_cov) are differentiated by finite differences of the
 *surrogate*: the stop-gradient parts are frozen at the evaluation point.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxflow.algos as algos
+from tests.verl_reference import r_agg, r_mean, ref_bypass, ref_dppo, ref_dro, ref_sapo
 
 TOL = {np.float64: 1e-10, np.float32: 1e-5}
 EPS_LOW, EPS_HIGH, CLIP_C = 0.2, 0.28, 3.0
 MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 CLIP_COV = dict(clip_cov_ratio=0.1, clip_cov_lb=0.02, clip_cov_ub=3.0)
 KL_COV = dict(kl_cov_ratio=0.15, ppo_kl_coef=0.7)
+DPPO_TV = dict(kind="tv", low=EPS_LOW, high=EPS_HIGH, c=CLIP_C)
+DPPO_KL = dict(DPPO_TV, kind="kl")
+SEQ_MEAN = dict(mode="seq-mean-token-mean")
+SAPO = dict(tau_pos=1.3, tau_neg=2.1)
+DRO_BETA = 0.6
+# bypass mode with REINFORCE, token IS weights and rejection of tokens and whole sequences
+BYPASS_REINFORCE = dict(
+    loss_type="reinforce",
+    rollout_is="token",
+    rollout_is_threshold=1.8,
+    rollout_rs="token_k1,seq_mean_k3",
+    rollout_rs_threshold="0.4_2.5,0.3",
+)
 
 
 def make_inputs(seed=0, b=6, t=5):
@@ -34,7 +51,7 @@ def make_inputs(seed=0, b=6, t=5):
     delta[mask > 0] = grid[k % len(grid)]
     sign[mask > 0] = np.where((k // len(grid)) % 2 == 0, 1.0, -1.0)
     delta = delta + rng.uniform(-0.02, 0.02, size=(b, t))
-    old = rng.normal(-1.5, 0.5, size=(b, t))
+    old = np.minimum(rng.normal(-2.0, 0.4, size=(b, t)), -1.35)  # log_prob = old + delta < 0
     adv = sign * rng.uniform(0.3, 2.0, size=(b, t))
     weights = rng.uniform(0.5, 1.5, size=(b, t))
     return dict(old_log_prob=old, log_prob=old + delta, advantages=adv, response_mask=mask, w=weights)
@@ -51,27 +68,6 @@ def dtype(request):
 
 
 # --------------------------------------------------------------------------- NumPy references
-
-
-def r_mean(x, m):
-    return (x * m).sum() / (m.sum() + 1e-8)
-
-
-def r_agg(loss, m, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
-    if mode == "token-mean":
-        n = m.sum() if batch_num_tokens is None else batch_num_tokens
-        return (loss * m).sum() / n * dp_size
-    if mode == "token-sum":
-        return (loss * m).sum() * dp_size
-    per_seq_tokens = m.sum(-1)
-    seq = (loss * m).sum(-1)
-    if mode == "seq-mean-token-mean":
-        seq = seq / (per_seq_tokens + 1e-8)
-    n_seq = (per_seq_tokens > 0).sum() if global_batch_size is None else global_batch_size
-    out = seq[per_seq_tokens > 0].sum() / n_seq * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        out = out / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
-    return out
 
 
 def ref_vanilla(old, lp, a, m, w=None, mode="token-mean", frozen=None):
@@ -91,7 +87,7 @@ def ref_vanilla(old, lp, a, m, w=None, mode="token-mean", frozen=None):
     return r_agg(loss, m, mode), metrics
 
 
-def ref_gspo(old, lp, a, m, w=None, mode=None, frozen=None):
+def ref_gspo(old, lp, a, m, w=None, mode="token-mean", frozen=None):
     lp0 = lp if frozen is None else frozen  # value of sg(log_prob)
     seq = ((lp0 - old) * m).sum(-1) / np.maximum(m.sum(-1), 1)
     s = np.exp(np.minimum(seq[:, None] + lp - lp0, 10.0))
@@ -100,7 +96,7 @@ def ref_gspo(old, lp, a, m, w=None, mode=None, frozen=None):
     if w is not None:
         loss = loss * w
     metrics = dict(pg_clipfrac=r_mean((l2 > l1).astype(float), m), pg_clipfrac_lower=0.0, ppo_kl=r_mean(old - lp, m))
-    return r_agg(loss, m, "seq-mean-token-mean"), metrics
+    return r_agg(loss, m, mode), metrics
 
 
 def ref_gpg(old, lp, a, m, w=None, mode="token-mean", frozen=None):
@@ -187,7 +183,7 @@ CASES = {
 CASES.update(
     {
         "vanilla/is": ("vanilla", {}, ref_vanilla, {}, True),
-        "gspo": ("gspo", dict(loss_agg_mode="token-sum"), ref_gspo, {}, False),  # mode is ignored
+        "gspo": ("gspo", dict(loss_agg_mode="token-sum"), ref_gspo, dict(mode="token-sum"), False),
         "gspo/is": ("gspo", {}, ref_gspo, {}, True),
         "gpg": ("gpg", {}, ref_gpg, {}, False),
         "gpg/seq-mean-token-mean/is": (
@@ -211,9 +207,28 @@ CASES.update(
         "kl_cov/is": ("kl_cov", dict(KL_COV), ref_kl_cov, {}, True),
         "geo_mean": ("geo_mean", {}, ref_geo_mean, {}, False),
         "geo_mean/is": ("geo_mean", {}, ref_geo_mean, {}, True),
+        "dppo_tv": ("dppo_tv", {}, ref_dppo, DPPO_TV, False),
+        "dppo_tv/is": ("dppo_tv", dict(loss_agg_mode="seq-mean-token-mean"), ref_dppo, DPPO_TV | SEQ_MEAN, True),
+        "dppo_kl": ("dppo_kl", {}, ref_dppo, DPPO_KL, False),
+        "dppo_kl/is": ("dppo_kl", dict(loss_agg_mode="token-sum"), ref_dppo, DPPO_KL | dict(mode="token-sum"), True),
+        "sapo": ("sapo", dict(SAPO), ref_sapo, SAPO, False),
+        "sapo/is": ("sapo", dict(SAPO, loss_agg_mode="token-sum"), ref_sapo, SAPO, True),  # mode is not used
+        "dro": ("dro", dict(dro_beta=DRO_BETA), ref_dro, dict(beta=DRO_BETA), False),
+        "dro/is": ("dro", dict(dro_beta=DRO_BETA), ref_dro, dict(beta=DRO_BETA), True),
+        "bypass_mode": ("bypass_mode", {}, ref_bypass, dict(rc={}, vanilla=ref_vanilla), False),
+        "bypass_mode/reinforce": (
+            "bypass_mode",
+            dict(
+                rollout_correction=algos.RolloutCorrectionConfig(**BYPASS_REINFORCE), loss_agg_mode="seq-mean-token-sum"
+            ),
+            ref_bypass,
+            dict(rc=BYPASS_REINFORCE, vanilla=ref_vanilla, mode="seq-mean-token-sum"),
+            False,
+        ),
     }
 )
 COMMON = dict(clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH, clip_ratio_c=CLIP_C)
+PPO_METRICS = ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl")  # every loss reports them (0: no such notion)
 
 
 def _loss(name, inp, log_prob):
@@ -232,7 +247,10 @@ def _loss(name, inp, log_prob):
 
 @jax.jit
 def all_losses(inp):
-    return {name: _loss(name, inp, inp["log_prob"]) for name in CASES}
+    """Each case's loss and its PPO metrics (bypass mode's rollout_corr/* are tested in
+    test_algos_rollout_correction; left out, they are not compiled here)."""
+    out = {name: _loss(name, inp, inp["log_prob"]) for name in CASES}
+    return {name: (loss, {k: metrics[k] for k in PPO_METRICS}) for name, (loss, metrics) in out.items()}
 
 
 @jax.jit
@@ -274,8 +292,8 @@ def test_losses_match_reference(dtype):
         ref_loss, ref_metrics = reference(name, ref_inp)
         assert loss.dtype == dtype, name
         np.testing.assert_allclose(float(loss), ref_loss, rtol=0, atol=TOL[dtype], err_msg=name)
-        assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
-        for key, val in ref_metrics.items():
+        for key in PPO_METRICS:
+            val = ref_metrics[key]
             np.testing.assert_allclose(float(metrics[key]), val, rtol=0, atol=TOL[dtype], err_msg=f"{name} {key}")
     # the clip metrics are not trivial on these inputs
     assert 0 < float(out["vanilla/token-mean"][1]["pg_clipfrac"]) < 1
@@ -346,6 +364,87 @@ def test_stop_gradient_losses_differ_from_their_value_gradient():
             minus["log_prob"][idx] -= h
             fd_value = (reference(name, plus)[0] - reference(name, minus)[0]) / (2 * h)
             assert abs(float(grads[name][idx]) - fd_value) > 1e-4, name
+
+
+# --------------------------------------------------------------------------- every loss x every mode
+
+# registered name -> (its options, its reference): the losses with non-default options
+MATRIX = {
+    "vanilla": ({}, ref_vanilla),
+    "gspo": ({}, ref_gspo),
+    "gpg": ({}, ref_gpg),
+    "cispo": ({}, ref_cispo),
+    "clip_cov": (CLIP_COV, ref_clip_cov),
+    "kl_cov": (KL_COV, ref_kl_cov),
+    "geo_mean": ({}, ref_geo_mean),
+    "dppo_tv": ({}, functools.partial(ref_dppo, **DPPO_TV)),
+    "dppo_kl": ({}, functools.partial(ref_dppo, **DPPO_KL)),
+    "sapo": (SAPO, functools.partial(ref_sapo, **SAPO)),
+    "dro": (dict(dro_beta=DRO_BETA), functools.partial(ref_dro, beta=DRO_BETA)),
+    "bypass_mode": ({}, functools.partial(ref_bypass, rc={}, vanilla=ref_vanilla)),
+}
+
+
+def random_inputs(seed):
+    """Random shapes; a ragged mask with a full row, an empty row and holes; old token
+    probabilities over (0.02, 0.98); log-ratios ~ N(0, 0.5), a fifth of them shifted by +2
+    and a fifth by -1.5, with log_prob < 0; advantages of both signs and some exact zeros; IS weights in
+    (0.3, 2)."""
+    rng = np.random.default_rng(seed)
+    b, t = rng.integers(3, 9), rng.integers(2, 10)
+    lengths = rng.integers(0, t + 1, size=b)
+    lengths[0], lengths[-1] = t, 0
+    m = (np.arange(t)[None] < lengths[:, None]).astype(np.float64)
+    m[1:-1][rng.random((b - 2, t)) < 0.2] = 0.0
+    old = np.log(rng.uniform(0.02, 0.98, (b, t)))
+    shift = rng.choice([0.0, 0.0, 0.0, 2.0, -1.5], size=(b, t))
+    lp = np.minimum(old + rng.normal(0, 0.5, (b, t)) + shift, -1e-4)
+    a = rng.normal(size=(b, t)) * (rng.random((b, t)) > 0.15)
+    return dict(old_log_prob=old, log_prob=lp, advantages=a, response_mask=m, w=rng.uniform(0.3, 2.0, (b, t)))
+
+
+def test_every_registered_loss_under_every_agg_mode_matches_verl():
+    """Every registered loss (verl 0.9.1's twelve) x every loss_agg_mode (with and without IS
+    weights on one of the inputs), on random shapes and masks, against verl's formulas in
+    float64: the loss and every metric verl reports (gspo honours the mode since verl 0.9.1; sapo and geo_mean
+    ignore it, as verl)."""
+    assert set(algos.policy_loss_names()) == set(MATRIX)
+    with jax.enable_x64(True):
+        for seed in range(3):
+            inp = random_inputs(seed)
+            args = [inp[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")]
+            for name, (options, ref) in MATRIX.items():
+                for mode in MODES:
+                    for w in (None, inp["w"]) if seed == 1 and name != "bypass_mode" else (None,):
+                        loss, metrics = algos.compute_policy_loss(
+                            *args, loss_mode=name, loss_agg_mode=mode, rollout_is_weights=w, **COMMON, **options
+                        )
+                        want, want_metrics = ref(*args, w=w, mode=mode)
+                        what = f"{name} {mode} seed={seed} is={w is not None}"
+                        np.testing.assert_allclose(float(loss), want, rtol=0, atol=1e-10, err_msg=what)
+                        for key, val in want_metrics.items():
+                            np.testing.assert_allclose(
+                                float(metrics[key]), val, rtol=0, atol=1e-10, err_msg=f"{what} {key}"
+                            )
+
+
+def test_dppo_trust_regions_and_gspo_modes_are_exercised():
+    """On the matrix's inputs DPPO's trust regions reject tokens of both advantage signs and
+    truncate ratios above clip_ratio_c, and gspo's loss differs between modes (it used to be
+    seq-mean-token-mean whatever the mode)."""
+    seen = set()
+    for seed in range(3):
+        old, lp, a, m, _ = random_inputs(seed).values()
+        for opts in (DPPO_TV, DPPO_KL):
+            for sign, sel in (("+", a > 0), ("-", a <= 0)):
+                _, metrics = ref_dppo(old, lp, a, m * sel, **opts)
+                seen |= {(opts["kind"], sign, k) for k in ("pg_clipfrac", "pg_clipfrac_lower") if metrics[k] > 0}
+    assert {("tv", "+", "pg_clipfrac"), ("tv", "-", "pg_clipfrac"), ("kl", "+", "pg_clipfrac")} <= seen
+    assert {("kl", "-", "pg_clipfrac"), ("tv", "-", "pg_clipfrac_lower"), ("kl", "-", "pg_clipfrac_lower")} <= seen
+    with jax.enable_x64(True):
+        args = list(random_inputs(0).values())[:4]
+        losses = {m: float(algos.compute_policy_loss(*args, loss_mode="gspo", loss_agg_mode=m)[0]) for m in MODES}
+        assert len({round(v, 12) for v in losses.values()}) == len(MODES)
 
 
 # --------------------------------------------------------------------------- agg_loss

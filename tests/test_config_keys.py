@@ -140,6 +140,9 @@ SPLIT = [
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_device=8",
     "critic.ppo_micro_batch_size_per_device=4",
 ]
+GDPO = ["algorithm.adv_estimator=gdpo", f"{R}.n=2", "algorithm.gdpo_reward_keys=[fmt]"]
+RC = "algorithm.rollout_correction"
+BYPASS = [f"{RC}.bypass_mode=True"]
 FILES = "@files"  # replaced by the test's data files (train with a long prompt, val)
 
 
@@ -208,6 +211,8 @@ CHECKS = {
     f"{A}.clip_ratio_low": (0.1, [], spec("actor.clip_ratio_low")),
     f"{A}.clip_ratio_high": (0.3, [], spec("actor.clip_ratio_high")),
     f"{A}.clip_ratio_c": (2.0, [], spec("actor.clip_ratio_c")),
+    f"{A}.tau_pos": (1.5, [f"{A}.policy_loss.loss_mode=sapo"], spec("actor.policy_loss_kwargs")),
+    f"{A}.tau_neg": (1.5, [f"{A}.policy_loss.loss_mode=sapo"], spec("actor.policy_loss_kwargs")),
     f"{A}.loss_agg_mode": ("seq-mean-token-mean", [], spec("actor.loss_agg_mode")),
     f"{A}.policy_loss.loss_mode": ("gspo", [], spec("actor.loss_mode")),
     f"{A}.policy_loss.clip_cov_ratio": (
@@ -219,6 +224,11 @@ CHECKS = {
     f"{A}.policy_loss.clip_cov_ub": (4.0, [f"{A}.policy_loss.loss_mode=clip_cov"], spec("actor.policy_loss_kwargs")),
     f"{A}.policy_loss.kl_cov_ratio": (0.01, [f"{A}.policy_loss.loss_mode=kl_cov"], spec("actor.policy_loss_kwargs")),
     f"{A}.policy_loss.ppo_kl_coef": (0.5, [f"{A}.policy_loss.loss_mode=kl_cov"], spec("actor.policy_loss_kwargs")),
+    f"{A}.policy_loss.dro_beta": (
+        0.5,
+        [f"{A}.policy_loss.loss_mode=dro", f"{A}.policy_loss.dro_beta=0.1"],
+        spec("actor.policy_loss_kwargs"),
+    ),
     f"{A}.entropy_coeff": (0.02, [], spec("actor.entropy_coeff")),
     f"{A}.use_kl_loss": (True, ["algorithm.use_kl_in_reward=False"], spec("roles")),  # the reference runs for it
     f"{A}.kl_loss_type": ("mse", [f"{A}.use_kl_loss=True"], spec("actor.kl_loss_type")),
@@ -302,6 +312,12 @@ CHECKS = {
     # --- algorithm
     "algorithm.adv_estimator": ("grpo", [f"{R}.n=2"], spec("algorithm.algorithm.adv_estimator")),
     "algorithm.gamma": (0.9, [], spec("algorithm.algorithm.gamma")),
+    "algorithm.gdpo_reward_keys": (["fmt", "acc"], GDPO, spec("algorithm.algorithm.gdpo_reward_keys")),
+    "algorithm.gdpo_reward_weights": (
+        [1.0, 2.0],
+        GDPO + ["algorithm.gdpo_reward_keys=[fmt,acc]"],
+        spec("algorithm.algorithm.gdpo_reward_weights"),
+    ),
     "algorithm.lam": (0.95, [], spec("algorithm.algorithm.lam")),
     "algorithm.norm_adv_by_std_in_grpo": (
         False,
@@ -321,6 +337,17 @@ CHECKS = {
         0.5,
         ["algorithm.kl_ctrl.type=adaptive"],
         spec("algorithm.algorithm.kl_ctrl.target_kl"),
+    ),
+    f"{RC}.bypass_mode": (True, [], spec("actor.loss_mode")),
+    f"{RC}.loss_type": ("reinforce", BYPASS, spec("actor.policy_loss_kwargs")),
+    f"{RC}.rollout_is": ("token", BYPASS, spec("actor.policy_loss_kwargs")),
+    f"{RC}.rollout_is_threshold": ("0.5_3.0", BYPASS + [f"{RC}.rollout_is=token"], spec("actor.policy_loss_kwargs")),
+    f"{RC}.rollout_is_batch_normalize": (True, BYPASS + [f"{RC}.rollout_is=token"], spec("actor.policy_loss_kwargs")),
+    f"{RC}.rollout_rs": ("token_k1", BYPASS + [f"{RC}.rollout_rs_threshold=2.0"], spec("actor.policy_loss_kwargs")),
+    f"{RC}.rollout_rs_threshold": (
+        "3.0",
+        BYPASS + [f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2.0"],
+        spec("actor.policy_loss_kwargs"),
     ),
     # --- trainer
     "trainer.total_epochs": (3, ["trainer.total_training_steps=None"], spec("training_steps")),
@@ -409,6 +436,7 @@ CHECKS = {
     "jaxflow.reward.load_timeout_s": (10.0, [], spec("reward.load_timeout_s")),
     "jaxflow.reward.max_failure_fraction": (0.9, [], spec("reward.max_failure_fraction")),
     "jaxflow.trainer.max_nonfinite_steps": (1, [], spec("trainer.max_nonfinite_steps")),
+    "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),
     # --- jaxflow: SFT
     "jaxflow.sft.steps": (10, [], spec("sft.steps")),
     "jaxflow.sft.warm_start_steps": (10, [], spec("sft.warm_start_steps")),

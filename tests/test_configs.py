@@ -266,6 +266,61 @@ MALFORMED = [
         "reward_model.model.path",
         "unknown preset 'llama9'",
     ),
+    # verl 0.9.1's estimators and losses
+    ("grpo_tiny", ["algorithm.adv_estimator=gdpo"], "algorithm.gdpo_reward_keys", "gdpo needs the reward dimensions"),
+    (
+        "grpo_tiny",
+        ["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[fmt,acc]", "algorithm.gdpo_reward_weights=[1.0]"],
+        "algorithm.gdpo_reward_weights",
+        "1 weights for the 2 algorithm.gdpo_reward_keys",
+    ),
+    ("grpo_tiny", ["algorithm.adv_estimator=optimal_token_baseline"], "algorithm.adv_estimator", "sum_pi_squared"),
+    (
+        "grpo_tiny",
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=dro"],
+        "actor_rollout_ref.actor.policy_loss.dro_beta",
+        "needs a positive dro_beta",
+    ),
+    (
+        "grpo_tiny",
+        ["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "actor_rollout_ref.actor.tau_neg=0"],
+        "actor_rollout_ref.actor.tau_neg",
+        "must be > 0",
+    ),
+    (
+        "grpo_tiny",
+        ["algorithm.rollout_correction.rollout_is=token"],
+        "algorithm.rollout_correction.rollout_is",
+        "decoupled mode",
+    ),
+    (
+        "grpo_tiny",
+        ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=tokens"],
+        "algorithm.rollout_correction.rollout_is",
+        "token, sequence",
+    ),
+    (
+        "grpo_tiny",
+        [
+            "algorithm.rollout_correction.bypass_mode=true",
+            "algorithm.rollout_correction.rollout_rs=token_k1,seq_max_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+        ],
+        "algorithm.rollout_correction.rollout_rs",
+        "invalid rollout_rs option 'seq_max_k1'",
+    ),
+    (
+        "grpo_tiny",
+        ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_rs=token_k2"],
+        "algorithm.rollout_correction.rollout_rs_threshold",
+        "must be provided",
+    ),
+    (
+        "grpo_tiny",
+        ["algorithm.rollout_correction.loss_type=ppo"],
+        "algorithm.rollout_correction.loss_type",
+        "ppo_clip, reinforce",
+    ),
 ]
 
 

@@ -14,6 +14,8 @@ from jaxflow.data.batch import Batch
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tasks import get_task
 from jaxflow.mesh import Placement
+from jaxflow.programs import steps
+from jaxflow.rewards import RewardScorer
 from jaxflow.sampling import SamplingParams
 from jaxflow.workers import (
     ActorConfig,
@@ -24,6 +26,7 @@ from jaxflow.workers import (
     Workers,
     build_local_workers,
 )
+from tests.verl_reference import ref_gdpo
 
 CFG = models.get_preset("tiny_llama", vocab_size=128, num_layers=1)  # one layer: half the compile time
 ROLE_MODELS = {"actor": CFG, "ref": CFG, "critic": CFG, "reward": CFG}
@@ -233,3 +236,53 @@ def test_grpo_groups_come_from_uid():
         want = (s - s.mean()) / (s.std(ddof=1) + 1e-6) if len(s) > 1 else s * 0
         np.testing.assert_allclose(adv[g], want[:, None] * mask[g], rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(programs.group_ids_from_uid(np.array(["x", "y", "x"], object)), [0, 1, 0])
+
+
+def test_gdpo_reads_the_reward_functions_named_values():
+    """A reward function returning a dict of named scores: the rule scorer keeps them as
+    ``reward_extra/<key>`` columns (0 where the function failed), and gdpo normalises the
+    dimensions named by ``gdpo_reward_keys`` (verl's algorithm.gdpo_reward_keys)."""
+
+    def two_scores(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "boom":
+            raise ValueError("no score for this one")
+        return {"score": 0.0, "fmt": float(len(solution_str) % 3), "acc": float(solution_str == ground_truth)}
+
+    texts = ["12", "7", "12", "boom", "3", "33"]
+    responses = np.zeros((6, 5), np.int32)
+    mask = np.zeros((6, 5), np.int32)
+    for i, text in enumerate(texts):
+        ids = TOKENIZER.encode(text, add_special_tokens=False)
+        responses[i, : len(ids)], mask[i, : len(ids)] = ids, 1
+    batch = Batch.from_dict(
+        {"responses": responses, "response_mask": mask},
+        {"data_source": ["s"] * 6, "ground_truth": ["12", "12", "3", "3", "3", "3"], "uid": list("aabbcc")},
+    )
+    worker = RuleRewardWorker(TOKENIZER, RewardScorer(compute_score=two_scores, isolation="inline"))
+    scored, _ = worker.scores(batch)
+    np.testing.assert_array_equal(scored["reward_extra/acc"], [1, 0, 0, 0, 1, 0])
+    np.testing.assert_array_equal(scored["reward_extra/fmt"], [2, 1, 2, 0, 1, 2])  # "boom" failed: 0
+    batch = batch | scored
+    weights = (0.5, 2.0)
+    adv = programs.compute_advantage(batch, "gdpo", gdpo_reward_keys=("acc", "fmt"), gdpo_reward_weights=weights)
+    scores = np.stack([scored["reward_extra/acc"], scored["reward_extra/fmt"]]).astype(np.float64)
+    want, _ = ref_gdpo(scores, weights, mask.astype(np.float64), programs.group_ids_from_uid(batch["uid"]))
+    np.testing.assert_allclose(adv["advantages"], want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(KeyError, match=r"'length'.*\['acc', 'fmt'\]"):
+        programs.compute_advantage(batch, "gdpo", gdpo_reward_keys=("acc", "length"))
+    partial = batch.update(non_tensors={"reward_extra/acc": np.array([1, 0, np.nan, 0, 1, 0], np.float32)})
+    with pytest.raises(ValueError, match="only 5 of 6 samples"):
+        programs.compute_advantage(partial, "gdpo", gdpo_reward_keys=("acc",))
+
+
+def test_bypass_mode_rollout_takes_the_rollouts_log_probs(workers, prompts, monkeypatch):
+    """verl's bypass mode: old_log_probs are the rollout's own (no actor forward), and planners
+    know the update then reads them."""
+    _, _, w = workers
+    monkeypatch.setattr(w.actor, "log_probs", lambda *a, **k: pytest.fail("bypass mode recomputed old_log_probs"))
+    batch, _ = steps.rollout(w, prompts, steps.StepTimer(), step=0, bypass_mode=True)
+    np.testing.assert_array_equal(np.asarray(batch["old_log_probs"]), np.asarray(batch["rollout_log_probs"]))
+    bypass = algos.AlgorithmSettings(
+        algos.AlgorithmConfig(adv_estimator="grpo", rollout_correction=algos.RolloutCorrectionConfig(bypass_mode=True))
+    )
+    assert programs.rollout_scores_old_log_probs(bypass) and not programs.rollout_scores_old_log_probs(GRPO)

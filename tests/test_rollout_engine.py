@@ -9,7 +9,6 @@ decoding the prefixes), and no recompilation across calls with different length 
 import dataclasses
 
 import jax
-import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -28,6 +27,7 @@ from jaxflow.data.tokenizer import Tokenizer
 from jaxflow.mesh import GENERATE_RULES, MeshSpec, state_shardings
 from jaxflow.models import from_pretrained
 from jaxflow.sampling import (
+    EngineOptions,
     PoolLayout,
     SamplingParams,
     StopStrings,
@@ -37,11 +37,11 @@ from jaxflow.sampling import (
     lower_generate,
     paged_attention,
     sample_tokens,
-    trace_count,
 )
 from jaxflow.sampling.logits_processing import argmax
 from jaxflow.sampling.paged import ragged_arguments, slot_address
 from jaxflow.workers import ActorWorker
+from tests.compile_events import CompileEvents
 from tests.hf_reference import random_hf_model
 
 VOCAB = 100  # the character tokenizer's ids
@@ -199,7 +199,14 @@ def test_slot_reuse_matches_hf(llama):
     params = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
     worst = engine_shape(model.cfg, len(ids), ids.shape[1], NEW, slots=6, page_size=4).worst_case_pages
     for slots, kv_tokens in ((2, None), (6, None), (6, 4 * 44)):
-        out = generate(model, ids, mask, params, max_new_tokens=limits, slots=slots, page_size=4, kv_tokens=kv_tokens)
+        out = generate(
+            model,
+            ids,
+            mask,
+            params,
+            max_new_tokens=limits,
+            options=EngineOptions(slots=slots, page_size=4, kv_tokens=kv_tokens),
+        )
         assert out.stats["slots"] == slots
         np.testing.assert_array_equal(np.asarray(out.lengths), limits)
         tokens, m = np.asarray(out.responses), np.asarray(out.response_mask)
@@ -228,12 +235,12 @@ def test_gpu_kernel_in_the_engine(llama):
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, state_shardings(state, GENERATE_RULES, mesh))
-    out = generate_from_state(graphdef, state, ids, mask, params, mesh=mesh, attention="gpu")
+    out = generate_from_state(graphdef, state, ids, mask, params, mesh=mesh, options=EngineOptions(attention="gpu"))
     assert out.stats["attention"] == "gpu"
     np.testing.assert_array_equal(np.asarray(out.responses), want)
     np.testing.assert_allclose(np.asarray(out.log_probs), want_logp, atol=1e-4)
     with pytest.raises(ValueError, match="runs on TPU only"):
-        generate(model, ids, mask, params, attention="tpu")
+        generate(model, ids, mask, params, options=EngineOptions(attention="tpu"))
 
 
 def test_head_dim_split_over_tp_stays_inside_each_replica(llama):
@@ -276,9 +283,16 @@ def test_small_pool_equals_unconstrained(llama):
     params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_p=0.9, n=2, eos_token_ids=(7, 11), seed=4)
     shape = engine_shape(model.cfg, len(ids), ids.shape[1], NEW, n=2, slots=6, page_size=4)
     big = generate(
-        model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4, kv_tokens=shape.worst_case_pages * 4
+        model,
+        ids,
+        mask,
+        params,
+        max_new_tokens=limits,
+        options=EngineOptions(slots=6, page_size=4, kv_tokens=shape.worst_case_pages * 4),
     )
-    small = generate(model, ids, mask, params, max_new_tokens=limits, slots=6, page_size=4, kv_tokens=4 * 44)
+    small = generate(
+        model, ids, mask, params, max_new_tokens=limits, options=EngineOptions(slots=6, page_size=4, kv_tokens=4 * 44)
+    )
     assert big.stats["pages_per_replica"] == shape.worst_case_pages and int(big.stats["waits"][0]) == 0
     assert small.stats["pages_per_replica"] == 45 < shape.worst_case_pages
     assert int(small.stats["waits"][0]) > 0 and int(small.stats["peak_pages"][0]) <= 44
@@ -288,7 +302,7 @@ def test_small_pool_equals_unconstrained(llama):
     default = engine_shape(model.cfg, 64, 16, 512, n=8)
     assert default.pages < default.worst_case_pages / 3
     with pytest.raises(ValueError, match="kv_tokens=40 is below the smallest pool"):
-        generate(model, ids, mask, params, slots=6, page_size=4, kv_tokens=40)
+        generate(model, ids, mask, params, options=EngineOptions(slots=6, page_size=4, kv_tokens=40))
 
 
 def test_prefix_sharing_equals_separate_prompts(llama):
@@ -299,7 +313,7 @@ def test_prefix_sharing_equals_separate_prompts(llama):
     _, model = llama
     ids, mask = _prompts(seed=1)
     params = SamplingParams(max_new_tokens=NEW, temperature=0.9, top_k=20, n=4, eos_token_ids=(7, 11), seed=5)
-    kw = dict(slots=8, page_size=4, kv_tokens=4 * 1000)  # more than the worst case: nobody waits
+    kw = dict(options=EngineOptions(slots=8, page_size=4, kv_tokens=4 * 1000))  # more than the worst case: nobody waits
     shared = generate(model, ids, mask, params, **kw)
     separate = generate(
         model,
@@ -324,10 +338,12 @@ def test_per_row_limits_and_bad_limits(llama):
     ids, mask = _prompts()
     params = SamplingParams(max_new_tokens=NEW, n=2, eos_token_ids=(), seed=1)
     per_prompt = np.array([1, 2, 3, 4, 5, 6])
-    out = generate(model, ids, mask, params, max_new_tokens=per_prompt, slots=3)
+    out = generate(model, ids, mask, params, max_new_tokens=per_prompt, options=EngineOptions(slots=3))
     np.testing.assert_array_equal(np.asarray(out.lengths), np.repeat(per_prompt, 2))
     assert out.responses.shape == (12, NEW)
-    full = generate(model, ids, mask, params, slots=3)  # same keys: the limited rows are prefixes
+    full = generate(
+        model, ids, mask, params, options=EngineOptions(slots=3)
+    )  # same keys: the limited rows are prefixes
     m = np.asarray(out.response_mask) == 1
     np.testing.assert_array_equal(np.asarray(out.responses)[m], np.asarray(full.responses)[m])
     with pytest.raises(ValueError, match="max_new_tokens must be an int or an integer array"):
@@ -355,7 +371,7 @@ def test_stop_strings(llama):
     tok = CharTokenizer()
     ids, mask = _prompts()
     params = SamplingParams(max_new_tokens=NEW, n=2, eos_token_ids=(), seed=2)
-    kw = dict(slots=3, kv_tokens=1 << 20)  # the worst-case pool (no waits) whatever the stops
+    kw = dict(options=EngineOptions(slots=3, kv_tokens=1 << 20))  # the worst-case pool (no waits) whatever the stops
     free = generate(model, ids, mask, params, **kw)
     texts = [tok.decode([int(t) for t in row]) for row in np.asarray(free.responses)]
     stops = tuple(texts[r][r % 5 + 2 : r % 5 + 4] for r in range(0, 12, 2))  # strings that occur mid-response
@@ -469,38 +485,21 @@ def test_stop_tables_match_decoded_text():
     assert stopped > 40  # 53 of 300 sequences hold a stop string
 
 
-class _CompileCounter:
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-
-    def _listener(self, event, duration, **kwargs):
-        if event == self.EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
-
-
 def test_no_recompilation_across_length_mixes(llama):
     """Calls with different per-row limits and prompt lengths (one bucket) trace and
     compile nothing after the first."""
     _, model = llama
     params = SamplingParams(max_new_tokens=NEW, n=2, eos_token_ids=(9,), seed=0)
     ids, mask = _prompts()
-    generate(model, ids, mask, params, max_new_tokens=np.full(12, NEW), slots=4).responses.block_until_ready()
-    traces = trace_count()
+    generate(
+        model, ids, mask, params, max_new_tokens=np.full(12, NEW), options=EngineOptions(slots=4)
+    ).responses.block_until_ready()
     rng = np.random.default_rng(0)
-    with _CompileCounter() as compiles:
+    with CompileEvents("_generate_program") as events:
         for k in range(3):
             lengths = rng.integers(1, 15, size=6)
             ids, mask = _prompts(tuple(lengths), seed=k)
             limits = rng.integers(1, NEW + 1, size=len(lengths) * 2)
-            out = generate(model, ids, mask, params, max_new_tokens=limits, slots=4)
+            out = generate(model, ids, mask, params, max_new_tokens=limits, options=EngineOptions(slots=4))
             assert (np.asarray(out.lengths) <= limits).all()
-    assert compiles.count == 0 and trace_count() == traces
+    assert events.compiles == 0 and events.traces == 0

@@ -19,15 +19,16 @@ from jaxflow.mesh import GENERATE_RULES, state_shardings
 from jaxflow.models import from_pretrained
 from jaxflow.sampling import (
     DEFAULT_SLOTS,
+    EngineOptions,
     SamplingParams,
     bucket_size,
     engine_shape,
     generate,
     generate_from_state,
     lower_generate,
-    trace_count,
 )
 from jaxflow.sampling.engine import DEFAULT_PAGE_SIZE
+from tests.compile_events import CompileEvents
 from tests.hf_reference import random_hf_model
 
 VOCAB = 128
@@ -98,6 +99,7 @@ def llama(tmp_path_factory):
 
 
 GREEDY = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
+LOGITS = EngineOptions(return_logits=True)
 
 
 def test_greedy_matches_hf(models):
@@ -148,7 +150,7 @@ def sampled(llama):
     """A sampled rollout with per-step logits (debug), n = 2, 12 EOS ids out of 128."""
     _, model = llama
     ids, mask = _prompts(lengths=(5, 2, 11, 8), seed=1)
-    return ids, mask, generate(model, ids, mask, SAMPLED, return_logits=True)
+    return ids, mask, generate(model, ids, mask, SAMPLED, options=LOGITS)
 
 
 def _teacher_forced_logits(model, ids, mask, out, n):
@@ -202,9 +204,9 @@ def test_seeds_end_to_end(llama, sampled):
     """Same seed, same rollout (another call of the same program); another seed differs."""
     _, model = llama
     ids, mask, first = sampled
-    again = generate(model, ids, mask, SAMPLED, return_logits=True)
+    again = generate(model, ids, mask, SAMPLED, options=LOGITS)
     np.testing.assert_array_equal(np.asarray(again.responses), np.asarray(first.responses))
-    other = generate(model, ids, mask, dataclasses.replace(SAMPLED, seed=4), return_logits=True)
+    other = generate(model, ids, mask, dataclasses.replace(SAMPLED, seed=4), options=LOGITS)
     assert (np.asarray(other.responses) != np.asarray(first.responses)).any()
 
 
@@ -251,7 +253,7 @@ def test_sharded_equals_unsharded(llama):
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, state_shardings(state, GENERATE_RULES, mesh))
-    out = generate_from_state(graphdef, state, ids, mask, GREEDY, mesh=mesh, return_cache=True)
+    out = generate_from_state(graphdef, state, ids, mask, GREEDY, mesh=mesh, options=EngineOptions(return_cache=True))
     np.testing.assert_array_equal(np.asarray(out.responses), np.asarray(want.responses))
     np.testing.assert_allclose(np.asarray(out.log_probs), np.asarray(want.log_probs), atol=1e-4)
     assert out.responses.sharding.is_equivalent_to(NamedSharding(mesh, PartitionSpec("dp", None)), 2)
@@ -267,7 +269,11 @@ def test_sharded_equals_unsharded(llama):
         assert pool.sharding.is_equivalent_to(pool_spec, 6)
         assert {s.data.shape for s in pool.addressable_shards} == {(1, cfg.num_layers, 1, pages, T, K)}
     # In the compiled program every pool buffer is a per-device shard: 1 replica, 1 kv head.
-    hlo = lower_generate(graphdef, state, ids, mask, GREEDY, mesh=mesh, return_cache=True).compile().as_text()
+    hlo = (
+        lower_generate(graphdef, state, ids, mask, GREEDY, mesh=mesh, options=EngineOptions(return_cache=True))
+        .compile()
+        .as_text()
+    )
     heads = re.findall(rf"f32\[((?:\d+,)*)(\d+),{pages},{T},{K}\]", hlo)
     assert heads and {h for _, h in heads} == {"1"}
     assert all(set(lead.strip(",").split(",")) <= {"1", str(cfg.num_layers), ""} for lead, _ in heads)
@@ -284,44 +290,22 @@ def test_scan_layers_matches_unrolled(llama, tmp_path):
     )
 
 
-class _CompileCounter:
-    """Counts XLA backend compilations while active."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __init__(self):
-        self.count = 0
-
-    def _listener(self, event, duration, **kwargs):
-        if event == self.EVENT:
-            self.count += 1
-
-    def __enter__(self):
-        jax.monitoring.register_event_duration_secs_listener(self._listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
-
-
 def test_no_recompilation(llama, sampled):
     """Repeated calls with one configuration trace and compile nothing; neither does another
     prompt batch of the same bucket, another seed / temperature / top-p, nor (no retrace)
     another max_new_tokens within the response bucket."""
     _, model = llama
     ids, mask, _ = sampled  # the `sampled` fixture already compiled this program
-    traces = trace_count()
-    with _CompileCounter() as compiles:
-        generate(model, ids, mask, SAMPLED, return_logits=True)
-        generate(model, ids, mask, SAMPLED, return_logits=True)
+    with CompileEvents("_generate_program") as events:
+        generate(model, ids, mask, SAMPLED, options=LOGITS)
+        generate(model, ids, mask, SAMPLED, options=LOGITS)
         ids2, mask2 = _prompts(lengths=(11, 3, 9, 1), seed=5)  # same bucket: 4 rows, <= 16 tokens
         other = dataclasses.replace(SAMPLED, seed=9, temperature=1.2, top_p=0.8)
-        out = generate(model, ids2, mask2, other, return_logits=True)
+        out = generate(model, ids2, mask2, other, options=LOGITS)
         out.responses.block_until_ready()
-    assert compiles.count == 0
-    assert trace_count() == traces
-    generate(model, ids, mask, dataclasses.replace(SAMPLED, max_new_tokens=33), return_logits=True)
-    assert trace_count() == traces
+        assert events.compiles == 0
+        generate(model, ids, mask, dataclasses.replace(SAMPLED, max_new_tokens=33), options=LOGITS)
+    assert events.traces == 0
 
 
 def test_bucket_padding_rows_are_dropped(llama):

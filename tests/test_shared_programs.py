@@ -171,15 +171,21 @@ class Recorder:
             mesh,
             rules,
             rng,
-            slots,
-            kv_tokens,
+            options,
             max_new_tokens=None,
             tokenizer=None,
         ):
             assert max_new_tokens is None and tokenizer is None  # no per-row limits or stop strings here
             names = {spec.rollout.train: "actor/generate", spec.rollout.resolve("greedy"): "actor/generate_greedy"}
             lowered = lower_generate(
-                graphdef, abstract(state), ids, mask, params, mesh=mesh, rules=rules, slots=slots, kv_tokens=kv_tokens
+                graphdef,
+                abstract(state),
+                ids,
+                mask,
+                params,
+                mesh=mesh,
+                rules=rules,
+                options=options,
             )
             recorder.add(names[params], lowered.as_text())
             rows, length = len(ids) * params.n, params.max_new_tokens

@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
+import jaxflow.algos as algos
 import jaxflow.models as models
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import TRAIN_RULES, logical_axes_tree, logical_to_spec
@@ -223,3 +224,44 @@ def test_update_that_overflows_the_weights_is_refused(lr, refused):
     changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after.params), jax.tree.leaves(before.params))]
     assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(after))
     assert not any(changed) if refused else all(changed)
+
+
+def test_bypass_mode_step_reports_verls_rollout_corr_metrics(minibatch):
+    """With loss_mode=bypass_mode the step's loss and metrics are `compute_policy_loss`'s on the
+    worker's own log-probs (old_log_probs playing the rollout's), the rollout_corr/* metrics
+    under verl's names (not actor/...), the mini-batch's token count as the normaliser."""
+    rc = algos.RolloutCorrectionConfig(
+        rollout_is="token",
+        rollout_is_threshold=1.05,
+        loss_type="reinforce",
+        rollout_rs="token_k2",
+        rollout_rs_threshold="0.005",
+    )
+    config = ActorConfig(
+        ppo_mini_batch_size=B,
+        loss_mode="bypass_mode",
+        policy_loss_kwargs=(("rollout_correction", rc),),
+        optim=OptimConfig(lr=1e-3, eps=1e-4),
+    )
+    one_layer = models.get_preset("tiny_llama", vocab_size=128, num_layers=1)  # half the compile
+    worker = ActorWorker(models.init_model(one_layer, seed=3), _mesh((1, 1, 1)), TRAIN_RULES, config)
+    log_prob = np.asarray(worker.log_probs(Batch.from_dict(dict(minibatch)))["old_log_probs"])
+    metrics = worker.train_step(minibatch)
+    mask = minibatch["response_mask"]
+    want, want_metrics = algos.compute_policy_loss(
+        minibatch["old_log_probs"],
+        log_prob,
+        minibatch["advantages"],
+        mask,
+        loss_mode="bypass_mode",
+        rollout_correction=rc,
+        global_batch_info=algos.global_batch_info(mask),
+    )
+    np.testing.assert_allclose(metrics["actor/pg_loss"], float(want), rtol=1e-5)
+    np.testing.assert_allclose(metrics["actor/ppo_kl"], float(want_metrics["ppo_kl"]), rtol=1e-4, atol=1e-7)
+    corr = {k for k in want_metrics if k.startswith("rollout_corr/")}
+    assert {"rollout_corr/kl", "rollout_corr/rollout_is_mean", "rollout_corr/rollout_rs_masked_fraction"} <= corr
+    assert corr <= metrics.keys() and not any(k.startswith("actor/rollout_corr") for k in metrics)
+    for key in corr:
+        np.testing.assert_allclose(metrics[key], float(want_metrics[key]), rtol=1e-4, atol=1e-6, err_msg=key)
+    assert 0 < metrics["rollout_corr/rollout_rs_masked_fraction"] < 1

@@ -1,7 +1,8 @@
 """jaxflow.algos: verl-compatible RL algorithm maths as pure JAX functions.
 
 ``import jaxflow.algos as algos`` gives advantage estimators, policy/value losses, KL, entropy,
-loss aggregation, the Safe-RLHF pieces and the algorithm's typed settings. Each registry
+loss aggregation, rollout correction (IS weights, rejection sampling, bypass mode), the
+Safe-RLHF pieces and the algorithm's typed settings. Each registry
 (advantage estimators, policy losses, KL estimators) selects a function by a config string
 and accepts user additions by decorator; the names are verl's (``register_adv_est``,
 ``get_adv_estimator_fn``, ``register_policy_loss``, ``get_policy_loss_fn``, ...). This
@@ -13,6 +14,7 @@ from jaxflow.algos.advantages import (
     ADV_ESTIMATOR_REGISTRY,
     advantage_estimator_names,
     compute_gae_advantage_return,
+    compute_gdpo_outcome_advantage,
     compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
     compute_grpo_passk_outcome_advantage,
@@ -63,6 +65,14 @@ from jaxflow.algos.policy_losses import (
     register_policy_loss,
 )
 from jaxflow.algos.registry import Registry, UnknownNameError, accepts_keywords
+from jaxflow.algos.rollout_correction import (
+    compute_offpolicy_metrics,
+    compute_policy_loss_bypass_mode,
+    compute_policy_loss_reinforce,
+    compute_rollout_correction_and_rejection_mask,
+    compute_rollout_correction_weights,
+    compute_rollout_rejection_mask,
+)
 from jaxflow.algos.safe_rlhf import (
     LagrangeMultiplier,
     add_ptx_loss,
@@ -71,22 +81,39 @@ from jaxflow.algos.safe_rlhf import (
     compute_ptx_loss,
     update_lagrange_multiplier,
 )
-from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
+from jaxflow.algos.settings import (
+    AlgorithmConfig,
+    AlgorithmSettings,
+    KLControlConfig,
+    RolloutCorrectionConfig,
+    SafeRLHFConfig,
+)
+from jaxflow.algos.token_baseline import (
+    compute_multi_turn_optimal_token_baseline_advantage,
+    compute_optimal_token_baseline_advantage,
+)
+from jaxflow.algos.trust_region_losses import (
+    compute_policy_loss_dppo_kl,
+    compute_policy_loss_dppo_tv,
+    compute_policy_loss_dro,
+    compute_policy_loss_sapo,
+)
 from jaxflow.algos.value import compute_value_loss
 
 __all__ = [
     "ADV_ESTIMATOR_REGISTRY",
-    "COMMON_POLICY_LOSS_KEYWORDS",
-    "KL_ESTIMATOR_REGISTRY",
-    "LOSS_AGG_MODES",
-    "POLICY_LOSS_REGISTRY",
     "AdaptiveKLController",
     "AlgorithmConfig",
     "AlgorithmSettings",
+    "COMMON_POLICY_LOSS_KEYWORDS",
     "FixedKLController",
     "KLControlConfig",
+    "KL_ESTIMATOR_REGISTRY",
+    "LOSS_AGG_MODES",
     "LagrangeMultiplier",
+    "POLICY_LOSS_REGISTRY",
     "Registry",
+    "RolloutCorrectionConfig",
     "SafeRLHFConfig",
     "UnknownNameError",
     "accepts_keywords",
@@ -99,24 +126,37 @@ __all__ = [
     "compute_entropy_loss",
     "compute_episode_cost",
     "compute_gae_advantage_return",
+    "compute_gdpo_outcome_advantage",
     "compute_gpg_outcome_advantage",
     "compute_grpo_outcome_advantage",
     "compute_grpo_passk_outcome_advantage",
     "compute_lagrangian_advantages",
+    "compute_multi_turn_optimal_token_baseline_advantage",
+    "compute_offpolicy_metrics",
     "compute_opo_outcome_advantage",
+    "compute_optimal_token_baseline_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_bypass_mode",
     "compute_policy_loss_cispo",
     "compute_policy_loss_clip_cov",
+    "compute_policy_loss_dppo_kl",
+    "compute_policy_loss_dppo_tv",
+    "compute_policy_loss_dro",
     "compute_policy_loss_geo_mean",
     "compute_policy_loss_gpg",
     "compute_policy_loss_gspo",
     "compute_policy_loss_kl_cov",
+    "compute_policy_loss_reinforce",
+    "compute_policy_loss_sapo",
     "compute_policy_loss_vanilla",
     "compute_ptx_loss",
     "compute_reinforce_plus_plus_baseline_outcome_advantage",
     "compute_reinforce_plus_plus_outcome_advantage",
     "compute_remax_outcome_advantage",
     "compute_rloo_outcome_advantage",
+    "compute_rollout_correction_and_rejection_mask",
+    "compute_rollout_correction_weights",
+    "compute_rollout_rejection_mask",
     "compute_value_loss",
     "get_adv_estimator_fn",
     "get_kl_controller",

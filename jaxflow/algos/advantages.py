@@ -409,3 +409,62 @@ def compute_gpg_outcome_advantage(
     alpha = s.shape[0] / jnp.maximum(1, jnp.count_nonzero(s)).astype(s.dtype)
     adv = _broadcast(alpha * (s - mean) / jnp.asarray(f_norm, s.dtype), response_mask)
     return adv, adv
+
+
+@register_adv_est("gdpo")
+def compute_gdpo_outcome_advantage(
+    token_level_rewards: Array,
+    response_mask: Array,
+    group_ids: Array,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: Any = True,
+    gdpo_scores: Array | None = None,
+    gdpo_reward_weights: Any = None,
+) -> tuple[Array, Array]:
+    """Group reward-Decoupled normalisation Policy Optimisation, GDPO (arXiv:2601.05242),
+    verl's form.
+
+    Each reward dimension is normalised within its group *before* the dimensions are
+    combined, so that a dominant reward does not drown the others::
+
+        A_k,i = (s_k,i - mean_g s_k) / (std_g s_k + epsilon)     # GRPO per dimension k
+        A_i   = sum_k w_k A_k,i
+        adv   = whiten_m(A_i m) m                                # over the batch's tokens
+
+    ``gdpo_scores`` ``[K, B]``: the sequence scores of the ``K`` dimensions (verl reads them
+    from the reward function's dict under ``algorithm.gdpo_reward_keys``); without them the
+    one dimension ``s_i = sum_t r_t m_t`` of ``token_level_rewards``. ``gdpo_reward_weights``
+    ``[K]`` (``algorithm.gdpo_reward_weights``; None: all 1). ``norm_adv_by_std_in_grpo=False``
+    drops the per-dimension std (as Dr.GRPO). Groups of one use ``mean 0, std 1``.
+    Advantages ``= returns``.
+    """
+    if gdpo_scores is None:
+        scores_KxB = _scores(token_level_rewards, response_mask)[None]
+    else:
+        scores_KxB = _as_float(gdpo_scores)
+        if scores_KxB.ndim != 2 or scores_KxB.shape[1] != jnp.shape(response_mask)[0]:
+            raise ValueError(
+                f"gdpo_scores must be [K, B] with B={jnp.shape(response_mask)[0]} rows, got {scores_KxB.shape}"
+            )
+    num_scores = scores_KxB.shape[0]
+    if gdpo_reward_weights is None:
+        weights_K = jnp.ones((num_scores,), scores_KxB.dtype)
+    else:
+        weights_K = jnp.asarray(gdpo_reward_weights, scores_KxB.dtype).reshape(-1)
+        if weights_K.shape[0] != num_scores:
+            raise ValueError(f"gdpo_reward_weights has {weights_K.shape[0]} weights for {num_scores} reward dimensions")
+    return _gdpo(scores_KxB, weights_K, response_mask, group_ids, epsilon, norm_adv_by_std_in_grpo)
+
+
+@jax.jit
+def _gdpo(scores_KxB, weights_K, response_mask, group_ids, epsilon, norm_adv_by_std_in_grpo):
+    gidx = group_index(group_ids)
+
+    def normalise(s_B: Array) -> Array:
+        mean, std, _ = group_mean_std(s_B, group_ids, gidx=gidx)
+        return jnp.where(jnp.asarray(norm_adv_by_std_in_grpo), (s_B - mean) / (std + epsilon), s_B - mean)
+
+    a_B = jnp.sum(weights_K[:, None] * jax.vmap(normalise)(scores_KxB), axis=0)
+    m = jnp.asarray(response_mask).astype(a_B.dtype)
+    adv = masked_whiten(_broadcast(a_B, response_mask), response_mask) * m
+    return adv, adv

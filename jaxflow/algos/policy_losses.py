@@ -3,8 +3,11 @@
 All losses share the signature of :func:`compute_policy_loss`'s positional columns
 ``(old_log_prob, log_prob, advantages, response_mask)`` (``[B, T]`` each) and return
 ``(loss, metrics)`` where ``metrics`` always holds the scalars ``pg_clipfrac``,
-``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), so the output
-pytree does not depend on the mode. Gradients flow through ``log_prob`` only.
+``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), plus any metric
+of the loss's own under its verl name (``bypass_mode``'s ``rollout_corr/*``). Gradients flow
+through ``log_prob`` only. verl 0.9.1's newer losses live beside this module:
+`jaxflow.algos.trust_region_losses` (``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``) and
+`jaxflow.algos.rollout_correction` (``bypass_mode``).
 
 Global normalisation
 --------------------
@@ -170,7 +173,8 @@ def compute_policy_loss(
     **mode_kwargs: Any,
 ) -> tuple[Array, dict]:
     """Dispatches to the policy loss ``loss_mode`` (``vanilla``, ``gspo``, ``gpg``, ``cispo``,
-    ``clip_cov``, ``kl_cov``, ``geo_mean`` or a user-registered one).
+    ``clip_cov``, ``kl_cov``, ``geo_mean``, ``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``,
+    ``bypass_mode`` or a user-registered one).
 
     Clip ratios and ``loss_agg_mode`` are dropped for modes that do not use them;
     ``mode_kwargs`` are passed as-is, so a misspelt mode option raises ``TypeError``.
@@ -279,6 +283,7 @@ def compute_policy_loss_gspo(
     advantages: Array,
     response_mask: Array,
     *,
+    loss_agg_mode: str = "seq-mean-token-mean",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     rollout_is_weights: Array | None = None,
@@ -292,7 +297,8 @@ def compute_policy_loss_gspo(
         log s_it   = min(sg(log s_i) + log_prob - sg(log_prob), 10)
         L1, L2     = -A s_it, -A clip(s_it, 1 - eps_low, 1 + eps_high);  L = max(L1, L2)
 
-    Always aggregated ``seq-mean-token-mean`` (``loss_agg_mode`` is ignored, as in verl).
+    Aggregated with ``loss_agg_mode`` as verl 0.9.1 does (the paper's ``seq-mean-token-mean``
+    is this function's default; the actor passes its own setting, ``token-mean`` unless set).
     Metrics: ``pg_clipfrac = mean_m(L2 > L1)``, ``ppo_kl = mean_m(old_log_prob - log_prob)``.
     """
     dtype = log_prob.dtype
@@ -304,7 +310,7 @@ def compute_policy_loss_gspo(
     l1 = -advantages * s
     l2 = -advantages * jnp.clip(s, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = jnp.maximum(l1, l2)
-    loss = _agg(pg_losses, response_mask, "seq-mean-token-mean", rollout_is_weights, global_batch_info)
+    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
     return loss, _metrics(_frac(l2 > l1, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss)
 
 

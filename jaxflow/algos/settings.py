@@ -22,6 +22,37 @@ class KLControlConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``: corrections for the gap between the policy
+    that sampled (the rollout engine's ``rollout_log_probs``) and the one trained
+    (`jaxflow.algos.rollout_correction`).
+
+    Attributes:
+      rollout_is: importance weights ``pi_train / pi_rollout`` per ``token`` or per
+        ``sequence`` (None: none).
+      rollout_is_threshold: their bound: a number (truncation, TIS) or ``"lower_upper"``
+        (weights outside are zeroed, IcePop); a number or its text.
+      rollout_rs: rejection sampling: comma-separated criteria among ``token_k{1,2,3}``,
+        ``seq_sum_k{1,2,3}``, ``seq_mean_k{1,2,3}``, ``seq_max_k{2,3}`` (None: none).
+      rollout_rs_threshold: one threshold per criterion (comma-separated) or one for all;
+        ``*_k1`` criteria take ``"lower_upper"`` ratio bounds (one number ``u``: ``1/u_u``).
+      bypass_mode: train against the rollout's log-probs (no ``old_log_probs`` recompute)
+        with the ``bypass_mode`` policy loss.
+      loss_type: that loss: ``ppo_clip`` (PPO against the rollout policy) or ``reinforce``
+        (REINFORCE with the IS weights).
+      rollout_is_batch_normalize: rescale the IS weights to mean 1 over the batch.
+    """
+
+    rollout_is: str | None = None
+    rollout_is_threshold: float | str = 2.0
+    rollout_rs: str | None = None
+    rollout_rs_threshold: float | str | None = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    rollout_is_batch_normalize: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class AlgorithmConfig:
     """verl's ``algorithm`` section.
 
@@ -32,6 +63,9 @@ class AlgorithmConfig:
       use_kl_in_reward: subtract ``beta * kl(old_log_probs, ref_log_prob)`` from the scores.
       kl_penalty: the KL estimator of that penalty (``kl``, ``abs``, ``mse``, ``low_var_kl``).
       kl_ctrl: its coefficient's controller.
+      gdpo_reward_keys, gdpo_reward_weights: ``gdpo``'s reward dimensions (keys of the reward
+        function's dict) and their weights (None: all 1).
+      rollout_correction: the rollout-correction settings (bypass mode, IS weights, rejection).
     """
 
     adv_estimator: str = "gae"
@@ -41,6 +75,9 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False
     kl_penalty: str = "kl"
     kl_ctrl: KLControlConfig = KLControlConfig()
+    gdpo_reward_keys: tuple[str, ...] = ()
+    gdpo_reward_weights: tuple[float, ...] | None = None
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,14 +115,95 @@ def measure(
     ``call_s`` (a trivial program), ``collectives`` ``[(k, bytes, seconds)]`` (all-reduces
     over 2, 4, 8 devices of ``collective_bytes``) and the stage ``samples`` at ``shapes``."""
     import jax
+
+    from jaxflow.automap.workload import workload_from_config
+
+    devs = jax.devices()[:devices]
+    if len(devs) < devices:
+        raise ValueError(f"calibrate needs {devices} devices, JAX has {len(devs)}")
+    out = _device_rates(devs, repeats)
+    log(
+        f"  host {out['flops'] / 1e9:.1f} GFLOP/s, {out['hbm_bw'] / 1e9:.1f} GB/s streaming, one program call "
+        f"{out['call_s'] * 1e3:.2f} ms (measured)"
+    )
+    out["collectives"] = _collective_times(devs, collective_bytes, repeats, out["call_s"])
+    base = workload_from_config(cfg)
+    samples = []
+    for rows, P, R in shapes:
+        samples += _stage_samples(cfg, base, devs, rows, P, R, repeats)
+        log(
+            "  "
+            + ", ".join(f"{s.phase} {s.seconds * 1e3:.1f} ms" for s in samples[-3:])
+            + f" ({rows} x {P}+{R} tokens; measured)"
+        )
+    out["samples"] = samples
+    out["base"] = base
+    return out
+
+
+def _device_rates(devs: list, repeats: int) -> dict[str, float]:
+    """Measured: matmul FLOP/s, streaming bytes/s (read + written) and one trivial program
+    call's seconds, over ``devs`` split by rows."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
-    from flax import nnx
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as Ps
 
+    devices = len(devs)
+    mesh = Mesh(np.asarray(devs), ("d",))
+    rows_sharding = NamedSharding(mesh, Ps("d"))
+    m, k = 256 * devices, 512
+    x = jax.device_put(jnp.ones((m, k), jnp.float32), rows_sharding)
+    wgt = jax.device_put(jnp.ones((k, k), jnp.float32), NamedSharding(mesh, Ps()))
+    mm = jax.jit(lambda a, b: a @ b)
+    big = jax.device_put(jnp.ones((devices * (4 << 20),), jnp.float32), rows_sharding)  # 16 MiB per device
+    ew = jax.jit(lambda a: a * 2.0 + 1.0)
+    tiny = jax.device_put(jnp.ones((devices,), jnp.float32), rows_sharding)
+    inc = jax.jit(lambda a: a + 1.0)
+    return {
+        "flops": 2 * m * k * k / _median_time(lambda: mm(x, wgt), repeats),
+        "hbm_bw": 2 * big.size * 4 / _median_time(lambda: ew(big), repeats),
+        "call_s": _median_time(lambda: inc(tiny), 3 * repeats),
+    }
+
+
+def _collective_times(devs: list, collective_bytes: Sequence[int], repeats: int, call_s: float) -> list:
+    """Measured: ``[(k, bytes, seconds)]`` of an all-reduce over the first k = 2, 4, 8 devices,
+    the cost of a trivial program call taken off."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as Ps
+
+    out = []
+    for g in (2, 4, 8):
+        if g > len(devs):
+            continue
+        gmesh = Mesh(np.asarray(devs[:g]), ("d",))
+        for nbytes in collective_bytes:
+            elems = nbytes // 4
+            a = jax.device_put(jnp.ones((g, elems), jnp.float32), NamedSharding(gmesh, Ps("d")))
+            ar = jax.jit(
+                lambda v: jnp.broadcast_to(v.sum(0, keepdims=True), v.shape),
+                out_shardings=NamedSharding(gmesh, Ps("d")),
+            )
+            out.append((g, elems * 4, max(0.0, _median_time(lambda: ar(a), repeats) - call_s)))
+    return out
+
+
+def _stage_samples(cfg: Any, base: Any, devs: list, rows: int, P: int, R: int, repeats: int) -> list[Sample]:
+    """Measured: the actor's forward, train step and generation of ``rows`` x (P + R) tokens
+    on ``devs`` (fsdp over all), through the workers' own builders."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as Ps
+
     from jaxflow.automap.layouts import Layout, role_layout
-    from jaxflow.automap.workload import workload_from_config
     from jaxflow.configs.run_spec import describe_run
     from jaxflow.mesh import MeshSpec, state_shardings
     from jaxflow.models import init_model
@@ -133,108 +214,50 @@ def measure(
     from jaxflow.workers.optim import make_optimizer
     from jaxflow.workers.train_state import create_train_state
 
-    devs = jax.devices()[:devices]
-    if len(devs) < devices:
-        raise ValueError(f"calibrate needs {devices} devices, JAX has {len(devs)}")
-    mesh = Mesh(np.asarray(devs), ("d",))
-    rows_sharding = NamedSharding(mesh, Ps("d"))
-    out: dict[str, Any] = {}
-
-    m, k = 256 * devices, 512
-    x = jax.device_put(jnp.ones((m, k), jnp.float32), rows_sharding)
-    wgt = jax.device_put(jnp.ones((k, k), jnp.float32), NamedSharding(mesh, Ps()))
-    mm = jax.jit(lambda a, b: a @ b)
-    out["flops"] = 2 * m * k * k / _median_time(lambda: mm(x, wgt), repeats)
-    big = jax.device_put(jnp.ones((devices * (4 << 20),), jnp.float32), rows_sharding)  # 16 MiB per device
-    ew = jax.jit(lambda a: a * 2.0 + 1.0)
-    out["hbm_bw"] = 2 * big.size * 4 / _median_time(lambda: ew(big), repeats)
-    tiny = jax.device_put(jnp.ones((devices,), jnp.float32), rows_sharding)
-    inc = jax.jit(lambda a: a + 1.0)
-    out["call_s"] = _median_time(lambda: inc(tiny), 3 * repeats)
-    log(
-        f"  host {out['flops'] / 1e9:.1f} GFLOP/s, {out['hbm_bw'] / 1e9:.1f} GB/s streaming, one program call "
-        f"{out['call_s'] * 1e3:.2f} ms (measured)"
-    )
-
-    collectives = []
-    for g in (2, 4, 8):
-        if g > devices:
-            continue
-        gmesh = Mesh(np.asarray(devs[:g]), ("d",))
-        for nbytes in collective_bytes:
-            elems = nbytes // 4
-            a = jax.device_put(jnp.ones((g, elems), jnp.float32), NamedSharding(gmesh, Ps("d")))
-            ar = jax.jit(
-                lambda v: jnp.broadcast_to(v.sum(0, keepdims=True), v.shape),
-                out_shardings=NamedSharding(gmesh, Ps("d")),
-            )
-            collectives.append((g, elems * 4, max(0.0, _median_time(lambda: ar(a), repeats) - out["call_s"])))
-    out["collectives"] = collectives
-
-    # The stage programs, through the workers' builders, on the actor's model.
-    base = workload_from_config(cfg)
     mc = base.models["actor"].config
     actor = describe_run(cfg, with_placement=False).actor
     tx, schedule = make_optimizer(actor.optim)
     graphdef, params = nnx.split(init_model(mc, head="lm"))
-    samples = []
-    for rows, P, R in shapes:
-        probe = Sample("train", rows, P, R, 0.0)
-        rl = role_layout(sample_workload(base, probe), "actor", Layout(1, devices, 1, 1))
-        fmesh = MeshSpec(fsdp=devices).build(devs, model=mc, rules=rl.rules)
-        shardings = state_shardings(params, rl.rules, fmesh)
-        layout = RoleLayout(graphdef, fmesh, rl.rules, shardings)
-        batch_rows = NamedSharding(fmesh, Ps(layout.batch_axes))
-        ones = {
-            "prompt_ids": jnp.ones((rows, P), jnp.int32),
-            "prompt_mask": jnp.ones((rows, P), jnp.int32),
-            "responses": jnp.ones((rows, R), jnp.int32),
-            "response_mask": jnp.ones((rows, R), jnp.int32),
-        }
-        tensors = jax.device_put(ones, batch_rows)
-        scalars = {"temperature": jnp.float32(1.0)}
-        placed = jax.device_put(params, shardings)
-        forward = log_probs_program(layout, 1)
-        samples.append(Sample("infer", rows, P, R, _median_time(lambda: forward(placed, tensors, scalars), repeats)))
-        cols = {c: (rows, R) for c in actor.train_columns() if c not in ones}
-        batch = dict(tensors, **jax.device_put({c: jnp.zeros(s, jnp.float32) for c, s in cols.items()}, batch_rows))
-        state, state_sh = create_train_state(placed, shardings, tx, fmesh)
-        step = actor_train_step(layout, tx, schedule, actor, state_sh, 1)
-        holder = [state]
+    rl = role_layout(sample_workload(base, Sample("train", rows, P, R, 0.0)), "actor", Layout(1, len(devs), 1, 1))
+    fmesh = MeshSpec(fsdp=len(devs)).build(devs, model=mc, rules=rl.rules)
+    shardings = state_shardings(params, rl.rules, fmesh)
+    layout = RoleLayout(graphdef, fmesh, rl.rules, shardings)
+    batch_rows = NamedSharding(fmesh, Ps(layout.batch_axes))
+    ones = {c: jnp.ones((rows, P if c.startswith("prompt") else R), jnp.int32) for c in PROMPT_COLUMNS}
+    tensors = jax.device_put(ones, batch_rows)
+    scalars = {"temperature": jnp.float32(1.0)}
+    placed = jax.device_put(params, shardings)
+    forward = log_probs_program(layout, 1)
+    infer_s = _median_time(lambda: forward(placed, tensors, scalars), repeats)
+    cols = {c: (rows, R) for c in actor.train_columns() if c not in ones}
+    batch = dict(tensors, **jax.device_put({c: jnp.zeros(s, jnp.float32) for c, s in cols.items()}, batch_rows))
+    state, state_sh = create_train_state(placed, shardings, tx, fmesh)
+    step = actor_train_step(layout, tx, schedule, actor, state_sh, 1)
+    holder = [state]
 
-        def train_call():
-            holder[0], metrics = step(holder[0], batch, scalars)
-            return metrics
+    def train_call():
+        holder[0], metrics = step(holder[0], batch, scalars)
+        return metrics
 
-        samples.append(Sample("train", rows, P, R, _median_time(train_call, repeats)))
-        engine = HybridEngine(fmesh, rl.rules, gen_tp=1)
-        gen_params = jax.device_put(params, state_shardings(params, engine.gen_rules, engine.gen_mesh))
-        prompts = np.ones((rows, P), np.int32)
-        sp = SamplingParams(max_new_tokens=R, n=1, eos_token_ids=())
-        samples.append(
-            Sample(
-                "generate",
-                rows,
-                P,
-                R,
-                _median_time(
-                    lambda: (
-                        generate_from_state(
-                            graphdef, gen_params, prompts, prompts, sp, mesh=engine.gen_mesh, rules=engine.gen_rules
-                        ).responses
-                    ),
-                    repeats,
-                ),
-            )
-        )
-        log(
-            "  "
-            + ", ".join(f"{s.phase} {s.seconds * 1e3:.1f} ms" for s in samples[-3:])
-            + f" ({rows} x {P}+{R} tokens; measured)"
-        )
-    out["samples"] = samples
-    out["base"] = base
-    return out
+    train_s = _median_time(train_call, repeats)
+    engine = HybridEngine(fmesh, rl.rules, gen_tp=1)
+    gen_params = jax.device_put(params, state_shardings(params, engine.gen_rules, engine.gen_mesh))
+    prompts = np.ones((rows, P), np.int32)
+    sp = SamplingParams(max_new_tokens=R, n=1, eos_token_ids=())
+
+    def generate_call():
+        return generate_from_state(
+            graphdef, gen_params, prompts, prompts, sp, mesh=engine.gen_mesh, rules=engine.gen_rules
+        ).responses
+
+    return [
+        Sample("infer", rows, P, R, infer_s),
+        Sample("train", rows, P, R, train_s),
+        Sample("generate", rows, P, R, _median_time(generate_call, repeats)),
+    ]
+
+
+PROMPT_COLUMNS = ("prompt_ids", "prompt_mask", "responses", "response_mask")
 
 
 def fit_collectives(samples: Sequence[tuple[int, int, float]]) -> Any:

@@ -124,7 +124,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
         ("actor_rollout_ref.actor.grad_clip", 1.0, "Global gradient-norm clip; <= 0 disables clipping."),
         ("actor_rollout_ref.actor.clip_ratio_low", 0.2, "PPO ratio clip below: 1 - clip_ratio_low."),
         ("actor_rollout_ref.actor.clip_ratio_high", 0.2, "PPO ratio clip above: 1 + clip_ratio_high."),
-        ("actor_rollout_ref.actor.clip_ratio_c", 3.0, "Dual-clip PPO bound for negative advantages (> 1)."),
+        (
+            "actor_rollout_ref.actor.clip_ratio_c",
+            3.0,
+            "Dual-clip PPO bound for negative advantages (> 1); dppo_tv / dppo_kl: the truncation of their IS ratio.",
+        ),
+        ("actor_rollout_ref.actor.tau_pos", 1.0, "sapo: gate temperature of tokens with a positive advantage (> 0)."),
+        ("actor_rollout_ref.actor.tau_neg", 1.05, "sapo: gate temperature of the other tokens (> 0)."),
         (
             "actor_rollout_ref.actor.loss_agg_mode",
             "token-mean",
@@ -134,8 +140,9 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
         (
             "actor_rollout_ref.actor.policy_loss.loss_mode",
             "vanilla",
-            "Policy loss from the registry: vanilla | gspo | gpg | cispo | clip_cov | kl_cov | geo_mean | a registered "
-            "name.",
+            "Policy loss from the registry: vanilla | gspo | gpg | cispo | clip_cov | kl_cov | geo_mean | dppo_tv | "
+            "dppo_kl (clip_ratio_low/high are then divergence thresholds) | sapo | dro | bypass_mode (set by "
+            "algorithm.rollout_correction.bypass_mode) | a registered name.",
         ),
         (
             "actor_rollout_ref.actor.policy_loss.clip_cov_ratio",
@@ -150,6 +157,11 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "kl_cov: fraction of tokens that get the KL penalty.",
         ),
         ("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", 0.1, "kl_cov: coefficient of that KL penalty."),
+        (
+            "actor_rollout_ref.actor.policy_loss.dro_beta",
+            _opt(float),
+            "dro: coefficient beta (> 0, required) of the quadratic log-ratio penalty beta/2 (log pi - log pi_old)^2.",
+        ),
         ("actor_rollout_ref.actor.entropy_coeff", 0.0, "Entropy bonus coefficient in the actor loss."),
         (
             "actor_rollout_ref.actor.use_kl_loss",
@@ -303,7 +315,18 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "algorithm.adv_estimator",
             "gae",
             "Advantage estimator: gae | grpo | remax | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | opo | "
-            "gpg | grpo_passk | a registered name.",
+            "gpg | grpo_passk | gdpo | optimal_token_baseline | tir_optimal_token_baseline | a registered name.",
+        ),
+        (
+            "algorithm.gdpo_reward_keys",
+            [],
+            "gdpo: the reward dimensions, keys of the dict the reward function returns (e.g. [format_reward,"
+            "accuracy_reward]); each is normalised within its group before they are added.",
+        ),
+        (
+            "algorithm.gdpo_reward_weights",
+            _opt(list),
+            "gdpo: one weight per gdpo_reward_keys entry; None = all 1.",
         ),
         ("algorithm.gamma", 1.0, "Discount factor (gae, reinforce_plus_plus)."),
         ("algorithm.lam", 1.0, "GAE lambda."),
@@ -318,6 +341,43 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
         ("algorithm.kl_ctrl.kl_coef", 0.001, "(Initial) in-reward KL coefficient."),
         ("algorithm.kl_ctrl.horizon", 10000, "Adaptive controller horizon (responses)."),
         ("algorithm.kl_ctrl.target_kl", 0.1, "Adaptive controller target KL."),
+        (
+            "algorithm.rollout_correction.bypass_mode",
+            False,
+            "Train against the rollout engine's log-probs (no old-log-prob forward) with the bypass_mode policy loss, "
+            "which then replaces actor.policy_loss.loss_mode (as verl).",
+        ),
+        (
+            "algorithm.rollout_correction.loss_type",
+            "ppo_clip",
+            "bypass_mode's loss: ppo_clip (PPO against the rollout policy) | reinforce (REINFORCE with the IS weights).",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is",
+            _opt(str),
+            "bypass_mode: importance weights pi_train / pi_rollout per token | sequence; None = none.",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is_threshold",
+            "2.0",
+            "Their bound: a number (truncation, TIS) or 'lower_upper' (weights outside are zeroed, IcePop).",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_is_batch_normalize",
+            False,
+            "Rescale the IS weights to mean 1 over the batch.",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_rs",
+            _opt(str),
+            "bypass_mode: rejection sampling, comma-separated criteria (token_k1|k2|k3, seq_sum_k1|k2|k3, seq_mean_k1|k2|k3,"
+            " seq_max_k2|k3); rejected tokens leave the loss; None = none.",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_rs_threshold",
+            _opt(str),
+            "Their thresholds: one for all or one per criterion (comma-separated); *_k1 take 'lower_upper' ratio bounds.",
+        ),
         # --- trainer (verl) ----------------------------------------------------------------------
         ("trainer.total_epochs", 1, "Passes over the training prompts (when total_training_steps is None)."),
         (
@@ -522,6 +582,12 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "jaxflow.trainer.max_nonfinite_steps",
             3,
             "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped).",
+        ),
+        (
+            "jaxflow.trainer.compile_ahead",
+            "auto",
+            "Compile the programs of a step concurrently, before step 1, into the persistent compilation cache "
+            "(the local backend, with the cache on): auto (on GPU and TPU) | on | off.",
         ),
         # --- jaxflow: SFT warm start -------------------------------------------------------------
         ("jaxflow.sft.steps", 300, "sft job: optimizer steps on the built-in task's demonstrations."),

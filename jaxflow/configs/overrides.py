@@ -21,6 +21,8 @@ ELEMENT_TYPES = {
     "critic.optim.betas": float,
     "actor_rollout_ref.rollout.stop": str,
     "actor_rollout_ref.rollout.stop_token_ids": int,
+    "algorithm.gdpo_reward_keys": str,
+    "algorithm.gdpo_reward_weights": float,
 }
 
 

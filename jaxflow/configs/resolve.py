@@ -233,13 +233,22 @@ def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
     path = model_path(cfg, role)
     if path and not path.startswith(PRESET_PREFIX):
         config_json = os.path.join(os.path.expanduser(path), "config.json")
-        return ModelConfig.from_json_file(config_json, **options) if os.path.isfile(config_json) else None
+        if not os.path.isfile(config_json):
+            return None
+        return with_platform_attention(ModelConfig.from_json_file(config_json, **options), platform(cfg))
     preset = path[len(PRESET_PREFIX) :] if path else m.preset
     base = PRESETS[preset]
     shape = {k: m[k] for k in SHAPE_KEYS if m[k]}
     if "hidden_size" in shape or "num_heads" in shape:
         shape["head_dim"] = shape.get("hidden_size", base.hidden_size) // shape.get("num_heads", base.num_heads)
-    return base.replace(**shape, **options)
+    return with_platform_attention(base.replace(**shape, **options), platform(cfg))
+
+
+def with_platform_attention(model: Any, platform: str) -> Any:
+    """The model config with cuDNN's fused attention for its forwards without a KV cache on
+    GPU where cuDNN takes it (`ModelConfig.cudnn_attention_ok`; measured on an H100: the
+    0.5B actor's train step 0.113 -> 0.101 s), jaxflow's own attention elsewhere."""
+    return model.replace(attention_impl="cudnn" if platform == "gpu" and model.cudnn_attention_ok else "xla")
 
 
 def checkpoint_dir(cfg: ConfigDict) -> str:

@@ -25,7 +25,13 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxflow.algos.settings import AlgorithmConfig, AlgorithmSettings, KLControlConfig, SafeRLHFConfig
+from jaxflow.algos.settings import (
+    AlgorithmConfig,
+    AlgorithmSettings,
+    KLControlConfig,
+    RolloutCorrectionConfig,
+    SafeRLHFConfig,
+)
 from jaxflow.configs.overrides import ConfigError
 from jaxflow.configs.resolve import (
     PRESET_PREFIX,
@@ -34,6 +40,7 @@ from jaxflow.configs.resolve import (
     checkpoint_dir,
     model_config,
     model_path,
+    platform,
 )
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
@@ -47,6 +54,7 @@ HEADS = {"actor": "lm", "ref": "lm", "critic": "value", "reward": "reward", "cos
 POLICY_LOSS_OPTIONS = {
     "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
     "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+    "dro": ("dro_beta",),
 }
 
 
@@ -131,6 +139,7 @@ class TrainerSpec:
     max_nonfinite_steps: int
     backend: str
     max_restarts: int
+    compile_ahead: bool  # `jaxflow.trainer.compile_ahead.compile_ahead` before step 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,11 +278,30 @@ def _optim(section: ConfigDict, total_steps: int, state_dtype: str) -> OptimConf
     )
 
 
+def rollout_correction(cfg: ConfigDict) -> RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction``."""
+    r = cfg.algorithm.rollout_correction
+    return RolloutCorrectionConfig(**{f.name: r[f.name] for f in dataclasses.fields(RolloutCorrectionConfig)})
+
+
+def policy_loss_kwargs(cfg: ConfigDict, mode: str) -> tuple[tuple[str, Any], ...]:
+    """The options of the policy loss ``mode``: its ``policy_loss.*`` keys, sapo's gate
+    temperatures (``actor.tau_pos/neg``), bypass mode's ``algorithm.rollout_correction``."""
+    a = cfg.actor_rollout_ref.actor
+    kwargs = tuple((k, a.policy_loss[k]) for k in POLICY_LOSS_OPTIONS.get(mode, ()))
+    if mode == "sapo":
+        kwargs += (("tau_pos", a.tau_pos), ("tau_neg", a.tau_neg))
+    if mode == "bypass_mode":
+        kwargs += (("rollout_correction", rollout_correction(cfg)),)
+    return kwargs
+
+
 def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
     """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob micro-batch); ``n``: the
-    training rollouts' responses per prompt."""
+    training rollouts' responses per prompt. ``algorithm.rollout_correction.bypass_mode``
+    selects the ``bypass_mode`` loss (as verl's ``apply_bypass_mode``)."""
     a = cfg.actor_rollout_ref.actor
-    mode = a.policy_loss.loss_mode
+    mode = "bypass_mode" if cfg.algorithm.rollout_correction.bypass_mode else a.policy_loss.loss_mode
     updates = max(0, steps - cfg.trainer.critic_warmup)
     return ActorConfig(
         ppo_mini_batch_size=a.ppo_mini_batch_size * n,
@@ -286,7 +314,7 @@ def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
         clip_ratio_high=a.clip_ratio_high,
         clip_ratio_c=a.clip_ratio_c,
         loss_agg_mode=a.loss_agg_mode,
-        policy_loss_kwargs=tuple((k, a.policy_loss[k]) for k in POLICY_LOSS_OPTIONS.get(mode, ())),
+        policy_loss_kwargs=policy_loss_kwargs(cfg, mode),
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef,
@@ -382,6 +410,9 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
             use_kl_in_reward=a.use_kl_in_reward,
             kl_penalty=a.kl_penalty,
             kl_ctrl=KLControlConfig(type=k.type, kl_coef=k.kl_coef, horizon=k.horizon, target_kl=k.target_kl),
+            gdpo_reward_keys=tuple(a.gdpo_reward_keys),
+            gdpo_reward_weights=None if a.gdpo_reward_weights is None else tuple(a.gdpo_reward_weights),
+            rollout_correction=rollout_correction(cfg),
         ),
         safe_rlhf=SafeRLHFConfig(
             enable=s.enable,
@@ -454,6 +485,7 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
         max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps,
         backend=cfg.jaxflow.backend,
         max_restarts=cfg.jaxflow.ray.max_restarts,
+        compile_ahead={"on": True, "off": False}.get(cfg.jaxflow.trainer.compile_ahead, platform(cfg) != "cpu"),
     )
 
 

@@ -51,6 +51,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
+COMPILE_AHEAD = ("auto", "on", "off")
 RESUME_MODES = ("disable", "auto", "resume_path")
 JOBS = ("rl", "sft")
 BACKENDS = ("local", "ray")
@@ -68,7 +69,13 @@ GROUP_ESTIMATORS = (
     "opo",
     "gpg",
     "reinforce_plus_plus_baseline",
+    "gdpo",
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
 )
+# Estimators that read the actor's sum_pi_squared column (verl's actor.calculate_sum_pi_squared).
+SUM_PI_SQUARED_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+RC = "algorithm.rollout_correction"
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 
 
@@ -194,6 +201,7 @@ def _check_enums(c: _Checker) -> None:
         ("jaxflow.model.dtype", DTYPES),
         ("jaxflow.model.compute_dtype", DTYPES),
         ("jaxflow.model.remat_policy", REMAT_POLICIES),
+        ("jaxflow.trainer.compile_ahead", COMPILE_AHEAD),
         ("jaxflow.optim.state_dtype", STATE_DTYPES),
         ("jaxflow.data.builtin_task", TASKS),
         ("jaxflow.safe_rlhf.cost_rule", COST_RULES),
@@ -382,6 +390,15 @@ def _check_algorithm(c: _Checker) -> None:
             f"{ROLLOUT}.n",
             f"algorithm.adv_estimator={est!r} compares the responses to one prompt and needs rollout.n >= 2, got {n}",
         )
+    if est in SUM_PI_SQUARED_ESTIMATORS:
+        c.add(
+            "algorithm.adv_estimator",
+            f"{est!r} needs the actor's sum_pi_squared column (sum_v pi(v)^2 per token, verl's "
+            "actor.calculate_sum_pi_squared), which jaxflow's actor does not compute yet; the estimator itself is "
+            "jaxflow.algos.compute_optimal_token_baseline_advantage",
+        )
+    if est == "gdpo":
+        _check_gdpo(c)
     if est == "gae" and cfg.critic.enable is False:
         c.add(
             "critic.enable",
@@ -389,6 +406,8 @@ def _check_algorithm(c: _Checker) -> None:
             "false; enable it or use a critic-free estimator (grpo, rloo, remax, "
             "reinforce_plus_plus, ...)",
         )
+    _check_policy_loss_options(c)
+    _check_rollout_correction(c)
     s = cfg.jaxflow.safe_rlhf
     if s.enable:
         c.positive("jaxflow.safe_rlhf.lambda_lr")
@@ -407,6 +426,75 @@ def _check_algorithm(c: _Checker) -> None:
                 bool(s.forbidden_chars),
                 "jaxflow.safe_rlhf.forbidden_chars",
                 "the forbidden_chars cost rule needs at least one character",
+            )
+
+
+def _check_gdpo(c: _Checker) -> None:
+    keys, weights = list(c.cfg.algorithm.gdpo_reward_keys), c.cfg.algorithm.gdpo_reward_weights
+    if c.check(
+        bool(keys),
+        "algorithm.gdpo_reward_keys",
+        "gdpo needs the reward dimensions: keys of the dict the reward function returns, e.g. "
+        "[format_reward,accuracy_reward]",
+    ):
+        c.check(len(set(keys)) == len(keys), "algorithm.gdpo_reward_keys", f"names a key twice: {keys}")
+    if weights is not None:
+        c.check(
+            len(weights) == len(keys),
+            "algorithm.gdpo_reward_weights",
+            f"{len(weights)} weights for the {len(keys)} algorithm.gdpo_reward_keys {keys}",
+        )
+
+
+def _check_policy_loss_options(c: _Checker) -> None:
+    a = c.cfg.actor_rollout_ref.actor
+    mode = a.policy_loss.loss_mode
+    if mode == "dro":
+        beta = a.policy_loss.dro_beta
+        c.check(
+            beta is not None and beta > 0,
+            f"{ACTOR}.policy_loss.dro_beta",
+            f"the dro loss needs a positive dro_beta, got {beta}",
+        )
+    if mode == "sapo":
+        c.positive(f"{ACTOR}.tau_pos", " (sapo's gate divides by it)")
+        c.positive(f"{ACTOR}.tau_neg", " (sapo's gate divides by it)")
+
+
+def _check_rollout_correction(c: _Checker) -> None:
+    from jaxflow.algos.rollout_correction import (
+        BYPASS_LOSS_TYPES,
+        ROLLOUT_IS_LEVELS,
+        parse_rollout_is_threshold,
+        parse_rollout_rs,
+        parse_rollout_rs_thresholds,
+    )
+
+    rc = c.cfg.algorithm.rollout_correction
+    c.one_of(f"{RC}.loss_type", BYPASS_LOSS_TYPES)
+    if rc.rollout_is is not None and c.one_of(f"{RC}.rollout_is", ROLLOUT_IS_LEVELS):
+        try:
+            parse_rollout_is_threshold(rc.rollout_is_threshold)
+        except (TypeError, ValueError) as e:
+            c.add(f"{RC}.rollout_is_threshold", str(e))
+    if rc.rollout_rs is not None:
+        try:
+            options = parse_rollout_rs(rc.rollout_rs)
+        except ValueError as e:
+            c.add(f"{RC}.rollout_rs", str(e))
+        else:
+            try:
+                parse_rollout_rs_thresholds(options, rc.rollout_rs_threshold)
+            except (TypeError, ValueError) as e:
+                c.add(f"{RC}.rollout_rs_threshold", str(e))
+    mode = c.cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    if not rc.bypass_mode and mode != "bypass_mode":
+        for key in ("rollout_is", "rollout_rs"):
+            c.check(
+                rc[key] is None,
+                f"{RC}.{key}",
+                "applies in bypass mode only (algorithm.rollout_correction.bypass_mode=True): verl's decoupled mode "
+                "(IS weights / rejection against recomputed old log-probs) is not implemented in jaxflow",
             )
 
 

@@ -17,7 +17,8 @@ def enable_compilation_cache() -> str:
     """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run (or a
     worker process started again) loads its compiled programs instead of compiling them
-    again; programs that compile in under a second are not stored. The ``jaxflow.run`` CLI
+    again; programs that compile in under a second (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``)
+    are not stored. The ``jaxflow.run`` CLI
     and the Ray backend's worker processes call it; a library user calls it once, before
     the first compilation. Returns the directory."""
     import jax
@@ -26,5 +27,6 @@ def enable_compilation_cache() -> str:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax"
     )
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    min_seconds = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
     return path

@@ -35,12 +35,17 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shapes and options of a decoder-only transformer.
 
     ``param_dtype`` is what parameters are stored in; ``dtype`` what matmuls compute in
-    (softmax, norms and the final log-softmax always run in float32).
+    (softmax, norms and the final log-softmax always run in float32). ``attention_impl``: the
+    attention of forwards without a KV cache: ``xla`` (jaxflow's, any backend) or ``cudnn``
+    (cuDNN's fused attention through ``jax.nn.dot_product_attention``, GPU only).
     """
 
     vocab_size: int
@@ -67,6 +72,7 @@ class ModelConfig:
     remat_policy: str = "none"  # none | full | dots | dots_no_batch
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
+    attention_impl: str = "xla"  # xla | cudnn: attention without a KV cache (training, scoring forwards)
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:
@@ -79,6 +85,18 @@ class ModelConfig:
             )
         if self.remat_policy not in ("none", "full", "dots", "dots_no_batch"):
             raise ValueError(f"unknown remat_policy {self.remat_policy!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.attention_impl == "cudnn" and not self.cudnn_attention_ok:
+            raise ValueError(
+                f"attention_impl='cudnn' needs bfloat16 or float16 compute and head_dim a multiple of 8 up to 256 "
+                f"(dtype {jnp.dtype(self.dtype).name}, head_dim {self.head_dim})"
+            )
+
+    @property
+    def cudnn_attention_ok(self) -> bool:
+        """Whether cuDNN's fused attention takes this model (dtype and head_dim)."""
+        return jnp.dtype(self.dtype) in (jnp.bfloat16, jnp.float16) and self.head_dim % 8 == 0 and self.head_dim <= 256
 
     @property
     def family(self) -> str:

@@ -123,6 +123,8 @@ class Attention(nnx.Module):
         v = constrain(v, ("batch", "length", "kv_heads", "head_dim"))
         if cache is not None:  # the external KV store (the rollout engine's paged cache) writes and attends
             out, pool = cache.attend(q, k, v, pool)
+        elif cfg.attention_impl == "cudnn":
+            out = fused_attention(q, k, v, mask_BxLxS, "cudnn")
         else:
             out = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_BxLxS)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
@@ -146,6 +148,19 @@ def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Ar
     probs = probs.astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
     out_BxNxMxK = jnp.einsum("BNMS,BNSK->BNMK", probs, v_BxNxSxK)
     return out_BxNxMxK.reshape(B, N, G, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+
+
+def fused_attention(q_BxLxHxK, k_BxSxNxK, v_BxSxNxK, mask_BxLxS, implementation: str) -> jax.Array:
+    """`dot_product_attention` through ``jax.nn.dot_product_attention`` (``cudnn``: cuDNN's
+    fused attention on GPU; ``xla``: JAX's reference, for checking this layout on any
+    backend). Every query also sees itself, so a padding query's row is never fully masked
+    (its output is ignored; a real query's keys are unchanged, as a real query always sees
+    itself)."""
+    L, S = mask_BxLxS.shape[1:]
+    mask = mask_BxLxS | (jnp.arange(L)[:, None] == jnp.arange(S)[None, :])[None]
+    return jax.nn.dot_product_attention(
+        q_BxLxHxK, k_BxSxNxK, v_BxSxNxK, mask=mask[:, None], implementation=implementation
+    )
 
 
 @jax.custom_vjp

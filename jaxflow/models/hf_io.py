@@ -10,6 +10,7 @@ HF keeps ``nn.Linear`` weights as [out, in]. The table below converts between th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -259,35 +260,9 @@ def from_pretrained(
     else:
         device = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: device, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    table = {key: (name, layout) for key, name, layout in _tensor_table(cfg, head)}
-    target_dtype = np.dtype(dtype)
-
-    def load(path_keys, variable, sharding):
-        key, layer = _strip_layers(path_keys)
-        shape = tuple(variable.get_value().shape)
-        if key not in table:
-            raise CheckpointError(f"no HF tensor mapping for parameter {key}")
-        name, layout = table[key]
-        if head == "value" and key[0] in ("score", "score_bias") and name not in ckpt:
-            log.info("%s has no value head (%s): initialising it to zero", path, name)
-            return sharded_array(
-                shape, target_dtype, sharding, lambda index: np.zeros([s.stop - s.start for s in index], target_dtype)
-            )
-        if layer is not None or key[0] != "layers":
-            hf_shape = _hf_shape(layout.to_hf, shape)
-            return sharded_array(
-                shape, target_dtype, sharding, lambda index: layout.read(ckpt, name.format(i=layer), hf_shape, index)
-            )
-        # A scanned stack [L, ...]: a block covers some layers, each read from its own tensor.
-        hf_shape = _hf_shape(layout.to_hf, shape[1:])
-
-        def read_layers(index):
-            return np.stack(
-                [layout.read(ckpt, name.format(i=i), hf_shape, index[1:]) for i in range(index[0].start, index[0].stop)]
-            )
-
-        return sharded_array(shape, target_dtype, sharding, read_layers)
-
+    load = functools.partial(
+        _load_parameter, ckpt, {k: (n, lay) for k, n, lay in _tensor_table(cfg, head)}, head, np.dtype(dtype)
+    )
     is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
     # A progress bar on a terminal only (a log file gets nothing).
     with tqdm(
@@ -307,6 +282,33 @@ def from_pretrained(
     if read_stats is not None:
         read_stats.update(bytes_read=ckpt.bytes_read, largest_block=ckpt.largest_block)
     return nnx.merge(graphdef, values)
+
+
+def _load_parameter(ckpt: Any, table: dict, head: str, dtype: np.dtype, path_keys, variable, sharding) -> jax.Array:
+    """One parameter of `from_pretrained`, each device's block read from its HF tensor(s):
+    a value head missing from an actor checkpoint starts at zero; a scanned stack [L, ...]
+    reads each layer of a block from its own tensor."""
+    key, layer = _strip_layers(path_keys)
+    shape = tuple(variable.get_value().shape)
+    if key not in table:
+        raise CheckpointError(f"no HF tensor mapping for parameter {key}")
+    name, layout = table[key]
+    if head == "value" and key[0] in ("score", "score_bias") and name not in ckpt:
+        log.info("%s has no value head (%s): initialising it to zero", ckpt.path, name)
+        return sharded_array(shape, dtype, sharding, lambda index: np.zeros([s.stop - s.start for s in index], dtype))
+    if layer is not None or key[0] != "layers":
+        hf_shape = _hf_shape(layout.to_hf, shape)
+        return sharded_array(
+            shape, dtype, sharding, lambda index: layout.read(ckpt, name.format(i=layer), hf_shape, index)
+        )
+    hf_shape = _hf_shape(layout.to_hf, shape[1:])
+
+    def read_layers(index):
+        return np.stack(
+            [layout.read(ckpt, name.format(i=i), hf_shape, index[1:]) for i in range(index[0].start, index[0].stop)]
+        )
+
+    return sharded_array(shape, dtype, sharding, read_layers)
 
 
 def sharded_array(

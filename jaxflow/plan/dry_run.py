@@ -499,7 +499,7 @@ def _role_plan(
     if "actor/generate_greedy" in wanted and select_algorithm(run.algorithm) == "remax":  # its baseline rollout
         specs["actor/generate_greedy"], _ = progs.generate_program(run, mc, graphdef, state, engine, "greedy")
     if "actor/reshard" in wanted:
-        specs["actor/reshard"] = progs.reshard_program(engine, state)
+        specs["actor/reshard"] = progs.reshard_program(engine, state, progs.generation_dtype(mc))
     return rp
 
 

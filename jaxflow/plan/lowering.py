@@ -50,8 +50,8 @@ from jaxflow.mesh import Rules, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.programs import rollout_scores_old_log_probs
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
-from jaxflow.sampling import engine_shape, lower_generate
-from jaxflow.workers.actor import actor_train_step, log_probs_fn, log_probs_program
+from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
+from jaxflow.workers.actor import actor_train_step, generation_dtype, log_probs_fn, log_probs_program
 from jaxflow.workers.base import RoleLayout, num_micro_batches, pack_forward_inputs, packed_program
 from jaxflow.workers.critic import CriticConfig, critic_train_step, values_fn, values_program
 from jaxflow.workers.forward import PROMPT_KEYS
@@ -465,7 +465,8 @@ def generate_program(
     gen_dp = batch_axis_size(rules, mesh)
     prompts = spec.train_batch_size
     slots, kv_tokens = generation_slots(spec), generation_kv_tokens(spec)
-    params = abstract_params(state, rules, mesh)
+    cast = generation_dtype(mc)  # a narrower generation copy beside the masters, or the weights themselves
+    params = with_shardings(state_shardings(state, rules, mesh), state, float_dtype=cast)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
     shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots, kv_tokens=kv_tokens)
     out = ProgramSpec(
@@ -482,10 +483,18 @@ def generate_program(
         analytic_argument_bytes=tree_bytes_per_device(params)
         + 4 * (shape.prompts * (shape.prompt_len + 1) + shape.rows + 2),
         # The training weights are donated into this generation copy (`HybridEngine.generation_swap`):
-        # the actor's optimizer state stays resident, its training weights do not.
-        args_hold=("params",),
+        # the actor's optimizer state stays resident, its training weights do not; a narrower
+        # copy (`generation_dtype`) is made beside them, so they stay resident too.
+        args_hold=("params",) if cast is None else (),
         lower=lambda: lower_generate(
-            graphdef, params, ids, ids, sp, mesh=mesh, rules=rules, slots=slots, kv_tokens=kv_tokens
+            graphdef,
+            params,
+            ids,
+            ids,
+            sp,
+            mesh=mesh,
+            rules=rules,
+            options=EngineOptions(slots=slots, kv_tokens=kv_tokens),
         ),
     )
     return out, prompts
@@ -495,9 +504,17 @@ def _mesh_text(mesh: Mesh) -> str:
     return " ".join(f"{a}={n}" for a, n in mesh.shape.items())
 
 
-def reshard_program(engine: HybridEngine, state: Any) -> ProgramSpec:
+def reshard_program(engine: HybridEngine, state: Any, cast: Any = None) -> ProgramSpec:
     """The actor's train -> generate weight transition (`HybridEngine.report`: its programs
-    compiled, their memory summed in the order they run)."""
+    compiled, their memory summed in the order they run), of the weights in their own dtype or,
+    with ``cast``, of their narrower generation copy (`generation_dtype`: the masters stay)."""
+    if cast is not None:
+        state = jax.tree.map(
+            lambda x: (
+                jax.ShapeDtypeStruct(x.shape, cast, sharding=x.sharding) if jnp.issubdtype(x.dtype, jnp.floating) else x
+            ),
+            state,
+        )
 
     def measure() -> CompiledMemory:
         t0 = time.perf_counter()
@@ -534,7 +551,7 @@ def reshard_program(engine: HybridEngine, state: Any) -> ProgramSpec:
         description=f"-> generate {_mesh_text(engine.gen_mesh)} ({engine.strategy}, {len(engine.micro_dp_groups)} "
         f"micro-DP groups of {len(engine.micro_dp_groups[0])})",
         analytic_argument_bytes=train_bytes,
-        args_hold=("params",),
+        args_hold=("params",) if cast is None else (),
         measure=measure,
         lowered_parts=lambda: engine.lowered(state),
     )

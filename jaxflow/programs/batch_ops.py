@@ -11,14 +11,16 @@ moves only what it reads onto its own devices.
 * `compute_advantage`: ``advantages`` and ``returns`` from the estimator registered under
   ``adv_estimator`` (``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``, ``remax``, ...),
   fed with the batch's columns; group ids come from the ``uid`` column (the ``n`` samples of
-  one prompt share it).
+  one prompt share it); ``gdpo``'s reward dimensions from the reward function's named values
+  (``reward_extra/<key>`` columns).
 * `batch_from_prompts`: a prompt `Batch` from a `jaxflow.data.dataset.PromptBatch`.
 * `compute_data_metrics`: verl's rollout statistics (scores, rewards, advantages, lengths).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,6 +29,7 @@ import numpy as np
 from jaxflow.algos.advantages import get_adv_estimator_fn
 from jaxflow.algos.kl import apply_kl_penalty
 from jaxflow.data.batch import Batch
+from jaxflow.rewards import EXTRA_COLUMN_PREFIX
 
 # Columns an estimator may take, by its parameter names (see jaxflow.algos.advantages).
 _ESTIMATOR_COLUMNS = (
@@ -36,6 +39,8 @@ _ESTIMATOR_COLUMNS = (
     "reward_baselines",
     "old_log_probs",
     "ref_log_prob",
+    "sum_pi_squared",
+    "rollout_is_weights",
 )
 
 
@@ -69,20 +74,48 @@ def apply_kl_penalty_to_batch(batch: Batch, beta: float, kind: str = "kl") -> tu
     return out, {"actor/reward_kl_penalty": float(current_kl), "actor/reward_kl_penalty_coeff": float(beta)}
 
 
+def gdpo_scores(batch: Batch, keys: Sequence[str]) -> np.ndarray:
+    """``[K, B]`` float32: the reward function's named values ``keys`` (its dict's keys, in
+    the ``reward_extra/<key>`` columns); a key it did not return, or returned for only some
+    samples, is an error naming it."""
+    available = sorted(k[len(EXTRA_COLUMN_PREFIX) :] for k in batch.keys() if k.startswith(EXTRA_COLUMN_PREFIX))
+    rows = []
+    for key in keys:
+        column = EXTRA_COLUMN_PREFIX + key
+        if column not in batch:
+            raise KeyError(
+                f"gdpo reward key {key!r}: the reward function returned no such value (its dict's keys besides "
+                f"'score': {available or 'none'}); algorithm.gdpo_reward_keys must name keys of that dict"
+            )
+        values = np.asarray(batch[column], np.float32)
+        if np.isnan(values).any():
+            raise ValueError(
+                f"gdpo reward key {key!r}: the reward function returned it for only "
+                f"{int((~np.isnan(values)).sum())} of {len(values)} samples"
+            )
+        rows.append(values)
+    return np.stack(rows)
+
+
 def compute_advantage(
     batch: Batch,
     adv_estimator: str = "gae",
     gamma: float = 1.0,
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
+    gdpo_reward_keys: Sequence[str] = (),
+    gdpo_reward_weights: Sequence[float] | None = None,
     **estimator_kwargs: Any,
 ) -> Batch:
     """Adds ``advantages`` and ``returns`` [B, R] with the estimator ``adv_estimator``.
 
     ``token_level_rewards`` is used when present, else ``token_level_scores`` (no in-reward
-    KL). ``values``, ``reward_baselines`` and the log-prob columns are passed when the batch
-    has them; ``group_ids`` come from the ``uid`` non-tensor column. Extra keyword
-    arguments reach the estimator (those it does not take are ignored)."""
+    KL). ``values``, ``reward_baselines``, the log-prob columns, ``sum_pi_squared`` and
+    ``rollout_is_weights`` are passed when the batch has them; ``group_ids`` come from the
+    ``uid`` non-tensor column; with ``gdpo_reward_keys``, an estimator that takes
+    ``gdpo_scores`` gets the reward function's named values (`gdpo_scores`) and their
+    ``gdpo_reward_weights``. Extra keyword arguments reach the estimator (those it does not
+    take are ignored)."""
     columns: dict[str, Any] = {k: _host(batch, k) for k in _ESTIMATOR_COLUMNS if k in batch}
     if "token_level_rewards" not in columns:
         columns["token_level_rewards"] = _host(batch, "token_level_scores")
@@ -92,6 +125,9 @@ def compute_advantage(
     if "uid" in batch:
         columns["group_ids"] = group_ids_from_uid(batch["uid"])
     fn = get_adv_estimator_fn(adv_estimator)
+    if gdpo_reward_keys and "gdpo_scores" in inspect.signature(fn).parameters:
+        columns["gdpo_scores"] = gdpo_scores(batch, gdpo_reward_keys)
+        columns["gdpo_reward_weights"] = gdpo_reward_weights
     advantages, returns = fn(
         **columns,
         gamma=np.float32(gamma),

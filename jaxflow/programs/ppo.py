@@ -55,7 +55,14 @@ def ppo_iteration(
         kl_ctrl = get_kl_controller(algo.kl_ctrl)
     timer = steps.StepTimer()
     # gen, old_log_prob (only when the advantages need it: the update gets it itself), ref, values, reward
-    batch, metrics = steps.rollout(w, prompts, timer, step=step, old_log_probs=needs_old_log_probs(algo))
+    batch, metrics = steps.rollout(
+        w,
+        prompts,
+        timer,
+        step=step,
+        old_log_probs=needs_old_log_probs(algo),
+        bypass_mode=algo.rollout_correction.bypass_mode,
+    )
     batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)
     batch = steps.advantages(batch, algo, timer)
     metrics |= kl | steps.update(w, batch, timer, step=step, update_actor=update_actor)

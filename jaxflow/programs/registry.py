@@ -95,10 +95,16 @@ def select_algorithm(settings: AlgorithmSettings) -> str:
 def rollout_scores_old_log_probs(settings: AlgorithmSettings) -> bool:
     """Whether the program of ``settings`` (`select_algorithm`) scores ``old_log_probs`` in
     its rollout: the PPO family only when its advantages or in-reward KL read them
-    (`needs_old_log_probs`), ReMax and Safe-RLHF always. Otherwise the actor's update takes
-    them from its own forward when it is on-policy (`jaxflow.workers.ActorConfig.is_on_policy`)
-    or computes them itself. Planners read this to lower the train step the run calls."""
-    return select_algorithm(settings) in ("remax", "safe_rlhf") or needs_old_log_probs(settings.algorithm)
+    (`needs_old_log_probs`), ReMax and Safe-RLHF always, every program in bypass mode (they
+    are the rollout's log-probs). Otherwise the actor's update takes them from its own forward
+    when it is on-policy (`jaxflow.workers.ActorConfig.is_on_policy`) or computes them itself.
+    Planners read this to lower the train step the run calls."""
+    algo = settings.algorithm
+    return (
+        select_algorithm(settings) in ("remax", "safe_rlhf")
+        or needs_old_log_probs(algo)
+        or algo.rollout_correction.bypass_mode
+    )
 
 
 def _shared(

@@ -73,7 +73,7 @@ def remax_iteration(
     kl_ctrl = state.kl_controller(algo)
     prompts = with_uid(prompts)
     timer = steps.StepTimer()
-    batch, metrics = steps.rollout(w, prompts, timer, step=step)
+    batch, metrics = steps.rollout(w, prompts, timer, step=step, bypass_mode=algo.rollout_correction.bypass_mode)
     with timer("gen_max"):
         baseline_B, greedy = greedy_baseline(w, prompts, step)
     n, rest = divmod(len(batch), len(prompts))

@@ -144,7 +144,7 @@ def safe_rlhf_iteration(
     kl_ctrl = state.kl_controller(algo)
     multiplier = state.lagrange(safe)
     timer = steps.StepTimer()
-    batch, metrics = steps.rollout(w, prompts, timer, step=step)
+    batch, metrics = steps.rollout(w, prompts, timer, step=step, bypass_mode=algo.rollout_correction.bypass_mode)
     with timer("cost"):
         batch |= compute_costs(w, batch, safe)
     batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)

@@ -72,12 +72,19 @@ def gen_parts(w: Workers) -> dict[str, float]:
 
 
 def rollout(
-    w: Workers, prompts: Batch, timer: StepTimer, *, step: int | None = None, old_log_probs: bool = True
+    w: Workers,
+    prompts: Batch,
+    timer: StepTimer,
+    *,
+    step: int | None = None,
+    old_log_probs: bool = True,
+    bypass_mode: bool = False,
 ) -> tuple[Batch, dict[str, float]]:
     """Generation and everything scored on it: ``responses`` (``gen``; its parts
     ``gen_reshard``, ``gen_engine``, ``gen_post``: `gen_parts`), ``old_log_probs``
     (``old_log_prob``; skipped when ``old_log_probs`` is False: the actor's update then
-    takes them from its own forward when on-policy, or computes them itself),
+    takes them from its own forward when on-policy, or computes them itself; with
+    ``bypass_mode`` they are the rollout's ``rollout_log_probs``, verl's bypass mode),
     ``ref_log_prob`` when ``w.ref`` (``ref``), ``values`` when ``w.critic`` (``values``),
     ``token_level_scores`` (``reward``). ``step`` seeds the rollout (the actor's training
     sampling parameters). No reordering for data-parallel balance here: every packed pass
@@ -88,7 +95,9 @@ def rollout(
     for part, seconds in gen_parts(w).items():  # the slowest rank's, so the gap between them and gen is visible
         timer.seconds[f"gen_{part}"] = seconds
     with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
-        if old_log_probs:
+        if bypass_mode:
+            batch = batch.update(tensors={"old_log_probs": batch["rollout_log_probs"]})
+        elif old_log_probs:
             batch |= ready(w.actor.log_probs(batch))
     if w.ref is not None:
         with timer("ref"):
@@ -129,6 +138,8 @@ def advantages(batch: Batch, algo: AlgorithmConfig, timer: StepTimer) -> Batch:
             gamma=algo.gamma,
             lam=algo.lam,
             norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+            gdpo_reward_keys=algo.gdpo_reward_keys,
+            gdpo_reward_weights=algo.gdpo_reward_weights,
         )
 
 

@@ -492,63 +492,14 @@ class HybridEngine:
         the sequential sum over the programs in the order they run: generation buffers
         allocated so far + the running program's new outputs and scratch.
         ``time_iters > 0`` also times it on ``state``, which must then hold real arrays."""
-        treedef, steps, src, dst = self._plan(state, reverse)
+        _, steps, src, dst = self._plan(state, reverse)
         leaves = jax.tree.leaves(state)
-        flat_devices = list(self.train_mesh.devices.flat)
         compiled: dict[tuple, Any] = {}
         with hlo.capture_stderr() as log:
             for step in steps:
                 if step.key not in compiled:
-                    lowered = self._build(step.key).lower(*self._abstract_args(step.key))
-                    compiled[step.key] = lowered.compile()
-        # Weights a device should never hold whole: split in the generation layout. Their
-        # global shape in a partitioned program means one was materialised (shapes that are
-        # also some shard's shape are ambiguous and skipped).
-        shard_shapes = {s.shard_shape(tuple(x.shape)) for shs in (src, dst) for x, s in zip(leaves, shs)}
-        split = {tuple(x.shape) for x, d in zip(leaves, dst) if d.shard_shape(tuple(x.shape)) != tuple(x.shape)}
-        whole = sorted(
-            {
-                line
-                for c in compiled.values()
-                for shape in split - shard_shapes
-                for line in hlo.buffers_with_shape(c.as_text(), shape)
-            }
-        )
-        received = np.zeros(len(flat_devices))
-        raw_out = np.zeros(len(flat_devices))
-        sizes: set[int] = set()
-        counts: dict[str, int] = {}
-        groups: set[tuple[int, ...]] = set()
-        stats: dict[tuple, tuple[int, int, int]] = {}
-        largest = 0
-        for key, c in compiled.items():
-            text = c.as_text()
-            mem = c.memory_analysis()
-            n_out = len(key[3]) if key[0] in ("whole", "gather", "slice") else 1
-            table = 8 * n_out if n_out > 1 else 0  # XLA's tuple index table, not array memory
-            stats[key] = (
-                int(mem.output_size_in_bytes) - table,
-                int(mem.temp_size_in_bytes),
-                int(mem.alias_size_in_bytes),
-            )
-            largest = max(largest, hlo.largest_buffer_bytes(text))
-        alloc = peak = temp_max = 0
-        for step in steps:
-            c = compiled[step.key]
-            colls = hlo.parse_collectives(c.as_text())
-            received += np.asarray(hlo.received_per_device(colls, len(flat_devices)))
-            for col in colls:
-                counts[col.op] = counts.get(col.op, 0) + 1
-                sizes.add(col.group_size)
-                for d in {i for g in col.groups for i in g} or {t for _, t in col.pairs}:
-                    raw_out[d] += col.out_bytes
-                groups.update(tuple(flat_devices[i].id for i in g) for g in col.groups)
-            out, temp, alias = stats[step.key]
-            peak = max(peak, alloc + out - alias + temp)
-            alloc += out - alias
-            temp_max = max(temp_max, temp)
-            if step.key[0] == "slice":  # the gathered copy is dropped
-                alloc -= stats[steps[0].key][0]
+                    compiled[step.key] = self._build(step.key).lower(*self._abstract_args(step.key)).compile()
+        walk = _walk_programs(steps, compiled, list(self.train_mesh.devices.flat))
         model_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
         remat = [line for line in "".join(log).splitlines() if hlo.REMAT_MARKER in line]
         rep = TransitionReport(
@@ -561,19 +512,10 @@ class HybridEngine:
             train_shard_bytes=shard_bytes(leaves, src),
             gen_shard_bytes=shard_bytes(leaves, dst),
             redundancy_bytes=redundant_bytes(leaves, src, dst),
-            ring_received_bytes=float(received.max()),
-            collective_output_bytes=int(raw_out.max()),
-            group_sizes=sorted(sizes),
-            collectives=counts,
-            gather_groups=[list(g) for g in sorted(groups)],
-            output_bytes=alloc,
-            temp_bytes=temp_max,
-            peak_extra_bytes=peak,
             programs=len(compiled),
             calls=len(steps),
-            largest_buffer_bytes=largest,
             full_remat=bool(remat),
-            whole_weights=whole,
+            whole_weights=_whole_weights(compiled, leaves, src, dst),
             remat_log=remat,
             table2=table2(
                 self.strategy,
@@ -582,6 +524,7 @@ class HybridEngine:
                 self.gen_tp,
                 dp=self.replica_degree if self.strategy == "naive" else 1,
             ),
+            **walk,
         )
         if time_iters:
             rep.seconds = self.time(state, time_iters, reverse)
@@ -610,3 +553,67 @@ class HybridEngine:
     def compiled_texts(self, state: Any, reverse: bool = False) -> list[str]:
         """The optimised HLO of every distinct program of the transition."""
         return [lowered.compile().as_text() for lowered in self.lowered(state, reverse)]
+
+
+def _whole_weights(compiled: dict[tuple, Any], leaves: list, src: list, dst: list) -> list[str]:
+    """Buffers of the compiled programs with the global shape of a weight that the
+    generation layout splits: one was materialised whole (shapes that are also some shard's
+    shape are ambiguous and skipped)."""
+    shard_shapes = {s.shard_shape(tuple(x.shape)) for shs in (src, dst) for x, s in zip(leaves, shs)}
+    split = {tuple(x.shape) for x, d in zip(leaves, dst) if d.shard_shape(tuple(x.shape)) != tuple(x.shape)}
+    return sorted(
+        {
+            line
+            for c in compiled.values()
+            for shape in split - shard_shapes
+            for line in hlo.buffers_with_shape(c.as_text(), shape)
+        }
+    )
+
+
+def _program_memory(key: tuple, compiled: Any) -> tuple[int, int, int]:
+    """(outputs, scratch, aliased) bytes per device of one compiled transition program."""
+    mem = compiled.memory_analysis()
+    n_out = len(key[3]) if key[0] in ("whole", "gather", "slice") else 1
+    table = 8 * n_out if n_out > 1 else 0  # XLA's tuple index table, not array memory
+    return int(mem.output_size_in_bytes) - table, int(mem.temp_size_in_bytes), int(mem.alias_size_in_bytes)
+
+
+def _walk_programs(steps: list, compiled: dict[tuple, Any], flat_devices: list) -> dict[str, Any]:
+    """The transition's program calls in order: the bytes each device receives (ring model
+    of the collectives in the HLO), the collectives' kinds, group sizes and device groups,
+    and the memory: generation buffers allocated so far + the running program's outputs and
+    scratch (`TransitionReport`'s fields)."""
+    stats = {key: _program_memory(key, c) for key, c in compiled.items()}
+    received = np.zeros(len(flat_devices))
+    raw_out = np.zeros(len(flat_devices))
+    sizes: set[int] = set()
+    counts: dict[str, int] = {}
+    groups: set[tuple[int, ...]] = set()
+    alloc = peak = temp_max = 0
+    for step in steps:
+        colls = hlo.parse_collectives(compiled[step.key].as_text())
+        received += np.asarray(hlo.received_per_device(colls, len(flat_devices)))
+        for col in colls:
+            counts[col.op] = counts.get(col.op, 0) + 1
+            sizes.add(col.group_size)
+            for d in {i for g in col.groups for i in g} or {t for _, t in col.pairs}:
+                raw_out[d] += col.out_bytes
+            groups.update(tuple(flat_devices[i].id for i in g) for g in col.groups)
+        out, temp, alias = stats[step.key]
+        peak = max(peak, alloc + out - alias + temp)
+        alloc += out - alias
+        temp_max = max(temp_max, temp)
+        if step.key[0] == "slice":  # the gathered copy is dropped
+            alloc -= stats[steps[0].key][0]
+    return dict(
+        ring_received_bytes=float(received.max()),
+        collective_output_bytes=int(raw_out.max()),
+        group_sizes=sorted(sizes),
+        collectives=counts,
+        gather_groups=[list(g) for g in sorted(groups)],
+        output_bytes=alloc,
+        temp_bytes=temp_max,
+        peak_extra_bytes=peak,
+        largest_buffer_bytes=max((hlo.largest_buffer_bytes(c.as_text()) for c in compiled.values()), default=0),
+    )

@@ -5,7 +5,8 @@
 - :func:`load_reward_fn`: a user function from a file (verl's ``custom_reward_function``).
 - :class:`RewardScorer`: scores a batch on the host; a failing or timed-out sample scores 0 and
   is counted, but a function that fails on every sample of a batch (or on too many) raises
-  :class:`RewardFunctionError`. :func:`token_level_scores` puts scores on the last response token.
+  :class:`RewardFunctionError`. :func:`token_level_scores` puts scores on the last response token;
+  :func:`extra_columns` makes the other named values a function returns batch columns.
 """
 
 from jaxflow.rewards import gsm8k, math  # noqa: F401  (registers their data sources)
@@ -19,19 +20,23 @@ from jaxflow.rewards.registry import (
     unregister_reward,
 )
 from jaxflow.rewards.scorer import (
+    EXTRA_COLUMN_PREFIX,
     RewardFunctionError,
     RewardResult,
     RewardScorer,
+    extra_columns,
     normalize_reward,
     token_level_scores,
 )
 
 __all__ = [
+    "EXTRA_COLUMN_PREFIX",
     "RewardFunctionError",
     "RewardResult",
     "RewardScorer",
     "UnknownDataSourceError",
     "default_compute_score",
+    "extra_columns",
     "get_reward_fn",
     "gsm8k",
     "known_data_sources",

@@ -446,6 +446,21 @@ class RewardScorer:
             pass
 
 
+EXTRA_COLUMN_PREFIX = "reward_extra/"
+
+
+def extra_columns(result: RewardResult) -> dict[str, np.ndarray]:
+    """The named values a reward function returned besides ``"score"`` (verl's
+    ``reward_extra_info``, what ``algorithm.gdpo_reward_keys`` name) as batch columns
+    ``reward_extra/<key>`` ``[B]`` float32: 0 for the samples that failed (as their score), NaN
+    for those whose function returned no such key."""
+    failed = result.status != OK
+    return {
+        EXTRA_COLUMN_PREFIX + key: np.where(failed, 0.0, values).astype(np.float32)
+        for key, values in result.extra.items()
+    }
+
+
 def token_level_scores(scores: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
     """Places each response's score on its last valid token (verl's convention).
 

@@ -6,6 +6,7 @@ stop strings matched on the device, compiled as one program; and the logits proc
 from jaxflow.sampling.engine import (
     DEFAULT_PAGE_SIZE,
     DEFAULT_SLOTS,
+    EngineOptions,
     EngineShape,
     GenerateOutput,
     SamplingParams,
@@ -14,7 +15,6 @@ from jaxflow.sampling.engine import (
     generate,
     generate_from_state,
     lower_generate,
-    trace_count,
 )
 from jaxflow.sampling.logits_processing import (
     apply_temperature,
@@ -36,6 +36,7 @@ from jaxflow.sampling.stops import StopStrings
 __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_SLOTS",
+    "EngineOptions",
     "EngineShape",
     "GenerateOutput",
     "PagedKVCache",
@@ -56,5 +57,4 @@ __all__ = [
     "token_log_probs",
     "top_k_mask",
     "top_p_mask",
-    "trace_count",
 ]

@@ -52,7 +52,7 @@ import numpy as np
 
 from jaxflow.mesh import constrain
 from jaxflow.sampling.logits_processing import sample_tokens, token_log_probs
-from jaxflow.sampling.paged import TRASH_PAGE, PagedKVCache, PoolLayout
+from jaxflow.sampling.paged import TRASH_PAGE, PagedKVCache, PoolLayout, dropped, scatter_unique
 
 DEFAULT_RESPONSE_SHARE = 4  # the default pool holds 1 / 4 of every slot's response buffer
 
@@ -372,26 +372,27 @@ def allocate(ro: Rollout, c: Carry) -> tuple[jax.Array, jax.Array, Carry]:
     rank_S = jnp.where(priority_S, 0, rank_S)
     page_S = c.free_F[jnp.clip(c.top - 1 - rank_S, 0, F - 1)]
     slots = jnp.arange(ro.static.slots)
-    table = c.table_SxM.at[slots, page_idx_S].set(jnp.where(granted_S, page_S, cur_S))
+    table = scatter_unique(c.table_SxM, (slots, page_idx_S), jnp.where(granted_S, page_S, cur_S))
     first_S = granted_S & (c.gen_S == 0)
     return need_S & ~granted_S, first_S, c._replace(table_SxM=table, top=c.top - jnp.sum(granted_S))
 
 
 def copy_prompt_tails(ro: Rollout, c: Carry, first_S: jax.Array) -> Carry:
     """The private copy of page j0 of each row's prompt (its tail tokens) when the row gets
-    that page (its first). Unconditional (rows without a tail copy the trash page onto
-    itself): a ``cond`` would cost a device-to-host round trip per step on GPU."""
+    that page (its first). Unconditional (the other slots' copies are dropped): a ``cond``
+    would cost a device-to-host round trip per step on GPU."""
     n, T, Mp, M = ro.static.n, ro.static.page_size, ro.prompt_pages, ro.table_pages
     b_S = c.row_S // n
     j0_S = c.first_private_S
     has_tail_S = first_S & ((ro.prompt_len_B[b_S] - 1) % T != 0)
     src_S = jnp.where(has_tail_S, c.prompt_table_BxMp[b_S, jnp.minimum(j0_S, Mp - 1)], TRASH_PAGE)
-    dst_S = jnp.where(has_tail_S, c.table_SxM[jnp.arange(ro.static.slots), jnp.minimum(j0_S, M - 1)], TRASH_PAGE)
+    dst_S = c.table_SxM[jnp.arange(ro.static.slots), jnp.minimum(j0_S, M - 1)]
+    dst_S = jnp.where(has_tail_S, dst_S, dropped(dst_S.shape, ro.static.num_pages))  # the others write nothing
     axis = ro.pool_layout.page_axis + (1 if ro.model.cfg.scan_layers else 0)
     index = (slice(None),) * axis
 
     def copy(x):
-        return x.at[index + (dst_S,)].set(x[index + (src_S,)])
+        return scatter_unique(x, index + (dst_S,), x[index + (src_S,)])
 
     return c._replace(pools=_pool_constraint(ro.pool_layout)(jax.tree.map(copy, c.pools)))
 
@@ -428,7 +429,7 @@ def record(ro: Rollout, c: Carry, run_S, wait_S, tok_S, logp_S, logits_SxV, pool
     """This step's tokens into the outputs and the slots advanced; returns the rows that
     finished (their limit, an EOS id or a stop string)."""
     N = ro.N
-    row_w_S = jnp.where(run_S, c.row_S, N)  # idle and waiting slots write nowhere
+    row_w_S = jnp.where(run_S, c.row_S, dropped(run_S.shape, N))  # idle and waiting slots write nowhere
     gen_S = c.gen_S + run_S
     stop_S = jnp.any(tok_S[:, None] == ro.eos_E[None, :], axis=-1)
     stop_state_S = c.stop_state_S
@@ -440,7 +441,7 @@ def record(ro: Rollout, c: Carry, run_S, wait_S, tok_S, logp_S, logits_SxV, pool
     done_S = run_S & ((gen_S >= c.limit_S) | stop_S)
     logits = c.out_logits_NxRxV
     if logits is not None:
-        logits = logits.at[row_w_S, c.gen_S].set(logits_SxV, mode="drop")
+        logits = scatter_unique(logits, (row_w_S, c.gen_S), logits_SxV)
     return done_S, c._replace(
         pools=pools,
         tok_S=jnp.where(run_S, tok_S, c.tok_S),
@@ -449,9 +450,9 @@ def record(ro: Rollout, c: Carry, run_S, wait_S, tok_S, logp_S, logits_SxV, pool
         stop_state_S=stop_state_S,
         steps=c.steps + jnp.any(run_S),
         waits=c.waits + jnp.sum(wait_S),
-        out_tok_NxR=c.out_tok_NxR.at[row_w_S, c.gen_S].set(tok_S, mode="drop"),
-        out_logp_NxR=c.out_logp_NxR.at[row_w_S, c.gen_S].set(logp_S, mode="drop"),
-        lengths_N=c.lengths_N.at[jnp.where(done_S, c.row_S, N)].set(gen_S, mode="drop"),
+        out_tok_NxR=scatter_unique(c.out_tok_NxR, (row_w_S, c.gen_S), tok_S),
+        out_logp_NxR=scatter_unique(c.out_logp_NxR, (row_w_S, c.gen_S), logp_S),
+        lengths_N=scatter_unique(c.lengths_N, (jnp.where(done_S, c.row_S, dropped(done_S.shape, N)),), gen_S),
         peak_pages=jnp.maximum(c.peak_pages, ro.free_pages - c.top),
         out_logits_NxRxV=logits,
     )
@@ -466,9 +467,9 @@ def retire(ro: Rollout, c: Carry, done_S: jax.Array) -> Carry:
     released_B = c.alive_B & (waiting_B == 0)
     pages = jnp.concatenate([c.table_SxM.reshape(-1), c.prompt_table_BxMp.reshape(-1)])
     give_back = jnp.concatenate([own_SxM.reshape(-1), jnp.repeat(released_B, Mp)])
-    at = jnp.where(give_back, c.top + jnp.cumsum(give_back) - 1, F)
+    at = jnp.where(give_back, c.top + jnp.cumsum(give_back) - 1, dropped(give_back.shape, F))
     return c._replace(
-        free_F=c.free_F.at[at].set(pages, mode="drop"),
+        free_F=scatter_unique(c.free_F, (at,), pages),
         top=c.top + jnp.sum(give_back),
         table_SxM=jnp.where(done_S[:, None], TRASH_PAGE, c.table_SxM),
         active_S=c.active_S & ~done_S,

@@ -2,7 +2,7 @@
 prompt prefixes shared by the n samples, per-row limits and stops; one compiled program.
 
 ``generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, mesh=..., rules=...,
-max_new_tokens=..., slots=..., page_size=..., kv_tokens=...)`` runs, per generation replica
+max_new_tokens=..., options=EngineOptions(slots=..., page_size=..., kv_tokens=...))`` runs, per generation replica
 (one per data-parallel group of the mesh, under ``shard_map`` over the mesh's batch axes),
 `batcher.rollout`:
 
@@ -158,16 +158,6 @@ def bucket_size(size: int, multiple: int = 1, minimum: int = 1) -> int:
     return multiple * (1 << max(0, math.ceil(math.log2(target / multiple)))) if target > multiple else multiple
 
 
-# Counts traces of the generation program (a Python side effect at trace time); tests use it
-# to check that repeated calls compile nothing.
-_TRACE_COUNT = 0
-
-
-def trace_count() -> int:
-    """How many times the generation program has been traced in this process."""
-    return _TRACE_COUNT
-
-
 def _batch_spec(rules: Rules, mesh: Mesh | None, *names: str | None) -> PartitionSpec:
     return logical_to_spec(("batch",) + names, rules, mesh)
 
@@ -183,71 +173,50 @@ def _replica_rules(rules: Rules) -> Rules:
     )
 
 
-def _generate_program(
-    graphdef,
-    state,
-    ids_RxBxP,
-    plen_RxB,
-    limits_RxN,
-    row_offset_R,
-    num_rows_R,
-    rng,
-    temperature,
-    top_p,
-    stop_tables,
-    *,
-    static: Static,
-    mesh: Mesh | None,
-    rules: Rules,
-):
-    """The traced program: every replica's `batcher.rollout`, each on its own dp group
-    (``shard_map`` manual over the mesh's batch axes, the rest of the mesh left to the
-    compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes selects over the
-    whole carry (the page pools copied every step, the prefill branch run every step).
-    Returns rows flattened to [replicas * rows, ...]."""
-    global _TRACE_COUNT
-    _TRACE_COUNT += 1
+def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, manual: bool, *args):
+    """The replica(s) of one dp group: [1, ...] inputs -> [1, ...] outputs (`batcher.rollout`
+    under the replica's rules; inside ``shard_map`` (``manual``), constraints and the kernels'
+    own ``shard_map`` name the context's partly manual mesh)."""
+    state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables = args
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
-    vocab_shards = (
-        1
-        if mesh is None
-        else math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0]))
+    vocab_axes = () if mesh is None else _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0])
+    here = jax.sharding.get_abstract_mesh() if manual else mesh
+    pool_layout = PoolLayout(
+        static.kernel,
+        kv_axes,
+        here if kv_axes else None,
+        interpret=static.kernel == "gpu" and _platform(mesh) != "gpu",
     )
-
-    def local(state, ids, plen, limits, offset, num_rows, rng, temperature, top_p, stop_tables):
-        """The replica(s) of this dp group: [1, ...] inputs -> [1, ...] outputs."""
-        model = nnx.merge(graphdef, state)
-        # inside shard_map, constraints (and the kernels' shard_map) name the context's
-        # (partly manual) mesh
-        here = jax.sharding.get_abstract_mesh() if manual else mesh
-        pool_layout = PoolLayout(
-            static.kernel,
-            kv_axes,
-            here if kv_axes else None,
-            interpret=static.kernel == "gpu" and _platform(mesh) != "gpu",
+    ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
+    with ctx:
+        out = rollout(
+            nnx.merge(graphdef, state),
+            ids[0],
+            plen[0],
+            limits[0],
+            offset[0],
+            num_rows[0],
+            rng,
+            temperature,
+            top_p,
+            stop_tables,
+            static,
+            pool_layout,
+            math.prod(mesh.shape[a] for a in vocab_axes) if mesh is not None else 1,
         )
-        ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
-        with ctx:
-            out = rollout(
-                model,
-                ids[0],
-                plen[0],
-                limits[0],
-                offset[0],
-                num_rows[0],
-                rng,
-                temperature,
-                top_p,
-                stop_tables,
-                static,
-                pool_layout,
-                vocab_shards,
-            )
-        return jax.tree.map(lambda x: x[None], out)
+    return jax.tree.map(lambda x: x[None], out)
 
-    args = (state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R, num_rows_R, rng, temperature, top_p, stop_tables)
+
+def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules: Rules):
+    """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, row_offset_R,
+    num_rows_R, rng, temperature, top_p, stop_tables)``: every replica's `batcher.rollout`,
+    each on its own dp group (``shard_map`` manual over the mesh's batch axes, the rest of the
+    mesh left to the compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes
+    selects over the whole carry (the page pools copied every step, the prefill branch run
+    every step). Returns rows flattened to [replicas * rows, ...]."""
     axes = () if mesh is None else _axes_of(_batch_spec(rules, mesh)[0])
-    manual = bool(axes) and ids_RxBxP.shape[0] > 1
+    manual = bool(axes) and args[1].shape[0] > 1
+    local = functools.partial(_replica_rollout, graphdef, static, mesh, rules, manual)
     if not manual:
         out = local(*args)
     else:
@@ -292,7 +261,7 @@ def _axes_of(entry) -> tuple[str, ...]:
 def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules):
     """One jitted program per (model structure, static settings, mesh, rules); jax caches its
     compilations per input shapes and shardings."""
-    fn = functools.partial(_generate_program, graphdef, static=static, mesh=mesh, rules=rules)
+    fn = functools.partial(_generate_program, graphdef=graphdef, static=static, mesh=mesh, rules=rules)
     if mesh is None:
         return jax.jit(fn)
     rows2 = NamedSharding(mesh, _batch_spec(rules, mesh, None))
@@ -386,11 +355,145 @@ def _kernel(cfg: ModelConfig, mesh: Mesh | None, rules: Rules, attention: str | 
             and math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("head_dim",), rules, mesh)[0])) > 1
         )
         return choose_kernel(cfg, platform, head_dim_split=split)
-    if attention not in KERNELS:
-        raise ValueError(f"attention must be one of {KERNELS} (or None: by platform), got {attention!r}")
     if attention == "tpu" and platform != "tpu":
         raise ValueError(f"attention='tpu' (the ragged paged-attention kernel) runs on TPU only, not {platform}")
     return attention
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs a rollout; what a row samples depends on none of these.
+
+    ``slots``: decode slots per replica (None: the replica's rows, at most `DEFAULT_SLOTS`);
+    ``page_size``: tokens per KV page; ``kv_tokens``: the page pool's budget of cached tokens
+    per replica (None: the default, `_default_kv_tokens`; too small a budget for one prompt
+    group and one response is an error); ``attention``: ``"jax"``, ``"gpu"`` or ``"tpu"``
+    (None: by platform, `paged.choose_kernel`; ``"gpu"`` off a GPU runs the kernel in
+    interpret mode); ``steps_per_sync``: decode steps per trip of the rollout loop (None:
+    `default_steps_per_sync` of the platform); ``return_logits`` / ``return_cache``: debug
+    outputs (separate programs; for tests)."""
+
+    slots: int | None = None
+    page_size: int = DEFAULT_PAGE_SIZE
+    kv_tokens: int | None = None
+    attention: str | None = None
+    steps_per_sync: int | None = None
+    return_logits: bool = False
+    return_cache: bool = False
+
+    def __post_init__(self):
+        for name, least in (("slots", 1), ("kv_tokens", 1), ("steps_per_sync", 1)):
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be >= {least} (or None: the default), got {value}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.attention is not None and self.attention not in KERNELS:
+            raise ValueError(f"attention must be one of {KERNELS} (or None: by platform), got {self.attention!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    """A call's rows after host-side bucketing: per replica, right-padded prompts
+    ``ids_RxBxP`` (row i's tokens in columns [0, plen_i); bucket padding copies prompt 0),
+    their lengths ``plen_RxB``, each row's limit ``limits_RxN`` (1 on padding), the first
+    global row id ``offsets_R`` and the real rows ``num_rows_R``; ``prompts`` and
+    ``prompt_len`` as the caller gave them."""
+
+    ids_RxBxP: np.ndarray
+    plen_RxB: np.ndarray
+    limits_RxN: np.ndarray
+    offsets_R: np.ndarray
+    num_rows_R: np.ndarray
+    prompts: int
+    prompt_len: int
+
+    @property
+    def arrays(self) -> list[np.ndarray]:
+        return [self.ids_RxBxP, self.plen_RxB, self.limits_RxN, self.offsets_R, self.num_rows_R]
+
+
+def _bucket_rows(ids: np.ndarray, mask: np.ndarray, limits: np.ndarray, n: int, pad: int, replicas: int) -> _Rows:
+    """Left-padded prompts [B, L] and row limits [B * n] as `_Rows`: the prompt batch rounded to
+    ``replicas * 2^k`` and the prompt length to a power of two (`bucket_size`)."""
+    B, L = ids.shape
+    Bb = bucket_size(B, multiple=replicas)
+    P = bucket_size(L, minimum=PROMPT_BUCKET_MIN)
+    plen = mask.sum(axis=1).astype(np.int32)
+    right = np.full((Bb, P), pad, np.int32)
+    for i in range(B):
+        right[i, : plen[i]] = ids[i, L - plen[i] :]
+    right[B:] = right[0]
+    plen = np.concatenate([plen, np.full(Bb - B, plen[0], np.int32)])
+    limits = np.concatenate([limits, np.ones((Bb - B) * n, np.int32)])
+    Br = Bb // replicas
+    offsets = np.arange(replicas, dtype=np.int32) * Br * n
+    return _Rows(
+        ids_RxBxP=right.reshape(replicas, Br, P),
+        plen_RxB=plen.reshape(replicas, Br),
+        limits_RxN=limits.reshape(replicas, Br * n),
+        offsets_R=offsets,
+        num_rows_R=np.clip(B * n - offsets, 0, Br * n).astype(np.int32),
+        prompts=B,
+        prompt_len=L,
+    )
+
+
+def _placed(arrays: list[np.ndarray], mesh: Mesh | None, rules: Rules, place: bool) -> list[Any]:
+    """The arrays on the mesh with their replica axis over the batch axes; ``place=False``:
+    shapes and shardings only (lowering)."""
+    if mesh is None:
+        return arrays
+    shardings = [NamedSharding(mesh, _batch_spec(rules, mesh, *([None] * (x.ndim - 1)))) for x in arrays]
+    if place:
+        return [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
+    return [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(arrays, shardings)]
+
+
+def _stop_tables(params: SamplingParams, stop_strings: StopStrings | None, vocab_size: int) -> tuple:
+    """The stop-string automaton's arrays (`stops.StopStrings`), or 1-entry placeholders."""
+    if not params.stop:
+        return (np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1), bool))
+    if stop_strings is None or stop_strings.strings != params.stop:
+        raise ValueError(
+            f"SamplingParams.stop {params.stop!r} needs its tables: pass tokenizer=... (or "
+            f"stop_strings=StopStrings.build(stop, tokenizer, vocab_size))"
+        )
+    if stop_strings.token_class_V.shape[0] != vocab_size:
+        raise ValueError(
+            f"stop_strings were built for {stop_strings.token_class_V.shape[0]} token ids, the model has {vocab_size}"
+        )
+    return (stop_strings.token_class_V, stop_strings.next_state_SxC, stop_strings.hit_SxC)
+
+
+def _eos_ids(params: SamplingParams, cfg: ModelConfig) -> tuple[int, ...]:
+    if params.eos_token_ids is not None:
+        return tuple(params.eos_token_ids)
+    if cfg.eos_token_id is None:
+        return ()
+    return tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,)
+
+
+def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, mesh, rules) -> int | None:
+    """The pool's budget when the caller gives none: rows that can only stop at their limits
+    get the peak of their schedule (`_expected_kv_tokens`); others, on an accelerator, what
+    its free memory holds (`memory_kv_tokens`; also when only lowering, so that a program
+    compiled ahead is the one a call runs); else None (`batcher.pool_pages`' default)."""
+    replicas = rows.offsets_R.shape[0]
+    if not eos and not params.stop:
+        return _expected_kv_tokens(cfg, rows, params, replicas, options.slots, options.page_size)
+    shape = engine_shape(
+        cfg,
+        rows.prompts,
+        rows.prompt_len,
+        params.max_new_tokens,
+        n=params.n,
+        replicas=replicas,
+        slots=options.slots,
+        page_size=options.page_size,
+    )
+    devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
+    return memory_kv_tokens(shape, _kv_shards(rules, mesh), devices)
 
 
 def _prepare(
@@ -399,144 +502,71 @@ def _prepare(
     prompt_ids,
     prompt_mask,
     params: SamplingParams,
+    *,
     mesh,
     rules,
     rng,
-    max_new_tokens=None,
-    slots: int | None = None,
-    page_size: int = DEFAULT_PAGE_SIZE,
-    kv_tokens: int | None = None,
-    attention: str | None = None,
-    stop_strings: StopStrings | None = None,
-    return_logits: bool = False,
-    return_cache: bool = False,
+    max_new_tokens,
+    options: EngineOptions,
+    stop_strings: StopStrings | None,
     place: bool = True,
-    steps_per_sync: int | None = None,
 ) -> _Call:
     cfg = _config_of(graphdef, state)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
-    B, L = ids.shape
-    n = params.n
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
-    eos = params.eos_token_ids
-    if eos is None:
-        eos = (
-            ()
-            if cfg.eos_token_id is None
-            else (tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,))
-        )
-    limits = _row_limits(params, max_new_tokens, B)
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if slots is not None and slots < 1:
-        raise ValueError(f"slots must be >= 1, got {slots}")
-    if steps_per_sync is not None and steps_per_sync < 1:
-        raise ValueError(f"steps_per_sync must be >= 1 (or None: by platform), got {steps_per_sync}")
-    if kv_tokens is not None and kv_tokens < 1:
-        raise ValueError(f"kv_tokens must be >= 1 (or None: the default budget), got {kv_tokens}")
-    if params.stop and (stop_strings is None or stop_strings.strings != params.stop):
-        raise ValueError(
-            f"SamplingParams.stop {params.stop!r} needs its tables: pass tokenizer=... (or "
-            f"stop_strings=StopStrings.build(stop, tokenizer, vocab_size))"
-        )
-
+    eos = _eos_ids(params, cfg)
     replicas = _batch_axis_size(rules, mesh)
-    Bb = bucket_size(B, multiple=replicas)
-    P = bucket_size(L, minimum=PROMPT_BUCKET_MIN)
-    R = bucket_size(params.max_new_tokens, minimum=RESPONSE_BUCKET_MIN)
-    plen = mask.sum(axis=1).astype(np.int32)
-    right = np.full((Bb, P), pad, np.int32)  # right-padded: row i's tokens in columns [0, plen_i)
-    for i in range(B):
-        right[i, : plen[i]] = ids[i, L - plen[i] :]
-    right[B:] = right[0]
-    plen = np.concatenate([plen, np.full(Bb - B, plen[0], np.int32)])
-    limits = np.concatenate([limits, np.ones((Bb - B) * n, np.int32)])
-    Br = Bb // replicas
-    Nr = Br * n
-    offsets = np.arange(replicas, dtype=np.int32) * Nr
-    num_rows = np.clip(B * n - offsets, 0, Nr).astype(np.int32)
-    arrays = [
-        right.reshape(replicas, Br, P),
-        plen.reshape(replicas, Br),
-        limits.reshape(replicas, Nr),
-        offsets,
-        num_rows,
-    ]
-    if mesh is not None:
-        shardings = [NamedSharding(mesh, _batch_spec(rules, mesh, *([None] * (x.ndim - 1)))) for x in arrays]
-        if place:
-            arrays = [jax.device_put(x, s) for x, s in zip(arrays, shardings)]
-        else:  # lowering only: shapes and shardings, no device buffers
-            arrays = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(arrays, shardings)]
-    if stop_strings is None or not params.stop:
-        stop_tables = (np.zeros(1, np.int32), np.zeros((1, 1), np.int32), np.zeros((1, 1), bool))
-    else:
-        if stop_strings.token_class_V.shape[0] != cfg.vocab_size:
-            raise ValueError(
-                f"stop_strings were built for {stop_strings.token_class_V.shape[0]} token ids, the model "
-                f"has {cfg.vocab_size}"
-            )
-        stop_tables = (stop_strings.token_class_V, stop_strings.next_state_SxC, stop_strings.hit_SxC)
-
+    rows = _bucket_rows(ids, mask, _row_limits(params, max_new_tokens, len(ids)), params.n, pad, replicas)
+    stop_tables = _stop_tables(params, stop_strings, cfg.vocab_size)
     if rng is None:
         rng = jax.random.key(params.seed) if place else jax.eval_shape(jax.random.key, params.seed)
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng)
-    if kv_tokens is None and not eos and not params.stop:
-        kv_tokens = _expected_kv_tokens(
-            cfg,
-            plen.reshape(replicas, Br),
-            limits.reshape(replicas, Nr),
-            num_rows,
-            L,
-            params,
-            replicas,
-            slots,
-            page_size,
-        )
-    elif kv_tokens is None and place:
-        kv_tokens = memory_kv_tokens(
-            engine_shape(cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size),
-            _kv_shards(rules, mesh),
-            list(mesh.devices.flat) if mesh is not None else jax.devices()[:1],
-        )
+    kv_tokens = options.kv_tokens or _default_kv_tokens(cfg, rows, params, eos, options, mesh, rules)
     shape = engine_shape(
-        cfg, B, L, params.max_new_tokens, n=n, replicas=replicas, slots=slots, page_size=page_size, kv_tokens=kv_tokens
+        cfg,
+        *ids.shape,
+        params.max_new_tokens,
+        n=params.n,
+        replicas=replicas,
+        slots=options.slots,
+        page_size=options.page_size,
+        kv_tokens=kv_tokens,
     )
     static = Static(
         greedy=params.greedy,
         top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
         use_top_p=not params.greedy and params.top_p < 1.0,
-        n=n,
-        eos_token_ids=tuple(eos),
+        n=params.n,
+        eos_token_ids=eos,
         pad_token_id=int(pad),
-        response_len=R,
+        response_len=shape.response_len,
         slots=shape.slots,
-        page_size=page_size,
+        page_size=options.page_size,
         num_pages=shape.pages,
         prefill_rows=shape.prefill_rows,
         prefill_len=shape.prefill_len,
-        return_logits=return_logits,
-        return_cache=return_cache,
+        return_logits=options.return_logits,
+        return_cache=options.return_cache,
         use_stops=bool(params.stop),
-        kernel=_kernel(cfg, mesh, rules, attention),
-        steps_per_sync=steps_per_sync or default_steps_per_sync(_platform(mesh)),
+        kernel=_kernel(cfg, mesh, rules, options.attention),
+        steps_per_sync=options.steps_per_sync or default_steps_per_sync(_platform(mesh)),
     )
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
+    arrays = _placed(rows.arrays, mesh, rules, place)
     args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p), stop_tables)
-    page_bytes = shape.pool_bytes // shape.pages
     stats = dict(
         replicas=replicas,
         slots=static.slots,
-        page_size=page_size,
+        page_size=options.page_size,
         attention=static.kernel,
         steps_per_sync=static.steps_per_sync,
         pages_per_replica=shape.pages,
         pad_token_id=int(pad),
         kv_pool_bytes=replicas * shape.pool_bytes,
-        page_bytes=page_bytes,
+        page_bytes=shape.pool_bytes // shape.pages,
     )
-    return _Call(program, args, B * n, params.max_new_tokens, stats)
+    return _Call(program, args, len(ids) * params.n, params.max_new_tokens, stats)
 
 
 KV_MEMORY_FRACTION = 0.5  # of the free device memory, for the default pool on an accelerator
@@ -548,8 +578,11 @@ def memory_kv_tokens(shape: EngineShape, kv_shards: int, devices) -> int | None:
     `KV_MEMORY_FRACTION` of the free memory of the emptiest device, else the largest power of
     two pages that does (stable across calls, so the program is reused), if that beats the
     token-budget default. None (the default of `batcher.pool_pages`) on CPU, whose devices
-    report no memory, and where the fraction holds less. ``kv_shards``: the devices one
-    replica's pool is split over (its kv heads)."""
+    report no memory, where the fraction holds less, and in a multi-process world (each
+    process reads only its own devices' memory, and all must compile the same pool).
+    ``kv_shards``: the devices one replica's pool is split over (its kv heads)."""
+    if jax.process_count() > 1:  # each process sees only its own devices' memory; every one must pick the same pool
+        return None
     stats = [d.memory_stats() for d in devices]
     if not stats or any(not s or "bytes_limit" not in s for s in stats):
         return None
@@ -569,15 +602,15 @@ def _kv_shards(rules: Rules, mesh: Mesh | None) -> int:
     return math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0]))
 
 
-def _expected_kv_tokens(cfg, plen_RxB, limits_RxN, num_rows_R, prompt_len, params, replicas, slots, page_size):
+def _expected_kv_tokens(cfg, rows: _Rows, params: SamplingParams, replicas: int, slots, page_size: int) -> int:
     """The budget of a rollout whose rows can only stop at their limits (no EOS, no stop
     strings): every token is known, so the pool is the peak of the schedule in which no row
     waits (`batcher.no_wait_peak_pages`) plus the priority reserve Rp, rounded up to a power
     of two pages (calls with other limits mostly reuse the program)."""
     shape = engine_shape(
         cfg,
-        len(plen_RxB.reshape(-1)),
-        prompt_len,
+        rows.plen_RxB.size,
+        rows.prompt_len,
         params.max_new_tokens,
         n=params.n,
         replicas=replicas,
@@ -585,9 +618,9 @@ def _expected_kv_tokens(cfg, plen_RxB, limits_RxN, num_rows_R, prompt_len, param
         page_size=page_size,
     )
     peak = max(
-        no_wait_peak_pages(plen, limits[:rows], params.n, shape.slots, shape.prefill_rows, page_size)
-        for plen, limits, rows in zip(plen_RxB, limits_RxN, num_rows_R)
-        if rows > 0
+        no_wait_peak_pages(plen, limits[:real], params.n, shape.slots, shape.prefill_rows, page_size)
+        for plen, limits, real in zip(rows.plen_RxB, rows.limits_RxN, rows.num_rows_R)
+        if real > 0
     )
     least, _ = pool_bounds(
         shape.prompts, shape.prompt_len, shape.response_len, shape.slots, shape.prefill_rows, page_size
@@ -667,35 +700,22 @@ def generate_from_state(
     rules: Rules = GENERATE_RULES,
     rng: jax.Array | None = None,
     max_new_tokens=None,
-    slots: int | None = None,
-    page_size: int = DEFAULT_PAGE_SIZE,
-    kv_tokens: int | None = None,
-    attention: str | None = None,
+    options: EngineOptions = EngineOptions(),
     tokenizer: Any = None,
     stop_strings: StopStrings | None = None,
-    return_logits: bool = False,
-    return_cache: bool = False,
-    steps_per_sync: int | None = None,
 ) -> GenerateOutput:
     """Sample ``params.n`` responses for each of the B left-padded prompts.
 
     ``graphdef``/``state`` are ``nnx.split`` of a `CausalLM` (``state`` in any layout, e.g.
     the generation layout of the hybrid engine). ``prompt_ids``/``prompt_mask`` are [B, L]
     (NumPy or jax; every row ends with a real token). ``max_new_tokens`` (an int or an
-    integer array [B * n] or [B], each <= ``params.max_new_tokens``) limits each row. ``slots``:
-    decode slots per replica (default: the replica's rows, at most `DEFAULT_SLOTS`);
-    ``page_size``: tokens per KV page; ``kv_tokens``: the page pool's budget of cached tokens
-    per replica (None: the default of `batcher.pool_pages`; too small a budget for one
-    prompt group and one response is an error); ``attention``: ``"jax"``, ``"gpu"`` or
-    ``"tpu"`` (None: by platform, `paged.choose_kernel`; ``"gpu"`` off a GPU runs the kernel
-    in interpret mode). ``params.stop`` needs ``tokenizer`` (anything with ``decode(ids)``),
-    or its prebuilt ``stop_strings`` (`StopStrings.build`). With ``mesh``, prompts, slots and
-    pages are split over the ``batch`` axes of ``rules``. The compiled program is cached per
-    (graphdef, static settings, mesh, rules, bucket shapes), so repeated calls compile
-    nothing. ``rng`` (a PRNG key) overrides ``params.seed``. ``steps_per_sync``: decode steps
-    per trip of the rollout loop (None: `default_steps_per_sync` of the platform; what is
-    sampled does not depend on it). ``return_logits`` / ``return_cache`` add debug outputs
-    (separate programs; for tests).
+    integer array [B * n] or [B], each <= ``params.max_new_tokens``) limits each row.
+    ``options``: how the engine runs (`EngineOptions`: slots, pages, the KV budget, the
+    attention kernel, debug outputs). ``params.stop`` needs ``tokenizer`` (anything with
+    ``decode(ids)``), or its prebuilt ``stop_strings`` (`StopStrings.build`). With ``mesh``,
+    prompts, slots and pages are split over the ``batch`` axes of ``rules``. The compiled
+    program is cached per (graphdef, static settings, mesh, rules, bucket shapes), so
+    repeated calls compile nothing. ``rng`` (a PRNG key) overrides ``params.seed``.
     """
     if params.stop and stop_strings is None:
         if tokenizer is None:
@@ -707,18 +727,12 @@ def generate_from_state(
         prompt_ids,
         prompt_mask,
         params,
-        mesh,
-        rules,
-        rng,
-        max_new_tokens,
-        slots,
-        page_size,
-        kv_tokens,
-        attention,
-        stop_strings,
-        return_logits,
-        return_cache,
-        steps_per_sync=steps_per_sync,
+        mesh=mesh,
+        rules=rules,
+        rng=rng,
+        max_new_tokens=max_new_tokens,
+        options=options,
+        stop_strings=stop_strings,
     )
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols
@@ -736,8 +750,8 @@ def generate_from_state(
         stats=dict(
             call.stats, peak_pages=peak, peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"], waits=out["waits"]
         ),
-        logits=cut(out["logits"]) if return_logits else None,
-        cache=(out["k_pages"], out["v_pages"]) if return_cache else None,
+        logits=cut(out["logits"]) if options.return_logits else None,
+        cache=(out["k_pages"], out["v_pages"]) if options.return_cache else None,
     )
 
 
@@ -751,14 +765,8 @@ def lower_generate(
     mesh: Mesh | None = None,
     rules: Rules = GENERATE_RULES,
     max_new_tokens=None,
-    slots: int | None = None,
-    page_size: int = DEFAULT_PAGE_SIZE,
-    kv_tokens: int | None = None,
-    attention: str | None = None,
+    options: EngineOptions = EngineOptions(),
     stop_strings: StopStrings | None = None,
-    return_logits: bool = False,
-    return_cache: bool = False,
-    steps_per_sync: int | None = None,
 ) -> jax.stages.Lowered:
     """The program `generate_from_state` runs for these arguments, lowered but not run:
     ``.compile()`` gives its HLO (``as_text()``), ``memory_analysis()`` and
@@ -770,19 +778,13 @@ def lower_generate(
         prompt_ids,
         prompt_mask,
         params,
-        mesh,
-        rules,
-        None,
-        max_new_tokens,
-        slots,
-        page_size,
-        kv_tokens,
-        attention,
-        stop_strings,
-        return_logits,
-        return_cache,
+        mesh=mesh,
+        rules=rules,
+        rng=None,
+        max_new_tokens=max_new_tokens,
+        options=options,
+        stop_strings=stop_strings,
         place=False,
-        steps_per_sync=steps_per_sync,
     )
     return call.program.lower(*call.args)
 
@@ -809,7 +811,7 @@ def generate(
     **kwargs,
 ) -> GenerateOutput:
     """`generate_from_state` for a `CausalLM` (e.g. what ``jaxflow.models.from_pretrained``
-    returns); ``kwargs`` as there."""
+    returns); ``kwargs`` as there (``max_new_tokens``, ``options``, ``tokenizer``, ...)."""
     graphdef, state = nnx.split(model)
     return generate_from_state(
         graphdef, state, prompt_ids, prompt_mask, params, mesh=mesh, rules=rules, rng=rng, **kwargs
@@ -819,6 +821,7 @@ def generate(
 __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_SLOTS",
+    "EngineOptions",
     "EngineShape",
     "GenerateOutput",
     "SamplingParams",
@@ -827,5 +830,4 @@ __all__ = [
     "generate",
     "generate_from_state",
     "lower_generate",
-    "trace_count",
 ]

@@ -96,7 +96,11 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
             {}
             if c is None
             else dict(
-                dtype=c.param_dtype, compute_dtype=c.dtype, scan_layers=c.scan_layers, remat_policy=c.remat_policy
+                dtype=c.param_dtype,
+                compute_dtype=c.dtype,
+                scan_layers=c.scan_layers,
+                remat_policy=c.remat_policy,
+                attention_impl=c.attention_impl,
             )
         )
         model = models.from_pretrained(os.path.expanduser(spec.path), mesh=mesh, rules=rules, head=spec.head, **options)

@@ -51,6 +51,9 @@ from jaxflow.trainer.builders import (
     train_loader,
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, HostState, ItemIO
+from jaxflow.trainer.compile_ahead import cache_enabled, compile_ahead
+from jaxflow.trainer.compile_ahead import describe as describe_compile_ahead
+from jaxflow.trainer.compile_log import CompileLog
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
 from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
@@ -79,6 +82,21 @@ CONSOLE_KEYS = {
 }
 
 
+def describe_dtypes(spec: RunSpec) -> str:
+    """``dtypes: actor float32 weights / bfloat16 compute (generation copy bfloat16); ref ...``:
+    what ``auto`` resolved to (`jaxflow.configs.resolve.resolve_dtypes`)."""
+    parts = []
+    for role, m in spec.models.items():
+        if m.config is None:
+            continue
+        weights, compute = np.dtype(m.config.param_dtype).name, np.dtype(m.config.dtype).name
+        text = f"{role} {weights} weights / {compute} compute"
+        if role == "actor" and np.dtype(m.config.dtype).itemsize < np.dtype(m.config.param_dtype).itemsize:
+            text += f" (generation copy {compute})"
+        parts.append(text)
+    return "dtypes: " + "; ".join(parts)
+
+
 def _mean(value: Any) -> float:
     return float(np.mean(np.asarray(value, np.float64)))
 
@@ -98,6 +116,8 @@ class RLTrainer:
         The run directory is locked from here to the end of ``fit`` (one run per directory), and
         a fresh run moves an earlier run's outputs there aside (``previous-<time>/``)."""
         self._started = time.perf_counter()  # the summary's wall time: the whole run, build included
+        self._first_step_at: float | None = None
+        self.compiles = CompileLog().__enter__()  # compile seconds per program, for the summary
         self.ckpt: CheckpointManager | None = None
         self.backend = None
         try:
@@ -191,6 +211,10 @@ class RLTrainer:
         self.algo_state = AlgoState.initial(self.spec.algorithm)
         self.guard = NonFiniteGuard(self.spec.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
+        if self.spec.trainer.compile_ahead and self.backend is None and cache_enabled():
+            t0 = time.perf_counter()
+            seconds = compile_ahead(self.cfg, len(self.train_data))
+            print(describe_compile_ahead(seconds, time.perf_counter() - t0), flush=True)
 
     # ------------------------------------------------------------------ construction
 
@@ -240,7 +264,9 @@ class RLTrainer:
         )
 
     def close(self) -> None:
-        """Stops the worker processes of the Ray backend (nothing to do locally)."""
+        """Stops the worker processes of the Ray backend (nothing to do locally) and the
+        compile log."""
+        self.compiles.__exit__()
         if self.backend is not None:
             self.backend.shutdown()
 
@@ -324,6 +350,9 @@ class RLTrainer:
         metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / elapsed / self.spec.num_devices
         metrics["training/global_step"] = float(step)
         metrics["training/epoch"] = float(self.loader.epoch)
+        if self._first_step_at is None:  # this process's first step: build, warm start and compiles included
+            self._first_step_at = time.perf_counter()
+            metrics["perf/time_to_first_step_s"] = self._first_step_at - self._started
         return metrics
 
     def validate(self) -> dict[str, float]:
@@ -399,6 +428,12 @@ class RLTrainer:
             outputs["tensorboard"] = os.path.join(self.run_dir, TENSORBOARD_DIR)
         logged = read_jsonl(outputs["metrics"]) if outputs["metrics"] else history  # earlier steps of a resumed run
         print(run_summary(logged, wall_s=time.perf_counter() - self._started, outputs=outputs), flush=True)
+        first = (
+            ""
+            if self._first_step_at is None
+            else f"first step done {self._first_step_at - self._started:.1f} s after start; "
+        )
+        print(f"  {first}{self.compiles.summary()}", flush=True)
         return history
 
     def _restart(self, error: Exception, restarts: int) -> None:
@@ -440,7 +475,7 @@ class RLTrainer:
             where = f"devices; run dir {self.run_dir}\n{describe_hosts(self.placement, self.backend.config)}"
         print(
             f"jaxflow: {self.algorithm_name} ({self.spec.algorithm.algorithm.adv_estimator}) for {self.total_steps} "
-            f"steps on {self.spec.num_devices} {where}",
+            f"steps on {self.spec.num_devices} {where}\n{describe_dtypes(self.spec)}",
             flush=True,
         )
         try:

@@ -14,7 +14,9 @@ never read from the batch, whose ``meta`` is provenance only), ``agg`` is
 ``actor/pg_loss``, ``actor/pg_clipfrac``, ``actor/pg_clipfrac_lower``, ``actor/ppo_kl``,
 ``actor/entropy``, ``actor/kl_loss`` and ``actor/kl_coef`` (with the KL loss),
 ``actor/grad_norm`` (before clipping), ``actor/lr``, ``actor/update_skipped`` (1 for a step
-refused as non-finite: parameters and optimizer state unchanged).
+refused as non-finite: parameters and optimizer state unchanged), and a loss's own metrics
+under their names (``bypass_mode``'s ``rollout_corr/*``; micro-batches weighted by their
+share of the mini-batch's tokens).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
 from jaxflow.reshard import HybridEngine
-from jaxflow.sampling import SamplingParams, generate_from_state
+from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
 from jaxflow.workers.base import (
     ModelLike,
     RoleLayout,
@@ -51,6 +53,14 @@ from jaxflow.workers.optim import OptimConfig, make_optimizer
 from jaxflow.workers.packing import PACKED_KEYS, PackedLayout, balance_metrics, pack_minibatch
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 from jaxflow.workers.train_state import make_train_step, minibatch_indices
+
+
+def generation_dtype(cfg: Any) -> Any:
+    """The dtype of the actor's generation copy: the model's compute dtype where it is
+    narrower than its (master) weights' (bf16 generation from float32 masters on
+    accelerators), else None (generation reads the weights as they are)."""
+    compute, stored = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    return compute if jnp.issubdtype(compute, jnp.floating) and compute.itemsize < stored.itemsize else None
 
 
 def cast_program(dtype: Any, shardings: Any):
@@ -218,13 +228,8 @@ def actor_loss(cfg: ActorConfig):
         loss = pg_loss - cfg.entropy_coeff * entropy_agg
         # Local masked means -> shares of the mini-batch's masked mean (they add up).
         share = masked_sum(jnp.ones_like(log_prob), mask) / jnp.maximum(gbi["batch_num_tokens"], 1)
-        aux = {
-            "pg_loss": pg_loss,
-            "entropy": entropy_agg,
-            "pg_clipfrac": pg["pg_clipfrac"] * share,
-            "pg_clipfrac_lower": pg["pg_clipfrac_lower"] * share,
-            "ppo_kl": pg["ppo_kl"] * share,
-        }
+        # pg_clipfrac, pg_clipfrac_lower, ppo_kl, and a loss's own metrics (bypass_mode's rollout_corr/*)
+        aux = {"pg_loss": pg_loss, "entropy": entropy_agg} | {k: v * share for k, v in pg.items()}
         if cfg.use_kl_loss:
             kl_loss = agg_loss(
                 kl_penalty(log_prob, micro["ref_log_prob"], cfg.kl_loss_type), mask, cfg.loss_agg_mode, **agg_kw
@@ -234,6 +239,11 @@ def actor_loss(cfg: ActorConfig):
         return loss, aux
 
     return loss_fn
+
+
+def _metric_name(name: str) -> str:
+    """``actor/<name>``; a name with its own section (a loss's ``rollout_corr/kl``) as is (verl)."""
+    return name if "/" in name else f"actor/{name}"
 
 
 def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
@@ -354,8 +364,7 @@ class ActorWorker(TrainableWorker):
             prompts = prompts.update(non_tensors={"uid": [f"{index}:{row}" for row in range(len(prompts))]})
         r = self.rollout
         options = dict(
-            slots=r.max_num_seqs or None,
-            kv_tokens=r.max_total_tokens or None,
+            options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
             max_new_tokens=limits,
             tokenizer=r.tokenizer,
         )
@@ -387,14 +396,8 @@ class ActorWorker(TrainableWorker):
         return dict(self._gen_seconds)
 
     def generation_dtype(self) -> Any:
-        """The dtype of the generation copy: the model's compute dtype where it is narrower
-        than the (master) weights' (bf16 generation from float32 masters on accelerators),
-        else None (generation reads the weights as they are)."""
-        compute = jnp.dtype(self.model_config.dtype)
-        stored = jnp.dtype(jax.tree.leaves(self.params)[0].dtype)
-        if jnp.issubdtype(compute, jnp.floating) and compute.itemsize < stored.itemsize:
-            return compute
-        return None
+        """`generation_dtype` of this actor's model."""
+        return generation_dtype(self.model_config)
 
     def _generation_weights(self, stack: contextlib.ExitStack) -> tuple[Any, Mesh, Rules]:
         """The weights generation reads, with their mesh and rules. Same dtype as the
@@ -521,7 +524,7 @@ class ActorWorker(TrainableWorker):
             if layout is not None and cfg.log_balance:
                 balance.append(balance_metrics(layout))
         per_step = jax.device_get(per_step)
-        out = {f"actor/{name}": np.asarray([m[name] for m in per_step]) for name in per_step[0]}
+        out = {_metric_name(name): np.asarray([m[name] for m in per_step]) for name in per_step[0]}
         if balance:
             out |= {name: np.asarray([m[name] for m in balance]) for name in balance[0]}
         if cfg.use_kl_loss:
@@ -539,4 +542,4 @@ class ActorWorker(TrainableWorker):
         host = {k: host_array(minibatch[k]) for k in keys}
         inputs, _ = self.place_minibatch(host, np.arange(rows))
         self.state, metrics = step(self.state, inputs, {"temperature": np.float32(t)})
-        return {f"actor/{n}": float(v) for n, v in jax.device_get(metrics).items()}
+        return {_metric_name(n): float(v) for n, v in jax.device_get(metrics).items()}

@@ -62,7 +62,7 @@ def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array) -> Array:
     return picked_BxR - lse_BxR
 
 
-LOGITS_CHUNK_BYTES = 1 << 28  # float32 logits of one chunk of positions (`head_log_probs`)
+LOGITS_CHUNK_BYTES = 1 << 30  # float32 logits of one chunk of positions (`head_log_probs`)
 
 
 def position_chunks(rows: int, positions: int, vocab: int, budget: int) -> int:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.rewards import RewardScorer, token_level_scores
+from jaxflow.rewards import RewardScorer, extra_columns, token_level_scores
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
@@ -119,7 +119,8 @@ class RuleRewardWorker:
     @register(ONE_TO_ALL)
     def scores(self, batch: Batch) -> tuple[Batch, dict[str, float]]:
         """``(scores, metrics)``: ``output_key`` [B, R] (host) with the decoded
-        ``response_text``, and the scorer's metrics (``reward/mean``, ``reward/num_errors``,
+        ``response_text`` and the function's other named values (``reward_extra/<key>``,
+        `jaxflow.rewards.extra_columns`), and the scorer's metrics (``reward/mean``, ``reward/num_errors``,
         ...; `jaxflow.rewards.RewardResult`). A host-side group of one rank: the group call
         returns a list holding this one pair."""
         responses = np.asarray(jax.device_get(batch["responses"]))
@@ -132,7 +133,10 @@ class RuleRewardWorker:
             list(batch["ground_truth"]),
             None if extra is None else list(extra),
         )
-        out = Batch.from_dict({self.output_key: token_level_scores(result.scores, mask)}, {"response_text": texts})
+        out = Batch.from_dict(
+            {self.output_key: token_level_scores(result.scores, mask)},
+            {"response_text": texts, **extra_columns(result)},
+        )
         return out, dict(result.metrics)
 
 
