@@ -32,7 +32,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = [(c, p) for c in ("ppo_tiny", "grpo_tiny") for p in ("colocated", "split")]
 # Measured wall times differ by nature; everything else is compared.
-TIMING_PREFIXES = ("timing_s/", "perf/throughput", "time")
+TIMING_PREFIXES = ("timing_s/", "perf/throughput", "perf/time_to_first_step_s", "time")
 # The two backends sum across devices in different orders (XLA's in-process all-reduce vs gloo's
 # across processes: last-bit differences of float32 sums, measured), so a log-prob or a value
 # differs by about one float32 rounding (relative ~1e-7) between them, and metrics built from
