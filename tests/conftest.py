@@ -43,3 +43,12 @@ def ray_session():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def pytest_collection_modifyitems(items):
+    """Files holding a ``slow`` test (minutes-long end-to-end runs) first, in their order, the
+    tests inside every file in theirs: xdist (``--dist loadfile``, pyproject.toml) hands a
+    worker one file at a time in this order, so the long files start at once beside the many
+    short ones, which fill both workers up to the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable

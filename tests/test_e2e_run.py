@@ -56,6 +56,7 @@ def _comparable(record):
     return {k: v for k, v in record.items() if k != "time" and not k.startswith(TIMING)}
 
 
+@pytest.mark.slow
 def test_sigkill_then_auto_resume_ends_like_an_uninterrupted_run(tmp_path):
     reference = _run(SHORT, tmp_path / "reference")
     out, _ = reference.communicate(timeout=600)
@@ -104,6 +105,7 @@ USER_REWARD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(USER_REWARD)

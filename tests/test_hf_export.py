@@ -128,6 +128,7 @@ def _assert_lm_matches(hf_dir, model):
     assert np.abs(ours - ref)[on].max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_the_end_of_run_and_checkpoint_exports_load_in_transformers(run_dir):
     final = _restored(run_dir, "actor", 2)
     _assert_lm_matches(run_dir / "hf_actor", final)
