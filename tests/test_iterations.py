@@ -134,7 +134,7 @@ class StubActor:
         self.rng = np.random.default_rng(seed)
         self.updates = []
 
-    def generate(self, prompts, sampling="train", step=None):
+    def generate(self, prompts, sampling="train", step=None, prompt_offset=0):
         if "uid" not in prompts:
             prompts = prompts.update(non_tensors={"uid": [f"p{i}" for i in range(len(prompts))]})
         responses, mask = self.greedy if sampling == "greedy" else self.sampled
