@@ -21,7 +21,12 @@ def get_config() -> ConfigDict:
     # Dynamic sampling on the answer's correctness (the reward function's score before shaping).
     cfg.algorithm.filter_groups.enable = True
     cfg.algorithm.filter_groups.metric = "acc"
-    cfg.algorithm.filter_groups.max_num_gen_batches = 10
+    # Measured (CPU, seed 0): 13 generation batches at step 1 (held-out 0.16: few groups hold a
+    # right answer), 1-3 from step 10, rising again past step 60 as whole groups become right.
+    cfg.algorithm.filter_groups.max_num_gen_batches = 20
+    # Held-out 1.0 by step 50; past it, dynamic sampling costs more batches per step for no gain.
+    cfg.trainer.total_training_steps = 60
+    cfg.trainer.test_freq = 20
     # Answers take 4 tokens (3 digits and EOS); up to 4 more are penalised, linearly to -1.
     cfg.data.max_response_length = 8
     ob = cfg.reward_model.overlong_buffer
