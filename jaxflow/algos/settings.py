@@ -118,7 +118,16 @@ class SafeRLHFConfig:
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmSettings:
-    """Everything an algorithm's iteration reads besides the workers and the prompts."""
+    """Everything an algorithm's iteration reads besides the workers and the prompts.
+
+    Attributes:
+      algorithm: verl's ``algorithm`` section.
+      safe_rlhf: ``jaxflow.safe_rlhf.*``.
+      rollout_agreement: ``jaxflow.rollout_agreement``: every step scores the trainer's
+        ``old_log_probs`` (also where an on-policy update would take them from its own
+        forward), so the train-rollout agreement (``training/rollout_*`` metrics) is logged.
+    """
 
     algorithm: AlgorithmConfig = AlgorithmConfig()
     safe_rlhf: SafeRLHFConfig = SafeRLHFConfig()
+    rollout_agreement: bool = False

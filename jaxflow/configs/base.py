@@ -628,6 +628,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "Compile the programs of a step concurrently, before step 1, into the persistent compilation cache "
             "(the local backend, with the cache on): auto (on GPU and TPU) | on | off.",
         ),
+        (
+            "jaxflow.trainer.rollout_agreement",
+            False,
+            "Train-rollout agreement mode: every step the trainer re-scores the sampled tokens (old_log_probs), also "
+            "where an on-policy update would reuse its own forward, and logs training/rollout_* (the difference to the "
+            "rollout engine's log-probs). Cost: one log-prob forward over the batch per step.",
+        ),
         # --- jaxflow: SFT warm start -------------------------------------------------------------
         ("jaxflow.sft.steps", 300, "sft job: optimizer steps on the built-in task's demonstrations."),
         (

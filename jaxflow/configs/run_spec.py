@@ -417,7 +417,7 @@ def rollout_config(
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
-    """verl's ``algorithm`` and ``jaxflow.safe_rlhf``."""
+    """verl's ``algorithm``, ``jaxflow.safe_rlhf`` and ``jaxflow.trainer.rollout_agreement``."""
     a, s = cfg.algorithm, cfg.jaxflow.safe_rlhf
     k = a.kl_ctrl
     return AlgorithmSettings(
@@ -449,6 +449,7 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
             lambda_update_scale=s.lambda_update_scale,
             lambda_max=s.lambda_max,
         ),
+        rollout_agreement=cfg.jaxflow.trainer.rollout_agreement,
     )
 
 

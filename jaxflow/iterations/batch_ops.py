@@ -176,7 +176,8 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     """verl's rollout statistics: ``critic/score/{mean,max,min}`` (per-sequence sums of
     ``token_level_scores``), ``critic/rewards/mean``, ``critic/advantages/mean``,
     ``critic/returns/mean``, ``critic/values/mean`` (token means over the response mask),
-    ``response_length/{mean,max,min}``. (The rule scorer's ``reward/...`` metrics come from
+    ``response_length/{mean,max,min}``; with both the rollout's and the trainer's log-probs,
+    their agreement (`rollout_agreement_metrics`). (The rule scorer's ``reward/...`` metrics come from
     the rollout, `jaxflow.iterations.steps.rollout`.)"""
     mask = _host(batch, "response_mask")
     out: dict[str, float] = {}
@@ -194,6 +195,8 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     for key in ("advantages", "returns", "values"):
         if key in batch:
             out[f"critic/{key}/mean"] = _masked_row_mean(_host(batch, key), mask)
+    if "rollout_log_probs" in batch and "old_log_probs" in batch:
+        out |= rollout_agreement_metrics(_host(batch, "old_log_probs"), _host(batch, "rollout_log_probs"), mask)
     lengths = (mask > 0).sum(-1)
     out.update(
         {
@@ -203,3 +206,27 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
         }
     )
     return out
+
+
+def rollout_agreement_metrics(old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+    """How far the trainer's log-probs of the sampled tokens (``old_log_probs``, ``lp_t``)
+    are from the rollout engine's (``rollout_log_probs``, ``lp_r``), over the response
+    tokens, in float64: verl's ``training/rollout_probs_diff_{max,mean,std}`` of
+    ``|exp(lp_r) - exp(lp_t)|`` (std with Bessel's correction, as ``torch.std``), the same
+    of the log-probs, ``training/rollout_log_probs_diff_{max,mean}`` of ``|lp_r - lp_t|``,
+    and ``training/rollout_kl = mean(lp_r - lp_t)`` (verl's ``rollout_corr/kl``, the
+    sampled tokens' estimate of ``KL(pi_rollout || pi_train)``)."""
+    valid = np.asarray(mask) > 0
+    lp_t = np.asarray(old_log_probs, np.float64)[valid]
+    lp_r = np.asarray(rollout_log_probs, np.float64)[valid]
+    if lp_t.size == 0:
+        return {}
+    probs_diff, log_probs_diff = np.abs(np.exp(lp_r) - np.exp(lp_t)), np.abs(lp_r - lp_t)
+    return {
+        "training/rollout_probs_diff_max": float(probs_diff.max()),
+        "training/rollout_probs_diff_mean": float(probs_diff.mean()),
+        "training/rollout_probs_diff_std": float(probs_diff.std(ddof=1)) if probs_diff.size > 1 else 0.0,
+        "training/rollout_log_probs_diff_max": float(log_probs_diff.max()),
+        "training/rollout_log_probs_diff_mean": float(log_probs_diff.mean()),
+        "training/rollout_kl": float(np.mean(lp_r - lp_t)),
+    }

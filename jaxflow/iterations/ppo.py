@@ -68,7 +68,7 @@ def ppo_iteration(
         if next_prompts is None:
             raise ValueError("algorithm.filter_groups needs next_prompts (the next prompt batch)")
         batch, metrics = dynamic_sampling.sample_groups(
-            w, prompts, next_prompts, settings, kl_ctrl, timer, step=step, old_log_probs=needs_old_log_probs(algo)
+            w, prompts, next_prompts, settings, kl_ctrl, timer, step=step, old_log_probs=_scores_old_log_probs(settings)
         )
         kl = {}
     else:
@@ -78,7 +78,7 @@ def ppo_iteration(
             prompts,
             timer,
             step=step,
-            old_log_probs=needs_old_log_probs(algo),
+            old_log_probs=_scores_old_log_probs(settings),
             bypass_mode=algo.rollout_correction.bypass_mode,
         )
         batch, kl = steps.kl_in_reward(batch, algo, kl_ctrl)
@@ -95,7 +95,8 @@ def needs_old_log_probs(algo: AlgorithmConfig) -> bool:
 
 
 def _scores_old_log_probs(settings: AlgorithmSettings) -> bool:
-    return needs_old_log_probs(settings.algorithm)
+    """`needs_old_log_probs`, or always in the agreement mode (``settings.rollout_agreement``)."""
+    return settings.rollout_agreement or needs_old_log_probs(settings.algorithm)
 
 
 def _shared(
