@@ -448,6 +448,7 @@ CHECKS = {
     "jaxflow.trainer.max_nonfinite_steps": (1, [], spec("trainer.max_nonfinite_steps")),
     "jaxflow.trainer.resume_other_experiment": (True, [], spec("trainer.resume_other_experiment")),
     "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),
+    "jaxflow.trainer.rollout_agreement": (True, [], spec("algorithm.rollout_agreement")),
     # --- jaxflow: SFT
     "jaxflow.sft.steps": (10, [], spec("sft.steps")),
     "jaxflow.sft.warm_start_steps": (10, [], spec("sft.warm_start_steps")),
