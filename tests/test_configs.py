@@ -60,10 +60,13 @@ def test_tiny_configs_are_cpu_sized(name):
     model = configs.model_config(cfg, "actor")
     assert 64 <= model.hidden_size <= 128 and 2 <= model.num_layers <= 4
     assert model.vocab_size >= 100  # the char tokenizer's ids (padded to a multiple of fsdp*tp)
-    from jaxflow.automap.auto import resolve_placement
+    from jaxflow.configs.prepare import prepare_run
     from jaxflow.configs.resolve import pool_size
+    from jaxflow.trainer.builders import place_run
 
-    resolved = resolve_placement(cfg, log=None)  # the auto-mapper's pools and meshes
+    _, _, resolved = place_run(
+        prepare_run(cfg, with_datasets=False), cfg, log=None
+    )  # the auto-mapper's pools and meshes
     actor = configs.mesh_sizes(resolved, "actor")
     assert actor["dp"] * actor["fsdp"] * actor["tp"] == pool_size(resolved, "actor")
     assert cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n <= 512

@@ -651,8 +651,14 @@ def test_save_refuses_non_finite_params(tmp_path):
 
 def test_user_meshes_that_the_auto_mapper_replaces_are_said_in_one_line(caplog):
     from jaxflow import configs
-    from jaxflow.automap import resolve_placement
+    from jaxflow.automap import auto_place
+    from jaxflow.configs.overrides import with_values
+    from jaxflow.configs.prepare import prepare_run
     from jaxflow.configs.validate import warn_ignored_under_auto
+
+    def resolve_placement(cfg, log):  # the config a run records once the auto-mapper placed it
+        prepared = prepare_run(cfg, with_datasets=False)
+        return with_values(cfg, auto_place(prepared.spec, prepared.devices, log=log).overrides())
 
     cfg = configs.get_config("grpo_tiny")
     configs.apply_overrides(cfg, ["jaxflow.mesh.actor.train.tp=8", "jaxflow.mesh.actor.generate.tp=8"])

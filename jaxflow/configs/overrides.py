@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ml_collections import ConfigDict
@@ -65,6 +65,17 @@ def get_value(cfg: ConfigDict, key: str) -> Any:
     for part in key.split("."):
         node = node[part]
     return node
+
+
+def with_values(cfg: ConfigDict, values: Mapping[str, Any]) -> ConfigDict:
+    """A copy of ``cfg`` with typed ``values`` at their dotted keys (e.g. the auto-mapper's
+    choice, recorded with the run; a command line sets them with `apply_overrides`)."""
+    out = cfg.copy_and_resolve_references()
+    with out.unlocked():
+        for key, value in values.items():
+            *parents, leaf = key.split(".")
+            get_value(out, ".".join(parents))[leaf] = value
+    return out
 
 
 def suggest(key: str, candidates: Iterable[str]) -> str:

@@ -256,14 +256,27 @@ def checkpoint_dir(cfg: ConfigDict) -> str:
     return t.default_local_dir or os.path.join("checkpoints", t.project_name, t.experiment_name)
 
 
-class FakeDevice:
-    """Stands in for a device when planning a placement without devices (``.id`` only)."""
+def run_devices(cfg: ConfigDict) -> tuple[Any, ...]:
+    """The devices a run's placement is built over: the first ``jaxflow.num_devices`` of
+    ``jax.devices()``, or on the Ray backend a `jaxflow.mesh.devices.HostSlot` per device of
+    each host of ``jaxflow.ray.devices_per_host`` (the devices live in the workers' processes)."""
+    n = cfg.jaxflow.num_devices
+    if cfg.jaxflow.backend == "ray":
+        from jaxflow.mesh.devices import host_slots
 
-    def __init__(self, i: int):
-        self.id = i
+        try:
+            return host_slots(n, cfg.jaxflow.ray.devices_per_host)
+        except ValueError as e:
+            raise ConfigError("jaxflow.ray.devices_per_host", str(e)) from None
+    import jax
 
-    def __repr__(self) -> str:
-        return f"FakeDevice({self.id})"
+    available = jax.devices()
+    if len(available) < n:
+        raise ConfigError(
+            "jaxflow.num_devices",
+            f"{n} devices requested but only {len(available)} {available[0].platform} devices exist",
+        )
+    return tuple(available[:n])
 
 
 def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> Any:
@@ -271,22 +284,13 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
     meshes, the actor's generation tp and the model shapes (which picks the k/v variant of
     the hybrid rules and checks that every mesh fits its model).
 
-    ``devices`` defaults to the first ``jaxflow.num_devices`` of ``jax.devices()``;
-    :func:`validate` passes stand-ins, so a 128-device plan is checked without devices.
+    ``devices`` defaults to `run_devices`; :func:`validate` passes stand-ins
+    (`jaxflow.mesh.devices.FakeDevice`), so a 128-device plan is checked without devices.
     """
     from jaxflow.mesh import MeshSpec, Placement
 
-    n = cfg.jaxflow.num_devices
     if devices is None:
-        import jax
-
-        available = jax.devices()
-        if len(available) < n:
-            raise ConfigError(
-                "jaxflow.num_devices",
-                f"{n} devices requested but only {len(available)} {available[0].platform} devices exist",
-            )
-        devices = available[:n]
+        devices = run_devices(cfg)
     roles = active_roles(cfg)
     groups = [(name, size, tuple(r for r in group if r in roles)) for name, size, group in placement_groups(cfg)]
     meshes = {r: MeshSpec(**mesh_axes(cfg, r)) for r in roles}
@@ -294,34 +298,3 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
     return Placement.from_groups(
         groups, devices, meshes=meshes, gen_tp={"actor": cfg.jaxflow.mesh.actor.generate.tp}, models=models
     )
-
-
-def ray_config(cfg: ConfigDict) -> Any:
-    """``jaxflow.ray.*`` as a :class:`jaxflow.workers.ray_backend.RayConfig`."""
-    from jaxflow.workers.ray_backend import RayConfig
-
-    r = cfg.jaxflow.ray
-    return RayConfig(
-        address=r.address,
-        devices_per_host=r.devices_per_host,
-        cpus_per_host=float(r.cpus_per_host),
-        accelerator=r.accelerator,
-        compile_deadline_s=r.compile_deadline_s,
-        step_deadline_s=r.step_deadline_s,
-        sync_deadline_s=r.sync_deadline_s,
-        schedule_timeout_s=r.schedule_timeout_s,
-        tpu_topology=r.tpu_topology,
-        tpu_version=r.tpu_version,
-        local_num_cpus=math.ceil(cfg.jaxflow.num_devices // r.devices_per_host * r.cpus_per_host),
-    )
-
-
-def ray_devices(cfg: ConfigDict) -> tuple[Any, ...]:
-    """The stand-in devices (one `HostSlot` per device of each host) a Ray run's placement is
-    built over: ``jaxflow.num_devices`` in hosts of ``jaxflow.ray.devices_per_host``."""
-    from jaxflow.workers.ray_backend import host_slots
-
-    try:
-        return host_slots(cfg.jaxflow.num_devices, cfg.jaxflow.ray.devices_per_host)
-    except ValueError as e:
-        raise ConfigError("jaxflow.ray.devices_per_host", str(e)) from None

@@ -33,7 +33,6 @@ from jaxflow.configs.overrides import ELEMENT_TYPES, ConfigError, get_value, lea
 from jaxflow.configs.resolve import (
     PLACEMENT_TYPES,
     PRESET_PREFIX,
-    FakeDevice,
     active_roles,
     build_placement,
     critic_enabled,
@@ -46,6 +45,7 @@ from jaxflow.configs.resolve import (
     placement_groups,
 )
 from jaxflow.mesh import ROLES
+from jaxflow.mesh.devices import FakeDevice
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
