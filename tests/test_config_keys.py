@@ -508,12 +508,12 @@ def _load(overrides, files):
 
 
 def test_every_key_has_a_check():
-    keys = [key for key, _, _ in FIELDS]
+    keys = [key for key, *_ in FIELDS]
     assert set(CHECKS) == set(keys), {"unchecked": set(keys) - set(CHECKS), "not a key": set(CHECKS) - set(keys)}
     print(f"{len(CHECKS)} documented keys checked")
 
 
-@pytest.mark.parametrize("key", [key for key, _, _ in FIELDS])
+@pytest.mark.parametrize("key", [key for key, *_ in FIELDS])
 def test_key_changes_the_run_or_is_refused(key, files):
     check = CHECKS[key]
     if isinstance(check, Refused):

@@ -588,7 +588,7 @@ def test_every_float_key_refuses_nan_and_inf():
 
     float_keys = [
         key
-        for key, _, _ in FIELDS
+        for key, *_ in FIELDS
         if KEY_TYPES[key][0] is float or (KEY_TYPES[key][0] in (tuple, list) and key.endswith(".betas"))
     ]
     assert len(float_keys) > 30 and "actor_rollout_ref.actor.optim.lr" in float_keys
