@@ -74,7 +74,12 @@ def test_the_config_readers_are_found_and_so_are_their_calls():
     }
     for source, reading in samples.items():
         assert reading in config_reads(source, readers), source
-    assert config_reads("from jaxflow.configs.run_spec import RunSpec\ndef f(spec):\n    return spec.trainer.seed\n", readers) == []
+    assert (
+        config_reads(
+            "from jaxflow.configs.run_spec import RunSpec\ndef f(spec):\n    return spec.trainer.seed\n", readers
+        )
+        == []
+    )
 
 
 @pytest.mark.parametrize("path", _files(*BELOW_THE_EDGE), ids=lambda p: str(p.relative_to(ROOT)))
