@@ -8,9 +8,9 @@ import pytest
 import jaxflow.configs as configs
 from jaxflow.configs import ConfigError, apply_overrides, get_config, load_config, validate
 from jaxflow.configs.base import BOUNDS, FIELDS, KEY_DOCS, KEY_TYPES, get_base_config
-from jaxflow.configs.overrides import with_values
 from jaxflow.configs.docs import main as docs_main
 from jaxflow.configs.docs import markdown_table
+from jaxflow.configs.overrides import with_values
 
 TINY = [n for n in configs.NAMED if n.endswith("_tiny")]
 PAPER = {

@@ -144,6 +144,20 @@ def _parse_sequence(raw: str) -> list[Any]:
     return items
 
 
+def _typed_items(items: list[Any], elem: type | None, bad: ConfigError) -> list[Any]:
+    """A sequence's parsed items as ``elem`` (floats from ints too; strings from anything);
+    ``bad`` raised for an item of another type."""
+    if elem is float:
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+            raise bad
+        return [float(x) for x in items]
+    if elem is None or all(type(x) is elem for x in items):
+        return items
+    if elem is str:
+        return [str(x) for x in items]  # 'console,1' -> ['console', '1']
+    raise bad
+
+
 def parse_value(key: str, raw: str, typ: type, optional: bool = False, elem: type | None = None) -> Any:
     """``raw`` (command-line text) as a value of type ``typ`` (``elem``: the element type of a
     sequence, if known). Raises :class:`ConfigError` naming the key, the expected type and
@@ -171,17 +185,7 @@ def parse_value(key: str, raw: str, typ: type, optional: bool = False, elem: typ
     if typ is str:
         return _unquote(s)
     if typ in (tuple, list):
-        items = _parse_sequence(s)
-        if elem is float:
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
-                raise bad
-            items = [float(x) for x in items]
-        elif elem is not None and not all(type(x) is elem for x in items):
-            if elem is str:
-                items = [str(x) for x in items]  # 'console,1' -> ['console', '1']
-            else:
-                raise bad
-        return typ(items)
+        return typ(_typed_items(_parse_sequence(s), elem, bad))
     if typ is type(None):  # a field the schema does not know whose value is None
         try:
             return ast.literal_eval(s)

@@ -56,6 +56,46 @@ def _equal_sizes(n: int, pools: int, key: str) -> list[int]:
     return [n // pools] * pools
 
 
+def _custom_groups(cfg: ConfigDict) -> list[tuple[str, ...]]:
+    """``jaxflow.placement.groups`` (``'actor,ref;critic;reward'``) as role tuples, each role
+    known and on one pool, every active role on some pool."""
+    text = cfg.jaxflow.placement.groups
+    if not text.strip():
+        raise ConfigError(
+            "jaxflow.placement.groups", "placement type 'custom' needs the pools, e.g. 'actor,ref;critic;reward'"
+        )
+    groups = [tuple(r.strip() for r in g.split(",") if r.strip()) for g in text.split(";")]
+    seen: set[str] = set()
+    for g in groups:
+        if not g:
+            raise ConfigError("jaxflow.placement.groups", f"{text!r} has an empty pool")
+        for role in g:
+            if role not in ROLES:
+                raise ConfigError("jaxflow.placement.groups", f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+            if role in seen:
+                raise ConfigError("jaxflow.placement.groups", f"role {role!r} is placed on two pools")
+            seen.add(role)
+    missing = [r for r in active_roles(cfg) if r not in seen]
+    if missing:
+        raise ConfigError("jaxflow.placement.groups", f"{text!r} places no pool for the active roles {missing}")
+    return groups
+
+
+def _group_sizes(cfg: ConfigDict, groups: list[tuple[str, ...]]) -> list[int]:
+    """``jaxflow.placement.pool_sizes`` (default: equal pools), one per group, adding up to
+    ``jaxflow.num_devices``."""
+    n, key = cfg.jaxflow.num_devices, "jaxflow.placement.pool_sizes"
+    sizes = list(cfg.jaxflow.placement.pool_sizes) or _equal_sizes(n, len(groups), key)
+    if len(sizes) != len(groups):
+        pools = ["+".join(g) for g in groups]
+        raise ConfigError(key, f"{len(sizes)} sizes {tuple(sizes)} for {len(groups)} pools {pools}")
+    if any(s < 1 for s in sizes):
+        raise ConfigError(key, f"pool sizes must be >= 1, got {tuple(sizes)}")
+    if sum(sizes) != n:
+        raise ConfigError(key, f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}")
+    return sizes
+
+
 def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     """``[(pool name, size, roles)]`` in device order, as :meth:`Placement.from_groups` takes
     them (all roles, active or not; pools are named after their first role)."""
@@ -63,8 +103,8 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     if p.type == "auto" and cfg.jaxflow.job == "rl":
         raise ConfigError(
             "jaxflow.placement.type",
-            "'auto' is resolved at start-up by jaxflow.automap.resolve_placement, which sets the pools "
-            "and meshes; resolve the config before building its placement",
+            "'auto' is resolved at start-up by the auto-mapper (jaxflow.automap.auto_place), which chooses the "
+            "pools and meshes; place the run before building its placement",
         )
     if p.type != "custom" and p.groups:
         raise ConfigError("jaxflow.placement.groups", f"is only used by placement type 'custom' (type is {p.type!r})")
@@ -78,42 +118,10 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     if p.type == "split":
         groups = [tuple(g) for g in SPLIT_GROUPS]
     elif p.type == "custom":
-        if not p.groups.strip():
-            raise ConfigError(
-                "jaxflow.placement.groups", "placement type 'custom' needs the pools, e.g. 'actor,ref;critic;reward'"
-            )
-        groups = [tuple(r.strip() for r in g.split(",") if r.strip()) for g in p.groups.split(";")]
-        seen: set[str] = set()
-        for g in groups:
-            if not g:
-                raise ConfigError("jaxflow.placement.groups", f"{p.groups!r} has an empty pool")
-            for role in g:
-                if role not in ROLES:
-                    raise ConfigError(
-                        "jaxflow.placement.groups", f"unknown role {role!r}; roles are {', '.join(ROLES)}"
-                    )
-                if role in seen:
-                    raise ConfigError("jaxflow.placement.groups", f"role {role!r} is placed on two pools")
-                seen.add(role)
-        missing = [r for r in active_roles(cfg) if r not in seen]
-        if missing:
-            raise ConfigError("jaxflow.placement.groups", f"{p.groups!r} places no pool for the active roles {missing}")
+        groups = _custom_groups(cfg)
     else:
         raise ConfigError("jaxflow.placement.type", f"must be one of {', '.join(PLACEMENT_TYPES)}, got {p.type!r}")
-    sizes = list(p.pool_sizes) or _equal_sizes(n, len(groups), "jaxflow.placement.pool_sizes")
-    if len(sizes) != len(groups):
-        pools = ["+".join(g) for g in groups]
-        raise ConfigError(
-            "jaxflow.placement.pool_sizes", f"{len(sizes)} sizes {tuple(sizes)} for {len(groups)} pools {pools}"
-        )
-    if any(s < 1 for s in sizes):
-        raise ConfigError("jaxflow.placement.pool_sizes", f"pool sizes must be >= 1, got {tuple(sizes)}")
-    if sum(sizes) != n:
-        raise ConfigError(
-            "jaxflow.placement.pool_sizes",
-            f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}",
-        )
-    return [(g[0], s, g) for g, s in zip(groups, sizes)]
+    return [(g[0], s, g) for g, s in zip(groups, _group_sizes(cfg, groups))]
 
 
 def mesh_key(role: str) -> str:

@@ -763,8 +763,8 @@ def validate(cfg: ConfigDict) -> None:
         check(c)
     c.raise_if_any()
     if _auto(cfg):
-        # The auto-mapper picks pools and meshes at start-up (jaxflow.automap.resolve_placement)
-        # and validates the config it produces; here only what does not depend on a mesh.
+        # The auto-mapper picks pools and meshes at start-up (jaxflow.automap.auto_place; the
+        # run validates the config that records its choice); here only what needs no mesh.
         p = cfg.jaxflow.placement
         c.check(not p.groups, "jaxflow.placement.groups", "is only used by placement type 'custom' (type is 'auto')")
         c.check(
