@@ -303,11 +303,11 @@ CHECKS = {
     "reward_model.model.path": ("preset:tiny_qwen2", [], model("reward")),
     "reward_model.model.use_remove_padding": (True, [], role("reward", "use_remove_padding")),
     "reward_model.micro_batch_size_per_device": (8, [], role("reward", "micro_batch_size_per_device")),
-    "custom_reward_function.path": ("@reward", [], spec("reward.custom_function_path")),
+    "custom_reward_function.path": ("@reward", [], spec("reward.custom_reward_path")),
     "custom_reward_function.name": (
         "score_it",
         ["custom_reward_function.path=@reward"],
-        spec("reward.custom_function_name"),
+        spec("reward.custom_reward_name"),
     ),
     # --- algorithm
     "algorithm.adv_estimator": ("grpo", [f"{R}.n=2"], spec("algorithm.algorithm.adv_estimator")),

@@ -121,15 +121,7 @@ def compile_check(
         p = compile_program(report, program)
         if not cached:
             compiled_now += 1
-            cache[key] = CompiledMemory(
-                p.argument_bytes,
-                p.output_bytes,
-                p.alias_bytes,
-                p.temp_bytes,
-                p.generated_code_bytes,
-                p.compile_seconds,
-                p.extra,
-            )
+            cache[key] = CompiledMemory(**{f.name: getattr(p, f.name) for f in dataclasses.fields(CompiledMemory)})
         rows.append(_program_row(p, plan.pool_of(p.role).peak_bytes, cached))
         if not p.fits:
             bad = p

@@ -846,12 +846,26 @@ def get_base_config() -> ConfigDict:
     return cfg
 
 
-def tiny_config(name: str) -> ConfigDict:
+def tiny_config(
+    name: str, adv_estimator: str = "gae", *, kl_in_reward: bool = False, kl_loss_type: str = ""
+) -> ConfigDict:
     """The base config with the settings shared by the ``*_tiny`` configs: a self-contained CPU
     run of a few minutes that visibly learns one-digit addition (300 steps, validation every 50,
-    no checkpoints; a rerun resumes from the run directory's checkpoints if it has any)."""
+    no checkpoints; a rerun resumes from the run directory's checkpoints if it has any).
+
+    The algorithm: ``adv_estimator`` (a critic for ``gae`` only), the KL to the reference
+    either in the reward (``kl_in_reward``) or as a loss (``kl_loss_type``), at 0.001."""
     cfg = get_base_config()
     cfg.trainer.experiment_name = name
+    cfg.algorithm.adv_estimator = adv_estimator
+    cfg.critic.enable = adv_estimator == "gae"
+    if kl_in_reward:
+        cfg.algorithm.use_kl_in_reward = True
+        cfg.algorithm.kl_ctrl.kl_coef = 0.001
+    if kl_loss_type:
+        cfg.actor_rollout_ref.actor.use_kl_loss = True
+        cfg.actor_rollout_ref.actor.kl_loss_type = kl_loss_type
+        cfg.actor_rollout_ref.actor.kl_loss_coef = 0.001
     cfg.trainer.total_training_steps = 300
     cfg.trainer.test_freq = 50
     cfg.trainer.logger = ["console", "jsonl"]
@@ -879,33 +893,47 @@ def tiny_config(name: str) -> ConfigDict:
     return cfg
 
 
-# --- shared by the paper's workloads (ppo_7b ... ppo_70b) --------------------------------------
+# --- the paper's workloads (ppo_7b ... ppo_70b) ------------------------------------------------
 
 
-def paper_ppo_config(
-    *,
-    name: str,
-    preset: str,
-    num_devices: int,
-    actor_train: tuple[int, int, int],
-    actor_gen_tp: int,
-    critic: tuple[int, int, int],
-    micro_batch_size_per_device: int,
-    max_num_seqs: int,
-) -> ConfigDict:
+@dataclasses.dataclass(frozen=True)
+class PaperWorkload:
+    """One of HybridFlow's PPO workloads: the models' preset, the devices, and the paper's
+    hand-picked layout on each half (``actor_train`` / ``critic``: (dp, fsdp, tp); the
+    actor's generation tp), micro-batch and decode slots."""
+
+    preset: str
+    num_devices: int
+    actor_train: tuple[int, int, int]
+    actor_gen_tp: int
+    critic: tuple[int, int, int]
+    micro_batch_size_per_device: int
+    max_num_seqs: int
+
+
+PAPER_WORKLOADS = {
+    "ppo_7b": PaperWorkload("llama2_7b", 16, (1, 4, 2), 2, (1, 4, 2), 8, 32),
+    "ppo_13b": PaperWorkload("llama2_13b", 32, (2, 4, 2), 4, (1, 8, 2), 4, 32),
+    "ppo_34b": PaperWorkload("codellama_34b", 64, (1, 8, 4), 4, (1, 8, 4), 2, 128),
+    "ppo_70b": PaperWorkload("llama2_70b", 128, (1, 8, 8), 8, (1, 8, 8), 2, 128),
+}
+
+
+def paper_ppo_config(name: str) -> ConfigDict:
     """HybridFlow's PPO workload (arXiv 2409.19256, section 8): actor, critic, reference and
     reward model all of one size; 1024 prompts per step, 1024-token prompts and responses,
     one PPO epoch of 8 mini-batches of 128 prompts; bf16 weights, fp32 Adam moments.
 
-    Placement ``split`` (the paper's hand-picked layout, kept so the benchmark stays
-    comparable): actor+ref on the first half of the devices, critic+reward on the second.
-    ``actor_train`` / ``critic`` are (dp, fsdp, tp) on a half; ``ref`` and ``reward`` shard
-    fully (fsdp) over theirs. ``--config.jaxflow.placement.type=auto`` lets the auto-mapper
+    ``name``: a `PAPER_WORKLOADS` row. Placement ``split`` (the paper's hand-picked layout,
+    kept so the benchmark stays comparable): actor+ref on the first half of the devices,
+    critic+reward on the second, the actor and critic as the row says; ``ref`` and
+    ``reward`` shard fully (fsdp) over theirs. ``--config.jaxflow.placement.type=auto`` lets the auto-mapper
     choose instead, planning for A100-80G hosts of 8 (``jaxflow.placement.device_kind``).
     Prompts come from the built-in task unless ``data.train_files`` is set: throughput does
     not depend on their content, since prompts are left-padded to 1024 tokens and
     ``ignore_eos`` generates all 1024 response tokens.
     """
+    w = PAPER_WORKLOADS[name]
     cfg = get_base_config()
     cfg.trainer.experiment_name = name
     cfg.trainer.project_name = "jaxflow_paper"
@@ -926,23 +954,23 @@ def paper_ppo_config(
     cfg.algorithm.use_kl_in_reward = True
     cfg.critic.enable = True
     cfg.reward_model.enable = True
-    cfg.reward_model.model.path = f"preset:{preset}"
+    cfg.reward_model.model.path = f"preset:{w.preset}"
 
     for role in (cfg.actor_rollout_ref.actor, cfg.critic):
         role.ppo_mini_batch_size = 128  # 1024 / 128 = 8 optimizer steps per PPO epoch
-        role.ppo_micro_batch_size_per_device = micro_batch_size_per_device
+        role.ppo_micro_batch_size_per_device = w.micro_batch_size_per_device
         role.ppo_epochs = 1
     cfg.actor_rollout_ref.actor.optim.lr = 1e-6
     cfg.critic.optim.lr = 1e-5
     for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.ref"):
-        cfg[key].log_prob_micro_batch_size_per_device = micro_batch_size_per_device
-    cfg.critic.forward_micro_batch_size_per_device = micro_batch_size_per_device
-    cfg.reward_model.micro_batch_size_per_device = micro_batch_size_per_device
+        cfg[key].log_prob_micro_batch_size_per_device = w.micro_batch_size_per_device
+    cfg.critic.forward_micro_batch_size_per_device = w.micro_batch_size_per_device
+    cfg.reward_model.micro_batch_size_per_device = w.micro_batch_size_per_device
     cfg.actor_rollout_ref.rollout.ignore_eos = True
-    cfg.actor_rollout_ref.rollout.max_num_seqs = max_num_seqs
+    cfg.actor_rollout_ref.rollout.max_num_seqs = w.max_num_seqs
 
     m = cfg.jaxflow.model
-    m.preset = preset
+    m.preset = w.preset
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
         m[key] = 0  # the preset's published shape
     m.dtype = "bfloat16"
@@ -951,14 +979,14 @@ def paper_ppo_config(
     m.remat_policy = "full"
     cfg.jaxflow.optim.state_dtype = "float32"
 
-    cfg.jaxflow.num_devices = num_devices
+    cfg.jaxflow.num_devices = w.num_devices
     cfg.jaxflow.placement.type = "split"  # two equal pools
     # What jaxflow.placement.type=auto plans for: the paper's A100-80G hosts of 8.
     cfg.jaxflow.placement.device_kind = "a100-80g"
     cfg.jaxflow.placement.devices_per_host = 8
     mesh = cfg.jaxflow.mesh
-    mesh.actor.train.dp, mesh.actor.train.fsdp, mesh.actor.train.tp = actor_train
-    mesh.actor.generate.tp = actor_gen_tp
-    mesh.critic.dp, mesh.critic.fsdp, mesh.critic.tp = critic
+    mesh.actor.train.dp, mesh.actor.train.fsdp, mesh.actor.train.tp = w.actor_train
+    mesh.actor.generate.tp = w.actor_gen_tp
+    mesh.critic.dp, mesh.critic.fsdp, mesh.critic.tp = w.critic
     cfg.jaxflow.ray.accelerator = "gpu"  # the paper's hosts: 8 GPUs each (backend=ray)
     return cfg

@@ -90,11 +90,12 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """The rule scorer: the custom function and its time limits per sample, per batch and for
-    loading, and the failure fraction that stops the run."""
+    """The rule scorer (`jaxflow.rewards.RewardScorer`'s settings): the custom function and its
+    time limits per sample, per batch and for loading, and the failure fraction that stops the
+    run."""
 
-    custom_function_path: str | None
-    custom_function_name: str
+    custom_reward_path: str | None
+    custom_reward_name: str
     timeout_s: float
     batch_timeout_s: float
     load_timeout_s: float
@@ -378,66 +379,47 @@ def policy_loss_kwargs(cfg: ConfigDict, mode: str) -> tuple[tuple[str, Any], ...
     return kwargs
 
 
+def update_settings(cfg: ConfigDict, section: ConfigDict, updates: int, n: int, packed: bool) -> dict[str, Any]:
+    """What the actor's and the critic's PPO updates share besides the keys of their
+    ``section`` that keep verl's names (epochs, micro-batches, shuffling, token budgets), as
+    `ActorConfig` / `CriticConfig` keywords: mini-batches of prompts as ``* n`` responses,
+    the seed, remove padding (``packed``), and the optimizer sized by the ``updates`` steps
+    that update."""
+    s = section
+    steps = optimizer_steps(updates, cfg.data.train_batch_size, s.ppo_mini_batch_size, s.ppo_epochs)
+    return dict(
+        ppo_mini_batch_size=s.ppo_mini_batch_size * n,
+        seed=cfg.trainer.seed,
+        use_remove_padding=packed,
+        optim=_optim(s, steps, cfg.jaxflow.optim.state_dtype),
+    )
+
+
 def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
-    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob micro-batch); ``n``: the
-    training rollouts' responses per prompt. ``algorithm.rollout_correction.bypass_mode``
-    selects the ``bypass_mode`` loss (as verl's ``apply_bypass_mode``)."""
-    a = cfg.actor_rollout_ref.actor
+    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob forward); ``n``: the
+    training rollouts' responses per prompt; no update in the ``trainer.critic_warmup`` steps.
+    ``algorithm.rollout_correction.bypass_mode`` selects the ``bypass_mode`` loss (as verl's
+    ``apply_bypass_mode``)."""
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     mode = "bypass_mode" if cfg.algorithm.rollout_correction.bypass_mode else a.policy_loss.loss_mode
     updates = max(0, steps - cfg.trainer.critic_warmup)
-    return ActorConfig(
-        ppo_mini_batch_size=a.ppo_mini_batch_size * n,
-        ppo_micro_batch_size_per_device=a.ppo_micro_batch_size_per_device,
-        ppo_epochs=a.ppo_epochs,
-        shuffle=a.shuffle,
-        seed=cfg.trainer.seed,
+    return from_section(
+        ActorConfig,
+        a,
+        **update_settings(cfg, a, updates, n, packed=cfg.actor_rollout_ref.model.use_remove_padding),
         loss_mode=mode,
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode,
         policy_loss_kwargs=policy_loss_kwargs(cfg, mode),
-        entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        log_prob_micro_batch_size_per_device=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device,
-        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
-        use_dynamic_bsz=a.use_dynamic_bsz,
-        ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
-        log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
-        log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
+        log_prob_micro_batch_size_per_device=r.log_prob_micro_batch_size_per_device,
+        log_prob_use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
+        log_prob_max_token_len_per_device=r.log_prob_max_token_len_per_device,
         log_balance=cfg.trainer.balance_batch,
-        optim=_optim(
-            a,
-            optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
-            cfg.jaxflow.optim.state_dtype,
-        ),
     )
 
 
 def critic_config(cfg: ConfigDict, steps: int, n: int) -> CriticConfig:
     """verl's ``critic``; ``n``: the training rollouts' responses per prompt."""
     c = cfg.critic
-    return CriticConfig(
-        ppo_mini_batch_size=c.ppo_mini_batch_size * n,
-        ppo_micro_batch_size_per_device=c.ppo_micro_batch_size_per_device,
-        ppo_epochs=c.ppo_epochs,
-        shuffle=c.shuffle,
-        seed=cfg.trainer.seed,
-        cliprange_value=c.cliprange_value,
-        loss_agg_mode=c.loss_agg_mode,
-        forward_micro_batch_size_per_device=c.forward_micro_batch_size_per_device,
-        use_remove_padding=c.model.use_remove_padding,
-        use_dynamic_bsz=c.use_dynamic_bsz,
-        ppo_max_token_len_per_device=c.ppo_max_token_len_per_device,
-        forward_max_token_len_per_device=c.forward_max_token_len_per_device,
-        optim=_optim(
-            c,
-            optimizer_steps(steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs),
-            cfg.jaxflow.optim.state_dtype,
-        ),
-    )
+    return from_section(CriticConfig, c, **update_settings(cfg, c, steps, n, packed=c.model.use_remove_padding))
 
 
 def sampling_params(
@@ -502,7 +484,7 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
 def reward_spec(cfg: ConfigDict) -> RewardSpec:
     """``custom_reward_function`` and ``jaxflow.reward``."""
     fn = cfg.custom_reward_function
-    return from_section(RewardSpec, cfg.jaxflow.reward, custom_function_path=fn.path, custom_function_name=fn.name)
+    return from_section(RewardSpec, cfg.jaxflow.reward, custom_reward_path=fn.path, custom_reward_name=fn.name)
 
 
 def forward_configs(cfg: ConfigDict) -> dict[str, ForwardConfig]:
@@ -539,20 +521,15 @@ def data_spec(cfg: ConfigDict) -> DataSpec:
     """``data`` and ``jaxflow.data`` (the tokenizer: `build_tokenizer`)."""
     d, j = cfg.data, cfg.jaxflow.data
     task = j.builtin_task
-    params = (("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else ()
-    return DataSpec(
+    return from_section(
+        DataSpec,
+        d,
         train_files=tuple(f for f in d.train_files.split(",") if f),
         val_files=tuple(f for f in d.val_files.split(",") if f),
         builtin_task=task,
-        task_params=params,
+        task_params=(("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else (),
         num_train_examples=j.num_train_examples,
         num_val_examples=j.num_val_examples,
-        prompt_key=d.prompt_key,
-        max_prompt_length=d.max_prompt_length,
-        truncation=d.truncation,
-        shuffle=d.shuffle,
-        seed=d.seed,
-        val_batch_size=d.val_batch_size,
     )
 
 
@@ -560,18 +537,11 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
     """``trainer``, ``jaxflow.trainer``, ``jaxflow.backend`` and ``jaxflow.ray.max_restarts``."""
     t = cfg.trainer
     keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
-    return TrainerSpec(
-        project_name=t.project_name,
-        experiment_name=t.experiment_name,
+    return from_section(
+        TrainerSpec,
+        t,
         run_dir=checkpoint_dir(cfg),
         logger=tuple(t.logger),
-        log_val_generations=t.log_val_generations,
-        test_freq=t.test_freq,
-        val_before_train=t.val_before_train,
-        save_freq=t.save_freq,
-        save_hf=t.save_hf,
-        resume_mode=t.resume_mode,
-        resume_from_path=t.resume_from_path,
         resume_other_experiment=cfg.jaxflow.trainer.resume_other_experiment,
         max_ckpt_to_keep=min(keep) if keep else None,
         max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps,

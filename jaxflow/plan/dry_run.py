@@ -295,21 +295,18 @@ def _params_bytes(state: Any, rules: Rules, mesh: Mesh) -> int:
     return shard_bytes(leaves, shardings)
 
 
+MODEL_KEYS = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
 def _model_dict(mc: ModelConfig) -> dict[str, Any]:
-    return dict(
-        model_type=mc.model_type,
-        num_layers=mc.num_layers,
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_heads=mc.num_heads,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        vocab_size=mc.vocab_size,
-        param_dtype=jnp.dtype(mc.param_dtype).name,
-        dtype=jnp.dtype(mc.dtype).name,
-        scan_layers=mc.scan_layers,
-        remat_policy=mc.remat_policy,
-    )
+    """The model's shape and numerics as the report lists them."""
+    return {
+        **{k: getattr(mc, k) for k in (*MODEL_KEYS, "vocab_size")},
+        "param_dtype": jnp.dtype(mc.param_dtype).name,
+        "dtype": jnp.dtype(mc.dtype).name,
+        "scan_layers": mc.scan_layers,
+        "remat_policy": mc.remat_policy,
+    }
 
 
 def _model_text(m: dict[str, Any]) -> str:
@@ -604,18 +601,12 @@ def compile_program(report: DryRunReport, spec: progs.ProgramSpec) -> ProgramRep
         phase=spec.phase,
         mesh=dict(spec.mesh.shape),
         description=spec.description,
-        argument_bytes=m.argument_bytes,
-        output_bytes=m.output_bytes,
-        alias_bytes=m.alias_bytes,
-        temp_bytes=m.temp_bytes,
-        generated_code_bytes=m.generated_code_bytes,
+        **{f.name: getattr(m, f.name) for f in dataclasses.fields(progs.CompiledMemory)},
         peak_bytes=m.peak_bytes,
         analytic_argument_bytes=spec.analytic_argument_bytes,
         resident_bytes=resident,
         total_bytes=m.peak_bytes + resident,
         fits=m.peak_bytes + resident <= report.device_memory_bytes,
-        compile_seconds=m.compile_seconds,
-        extra=m.extra,
     )
 
 

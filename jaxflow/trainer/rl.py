@@ -241,15 +241,15 @@ class RLTrainer:
         start-up lines that say what the run reads: the custom reward function, each split's
         source and how many prompts were cut (loudly when many were)."""
         reward = prepared.spec.reward
-        if reward.custom_function_path:
+        if reward.custom_reward_path:
             print(
-                f"reward: custom function {reward.custom_function_name}() from {reward.custom_function_path} "
+                f"reward: custom function {reward.custom_reward_name}() from {reward.custom_reward_path} "
                 "(custom_reward_function)",
                 flush=True,
             )
         train, val = prepared.sources
         self.train_data, self.val_data = prepared.train_data, prepared.val_data
-        if not reward.custom_function_path:  # the built-in scorers compare one string or number
+        if not reward.custom_reward_path:  # the built-in scorers compare one string or number
             for dataset in (self.train_data, self.val_data):
                 dataset.check_ground_truths(
                     (str, int, float),
@@ -270,14 +270,7 @@ class RLTrainer:
     @staticmethod
     def _build_scorer(r: RewardSpec) -> RewardScorer:
         try:
-            return RewardScorer(
-                custom_reward_path=r.custom_function_path,
-                custom_reward_name=r.custom_function_name,
-                timeout_s=r.timeout_s,
-                batch_timeout_s=r.batch_timeout_s,
-                load_timeout_s=r.load_timeout_s,
-                max_failure_fraction=r.max_failure_fraction,
-            )
+            return RewardScorer(**dataclasses.asdict(r))
         except (RewardFunctionError, ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
 
