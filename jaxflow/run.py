@@ -215,7 +215,7 @@ def _dry_run(cfg: Any, json_path: str | None) -> None:
     from jaxflow.trainer.builders import place_run, ray_config
 
     devices = simulated_devices(cfg.jaxflow.num_devices, cfg.trainer.experiment_name)
-    spec, _, _ = place_run(prepare_run(cfg, devices=devices), cfg, verify=True)
+    spec, _, _ = place_run(prepare_run(cfg, devices=devices, with_datasets=False), cfg, verify=True)
     if spec.trainer.backend == "ray":
         from jaxflow.mesh.devices import host_slots
         from jaxflow.workers.ray_backend import describe_hosts

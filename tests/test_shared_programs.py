@@ -247,7 +247,9 @@ def test_dry_run_lowers_the_programs_the_run_calls(config, tmp_path, monkeypatch
     recorder = Recorder(monkeypatch, trainer.spec)
     trainer.train_step(1)
     monkeypatch.undo()
-    planned_run, _, _ = builders.place_run(prepare_run(cfg), cfg, log=None)  # as the dry run starts
+    planned_run, _, _ = builders.place_run(
+        prepare_run(cfg, with_datasets=False), cfg, log=None
+    )  # as the dry run starts
     report, programs = plan(planned_run, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS)
     planned = {p.name: p for p in programs}
     ran = recorder.texts

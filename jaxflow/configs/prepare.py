@@ -70,6 +70,16 @@ def build_dataset(data: DataSpec, source: DataSource, tokenizer: Any) -> PromptD
     return PromptDataset(source, tokenizer, **kwargs)
 
 
+def count_train_prompts(cfg: ConfigDict, data: DataSpec, tokenizer: Any) -> int | None:
+    """The training prompts that size the schedules when ``trainer.total_training_steps`` is
+    unset: those of the training files the run keeps (after ``data.truncation=filter``), read
+    only then; None otherwise (the built-in task: ``jaxflow.data.num_train_examples``)."""
+    train, _ = dataset_sources(data)
+    if cfg.trainer.total_training_steps or isinstance(train, BuiltinSplit):
+        return None
+    return len(build_dataset(data, train, tokenizer))
+
+
 @dataclasses.dataclass(frozen=True)
 class PreparedRun:
     """A run read from its config: ``spec`` (its placement None while the auto-mapper has to
@@ -96,25 +106,25 @@ def prepare_run(
 
     ``devices``: those of the placement (default `jaxflow.configs.resolve.run_devices`: the
     first ``jaxflow.num_devices``, or a Ray run's host stand-ins). ``with_datasets=False``:
-    no prompts (the SFT job draws its own demonstrations; the auto-mapper and an export need
-    none); the schedules then count the built-in task's ``jaxflow.data.num_train_examples``.
+    no prompts (the SFT job draws its own demonstrations; the dry run, the auto-mapper and an
+    export need none); the schedules are sized as the run's all the same
+    (`count_train_prompts`).
     ``with_placement=False``: no placement and no devices (the auto-mapper plans the run for
     a cluster of its own). Every model's vocabulary is checked against the tokenizer
     (`check_vocab`)."""
     tokenizer = build_tokenizer(cfg)
+    data = data_spec(cfg)
     train = val = sources = None
     if with_datasets:
-        data = data_spec(cfg)
         sources = dataset_sources(data)
         train, val = (build_dataset(data, source, tokenizer) for source in sources)
+        num_train_prompts = len(train)
+    else:
+        num_train_prompts = count_train_prompts(cfg, data, tokenizer)
     if with_placement and devices is None:
         devices = run_devices(cfg)
     spec = describe_run(
-        cfg,
-        tokenizer=tokenizer,
-        devices=devices,
-        num_train_prompts=None if train is None else len(train),
-        with_placement=with_placement,
+        cfg, tokenizer=tokenizer, devices=devices, num_train_prompts=num_train_prompts, with_placement=with_placement
     )
     check_vocab(spec, tokenizer)
     return PreparedRun(spec, tokenizer, tuple(devices) if with_placement else None, train, val, sources)
