@@ -722,6 +722,8 @@ def test_a_rerun_without_checkpoints_keeps_the_previous_outputs(tmp_path):
     step_s = sum(json.loads(line)["timing_s/step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
     assert _summary_seconds(rl_done) >= _summary_seconds(sft_done) + step_s - 1, (rl_done, sft_done, step_s)
     assert "auto-mapper's plan replaced" not in out  # TINY's meshes are the plan's: no false alarm
+    # The auto-mapper chose the placement: its predicted step time stands beside the measured one.
+    assert re.search(r"\n  step time: median [\d.]+ s \(measured, 1 step\) vs [\d.]+ s predicted \(auto-mapper, ", out)
 
     code, out = run_cli(args, run_dir)
     assert code == 0, out

@@ -88,7 +88,8 @@ def run_summary(
     if predicted is not None and measured:
         by, seconds = predicted
         lines.append(
-            f"  step time: median {statistics.median(measured):.3f} s (measured, {len(measured)} steps) vs "
+            f"  step time: median {statistics.median(measured):.3f} s (measured, {len(measured)} "
+            f"step{'s' * (len(measured) != 1)}) vs "
             f"{seconds:.3f} s predicted ({by}; analytic)"
         )
     width = max((len(k) for k, v in dict(outputs).items() if v), default=0)
