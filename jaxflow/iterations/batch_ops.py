@@ -208,7 +208,9 @@ def compute_data_metrics(batch: Batch) -> dict[str, float]:
     return out
 
 
-def rollout_agreement_metrics(old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, mask: np.ndarray) -> dict[str, float]:
+def rollout_agreement_metrics(
+    old_log_probs: np.ndarray, rollout_log_probs: np.ndarray, mask: np.ndarray
+) -> dict[str, float]:
     """How far the trainer's log-probs of the sampled tokens (``old_log_probs``, ``lp_t``)
     are from the rollout engine's (``rollout_log_probs``, ``lp_r``), over the response
     tokens, in float64: verl's ``training/rollout_probs_diff_{max,mean,std}`` of
