@@ -81,7 +81,10 @@ def test_split_and_colocated_placements_log_the_same_metrics(config, tmp_path):
     diffs, bad = ray_vs_local.compare(runs["colocated"], runs["split"], 1e-5)
     assert not bad, bad
     assert len(diffs) > 5 * 20  # every metric of every step was compared
-    print(f"{config}: largest relative differences split vs colocated {diffs[:3]}")
+    plain = [
+        d for d in diffs if d[2] not in ray_vs_local.CANCELLING and not d[2].startswith(ray_vs_local.ROUNDING_PREFIX)
+    ]
+    print(f"{config}: largest relative differences split vs colocated {plain[:3]}")
 
 
 def verl_rollout_probs_diff(rollout_log_probs, old_log_probs, response_mask):
@@ -119,9 +122,10 @@ def test_agreement_metrics_are_verls_on_ragged_masks():
 
 
 # ppo_tiny and grpo_tiny run the agreement mode in the placement test above; these are the other
-# iterations (dynamic sampling, ReMax's greedy baseline, Safe-RLHF's costs; RLOO and REINFORCE++
-# are ppo_iteration with another estimator, as grpo_tiny).
-OTHER_RL_TINY = ["dapo_tiny", "remax_tiny", "safe_rlhf_tiny"]
+# ways a step scores its rollout (dynamic sampling; ReMax's greedy baseline). RLOO and REINFORCE++
+# are ppo_iteration with another estimator, as grpo_tiny; Safe-RLHF scores as ppo_tiny (all seven
+# RL tiny configs at their shipped model size: <= 9.5e-7, measured on CPU).
+OTHER_RL_TINY = ["dapo_tiny", "remax_tiny"]
 
 
 @pytest.mark.slow
