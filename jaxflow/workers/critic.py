@@ -82,10 +82,7 @@ def critic_loss(cfg: CriticConfig):
             mask,
             cfg.cliprange_value,
             cfg.loss_agg_mode,
-            dp_size=1,
-            batch_num_tokens=gbi["batch_num_tokens"],
-            global_batch_size=gbi["global_batch_size"],
-            loss_scale_factor=gbi["loss_scale_factor"],
+            **gbi,
         )
         total = jax.numpy.maximum(gbi["batch_num_tokens"], 1).astype(vpreds.dtype)
         share = masked_sum(jax.numpy.ones_like(vpreds), mask) / total
