@@ -47,7 +47,7 @@ from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.mesh import Placement, Role
 from jaxflow.models import ModelConfig
 from jaxflow.sampling import SamplingParams
-from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RoleSettings, RolloutConfig
+from jaxflow.workers import ActorConfig, CriticConfig, ForwardConfig, OptimConfig, RoleSettings, RolloutConfig
 
 # Policy-loss options of the modes that take them (actor_rollout_ref.actor.policy_loss.*).
 POLICY_LOSS_OPTIONS = {
@@ -214,11 +214,10 @@ class RunSpec:
             actor_config=self.actor,
             rollout=self.rollout,
             critic_config=self.critic or CriticConfig(),
-            ref_micro_batch_size_per_device=self.ref_micro_batch_size_per_device,
-            reward_micro_batch_size_per_device=self.reward.micro_batch_size_per_device,
-            ref_use_remove_padding=self.ref_use_remove_padding,
-            ref_max_token_len_per_device=self.ref_max_token_len_per_device,
-            reward_use_remove_padding=self.reward.use_remove_padding,
+            ref_forward=ForwardConfig(
+                self.ref_micro_batch_size_per_device, self.ref_use_remove_padding, self.ref_max_token_len_per_device
+            ),
+            reward_forward=ForwardConfig(self.reward.micro_batch_size_per_device, self.reward.use_remove_padding),
         )
 
     @property

@@ -42,7 +42,7 @@ from jaxflow.mesh import (
 )
 from jaxflow.models import HEADS, from_pretrained, save_pretrained
 from jaxflow.models.hf_io import host_array
-from jaxflow.workers.forward import PROMPT_KEYS, map_micro, named
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, map_micro, named
 from jaxflow.workers.packing import pack, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
 
@@ -194,6 +194,30 @@ class RoleWorker:
         if self._model_config is None:
             self._model_config = nnx.merge(self.graphdef, self.params).cfg
         return self._model_config
+
+    def run_forward(
+        self,
+        batch: Batch,
+        config: ForwardConfig,
+        name: str,
+        fn: Callable[[Any, dict, dict], dict],
+        scalars: Mapping[str, Any],
+        padded_program: Callable[[int], Any],
+    ) -> Batch:
+        """The role's forward ``fn(model, rows, scalars) -> {column: [b, R]}`` over ``batch``
+        as ``config`` says: over its packed real tokens (`packed_forward`, the program named
+        ``name``), or over its padded rows with ``padded_program(rows)``."""
+        if config.use_remove_padding:
+            return packed_forward(
+                self,
+                name,
+                batch,
+                fn,
+                scalars,
+                max_token_len=config.max_token_len_per_device,
+                rows_per_micro=config.micro_batch_size_per_device,
+            )
+        return Batch(padded_program(len(batch))(self.params, self.put(batch, PROMPT_KEYS), dict(scalars)))
 
     def _compiled(self, key: Any, build) -> Any:
         """A jitted program built once per key (e.g. the set of input columns)."""

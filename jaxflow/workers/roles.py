@@ -15,6 +15,7 @@ from jaxflow.mesh import ROLES, Placement, ResourcePool
 from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig
 from jaxflow.workers.base import ModelLike
 from jaxflow.workers.critic import CriticConfig, CriticWorker
+from jaxflow.workers.forward import ForwardConfig
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardModelWorker
 
@@ -27,11 +28,8 @@ class RoleSettings:
     rollout: RolloutConfig = RolloutConfig()
     critic_config: CriticConfig = CriticConfig()
     strategy: str = "hybrid"
-    ref_micro_batch_size_per_device: int | None = None  # the reference's log-prob forward
-    reward_micro_batch_size_per_device: int | None = None  # the reward and cost models' forward
-    ref_use_remove_padding: bool = False  # the reference's forward over packed real tokens
-    ref_max_token_len_per_device: int | None = None  # ... in micro-batches of this many tokens per device
-    reward_use_remove_padding: bool = False  # the reward and cost models' forward over packed tokens
+    ref_forward: ForwardConfig = ForwardConfig()  # the reference's log-prob forward
+    reward_forward: ForwardConfig = ForwardConfig()  # the reward and cost models' forward
 
 
 def role_class(role: str) -> type:
@@ -72,9 +70,7 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
             mesh=placement.mesh("ref"),
             rules=placement.rules("ref", "infer"),
             temperature=settings.rollout.temperature,
-            micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
-            use_remove_padding=settings.ref_use_remove_padding,
-            max_token_len_per_device=settings.ref_max_token_len_per_device,
+            forward=settings.ref_forward,
         )
     if role == "critic":
         return CriticWorker(
@@ -88,8 +84,7 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
         model=model,
         mesh=placement.mesh(role),
         rules=placement.rules(role, "infer"),
-        micro_batch_size_per_device=settings.reward_micro_batch_size_per_device,
-        use_remove_padding=settings.reward_use_remove_padding,
+        forward=settings.reward_forward,
         **extra,
     )
 
