@@ -43,7 +43,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.models import CheckpointError
     from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
     from jaxflow.trainer.outputs import RunDirInUseError
-    from jaxflow.workers.ray_backend import ClusterError
+    from jaxflow.workers.ray import ClusterError
 
     return (
         ConfigError,
@@ -149,7 +149,7 @@ def _train(cfg: Any, json_path: str | None) -> int:
         warn_ignored_under_auto(given, cfg)
         if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
             from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
-            from jaxflow.workers.ray_backend import describe_hosts
+            from jaxflow.workers.ray import describe_hosts
 
             print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
 

@@ -297,8 +297,8 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
 
 
 def ray_config(cfg: ConfigDict) -> Any:
-    """``jaxflow.ray.*`` as a :class:`jaxflow.workers.ray_backend.RayConfig`."""
-    from jaxflow.workers.ray_backend import RayConfig
+    """``jaxflow.ray.*`` as a :class:`jaxflow.workers.ray.RayConfig`."""
+    from jaxflow.workers.ray import RayConfig
 
     r = cfg.jaxflow.ray
     return RayConfig(
@@ -319,7 +319,7 @@ def ray_config(cfg: ConfigDict) -> Any:
 def ray_devices(cfg: ConfigDict) -> tuple[Any, ...]:
     """The stand-in devices (one `HostSlot` per device of each host) a Ray run's placement is
     built over: ``jaxflow.num_devices`` in hosts of ``jaxflow.ray.devices_per_host``."""
-    from jaxflow.workers.ray_backend import host_slots
+    from jaxflow.workers.ray import host_slots
 
     try:
         return host_slots(cfg.jaxflow.num_devices, cfg.jaxflow.ray.devices_per_host)

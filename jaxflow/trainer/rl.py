@@ -68,7 +68,7 @@ from jaxflow.trainer.plot import plot_run
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
-from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
+from jaxflow.workers.ray import WorkerGroupError, describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class RLTrainer:
         self.backend = None
         devices = None
         if t.backend == "ray":  # Ray is imported only on this path
-            from jaxflow.workers.ray_backend import RayBackend
+            from jaxflow.workers.ray import RayBackend
 
             self.backend = RayBackend(ray_config(cfg))
             print(f"jaxflow: {self.backend.cluster}", flush=True)

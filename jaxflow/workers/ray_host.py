@@ -1,6 +1,6 @@
 """The worker side of the Ray backend: one `HostProcess` per host per worker group.
 
-A `HostProcess` is a plain class that `jaxflow.workers.ray_backend` runs as a Ray actor. Its
+A `HostProcess` is a plain class that `jaxflow.workers.ray` runs as a Ray actor. Its
 life:
 
 1. ``free_address()`` (rank 0 only): an ``ip:port`` for the group's JAX coordinator.
