@@ -204,18 +204,6 @@ class PromptBatch:
         return int(self.prompt_ids.shape[0])
 
 
-def _located_rows(files: list[str], rows: Sequence[Mapping[str, Any]] | None) -> list[tuple[dict, str, str]]:
-    """``(row, path, where)`` of every row: of ``rows`` when given (``files`` names them),
-    else of the files in order."""
-    if rows is not None:
-        located = [(dict(row), ", ".join(files), f"row {i}") for i, row in enumerate(rows)]
-    else:
-        located = [(row, path, where) for path in files for row, where in _read_rows_with_location(path)]
-    if not located:
-        raise DatasetError(f"dataset is empty: no rows in {', '.join(files)}")
-    return located
-
-
 class PromptDataset:
     """Tokenised prompts of one or more files (see the module docstring).
 
@@ -261,7 +249,13 @@ class PromptDataset:
         self.truncation = truncation
         self.use_chat_template = use_chat_template
 
-        located = _located_rows(files, rows)
+        located = []
+        if rows is not None:
+            located = [(dict(row), ", ".join(files), f"row {i}") for i, row in enumerate(rows)]
+        for path in files if rows is None else ():
+            located.extend((row, path, where) for row, where in _read_rows_with_location(path))
+        if not located:
+            raise DatasetError(f"dataset is empty: no rows in {', '.join(files)}")
 
         texts, columns = [], []
         for row, path, where in located:
@@ -270,7 +264,28 @@ class PromptDataset:
             columns.append(_host_columns(row, self.prompt_key, path, where))
         ids = _encode_all(tokenizer, texts, add_special_tokens=not use_chat_template)
 
-        keep, num_truncated = self._fit_lengths(ids, located)
+        keep, num_truncated = [], 0
+        self._ids: list[np.ndarray] = []
+        for k, token_ids in enumerate(ids):
+            length = len(token_ids)
+            if length > self.max_prompt_length:
+                if truncation == "error":
+                    _, path, where = located[k]
+                    raise DatasetError(
+                        f"{path}: the prompt of {where} has {length} tokens, more than "
+                        f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length or "
+                        "set truncation to 'left', 'right' or 'filter'"
+                    )
+                if truncation == "filter":
+                    continue
+                num_truncated += 1
+                token_ids = (
+                    token_ids[-self.max_prompt_length :]
+                    if truncation == "left"
+                    else token_ids[: self.max_prompt_length]
+                )
+            keep.append(k)
+            self._ids.append(np.asarray(token_ids, np.int32))
         num_filtered = len(located) - len(keep)
         if not keep:
             raise DatasetError(
@@ -296,34 +311,6 @@ class PromptDataset:
                 num_filtered,
                 self.max_prompt_length,
             )
-
-    def _fit_lengths(self, ids: list[list[int]], located: list[tuple[dict, str, str]]) -> tuple[list[int], int]:
-        """``(rows kept, rows truncated)``; sets the kept rows' token ids. A prompt longer than
-        ``max_prompt_length`` is cut (``left`` / ``right``), dropped (``filter``) or refused
-        (``error``)."""
-        keep, num_truncated = [], 0
-        self._ids: list[np.ndarray] = []
-        for k, token_ids in enumerate(ids):
-            length = len(token_ids)
-            if length > self.max_prompt_length:
-                if self.truncation == "error":
-                    _, path, where = located[k]
-                    raise DatasetError(
-                        f"{path}: the prompt of {where} has {length} tokens, more than "
-                        f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length or "
-                        "set truncation to 'left', 'right' or 'filter'"
-                    )
-                if self.truncation == "filter":
-                    continue
-                num_truncated += 1
-                token_ids = (
-                    token_ids[-self.max_prompt_length :]
-                    if self.truncation == "left"
-                    else token_ids[: self.max_prompt_length]
-                )
-            keep.append(k)
-            self._ids.append(np.asarray(token_ids, np.int32))
-        return keep, num_truncated
 
     def _render(self, prompt: Any, path: str, where: str) -> str:
         if isinstance(prompt, str):

@@ -121,44 +121,6 @@ def batch_sharding(mesh: Mesh, batch_axes: Any, ndim: int, leading: int = 0) -> 
     return NamedSharding(mesh, PartitionSpec(*([None] * leading), batch_axes, *([None] * (ndim - 1 - leading))))
 
 
-def _summed_over_micro_batches(grad_fn: Callable, params: Any, micros: dict, param_shardings: Any) -> tuple:
-    """``(loss, aux, grads)`` of ``grad_fn(params, micro)`` summed over the micro-batches of
-    ``micros`` (every column ``[k, ...]``) by a ``lax.scan``, the gradients kept in the
-    parameters' layout."""
-
-    def body(acc, micro):
-        (l, a), g = grad_fn(params, micro)
-        g = jax.lax.with_sharding_constraint(g, param_shardings)
-        return jax.tree.map(jnp.add, acc, (l, a, g)), None
-
-    first = jax.tree.map(lambda x: x[0], micros)
-    (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, params, first)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_s, aux_s, grads_s))
-    (loss, aux, grads), _ = jax.lax.scan(body, zeros, micros)
-    return loss, aux, grads
-
-
-def _update_if_finite(
-    tx: optax.GradientTransformation, state: TrainState, grads: Any, loss: Array, grad_norm: Array
-) -> tuple[TrainState, Array]:
-    """``(state, finite)``: the optimizer step applied when the loss, the gradient norm and
-    every float of the new parameters and optimizer state are finite, else ``state``
-    unchanged (see the module docstring)."""
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & tree_all_finite((params, opt_state))
-
-    def keep(new, old):
-        return jnp.where(finite, new, old)
-
-    new_state = TrainState(
-        params=jax.tree.map(keep, params, state.params),
-        opt_state=jax.tree.map(keep, opt_state, state.opt_state),
-        step=state.step + finite.astype(jnp.int32),
-    )
-    return new_state, finite
-
-
 def make_train_step(
     graphdef: nnx.GraphDef,
     tx: optax.GradientTransformation,
@@ -204,10 +166,30 @@ def make_train_step(
                     state.params, batch if micros is None else jax.tree.map(lambda x: x[0], micros)
                 )
             else:
-                loss, aux, grads = _summed_over_micro_batches(grad_fn, state.params, micros, param_shardings)
+
+                def body(acc, micro):
+                    (l, a), g = grad_fn(state.params, micro)
+                    g = jax.lax.with_sharding_constraint(g, param_shardings)
+                    return jax.tree.map(jnp.add, acc, (l, a, g)), None
+
+                first = jax.tree.map(lambda x: x[0], micros)
+                (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, state.params, first)
+                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_s, aux_s, grads_s))
+                (loss, aux, grads), _ = jax.lax.scan(body, zeros, micros)
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
             grad_norm = optax.tree.norm(grads)
-            new_state, finite = _update_if_finite(tx, state, grads, loss, grad_norm)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & tree_all_finite((params, opt_state))
+
+            def keep(new, old):
+                return jnp.where(finite, new, old)
+
+            new_state = TrainState(
+                params=jax.tree.map(keep, params, state.params),
+                opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+                step=state.step + finite.astype(jnp.int32),
+            )
             metrics = dict(aux)
             metrics.update(
                 grad_norm=grad_norm,
