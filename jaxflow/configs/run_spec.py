@@ -214,10 +214,11 @@ class RunSpec:
             actor_config=self.actor,
             rollout=self.rollout,
             critic_config=self.critic or CriticConfig(),
-            ref_forward=ForwardConfig(
+            ref=ForwardConfig(
                 self.ref_micro_batch_size_per_device, self.ref_use_remove_padding, self.ref_max_token_len_per_device
             ),
-            reward_forward=ForwardConfig(self.reward.micro_batch_size_per_device, self.reward.use_remove_padding),
+            reward=ForwardConfig(self.reward.micro_batch_size_per_device, self.reward.use_remove_padding),
+            cost=ForwardConfig(self.reward.micro_batch_size_per_device, self.reward.use_remove_padding),
         )
 
     @property

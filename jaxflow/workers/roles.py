@@ -22,14 +22,16 @@ from jaxflow.workers.reward import RewardModelWorker
 
 @dataclasses.dataclass(frozen=True)
 class RoleSettings:
-    """What the role classes take besides their model and placement."""
+    """What the role classes take besides their model and placement: each role's settings
+    whole (the inference roles' `ForwardConfig`)."""
 
     actor_config: ActorConfig = ActorConfig()
     rollout: RolloutConfig = RolloutConfig()
     critic_config: CriticConfig = CriticConfig()
     strategy: str = "hybrid"
-    ref_forward: ForwardConfig = ForwardConfig()  # the reference's log-prob forward
-    reward_forward: ForwardConfig = ForwardConfig()  # the reward and cost models' forward
+    ref: ForwardConfig = ForwardConfig()
+    reward: ForwardConfig = ForwardConfig()
+    cost: ForwardConfig = ForwardConfig()
 
 
 def role_class(role: str) -> type:
@@ -71,9 +73,9 @@ def _role_options(role: str, placement: Placement, settings: RoleSettings) -> di
     if role == "critic":
         return dict(config=settings.critic_config)
     if role == "ref":
-        return dict(temperature=settings.rollout.temperature, forward=settings.ref_forward)
+        return dict(temperature=settings.rollout.temperature, forward=settings.ref)
     output_key = "token_level_cost" if role == "cost" else "token_level_scores"
-    return dict(output_key=output_key, forward=settings.reward_forward)
+    return dict(output_key=output_key, forward=getattr(settings, role))  # the reward or the cost model's
 
 
 def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:
