@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 
 from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules
+from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
 from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
@@ -295,8 +295,7 @@ class ActorWorker(TrainableWorker):
         Without it, generation runs in the training layout.
     """
 
-    role = "actor"
-    head = "lm"
+    role = Role.ACTOR
 
     def __init__(
         self,

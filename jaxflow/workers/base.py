@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import (
     MeshSpec,
+    Role,
     Rules,
     data_parallel_size,
     get_rules,
@@ -109,9 +110,16 @@ class RoleWorker:
       rules: its logical-axis rules.
       batch_axes: the mesh axes the ``batch`` rule splits rows over (a PartitionSpec entry).
       dp_axes: the same as a tuple of axis names (`WorkerGroupInfo.from_mesh`'s argument).
+
+    Subclasses name their ``role`` (`jaxflow.mesh.Role`); the model's head is the role's.
     """
 
-    head = "lm"
+    role: Role
+
+    @property
+    def head(self) -> str:
+        """The output head the role's model carries (`Role.head`)."""
+        return self.role.head
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str):
         self.mesh = resolve_mesh(mesh)

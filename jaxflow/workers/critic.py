@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules
+from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, response_values
 from jaxflow.workers.group import DP_TRAIN
@@ -145,8 +145,7 @@ class CriticWorker(TrainableWorker):
       config: the update.
     """
 
-    role = "critic"
-    head = "value"
+    role = Role.CRITIC
 
     def __init__(
         self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, config: CriticConfig = CriticConfig()

@@ -6,7 +6,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules
+from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.workers.actor import log_probs_fn, log_probs_program
 from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches
 from jaxflow.workers.forward import ForwardConfig
@@ -24,7 +24,7 @@ class ReferenceWorker(RoleWorker):
       forward: how the log-prob forward runs (micro-batches, remove padding, token budget).
     """
 
-    head = "lm"
+    role = Role.REF
 
     def __init__(
         self,

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.data.tasks import TASKS, task_reward
-from jaxflow.mesh import MeshSpec, Rules
+from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.rewards import RewardScorer, extra_columns, register_reward, token_level_scores
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, row_program
 from jaxflow.workers.forward import ForwardConfig, scores_on_last_token, sequence_scores
@@ -55,7 +55,7 @@ class RewardModelWorker(RoleWorker):
       forward: how the scoring forward runs (micro-batches, remove padding, token budget).
     """
 
-    head = "reward"
+    role = Role.REWARD  # the cost model's head too
 
     def __init__(
         self,
