@@ -126,10 +126,11 @@ class HostProcess:
         rules that ``role``'s model is laid out with."""
         import jax
 
+        from jaxflow.mesh import Role
         from jaxflow.workers.roles import pool_placement
 
         placement = pool_placement(kwargs["placement"], kwargs["pool"], tuple(jax.devices()))
-        phase = "train" if role in ("actor", "critic") else "infer"
+        phase = "train" if Role(role).trains else "infer"
         return placement, placement.mesh(role, "train"), placement.rules(role, phase)
 
     def block_keys(self, role: str, kwargs: dict[str, Any], abstract: Any) -> list[list[tuple]]:
