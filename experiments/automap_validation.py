@@ -10,7 +10,7 @@ all its timed iterations. The machine's load average is printed with the results
 
     python -m jaxflow.automap.calibrate                     # fit the cpu profile first
     python experiments/automap_validation.py [--rounds=3] [--iters=2] [--json]
-    python experiments/automap_validation.py --plans=2 --rounds=1 --iters=1   # a smoke test
+    python experiments/automap_validation.py --tiny     # a smoke test: --plans=1 --rounds=1 --iters=1, one layer
 
 ``--plans=K`` times only the first K of the hand-written plans (plus the mapper's choice when
 it is not among them); acceptance 1 needs all of them (at least 8 distinct plans).
@@ -42,8 +42,9 @@ from jaxflow.automap.auto import describe  # noqa: E402
 from jaxflow.automap.layouts import Layout  # noqa: E402
 from jaxflow.automap.profiles import get_profile  # noqa: E402
 from jaxflow.automap.search import Mapper, evaluate  # noqa: E402
-from jaxflow.automap.verify import apply_plan  # noqa: E402
-from jaxflow.automap.workload import workload_from_config  # noqa: E402
+from jaxflow.automap.workload import workload_from_spec  # noqa: E402
+from jaxflow.configs.overrides import with_values  # noqa: E402
+from jaxflow.configs.prepare import prepare_run  # noqa: E402
 
 L = Layout
 # name -> pools as (roles, devices, {role: Layout(dp, fsdp, tp[, gen_tp])}), in device order.
@@ -95,12 +96,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="cpu", help="device kind or profile .json (default: the calibrated cpu)")
     p.add_argument("--plans", type=int, default=len(PLANS), help="time the first K hand-written plans")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--tiny", action="store_true", help="one plan (and the mapper's), one step, one layer: a smoke test")
+    args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(plans=1, rounds=1, iters=1)
+        args = p.parse_args(argv)
+    return args
 
 
-def base_config(name: str, run_dir: str):
+def base_config(name: str, run_dir: str, tiny: bool = False):
     cfg = configs.get_config(name)
     with cfg.unlocked():
+        if tiny:
+            cfg.jaxflow.model.num_layers = 1
         cfg.trainer.total_training_steps = 10_000
         cfg.trainer.test_freq = -1
         cfg.trainer.val_before_train = False
@@ -141,7 +149,7 @@ def time_plans(cfg0, plans: dict, args: argparse.Namespace, tmp: str, say) -> tu
 
     trainers = {}
     for name, plan in plans.items():
-        cfg = apply_plan(cfg0, plan, 8)
+        cfg = with_values(cfg0, plan.overrides(8))
         with cfg.unlocked():
             cfg.trainer.default_local_dir = os.path.join(tmp, str(len(trainers)))
         configs.validate(cfg)
@@ -166,8 +174,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prof = get_profile(args.profile)
     tmp = tempfile.mkdtemp(prefix="automap_validation_")
-    cfg0 = base_config(args.config, tmp)
-    w = workload_from_config(cfg0)
+    cfg0 = base_config(args.config, tmp, args.tiny)
+    w = workload_from_spec(prepare_run(cfg0, with_placement=False, with_datasets=False).spec)
     chosen = Mapper(w, 8, prof).search(top=1)[0]
     plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[: args.plans]}
     chosen_name = next((n for n, p in plans.items() if p.key() == chosen.key()), None)
@@ -194,7 +202,7 @@ def main(argv=None) -> int:
         )
     pred = [r["predicted_s"] for r in rows]
     meas = [r["measured_median_s"] for r in rows]
-    rho = spearman(pred, meas)
+    rho = spearman(pred, meas) if len(rows) > 1 else float("nan")  # one plan: no ranking
     fastest = min(rows, key=lambda r: r["measured_median_s"])
     mine = next(r for r in rows if r["plan"] == chosen_name)
     gap = mine["measured_median_s"] / fastest["measured_median_s"] - 1

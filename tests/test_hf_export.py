@@ -24,12 +24,14 @@ from flax import nnx
 
 import jaxflow.trainer.hf_export as hf_export
 from jaxflow import configs
+from jaxflow.configs.prepare import prepare_run
 from jaxflow.configs.run_spec import build_tokenizer
 from jaxflow.export import main as export_main
 from jaxflow.run import main as run_main
 from jaxflow.trainer.checkpoint import MARKER, SKIP, CheckpointManager
 from jaxflow.trainer.hf_export import EXPORT_MARKER, abstract_train_state, run_config
 from jaxflow.trainer.sft import run_sft
+from tests.child_env import child_env
 from tests.hf_reference import hf_logits
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,7 +88,7 @@ def sft(tmp_path_factory):
     configs.validate(cfg)
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
-        _, graphdef, params = run_sft(cfg)
+        _, graphdef, params = run_sft(prepare_run(cfg, with_datasets=False), record=cfg)
     return out, graphdef, params, console.getvalue()
 
 
@@ -104,7 +106,7 @@ def run_dir(tmp_path_factory, sft):
 def _restored(run_dir, role, step):
     """The role's model at ``step``, restored by orbax (not through any safetensors file)."""
     cfg = run_config(run_dir)
-    graphdef, abstract = abstract_train_state(cfg, role, build_tokenizer(cfg))
+    graphdef, abstract = abstract_train_state(prepare_run(cfg, with_datasets=False).spec, role)
     state = CheckpointManager(run_dir, read_only=True).restore(step, targets={role: abstract}).arrays[role]
     return nnx.merge(graphdef, state.params)
 
@@ -128,6 +130,7 @@ def _assert_lm_matches(hf_dir, model):
     assert np.abs(ours - ref)[on].max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_the_end_of_run_and_checkpoint_exports_load_in_transformers(run_dir):
     final = _restored(run_dir, "actor", 2)
     _assert_lm_matches(run_dir / "hf_actor", final)
@@ -175,7 +178,7 @@ def test_sft_stops_on_a_refused_update_and_never_writes_over_what_is_not_its_exp
 def test_export_cli_from_another_directory_converts_any_step_and_role(run_dir, tmp_path, capsys):
     """``python -m jaxflow.export`` as a user runs it, in another working directory than the
     run's (whose actor was named by a relative path)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run(
         [

@@ -350,7 +350,7 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
             lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
             log_probs_fn("ref_log_prob"),
             ("temperature",),
-            spec.role_settings.ref,
+            spec.roles["ref"],
             "ref_log_prob",
         )
     if name == "critic/values":
@@ -371,7 +371,7 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
             lambda lo, k: scores_program(lo, k, key),
             scores_fn(key),
             (),
-            getattr(spec.role_settings, role),  # the reward or the cost model's
+            spec.roles[role],  # the reward or the cost model's
             key,
         )
     raise KeyError(f"unknown forward program {name!r}; forwards: {FORWARD_PROGRAMS}")

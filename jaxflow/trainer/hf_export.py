@@ -39,7 +39,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import jaxflow.models as models
-from jaxflow.configs.run_spec import build_tokenizer, describe_run
+from jaxflow.configs.prepare import prepare_run
+from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, state_shardings
 from jaxflow.trainer.checkpoint import SKIP, STEP_PREFIX, CheckpointManager, complete_steps, read_marker
 from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
@@ -234,13 +235,12 @@ def run_config(run_dir: str | os.PathLike) -> ConfigDict:
     return ConfigDict(json.loads(path.read_text()))
 
 
-def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nnx.GraphDef, TrainState]:
+def abstract_train_state(spec: RunSpec, role: str) -> tuple[nnx.GraphDef, TrainState]:
     """``(graphdef, TrainState of jax.ShapeDtypeStruct)`` of ``role`` exactly as the RL trainer
     builds it (from the run's `RunSpec`), each leaf carrying its sharding on the role's
     training mesh; nothing allocated."""
     if role not in TRAINING_ROLES:
         raise ValueError(f"role must be one of {sorted(TRAINING_ROLES)}, got {role!r}")
-    spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if role not in spec.roles:
         raise NoSuchRoleError(f"the run has no {role} (its roles: {', '.join(spec.roles)})")
     mcfg = spec.models[role].config
@@ -279,9 +279,11 @@ def export_checkpoint(
     leaves are skipped)."""
     check_export_target(out_dir, protect=(run_dir,))
     step, cfg = step_config(run_dir, step)
-    tokenizer = build_tokenizer(cfg)
+    # on this process's devices (a Ray run's too), without its prompts
+    prepared = prepare_run(cfg, devices=jax.devices()[: cfg.jaxflow.num_devices], with_datasets=False)
+    tokenizer = prepared.tokenizer
     try:
-        graphdef, abstract = abstract_train_state(cfg, role, tokenizer)
+        graphdef, abstract = abstract_train_state(prepared.spec, role)
     except NoSuchRoleError as e:
         raise NoSuchRoleError(f"step {step} of {Path(run_dir).absolute()}: {e}") from None
     abstract = dataclasses.replace(abstract, opt_state=jax.tree.map(lambda _: SKIP, abstract.opt_state), step=SKIP)

@@ -13,8 +13,8 @@ One concern per module:
 
 =============  ==============================================================================
 `config`       `RayConfig` (``jaxflow.ray.*``): a host's bundle, a pool's `PoolReservation`
-`hosts`        the run's hosts without a cluster: `HostSlot`s a `Placement` is built over, the
-               whole hosts of a pool, the per-host plan (`describe_hosts`)
+`hosts`        the run's hosts without a cluster: the whole hosts of a pool (over the
+               `jaxflow.mesh.devices.HostSlot`s), the per-host plan (`describe_hosts`)
 `cluster`      which cluster (`choose_cluster`), joining or starting it, noticing it is gone
 `pools`        a pool's bundles on Ray (placement groups, TPU slices); `Unschedulable` with the fix
 `processes`    `ProcessGroup`: a pool's host processes, their world, builds, shutdown
@@ -53,6 +53,7 @@ Process model.
 Ray is imported only when a backend is made: the local path never loads it.
 """
 
+from jaxflow.mesh.devices import HostSlot, host_slots
 from jaxflow.workers.ray.backend import RayBackend
 from jaxflow.workers.ray.cluster import LOST_GRACE_S, ClusterChoice, choose_cluster
 from jaxflow.workers.ray.config import ACCELERATORS, RayConfig
@@ -65,7 +66,7 @@ from jaxflow.workers.ray.errors import (
     WorkerDied,
     WorkerGroupError,
 )
-from jaxflow.workers.ray.hosts import HostSlot, describe_hosts, host_slots, pool_hosts
+from jaxflow.workers.ray.hosts import describe_hosts, pool_hosts
 from jaxflow.workers.ray.pools import UNSCHEDULABLE_FIX, PoolReservation, ReservedPool
 from jaxflow.workers.ray.processes import ProcessGroup
 

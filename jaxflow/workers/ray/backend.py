@@ -8,12 +8,13 @@ import dataclasses
 from typing import Any
 
 from jaxflow.mesh import Placement
+from jaxflow.mesh.devices import HostSlot, host_slots
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.local import workers_from_groups
 from jaxflow.workers.ray.cluster import join_cluster, ray_module
 from jaxflow.workers.ray.config import RayConfig
 from jaxflow.workers.ray.dispatch import RayWorkerGroup
-from jaxflow.workers.ray.hosts import HostSlot, host_slots, pool_hosts
+from jaxflow.workers.ray.hosts import pool_hosts
 from jaxflow.workers.ray.processes import ProcessGroup
 from jaxflow.workers.ray_host import ROLE_FROM_PLACEMENT
 from jaxflow.workers.reward import RuleRewardWorker

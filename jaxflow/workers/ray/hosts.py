@@ -1,35 +1,13 @@
-"""The hosts of a Ray run as the driver plans them, without a cluster: the devices a
-`Placement` is built over (`HostSlot`s, ``devices_per_host`` per host), the hosts each pool
-takes (whole hosts), and the per-host plan a run prints (`describe_hosts`)."""
+"""The hosts of a Ray run as the driver plans them, without a cluster: the hosts each pool
+takes (whole hosts, over the `jaxflow.mesh.devices.HostSlot`s a `Placement` is built over),
+and the per-host plan a run prints (`describe_hosts`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from jaxflow.mesh import Placement
 from jaxflow.workers.ray.config import RayConfig
-
-
-@dataclasses.dataclass(frozen=True)
-class HostSlot:
-    """A device of a Ray run as the driver sees it: the ``local``-th device of host ``host``.
-    `Placement`s of a Ray run are built over these (the devices themselves live in the
-    workers' processes)."""
-
-    id: int
-    host: int
-    local: int
-
-
-def host_slots(num_devices: int, devices_per_host: int) -> tuple[HostSlot, ...]:
-    """``num_devices`` `HostSlot`s, ``devices_per_host`` per host: the devices a Ray run's
-    `Placement` is built over."""
-    if num_devices % devices_per_host:
-        raise ValueError(
-            f"{num_devices} devices are not whole hosts of {devices_per_host} (jaxflow.ray.devices_per_host)"
-        )
-    return tuple(HostSlot(i, i // devices_per_host, i % devices_per_host) for i in range(num_devices))
 
 
 def pool_hosts(placement: Placement, pool: str, devices_per_host: int) -> tuple[int, ...]:
