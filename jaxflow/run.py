@@ -110,7 +110,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from jaxflow.models import CheckpointError
     from jaxflow.rewards import RewardFunctionError, UnknownDataSourceError
     from jaxflow.trainer.outputs import RunDirInUseError
-    from jaxflow.workers.ray_backend import ClusterError
+    from jaxflow.workers.ray import ClusterError
 
     return (
         ConfigError,
@@ -218,7 +218,7 @@ def _dry_run(cfg: Any, json_path: str | None) -> None:
     spec, _, _ = place_run(prepare_run(cfg, devices=devices, with_datasets=False), cfg, verify=True)
     if spec.trainer.backend == "ray":
         from jaxflow.mesh.devices import host_slots
-        from jaxflow.workers.ray_backend import describe_hosts
+        from jaxflow.workers.ray import describe_hosts
 
         hosts = spec.placement.on(host_slots(spec.num_devices, spec.ray.devices_per_host))
         print(describe_hosts(hosts, ray_config(spec)), flush=True)

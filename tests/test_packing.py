@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jaxflow.models as models
-import jaxflow.workers.actor as actor_module
+import jaxflow.workers.base as base_module
 from jaxflow.algos import global_batch_info
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec
@@ -27,7 +27,7 @@ from jaxflow.workers import (
     RolloutConfig,
 )
 from jaxflow.workers.actor import actor_loss
-from jaxflow.workers.forward import packed_outputs, read_responses
+from jaxflow.workers.forward import ForwardConfig, packed_outputs, read_responses
 from jaxflow.workers.packing import balanced_partitions, bucket, micro_grid, pack, pack_inputs, plan_packing
 
 CFG = models.get_preset("tiny_llama", vocab_size=64, num_layers=1)
@@ -305,9 +305,9 @@ def test_on_policy_shortcut_runs_no_log_prob_program(model, monkeypatch):
     losses, metrics and the step equal those of the update given the log-probs of a
     separate pass, from the same starting state."""
     calls = []
-    packed_forward = actor_module.packed_forward
+    packed_forward = base_module.packed_forward
     monkeypatch.setattr(
-        actor_module,
+        base_module,
         "packed_forward",
         lambda worker, name, *a, **k: (calls.append(name), packed_forward(worker, name, *a, **k))[1],
     )
@@ -385,7 +385,9 @@ def test_packed_programs_compile_once_per_shape_bucket(model):
         ),
         RolloutConfig(),
     )
-    ref = ReferenceWorker(model, dp, "train", use_remove_padding=True, max_token_len_per_device=48)
+    ref = ReferenceWorker(
+        model, dp, "train", forward=ForwardConfig(use_remove_padding=True, max_token_len_per_device=48)
+    )
     ref_padded = ReferenceWorker(model, dp, "train")
     critic = CriticWorker(
         models.init_model(CFG, "value", seed=1),
@@ -394,7 +396,9 @@ def test_packed_programs_compile_once_per_shape_bucket(model):
         CriticConfig(use_remove_padding=True, use_dynamic_bsz=True, forward_max_token_len_per_device=48),
     )
     reward_model = models.init_model(CFG, "reward", seed=2)
-    rm = RewardModelWorker(reward_model, dp, "train", use_remove_padding=True, max_token_len_per_device=48)
+    rm = RewardModelWorker(
+        reward_model, dp, "train", forward=ForwardConfig(use_remove_padding=True, max_token_len_per_device=48)
+    )
     rm_padded = RewardModelWorker(reward_model, dp, "train")
     programs = (
         "packed_old_log_probs",

@@ -343,7 +343,7 @@ def toy_groups(request):
 def toy(request, toy_groups):
     if request.param == "ray" and "ray" not in toy_groups:
         request.getfixturevalue("ray_session")
-        from jaxflow.workers.ray_backend import ProcessGroup, RayConfig, RayWorkerGroup
+        from jaxflow.workers.ray import ProcessGroup, RayConfig, RayWorkerGroup
         from tests.ray_toy import Toy
 
         processes = ProcessGroup("toy_protocols", 4, RayConfig(**_RAY_CONFIG))

@@ -26,7 +26,7 @@ from flax import nnx
 from jaxflow import configs, models
 from jaxflow.mesh import Placement
 from jaxflow.workers import WorkerGroupInfo
-from jaxflow.workers.ray_backend import (
+from jaxflow.workers.ray import (
     DeadlineExceeded,
     ProcessGroup,
     RayBackend,
@@ -165,7 +165,7 @@ def test_unschedulable_group_is_reported_with_the_fix(backend, toy_groups, tmp_p
 
 ORPHAN_DRIVER = """
 import sys, time, ray
-from jaxflow.workers.ray_backend import RayBackend, RayConfig
+from jaxflow.workers.ray import RayBackend, RayConfig
 from jaxflow.workers.roles import RoleSettings, role_class
 from tests.ray_toy import Loaded, Toy
 ray.init(address=sys.argv[1], log_to_driver=False)
@@ -329,7 +329,7 @@ def test_a_host_process_ends_when_its_raylet_dies():
 def test_local_path_never_imports_ray():
     code = (
         "import sys, jaxflow, jaxflow.workers, jaxflow.trainer, jaxflow.run; "
-        "import jaxflow.workers.ray_backend; assert 'ray' not in sys.modules, 'ray was imported'"
+        "import jaxflow.workers.ray; assert 'ray' not in sys.modules, 'ray was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": ROOT}, cwd=ROOT)
 

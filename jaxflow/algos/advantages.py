@@ -155,6 +155,13 @@ def _broadcast(per_seq: Array, response_mask: Array) -> Array:
     return per_seq[:, None] * jnp.asarray(response_mask).astype(per_seq.dtype)
 
 
+def _grpo_normalised(s: Array, group_ids: Array, epsilon: Any, norm_by_std: Any, gidx: Array | None = None) -> Array:
+    """GRPO's ``(s_i - mean_g) / (std_g + epsilon)`` (unbiased std; a group of one: mean 0,
+    std 1), or ``s_i - mean_g`` without ``norm_by_std`` (Dr.GRPO)."""
+    mean, std, _ = group_mean_std(s, group_ids, gidx=gidx)
+    return jnp.where(jnp.asarray(norm_by_std), (s - mean) / (std + epsilon), s - mean)
+
+
 # ----------------------------------------------------------------------------- registry
 
 ADV_ESTIMATOR_REGISTRY = Registry("advantage estimator")
@@ -238,9 +245,7 @@ def compute_grpo_outcome_advantage(
     ``A_i = s_i - mean_g`` when ``norm_adv_by_std_in_grpo`` is false (Dr.GRPO,
     arXiv:2503.20783). A group of one uses ``mean 0, std 1``. Advantages ``= returns = A_i m``.
     """
-    s = _scores(token_level_rewards, response_mask)
-    mean, std, _ = group_mean_std(s, group_ids)
-    a = jnp.where(jnp.asarray(norm_adv_by_std_in_grpo), (s - mean) / (std + epsilon), s - mean)
+    a = _grpo_normalised(_scores(token_level_rewards, response_mask), group_ids, epsilon, norm_adv_by_std_in_grpo)
     adv = _broadcast(a, response_mask)
     return adv, adv
 
@@ -461,8 +466,7 @@ def _gdpo(scores_KxB, weights_K, response_mask, group_ids, epsilon, norm_adv_by_
     gidx = group_index(group_ids)
 
     def normalise(s_B: Array) -> Array:
-        mean, std, _ = group_mean_std(s_B, group_ids, gidx=gidx)
-        return jnp.where(jnp.asarray(norm_adv_by_std_in_grpo), (s_B - mean) / (std + epsilon), s_B - mean)
+        return _grpo_normalised(s_B, group_ids, epsilon, norm_adv_by_std_in_grpo, gidx)
 
     a_B = jnp.sum(weights_K[:, None] * jax.vmap(normalise)(scores_KxB), axis=0)
     m = jnp.asarray(response_mask).astype(a_B.dtype)

@@ -201,13 +201,31 @@ def compute_policy_loss(
 # ----------------------------------------------------------------------------- helpers
 
 
+SAFETY_BOUND = 20.0  # log-ratios are clamped to [-20, 20] before exp (verl's bound)
+
+
+def _ratio(old_log_prob: Array, log_prob: Array) -> tuple[Array, Array]:
+    """``(d, rho)``: the clamped log-ratio ``d = clamp(log_prob - old_log_prob, -20, 20)`` and
+    the importance ratio ``rho = exp(d)``."""
+    log_ratio = jnp.clip(log_prob - old_log_prob, -SAFETY_BOUND, SAFETY_BOUND)
+    return log_ratio, jnp.exp(log_ratio)
+
+
+def _surrogates(advantages: Array, ratio: Array, clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[Array, Array]:
+    """PPO's two surrogate losses ``(L1, L2) = (-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``."""
+    return -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+
+
 def _agg(loss_mat, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info):
+    """`agg_loss` of the per-token loss times the IS weights (when given), with the global
+    normalisers of ``global_batch_info``."""
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
     return agg_loss(loss_mat, response_mask, loss_agg_mode, **dict(global_batch_info or {}))
 
 
 def _metrics(pg_clipfrac=None, pg_clipfrac_lower=None, ppo_kl=None, *, like: Array) -> dict:
+    """The metrics every policy loss reports, 0 (of ``like``'s dtype) where it has no such notion."""
     zero = jnp.zeros((), like.dtype)
     return {
         "pg_clipfrac": zero if pg_clipfrac is None else pg_clipfrac,
@@ -258,11 +276,9 @@ def compute_policy_loss_vanilla(
     """
     _check_dual_clip(clip_ratio_c)
     dtype = log_prob.dtype
-    neg_kl = jnp.clip(log_prob - old_log_prob, -20.0, 20.0)
-    ratio = jnp.exp(neg_kl)
+    neg_kl, ratio = _ratio(old_log_prob, log_prob)
     ppo_kl = masked_mean(-neg_kl, response_mask)
-    l1 = -advantages * ratio
-    l2 = -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    l1, l2 = _surrogates(advantages, ratio, clip_ratio_low, clip_ratio_high)
     lclip = jnp.maximum(l1, l2)
     l3 = -advantages * clip_ratio_c
     neg = advantages < 0
@@ -306,9 +322,7 @@ def compute_policy_loss_gspo(
     lengths = jnp.maximum(jnp.sum(jnp.asarray(response_mask).astype(dtype), axis=-1), 1)
     seq_log_ratio = masked_sum(neg_kl, response_mask, axis=-1) / lengths
     log_s = log_prob - lax.stop_gradient(log_prob) + lax.stop_gradient(seq_log_ratio)[:, None]
-    s = jnp.exp(jnp.minimum(log_s, 10.0))
-    l1 = -advantages * s
-    l2 = -advantages * jnp.clip(s, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    l1, l2 = _surrogates(advantages, jnp.exp(jnp.minimum(log_s, 10.0)), clip_ratio_low, clip_ratio_high)
     pg_losses = jnp.maximum(l1, l2)
     loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
     return loss, _metrics(_frac(l2 > l1, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss)
@@ -355,8 +369,7 @@ def compute_policy_loss_cispo(
     mean_m(rho != clip(rho))``, ``ppo_kl``.
     """
     dtype = log_prob.dtype
-    neg_kl = jnp.clip(log_prob - old_log_prob, -20.0, 20.0)
-    ratio = jnp.exp(neg_kl)
+    neg_kl, ratio = _ratio(old_log_prob, log_prob)
     clipped = jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = -lax.stop_gradient(clipped) * advantages * log_prob
     loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
@@ -416,9 +429,7 @@ def compute_policy_loss_clip_cov(
     dtype = log_prob.dtype
     valid = jnp.asarray(response_mask) != 0
     neg_kl = log_prob - old_log_prob
-    ratio = jnp.exp(neg_kl)
-    l1 = -advantages * ratio
-    l2 = -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    l1, l2 = _surrogates(advantages, jnp.exp(neg_kl), clip_ratio_low, clip_ratio_high)
     lp = lax.stop_gradient(log_prob)
     adv = lax.stop_gradient(advantages)
     cov = (adv - masked_mean(adv, response_mask)) * (lp - masked_mean(lp, response_mask))

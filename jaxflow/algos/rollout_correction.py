@@ -37,12 +37,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflow.algos.advantages import masked_mean, masked_sum
-from jaxflow.algos.policy_losses import _agg, _metrics, compute_policy_loss_vanilla, register_policy_loss
+from jaxflow.algos.policy_losses import (
+    SAFETY_BOUND,
+    _agg,
+    _metrics,
+    compute_policy_loss_vanilla,
+    register_policy_loss,
+)
 from jaxflow.algos.settings import RolloutCorrectionConfig
 
 Array = jax.Array
 
-SAFETY_BOUND = 20.0
 ROLLOUT_IS_LEVELS = ("token", "sequence")
 TOKEN_RS_OPTIONS = ("token_k1", "token_k2", "token_k3")
 ROLLOUT_RS_OPTIONS = TOKEN_RS_OPTIONS + tuple(

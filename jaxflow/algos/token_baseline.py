@@ -81,27 +81,11 @@ def _baseline(g, w, m, member_B, gidx, handle_zero_tail, epsilon):
     return jnp.where(tail, 0.0, baseline)
 
 
-@register_adv_est("optimal_token_baseline")
-@jax.jit
-def compute_optimal_token_baseline_advantage(
-    token_level_rewards: Array,
-    response_mask: Array,
-    group_ids: Array,
-    old_log_probs: Array,
-    sum_pi_squared: Array,
-    rollout_is_weights: Array | None = None,
-    handle_zero_tail: Any = True,
-    epsilon: float = 1e-8,
-) -> tuple[Array, Array]:
+def _by_position(g: Array, w: Array, m: Array, gidx: Array, handle_zero_tail: Any, epsilon: Any) -> Array:
     """OTB by token position (see the module docstring): every row of a group, an empty
     response included, is a member, and ``B_t`` sums over the group at position ``t``."""
-    g, w, m = _returns_and_path_variance(
-        token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
-    )
-    gidx = group_index(group_ids)
-    member_B = jnp.ones(g.shape[:1], bool)
-    baseline = _baseline(g, w, m, member_B, gidx, handle_zero_tail, epsilon)
-    return (g - baseline) * m, g
+    baseline = _baseline(g, w, m, jnp.ones(g.shape[:1], bool), gidx, handle_zero_tail, epsilon)
+    return (g - baseline) * m
 
 
 def _compact(x_BxT: Array, valid_BxT: Array, pos_BxT: Array) -> Array:
@@ -110,31 +94,47 @@ def _compact(x_BxT: Array, valid_BxT: Array, pos_BxT: Array) -> Array:
     return jnp.zeros_like(x_BxT).at[rows, pos_BxT].add(jnp.where(valid_BxT, x_BxT, 0))
 
 
-@register_adv_est("tir_optimal_token_baseline")
-@jax.jit
-def compute_multi_turn_optimal_token_baseline_advantage(
-    token_level_rewards: Array,
-    response_mask: Array,
-    group_ids: Array,
-    old_log_probs: Array,
-    sum_pi_squared: Array,
-    rollout_is_weights: Array | None = None,
-    handle_zero_tail: Any = True,
-    epsilon: float = 1e-8,
-) -> tuple[Array, Array]:
+def _by_generated_token(g: Array, w: Array, m: Array, gidx: Array, handle_zero_tail: Any, epsilon: Any) -> Array:
     """OTB for tool-integrated (multi-turn) responses (see the module docstring): ``G`` and
     ``W`` are read at each row's generated tokens, aligned by their index ``k`` among them
     (``B_k = sum_i G_ik W_ik / (sum_i W_ik + epsilon)`` over the group's non-empty responses),
     and the advantages written back to those tokens."""
-    g, w, m = _returns_and_path_variance(
-        token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
-    )
     valid = m != 0
     pos = jnp.where(valid, jnp.cumsum(valid, -1) - 1, 0)
     g_k, w_k = _compact(g, valid, pos), _compact(w, valid, pos)
     lengths = jnp.sum(valid, -1)
     m_k = (jnp.arange(g.shape[-1])[None, :] < lengths[:, None]).astype(g.dtype)
-    gidx = group_index(group_ids)
     baseline_k = _baseline(g_k, w_k, m_k, lengths > 0, gidx, handle_zero_tail, epsilon)
-    adv = jnp.take_along_axis(g_k - baseline_k, pos, axis=-1)
-    return adv * m, g
+    return jnp.take_along_axis(g_k - baseline_k, pos, axis=-1) * m
+
+
+def _otb_estimator(advantages_of: Any, name: str) -> Any:
+    """The jitted OTB estimator ``name`` whose advantages ``advantages_of(G, W, m, gidx,
+    handle_zero_tail, epsilon)`` gives (its docstring); returns ``(advantages, G)``."""
+
+    def estimator(
+        token_level_rewards: Array,
+        response_mask: Array,
+        group_ids: Array,
+        old_log_probs: Array,
+        sum_pi_squared: Array,
+        rollout_is_weights: Array | None = None,
+        handle_zero_tail: Any = True,
+        epsilon: float = 1e-8,
+    ) -> tuple[Array, Array]:
+        g, w, m = _returns_and_path_variance(
+            token_level_rewards, response_mask, old_log_probs, sum_pi_squared, rollout_is_weights
+        )
+        return advantages_of(g, w, m, group_index(group_ids), handle_zero_tail, epsilon), g
+
+    estimator.__name__ = estimator.__qualname__ = name
+    estimator.__doc__ = advantages_of.__doc__
+    return jax.jit(estimator)
+
+
+compute_optimal_token_baseline_advantage = register_adv_est("optimal_token_baseline")(
+    _otb_estimator(_by_position, "compute_optimal_token_baseline_advantage")
+)
+compute_multi_turn_optimal_token_baseline_advantage = register_adv_est("tir_optimal_token_baseline")(
+    _otb_estimator(_by_generated_token, "compute_multi_turn_optimal_token_baseline_advantage")
+)

@@ -11,7 +11,7 @@ lp_old, -20, 20))``, ``sg`` stop-gradient, ``mean_m`` verl's masked mean.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -19,58 +19,57 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflow.algos.advantages import masked_mean
-from jaxflow.algos.policy_losses import _agg, _metrics, register_policy_loss
+from jaxflow.algos.policy_losses import _agg, _metrics, _ratio, register_policy_loss
 
 Array = jax.Array
 
 
-def _dppo(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    valid: Array,
-    clip_ratio_c: float,
-    loss_agg_mode: str,
-    rollout_is_weights: Array | None,
-    global_batch_info: Mapping[str, Any] | None,
-) -> tuple[Array, dict]:
-    """The part DPPO's two variants share, given the trust-region mask ``valid`` (detached)::
+def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., tuple[Array, dict]]:
+    """The DPPO policy loss ``name`` whose trust region is ``trust_region(old_log_prob,
+    log_prob, advantages, clip_ratio_low, clip_ratio_high) -> valid [B, T]`` (detached)::
 
         L = -A sg(min(rho, c)) log_prob valid
 
-    Metrics: ``pg_clipfrac = mean_m(1 - valid)`` (tokens outside the trust region),
-    ``pg_clipfrac_lower = mean_m([rho > c] valid)`` (truncated IS ratios), ``ppo_kl``.
+    Outside the region a token gets no gradient. ``c = clip_ratio_c`` truncates the IS ratio
+    (the paper's Section 5.4 recommends a large one; verl falls back to 20 only when the actor
+    has no ``clip_ratio_c``, whose default is 3). Metrics: ``pg_clipfrac = mean_m(1 - valid)``
+    (tokens outside the trust region), ``pg_clipfrac_lower = mean_m([rho > c] valid)``
+    (truncated IS ratios), ``ppo_kl``.
     """
-    dtype = log_prob.dtype
-    neg_kl = jnp.clip(log_prob - old_log_prob, -20.0, 20.0)
-    ratio = jnp.exp(neg_kl)
-    valid = lax.stop_gradient(valid.astype(dtype))
-    truncated = lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
-    pg_losses = -advantages * truncated * log_prob * valid
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(
-        masked_mean(1.0 - valid, response_mask),
-        masked_mean((ratio > clip_ratio_c).astype(dtype) * valid, response_mask),
-        masked_mean(-neg_kl, response_mask),
-        like=loss,
-    )
+
+    def loss(
+        old_log_prob: Array,
+        log_prob: Array,
+        advantages: Array,
+        response_mask: Array,
+        *,
+        loss_agg_mode: str = "token-mean",
+        clip_ratio_low: float = 0.2,
+        clip_ratio_high: float = 0.2,
+        clip_ratio_c: float = 20.0,
+        rollout_is_weights: Array | None = None,
+        global_batch_info: Mapping[str, Any] | None = None,
+    ) -> tuple[Array, dict]:
+        dtype = log_prob.dtype
+        neg_kl, ratio = _ratio(old_log_prob, log_prob)
+        valid = trust_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high)
+        valid = lax.stop_gradient(valid.astype(dtype))
+        truncated = lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
+        pg_losses = -advantages * truncated * log_prob * valid
+        loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
+        return loss, _metrics(
+            masked_mean(1.0 - valid, response_mask),
+            masked_mean((ratio > clip_ratio_c).astype(dtype) * valid, response_mask),
+            masked_mean(-neg_kl, response_mask),
+            like=loss,
+        )
+
+    loss.__name__ = loss.__qualname__ = name
+    loss.__doc__ = f"{trust_region.__doc__}\n\n    The loss: see `_dppo_loss`."
+    return loss
 
 
-@register_policy_loss("dppo_tv")
-def compute_policy_loss_dppo_tv(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 20.0,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[Array, dict]:
+def _binary_tv_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high) -> Array:
     """DPPO-Binary-TV (Divergence PPO, arXiv:2602.04879), verl's form.
 
     The trust region bounds the sampled token's probability change ``d = p - p_old`` (``p =
@@ -79,41 +78,12 @@ def compute_policy_loss_dppo_tv(
 
         valid = (d <= clip_ratio_high)  if A > 0
                 (d >= -clip_ratio_low)  otherwise
-        L     = -A sg(min(rho, c)) log_prob valid
-
-    Outside the region a token gets no gradient. ``c = clip_ratio_c`` truncates the IS ratio
-    (the paper's Section 5.4 recommends a large one; verl falls back to 20 only when the actor
-    has no ``clip_ratio_c``, whose default is 3). Metrics: see `_dppo`.
     """
     d = jnp.exp(log_prob) - jnp.exp(old_log_prob)
-    valid = jnp.where(advantages > 0, d <= clip_ratio_high, d >= -clip_ratio_low)
-    return _dppo(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        valid,
-        clip_ratio_c,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_batch_info,
-    )
+    return jnp.where(advantages > 0, d <= clip_ratio_high, d >= -clip_ratio_low)
 
 
-@register_policy_loss("dppo_kl")
-def compute_policy_loss_dppo_kl(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 20.0,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
-) -> tuple[Array, dict]:
+def _binary_kl_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high) -> Array:
     """DPPO-Binary-KL (arXiv:2602.04879), verl's form.
 
     The trust region bounds the KL divergence between the old and new Bernoulli distributions
@@ -122,28 +92,24 @@ def compute_policy_loss_dppo_kl(
         KL_b  = p_old (lp_old - lp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8))
         valid = KL_b <= clip_ratio_high or p <= p_old   if A > 0
                 KL_b <= clip_ratio_low  or p >= p_old   otherwise
-        L     = -A sg(min(rho, c)) log_prob valid
 
-    (a move that lowers the loss's pull is always allowed). Metrics: see `_dppo`.
+    (a move that lowers the loss's pull is always allowed).
     """
     p, p_old = jnp.exp(log_prob), jnp.exp(old_log_prob)
     binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * jnp.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
-    valid = jnp.where(
+    return jnp.where(
         advantages > 0,
         (binary_kl <= clip_ratio_high) | (p <= p_old),
         (binary_kl <= clip_ratio_low) | (p >= p_old),
     )
-    return _dppo(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        valid,
-        clip_ratio_c,
-        loss_agg_mode,
-        rollout_is_weights,
-        global_batch_info,
-    )
+
+
+compute_policy_loss_dppo_tv = register_policy_loss("dppo_tv")(
+    _dppo_loss(_binary_tv_region, "compute_policy_loss_dppo_tv")
+)
+compute_policy_loss_dppo_kl = register_policy_loss("dppo_kl")(
+    _dppo_loss(_binary_kl_region, "compute_policy_loss_dppo_kl")
+)
 
 
 @register_policy_loss("sapo")
@@ -169,8 +135,7 @@ def compute_policy_loss_sapo(
     Always aggregated ``seq-mean-token-mean`` (as verl; the actor's ``loss_agg_mode`` is not
     used). Metrics: ``ppo_kl``; the clip fractions are 0.
     """
-    neg_kl = jnp.clip(log_prob - old_log_prob, -20.0, 20.0)
-    ratio = jnp.exp(neg_kl)
+    neg_kl, ratio = _ratio(old_log_prob, log_prob)
     dtype = advantages.dtype
     tau = jnp.where(advantages > 0, jnp.asarray(tau_pos, dtype), jnp.asarray(tau_neg, dtype))
     gates = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)

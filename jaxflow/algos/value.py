@@ -20,11 +20,7 @@ def compute_value_loss(
     response_mask: Array,
     cliprange_value: Any,
     loss_agg_mode: str = "token-mean",
-    *,
-    dp_size: int = 1,
-    batch_num_tokens: Any = None,
-    global_batch_size: Any = None,
-    loss_scale_factor: Any = None,
+    **normalisers: Any,
 ) -> tuple[Array, Array]:
     """Clipped value loss (PPO; HF TRL's form, as verl).
 
@@ -35,20 +31,13 @@ def compute_value_loss(
         vf_clipfrac = mean_m((v_clip - R)^2 > (vpreds - R)^2)
 
     ``values`` are the critic's values at rollout time, ``R`` the returns. ``agg`` is
-    :func:`jaxflow.algos.agg_loss` with ``loss_agg_mode`` and the optional global normalisers.
-    Returns ``(vf_loss, vf_clipfrac)``.
+    :func:`jaxflow.algos.agg_loss` with ``loss_agg_mode`` and its global ``normalisers``
+    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``: e.g. a
+    :func:`jaxflow.algos.global_batch_info`). Returns ``(vf_loss, vf_clipfrac)``.
     """
     v_clip = jnp.maximum(jnp.minimum(vpreds, values + cliprange_value), values - cliprange_value)
     l1 = jnp.square(vpreds - returns)
     l2 = jnp.square(v_clip - returns)
-    loss = 0.5 * agg_loss(
-        jnp.maximum(l1, l2),
-        response_mask,
-        loss_agg_mode,
-        dp_size=dp_size,
-        batch_num_tokens=batch_num_tokens,
-        global_batch_size=global_batch_size,
-        loss_scale_factor=loss_scale_factor,
-    )
+    loss = 0.5 * agg_loss(jnp.maximum(l1, l2), response_mask, loss_agg_mode, **normalisers)
     vf_clipfrac = masked_mean((l2 > l1).astype(l1.dtype), response_mask)
     return loss, vf_clipfrac

@@ -195,7 +195,7 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         mini_batch_rows={r: c.ppo_mini_batch_size for r, c in train.items()},
         train_micro={r: c.ppo_micro_batch_size_per_device for r, c in train.items()},
         epochs={r: c.ppo_epochs for r, c in train.items()},
-        forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).micro_batch_size_per_device for r in spec.roles},
+        forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).config.micro_batch_size_per_device for r in spec.roles},
         max_num_seqs=spec.rollout.max_num_seqs,
         state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
         stages=dataflow(tuple(spec.roles), old_log_probs, algorithm.extra_rollouts),

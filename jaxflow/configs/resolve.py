@@ -14,11 +14,10 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxflow.configs.overrides import ConfigError, get_value
-from jaxflow.mesh import DEFAULT_ROLE_RULES, ROLES, TRAINING_ROLES, get_rules
+from jaxflow.mesh import DEFAULT_ROLE_RULES, ROLES, SPLIT_GROUPS, TRAINING_ROLES, get_rules
 from jaxflow.mesh import data_parallel_size as mesh_data_parallel_size
 
 PLACEMENT_TYPES = ("auto", "colocated", "split", "custom")
-SPLIT_GROUPS = (("actor", "ref"), ("critic", "reward", "cost"))
 PRESET_PREFIX = "preset:"
 # jaxflow.model.* keys that override a preset's shape (0 = keep the preset's).
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads")

@@ -147,17 +147,27 @@ class AdditionTask(Task):
 
 @dataclasses.dataclass(frozen=True)
 class _SequenceTask(Task):
+    """``<prefix>:<text>=`` -> ``answer(text)`` for a ``text`` of ``min_len..max_len``
+    characters drawn uniformly from ``alphabet``."""
+
     min_len: int = 3
     max_len: int = 5
     alphabet: ClassVar[str] = ""
+    prefix: ClassVar[str] = ""
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len <= 6:
             raise ValueError(f"{self.name}: need 1 <= min_len <= max_len <= 6, got {self.min_len}, {self.max_len}")
 
-    def _draw(self, rng: np.random.Generator) -> str:
+    @staticmethod
+    @abc.abstractmethod
+    def answer(text: str) -> str:
+        """The answer to the problem ``text``."""
+
+    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
         length = int(rng.integers(self.min_len, self.max_len + 1))
-        return "".join(self.alphabet[int(i)] for i in rng.integers(0, len(self.alphabet), size=length))
+        text = "".join(self.alphabet[int(i)] for i in rng.integers(0, len(self.alphabet), size=length))
+        return f"{self.prefix}:{text}=", self.answer(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,30 +178,11 @@ class SortDigitsTask(_SequenceTask):
     data_source: ClassVar[str] = "jaxflow/sort"
     ability: ClassVar[str] = "sorting"
     alphabet: ClassVar[str] = "0123456789"
+    prefix: ClassVar[str] = "sort"
 
-    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
-        digits = self._draw(rng)
-        return f"sort:{digits}=", "".join(sorted(digits))
-
-
-@dataclasses.dataclass(frozen=True)
-class ReverseDigitsTask(_SequenceTask):
-    """``rev:314=`` -> ``413``: a digit string reversed. The default task of the tiny configs:
-    with three digits, 30% of the 1000 strings (about 300) are held out, and a policy that
-    learns to reverse solves those it never trained on."""
-
-    name: ClassVar[str] = "reverse_digits"
-    data_source: ClassVar[str] = "jaxflow/reverse_digits"
-    ability: ClassVar[str] = "string"
-    alphabet: ClassVar[str] = "0123456789"
-
-    min_len: int = 3
-    max_len: int = 3
-    test_fraction: float = 0.3
-
-    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
-        digits = self._draw(rng)
-        return f"rev:{digits}=", digits[::-1]
+    @staticmethod
+    def answer(text: str) -> str:
+        return "".join(sorted(text))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,10 +193,26 @@ class ReverseTask(_SequenceTask):
     data_source: ClassVar[str] = "jaxflow/reverse"
     ability: ClassVar[str] = "string"
     alphabet: ClassVar[str] = "abcdefghijklmnopqrstuvwxyz"
+    prefix: ClassVar[str] = "rev"
 
-    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
-        word = self._draw(rng)
-        return f"rev:{word}=", word[::-1]
+    @staticmethod
+    def answer(text: str) -> str:
+        return text[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReverseDigitsTask(ReverseTask):
+    """``rev:314=`` -> ``413``: a digit string reversed. The default task of the tiny configs:
+    with three digits, 30% of the 1000 strings (about 300) are held out, and a policy that
+    learns to reverse solves those it never trained on."""
+
+    name: ClassVar[str] = "reverse_digits"
+    data_source: ClassVar[str] = "jaxflow/reverse_digits"
+    alphabet: ClassVar[str] = "0123456789"
+
+    min_len: int = 3
+    max_len: int = 3
+    test_fraction: float = 0.3
 
 
 TASKS: dict[str, type[Task]] = {t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask, ReverseDigitsTask)}

@@ -36,6 +36,8 @@ from jaxflow.mesh.rules import Rules, get_rules, hybrid_rules, state_shardings
 from jaxflow.mesh.specs import MeshSpec, check_model_fits, generation_mesh, weight_axes
 
 PHASES = ("train", "infer", "generate")
+# The split placement's role groups: the policy pair, and the value and scoring models.
+SPLIT_GROUPS: tuple[tuple[str, ...], ...] = (("actor", "ref"), ("critic", "reward", "cost"))
 
 # Default rule-set names per role and phase. The actor trains with the hybrid rules so that
 # its generation layout is a coarsening of its training layout (jaxflow.reshard); the
@@ -172,7 +174,7 @@ class Placement:
     def split(
         cls,
         devices: Sequence[Any] | None = None,
-        groups: Sequence[Sequence[str]] = (("actor", "ref"), ("critic", "reward", "cost")),
+        groups: Sequence[Sequence[str]] = SPLIT_GROUPS,
         sizes: Sequence[int] | None = None,
         **kw,
     ) -> Placement:

@@ -52,20 +52,18 @@ TRAIN_RULES: Rules = (
     ("norm", None),
 )
 
+
+def _with(rules: Rules, **changes: MeshAxes) -> Rules:
+    """``rules`` with the mesh axes of the logical names in ``changes`` replaced (each must be
+    one of its names)."""
+    unknown = sorted(set(changes) - {name for name, _ in rules})
+    if unknown:
+        raise KeyError(f"no rule for logical axis(es) {unknown} to change")
+    return tuple((name, changes.get(name, axes)) for name, axes in rules)
+
+
 # Generation: no fsdp on weights (each dp replica holds whole tp shards); batch over dp.
-GENERATE_RULES: Rules = (
-    ("batch", "dp"),
-    ("vocab", "tp"),
-    ("embed", None),
-    ("heads", "tp"),
-    ("kv_heads", "tp"),
-    ("mlp", "tp"),
-    ("head_dim", None),
-    ("length", None),
-    ("cache_length", None),
-    ("layers", None),
-    ("norm", None),
-)
+GENERATE_RULES: Rules = _with(TRAIN_RULES, batch="dp", embed=None)
 
 
 def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
@@ -220,44 +218,13 @@ def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
 # then split over head_dim too (attention adds one all-reduce of the scores per layer).
 # :func:`hybrid_rules` picks the variant for a model.
 
-HYBRID_TRAIN_RULES: Rules = (
-    ("batch", ("dp", "fsdp")),
-    ("vocab", ("fsdp", "tp")),
-    ("embed", None),
-    ("heads", ("fsdp", "tp")),
-    ("kv_heads", ("fsdp", "tp")),
-    ("mlp", ("fsdp", "tp")),
-    ("head_dim", None),
-    ("length", None),
-    ("cache_length", None),
-    ("layers", None),
-    ("norm", None),
+HYBRID_TRAIN_RULES: Rules = _with(
+    TRAIN_RULES, vocab=("fsdp", "tp"), embed=None, heads=("fsdp", "tp"), kv_heads=("fsdp", "tp"), mlp=("fsdp", "tp")
 )
 
 # Generation on the mesh of generation_mesh(): batch over every replica axis, the Megatron
 # dimensions over tp (GENERATE_RULES, plus the 'replica' axis when training had dp > 1).
-HYBRID_GENERATE_RULES: Rules = (
-    ("batch", ("replica", "dp")),
-    ("vocab", "tp"),
-    ("embed", None),
-    ("heads", "tp"),
-    ("kv_heads", "tp"),
-    ("mlp", "tp"),
-    ("head_dim", None),
-    ("length", None),
-    ("cache_length", None),
-    ("layers", None),
-    ("norm", None),
-)
-
-
-def _with(rules: Rules, **changes: MeshAxes) -> Rules:
-    table = dict(rules)
-    for name in changes:
-        if name not in table:
-            raise KeyError(name)
-    return tuple((name, changes.get(name, axes)) for name, axes in rules)
-
+HYBRID_GENERATE_RULES: Rules = _with(GENERATE_RULES, batch=("replica", "dp"))
 
 HYBRID_TRAIN_RULES_KV_HEAD_DIM: Rules = _with(HYBRID_TRAIN_RULES, kv_heads=None, head_dim=("fsdp", "tp"))
 HYBRID_GENERATE_RULES_KV_HEAD_DIM: Rules = _with(HYBRID_GENERATE_RULES, kv_heads=None, head_dim="tp")

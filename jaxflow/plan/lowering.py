@@ -54,7 +54,7 @@ from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
 from jaxflow.workers.actor import actor_train_step, generation_dtype, log_probs_fn, log_probs_program
 from jaxflow.workers.base import RoleLayout, num_micro_batches, packed_program
 from jaxflow.workers.critic import CriticConfig, critic_train_step, values_fn, values_program
-from jaxflow.workers.forward import PROMPT_KEYS
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig
 from jaxflow.workers.optim import make_optimizer
 from jaxflow.workers.packing import pack
 from jaxflow.workers.reward import scores_fn, scores_program
@@ -323,18 +323,15 @@ def train_step_program(
 class Forward:
     """A role's forward over the whole rollout as its worker runs it: ``padded(layout, k)``
     builds the padded-rows program (``k`` micro-batches), ``fn`` is the body of the packed
-    one (`packed_program`); ``scalars`` its runtime scalars; ``micro_batch_size_per_device``
-    rows per data-parallel rank per pass; ``packed``: remove padding, then micro-batches of
-    at most ``max_token_len_per_device`` tokens (None: by rows); ``packed_name``: the name the
-    worker gives its packed program (`jaxflow.workers.base.packed_forward`)."""
+    one (`packed_program`); ``scalars`` its runtime scalars; ``config`` the worker's
+    `ForwardConfig` (micro-batches, remove padding, token budget); ``packed_name``: the name
+    the worker gives its packed program (`jaxflow.workers.base.RoleWorker.run_forward`)."""
 
     role: str
     padded: Callable[[RoleLayout, int], Any]
     fn: Callable[[Any, dict, dict], dict]
     scalars: tuple[str, ...]
-    micro_batch_size_per_device: int | None
-    packed: bool
-    max_token_len_per_device: int | None
+    config: ForwardConfig
     packed_name: str
 
 
@@ -351,21 +348,16 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
             lambda lo, k: log_probs_program(lo, k, with_entropy=a.log_prob_entropy),
             log_probs_fn(with_entropy=a.log_prob_entropy),
             ("temperature",),
-            a.log_prob_micro_batch_size_per_device,
-            a.use_remove_padding,
-            a.log_prob_max_token_len_per_device if a.log_prob_use_dynamic_bsz else None,
+            a.log_prob_forward,
             "old_log_probs",
         )
     if name == "ref/log_probs":
-        ref = spec.roles["ref"]
         return Forward(
             "ref",
             lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
             log_probs_fn("ref_log_prob"),
             ("temperature",),
-            ref.micro_batch_size_per_device,
-            ref.use_remove_padding,
-            ref.max_token_len_per_device,
+            spec.roles["ref"],
             "ref_log_prob",
         )
     if name == "critic/values":
@@ -375,23 +367,18 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
             values_program,
             values_fn,
             (),
-            c.forward_micro_batch_size_per_device,
-            c.use_remove_padding,
-            c.forward_max_token_len_per_device if c.use_dynamic_bsz else None,
+            c.values_forward,
             "values",
         )
     if name in ("reward/scores", "cost/scores"):
         role = name.split("/")[0]
         key = "token_level_cost" if role == "cost" else "token_level_scores"
-        forward = spec.roles[role]
         return Forward(
             role,
             lambda lo, k: scores_program(lo, k, key),
             scores_fn(key),
             (),
-            forward.micro_batch_size_per_device,
-            forward.use_remove_padding,
-            None,
+            spec.roles[role],  # the reward or the cost model's
             key,
         )
     raise KeyError(f"unknown forward program {name!r}; forwards: {FORWARD_PROGRAMS}")
@@ -401,9 +388,9 @@ def forward_micro_batches(spec: RunSpec, name: str, rules: Rules, mesh: Mesh) ->
     """``(rows, micro-batches)`` of a forward over the whole rollout (remove padding: those of
     the all-full-length packed layout)."""
     f, rows = forward_of(spec, name), spec.rollout_rows
-    if f.packed:
+    if f.config.use_remove_padding:
         return rows, packed_forward_inputs(spec, f, rules, mesh)[1].num_micro
-    return rows, num_micro_batches(rows, f.micro_batch_size_per_device, data_parallel_size(rules, mesh), name)
+    return rows, num_micro_batches(rows, f.config.micro_batch_size_per_device, data_parallel_size(rules, mesh), name)
 
 
 def packed_forward_inputs(spec: RunSpec, f: Forward, rules: Rules, mesh: Mesh) -> tuple[dict[str, np.ndarray], Any]:
@@ -413,8 +400,8 @@ def packed_forward_inputs(spec: RunSpec, f: Forward, rules: Rules, mesh: Mesh) -
     return pack(
         host,
         ranks=data_parallel_size(rules, mesh),
-        max_token_len=f.max_token_len_per_device,
-        rows_per_micro=f.micro_batch_size_per_device,
+        max_token_len=f.config.max_token_len_per_device,
+        rows_per_micro=f.config.micro_batch_size_per_device,
     )
 
 
@@ -429,7 +416,7 @@ def forward_program(
     rows, k = forward_micro_batches(spec, name, rules, mesh)
     params = abstract_params(state, rules, mesh)
     role_layout = layout(graphdef, state, mesh, rules)
-    if f.packed:
+    if f.config.use_remove_padding:
         tensors = abstract_columns(
             shapes_of(packed_forward_inputs(spec, f, rules, mesh)[0]), rules, mesh, presplit=True
         )

@@ -482,24 +482,31 @@ def _eos_ids(params: SamplingParams, cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else (cfg.eos_token_id,)
 
 
-def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, mesh, rules) -> int | None:
-    """The pool's budget when the caller gives none: rows that can only stop at their limits
-    get the peak of their schedule (`_expected_kv_tokens`); others, on an accelerator, what
-    its free memory holds (`memory_kv_tokens`; also when only lowering, so that a program
-    compiled ahead is the one a call runs); else None (`batcher.pool_pages`' default)."""
-    replicas = rows.replicas
-    if not eos and not params.stop:
-        return _expected_kv_tokens(cfg, rows, params, replicas, options.slots, options.page_size)
-    shape = engine_shape(
+def _call_shape(
+    cfg: ModelConfig, rows: _Rows, params: SamplingParams, options: EngineOptions, kv_tokens: int | None = None
+) -> EngineShape:
+    """The `EngineShape` of a call's bucketed rows with a budget of ``kv_tokens``."""
+    return engine_shape(
         cfg,
         rows.prompts,
         rows.prompt_len,
         params.max_new_tokens,
         n=params.n,
-        replicas=replicas,
+        replicas=rows.offsets_R.shape[0],
         slots=options.slots,
         page_size=options.page_size,
+        kv_tokens=kv_tokens,
     )
+
+
+def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, mesh, rules) -> int | None:
+    """The pool's budget when the caller gives none: rows that can only stop at their limits
+    get the peak of their schedule (`_expected_kv_tokens`); others, on an accelerator, what
+    its free memory holds (`memory_kv_tokens`; also when only lowering, so that a program
+    compiled ahead is the one a call runs); else None (`batcher.pool_pages`' default)."""
+    if not eos and not params.stop:
+        return _expected_kv_tokens(cfg, rows, params, options)
+    shape = _call_shape(cfg, rows, params, options)
     devices = list(mesh.devices.flat) if mesh is not None else jax.devices()[:1]
     return memory_kv_tokens(shape, _kv_shards(rules, mesh), devices)
 
@@ -523,16 +530,23 @@ def _prepare(
     prompt_mask,
     params: SamplingParams,
     *,
-    mesh,
-    rules,
-    rng,
-    max_new_tokens,
-    options: EngineOptions,
-    stop_strings: StopStrings | None,
+    mesh: Mesh | None = None,
+    rules: Rules = GENERATE_RULES,
+    rng: jax.Array | None = None,
+    max_new_tokens=None,
+    options: EngineOptions = EngineOptions(),
+    tokenizer: Any = None,
+    stop_strings: StopStrings | None = None,
     prompt_index=None,
     place: bool = True,
 ) -> _Call:
+    """The program and arguments of a `generate_from_state` call (``place=False``: abstract
+    arguments, for lowering)."""
     cfg = _config_of(graphdef, state)
+    if params.stop and stop_strings is None:
+        if tokenizer is None:
+            raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
+        stop_strings = StopStrings.build(params.stop, tokenizer, cfg.vocab_size)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
     prompt_index = _prompt_index(prompt_index, len(ids))
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
@@ -545,16 +559,7 @@ def _prepare(
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
         rng = jax.random.wrap_key_data(rng)
     kv_tokens = options.kv_tokens or _default_kv_tokens(cfg, rows, params, eos, options, mesh, rules)
-    shape = engine_shape(
-        cfg,
-        *ids.shape,
-        params.max_new_tokens,
-        n=params.n,
-        replicas=replicas,
-        slots=options.slots,
-        page_size=options.page_size,
-        kv_tokens=kv_tokens,
-    )
+    shape = _call_shape(cfg, rows, params, options, kv_tokens)
     static = Static(
         greedy=params.greedy,
         top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
@@ -624,21 +629,12 @@ def _kv_shards(rules: Rules, mesh: Mesh | None) -> int:
     return math.prod(mesh.shape[a] for a in _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0]))
 
 
-def _expected_kv_tokens(cfg, rows: _Rows, params: SamplingParams, replicas: int, slots, page_size: int) -> int:
+def _expected_kv_tokens(cfg, rows: _Rows, params: SamplingParams, options: EngineOptions) -> int:
     """The budget of a rollout whose rows can only stop at their limits (no EOS, no stop
     strings): every token is known, so the pool is the peak of the schedule in which no row
     waits (`batcher.no_wait_peak_pages`) plus the priority reserve Rp, rounded up to a power
     of two pages (calls with other limits mostly reuse the program)."""
-    shape = engine_shape(
-        cfg,
-        rows.plen_RxB.size,
-        rows.prompt_len,
-        params.max_new_tokens,
-        n=params.n,
-        replicas=replicas,
-        slots=slots,
-        page_size=page_size,
-    )
+    shape, page_size = _call_shape(cfg, rows, params, options), options.page_size
     peak = max(
         no_wait_peak_pages(plen, limits[:real], params.n, shape.slots, shape.prefill_rows, page_size)
         for plen, limits, real in zip(rows.plen_RxB, rows.limits_RxN, rows.num_rows_R)
@@ -743,10 +739,6 @@ def generate_from_state(
     prompt ``i`` draws its token ``t`` with ``fold_in(fold_in(fold_in(rng, prompt_index[i]), j),
     t)`` (`batcher.row_keys`), whatever the mesh, the replicas, the slots or the page pool.
     """
-    if params.stop and stop_strings is None:
-        if tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
-        stop_strings = StopStrings.build(params.stop, tokenizer, _config_of(graphdef, state).vocab_size)
     call = _prepare(
         graphdef,
         state,
@@ -758,6 +750,7 @@ def generate_from_state(
         rng=rng,
         max_new_tokens=max_new_tokens,
         options=options,
+        tokenizer=tokenizer,
         stop_strings=stop_strings,
         prompt_index=prompt_index,
     )
@@ -783,36 +776,14 @@ def generate_from_state(
 
 
 def lower_generate(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    prompt_ids,
-    prompt_mask,
-    params: SamplingParams,
-    *,
-    mesh: Mesh | None = None,
-    rules: Rules = GENERATE_RULES,
-    max_new_tokens=None,
-    options: EngineOptions = EngineOptions(),
-    stop_strings: StopStrings | None = None,
+    graphdef: nnx.GraphDef, state: nnx.State, prompt_ids, prompt_mask, params: SamplingParams, **kwargs
 ) -> jax.stages.Lowered:
-    """The program `generate_from_state` runs for these arguments, lowered but not run:
+    """The program `generate_from_state` runs for these arguments (the same ones; ``rng`` and
+    ``tokenizer`` may be left out), lowered but not run: a ``jax.stages.Lowered`` whose
     ``.compile()`` gives its HLO (``as_text()``), ``memory_analysis()`` and
     ``cost_analysis()``. ``state`` may be abstract (``jax.ShapeDtypeStruct`` leaves carrying
     shardings); the prompts only need the intended shapes (e.g. ones)."""
-    call = _prepare(
-        graphdef,
-        state,
-        prompt_ids,
-        prompt_mask,
-        params,
-        mesh=mesh,
-        rules=rules,
-        rng=None,
-        max_new_tokens=max_new_tokens,
-        options=options,
-        stop_strings=stop_strings,
-        place=False,
-    )
+    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, place=False, **kwargs)
     return call.program.lower(*call.args)
 
 
@@ -843,18 +814,3 @@ def generate(
     return generate_from_state(
         graphdef, state, prompt_ids, prompt_mask, params, mesh=mesh, rules=rules, rng=rng, **kwargs
     )
-
-
-__all__ = [
-    "DEFAULT_PAGE_SIZE",
-    "DEFAULT_SLOTS",
-    "EngineOptions",
-    "EngineShape",
-    "GenerateOutput",
-    "SamplingParams",
-    "bucket_size",
-    "engine_shape",
-    "generate",
-    "generate_from_state",
-    "lower_generate",
-]

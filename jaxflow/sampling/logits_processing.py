@@ -234,15 +234,3 @@ def token_log_probs(logits_BxV: jax.Array, tokens_B: jax.Array, temperature=1.0)
     z = apply_temperature(logits_BxV, temperature)
     picked = jnp.take_along_axis(z, tokens_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
     return picked - jax.nn.logsumexp(z, axis=-1)
-
-
-__all__ = [
-    "apply_temperature",
-    "argmax",
-    "process_logits",
-    "sample_tokens",
-    "sampling_probs",
-    "token_log_probs",
-    "top_k_mask",
-    "top_p_mask",
-]

@@ -23,7 +23,7 @@ from jaxflow.configs.run_spec import ModelSpec, RunSpec
 from jaxflow.configs.validate import validate, warn_ignored_under_auto
 from jaxflow.data.dataset import PromptDataLoader, PromptDataset
 from jaxflow.mesh import Rules, state_shardings
-from jaxflow.workers.ray_backend import RayConfig
+from jaxflow.workers.ray import RayConfig
 
 
 def place_run(

@@ -59,7 +59,7 @@ from jaxflow.trainer.plot import plot_run
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
-from jaxflow.workers.ray_backend import WorkerGroupError, describe_hosts
+from jaxflow.workers.ray import WorkerGroupError, describe_hosts
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class RLTrainer:
             self.run_config.to_dict()
         )  # each step records the config it was saved with
         if t.backend == "ray":  # Ray is imported only on this path
-            from jaxflow.workers.ray_backend import RayBackend
+            from jaxflow.workers.ray import RayBackend
 
             self.backend = RayBackend(ray_config(spec))
             print(f"jaxflow: {self.backend.cluster}", flush=True)

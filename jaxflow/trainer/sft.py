@@ -165,9 +165,13 @@ def _train_sft(
 
 def _sft_state_and_step(spec: RunSpec) -> tuple[nnx.GraphDef, Any, Any]:
     """``(graphdef, train state, jitted step)`` of the supervised run ``spec``: the actor on
-    its training mesh, AdamW at ``jaxflow.sft.lr``, `sft_loss` micro-batched."""
+    its training mesh (a Ray run's too, over this process's devices: its placement stands in
+    for hosts), AdamW at ``jaxflow.sft.lr``, `sft_loss` micro-batched."""
     s = spec.sft
-    mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
+    placement = spec.placement
+    if spec.trainer.backend == "ray":
+        placement = placement.on(jax.devices()[: spec.num_devices])
+    mesh, rules = placement.mesh("actor", "train"), placement.rules("actor", "train")
     graphdef, params = load_model(spec.models["actor"], mesh, rules)
     tx, schedule = make_optimizer(
         OptimConfig(lr=s.lr, weight_decay=s.weight_decay, lr_warmup_steps=s.warmup_steps, grad_clip=1.0)

@@ -5,6 +5,7 @@ iteration (`jaxflow.iterations.ppo_iteration`) runs over the resulting `Workers`
 from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig, actor_loss
 from jaxflow.workers.base import RoleWorker, resolve_mesh
 from jaxflow.workers.critic import CriticConfig, CriticWorker, critic_loss
+from jaxflow.workers.forward import ForwardConfig
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN, LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.local import build_local_workers
 from jaxflow.workers.optim import OptimConfig, make_optimizer, make_schedule
@@ -19,7 +20,7 @@ from jaxflow.workers.protocols import (
 )
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker
-from jaxflow.workers.roles import ForwardConfig, RoleSettings
+from jaxflow.workers.roles import RoleSettings
 from jaxflow.workers.train_state import TrainState, abstract_train_state, create_train_state, make_train_step
 from jaxflow.workers.trainable import TrainableWorker
 

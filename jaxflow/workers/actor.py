@@ -35,11 +35,11 @@ from jax.sharding import Mesh
 
 from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules
+from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
-from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, packed_forward, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
+from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
@@ -161,6 +161,15 @@ class ActorConfig(UpdateLoopConfig):
             self.use_kl_loss,
             self.kl_loss_coef,
             self.kl_loss_type,
+        )
+
+    @property
+    def log_prob_forward(self) -> ForwardConfig:
+        """How `ActorWorker.log_probs` runs."""
+        return ForwardConfig(
+            self.log_prob_micro_batch_size_per_device,
+            self.use_remove_padding,
+            self.log_prob_max_token_len_per_device if self.log_prob_use_dynamic_bsz else None,
         )
 
     def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
@@ -286,8 +295,7 @@ class ActorWorker(TrainableWorker):
         Without it, generation runs in the training layout.
     """
 
-    role = "actor"
-    head = "lm"
+    role = Role.ACTOR
 
     def __init__(
         self,
@@ -410,24 +418,13 @@ class ActorWorker(TrainableWorker):
         (and ``entropys`` with ``config.log_prob_entropy``) at ``temperature`` (None: the
         training rollouts', `RolloutConfig.temperature`)."""
         cfg = self.config
-        temperature = np.float32(self.rollout.temperature if temperature is None else temperature)
-        if cfg.use_remove_padding:
-            return packed_forward(
-                self,
-                "old_log_probs",
-                batch,
-                log_probs_fn(with_entropy=cfg.log_prob_entropy),
-                {"temperature": temperature},
-                max_token_len=cfg.log_prob_max_token_len_per_device if cfg.log_prob_use_dynamic_bsz else None,
-                rows_per_micro=cfg.log_prob_micro_batch_size_per_device,
-            )
-        tensors = self.put(batch, PROMPT_KEYS)
-        program = self.log_probs_program(len(batch))
-        return Batch(program(self.params, tensors, {"temperature": temperature}))
+        scalars = {"temperature": np.float32(self.rollout.temperature if temperature is None else temperature)}
+        fn = log_probs_fn(with_entropy=cfg.log_prob_entropy)
+        return self.run_forward(batch, cfg.log_prob_forward, "old_log_probs", fn, scalars, self.log_probs_program)
 
     def log_probs_program(self, rows: int):
         """The jitted log-prob forward of ``rows`` responses (`log_probs_program`)."""
-        k = num_micro_batches(rows, self.config.log_prob_micro_batch_size_per_device, self.dp_size, "log_probs")
+        k = num_micro_batches(rows, self.config.log_prob_forward.micro_batch_size_per_device, self.dp_size, "log_probs")
         return self._compiled(
             ("log_probs", k), lambda: log_probs_program(self.layout, k, with_entropy=self.config.log_prob_entropy)
         )

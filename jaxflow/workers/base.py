@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import (
     MeshSpec,
+    Role,
     Rules,
     data_parallel_size,
     get_rules,
@@ -42,7 +43,7 @@ from jaxflow.mesh import (
 )
 from jaxflow.models import HEADS, from_pretrained, save_pretrained
 from jaxflow.models.hf_io import host_array
-from jaxflow.workers.forward import PROMPT_KEYS, map_micro, named
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, map_micro, named
 from jaxflow.workers.packing import pack, scatter_rows
 from jaxflow.workers.protocols import ONE_TO_ALL, register
 
@@ -109,9 +110,16 @@ class RoleWorker:
       rules: its logical-axis rules.
       batch_axes: the mesh axes the ``batch`` rule splits rows over (a PartitionSpec entry).
       dp_axes: the same as a tuple of axis names (`WorkerGroupInfo.from_mesh`'s argument).
+
+    Subclasses name their ``role`` (`jaxflow.mesh.Role`); the model's head is the role's.
     """
 
-    head = "lm"
+    role: Role
+
+    @property
+    def head(self) -> str:
+        """The output head the role's model carries (`Role.head`)."""
+        return self.role.head
 
     def __init__(self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str):
         self.mesh = resolve_mesh(mesh)
@@ -194,6 +202,30 @@ class RoleWorker:
         if self._model_config is None:
             self._model_config = nnx.merge(self.graphdef, self.params).cfg
         return self._model_config
+
+    def run_forward(
+        self,
+        batch: Batch,
+        config: ForwardConfig,
+        name: str,
+        fn: Callable[[Any, dict, dict], dict],
+        scalars: Mapping[str, Any],
+        padded_program: Callable[[int], Any],
+    ) -> Batch:
+        """The role's forward ``fn(model, rows, scalars) -> {column: [b, R]}`` over ``batch``
+        as ``config`` says: over its packed real tokens (`packed_forward`, the program named
+        ``name``), or over its padded rows with ``padded_program(rows)``."""
+        if config.use_remove_padding:
+            return packed_forward(
+                self,
+                name,
+                batch,
+                fn,
+                scalars,
+                max_token_len=config.max_token_len_per_device,
+                rows_per_micro=config.micro_batch_size_per_device,
+            )
+        return Batch(padded_program(len(batch))(self.params, self.put(batch, PROMPT_KEYS), dict(scalars)))
 
     def _compiled(self, key: Any, build) -> Any:
         """A jitted program built once per key (e.g. the set of input columns)."""

@@ -25,9 +25,9 @@ from jax.sharding import Mesh
 
 from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
-from jaxflow.mesh import MeshSpec, Rules
-from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, packed_forward, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, response_values
+from jaxflow.mesh import MeshSpec, Role, Rules
+from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.protocols import DP_COMPUTE, register
@@ -67,6 +67,15 @@ class CriticConfig(UpdateLoopConfig):
         """The fields the compiled train step depends on (besides the micro-batch count)."""
         return (self.cliprange_value, self.loss_agg_mode, self.loss_scale_factor)
 
+    @property
+    def values_forward(self) -> ForwardConfig:
+        """How `CriticWorker.values` runs."""
+        return ForwardConfig(
+            self.forward_micro_batch_size_per_device,
+            self.use_remove_padding,
+            self.forward_max_token_len_per_device if self.use_dynamic_bsz else None,
+        )
+
 
 def critic_loss(cfg: CriticConfig):
     """The critic's ``loss_fn(model, micro, gbi, scalars) -> (loss, aux)`` for
@@ -82,10 +91,7 @@ def critic_loss(cfg: CriticConfig):
             mask,
             cfg.cliprange_value,
             cfg.loss_agg_mode,
-            dp_size=1,
-            batch_num_tokens=gbi["batch_num_tokens"],
-            global_batch_size=gbi["global_batch_size"],
-            loss_scale_factor=gbi["loss_scale_factor"],
+            **gbi,
         )
         total = jax.numpy.maximum(gbi["batch_num_tokens"], 1).astype(vpreds.dtype)
         share = masked_sum(jax.numpy.ones_like(vpreds), mask) / total
@@ -139,8 +145,7 @@ class CriticWorker(TrainableWorker):
       config: the update.
     """
 
-    role = "critic"
-    head = "value"
+    role = Role.CRITIC
 
     def __init__(
         self, model: ModelLike, mesh: Mesh | MeshSpec | str, rules: Rules | str, config: CriticConfig = CriticConfig()
@@ -150,23 +155,13 @@ class CriticWorker(TrainableWorker):
     @register(DP_COMPUTE)
     def values(self, batch: Batch) -> Batch:
         """``values`` [B, R] of the responses (0 on padding)."""
-        cfg = self.config
-        if cfg.use_remove_padding:
-            return packed_forward(
-                self,
-                "values",
-                batch,
-                values_fn,
-                {},
-                max_token_len=cfg.forward_max_token_len_per_device if cfg.use_dynamic_bsz else None,
-                rows_per_micro=cfg.forward_micro_batch_size_per_device,
-            )
-        tensors = self.put(batch, PROMPT_KEYS)
-        return Batch(self.values_program(len(batch))(self.params, tensors, {}))
+        return self.run_forward(batch, self.config.values_forward, "values", values_fn, {}, self.values_program)
 
     def values_program(self, rows: int):
         """The jitted value forward of ``rows`` responses (`values_program`)."""
-        k = num_micro_batches(rows, self.config.forward_micro_batch_size_per_device, self.dp_size, "critic values")
+        k = num_micro_batches(
+            rows, self.config.values_forward.micro_batch_size_per_device, self.dp_size, "critic values"
+        )
         return self._compiled(("values", k), lambda: values_program(self.layout, k))
 
     def build_train_step(self, num_micro: int, on_policy: bool):

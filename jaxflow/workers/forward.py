@@ -22,6 +22,7 @@ of the unsharded axis). `merge_micro` is its inverse.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -34,6 +35,26 @@ from jaxflow.algos import compute_entropy_from_logits
 Array = jax.Array
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask", "responses", "response_mask")
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """How a role's forward over a whole rollout runs (the actor's and the reference's
+    log-probs, the critic's values, the reward and cost models' scores;
+    `jaxflow.workers.base.RoleWorker.run_forward`).
+
+    Attributes:
+      micro_batch_size_per_device: rows per data-parallel device per pass (memory; None: the
+        whole batch at once).
+      use_remove_padding: over packed real tokens (`jaxflow.workers.packing`), the same values
+        as over the padded rows.
+      max_token_len_per_device: with remove padding, micro-batches of at most this many tokens
+        per device (verl's ``use_dynamic_bsz``); None: by rows.
+    """
+
+    micro_batch_size_per_device: int | None = None
+    use_remove_padding: bool = False
+    max_token_len_per_device: int | None = None
 
 
 def full_sequence(tensors: Mapping[str, Array]) -> tuple[Array, Array, int]:

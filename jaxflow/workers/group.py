@@ -13,7 +13,7 @@ Backends implement `WorkerGroup.execute`:
   a multiple of the data-parallel size, the worker places the columns it reads on its mesh
   (`RoleWorker.put`, rows over the dp axes), runs its jitted program, and the protocol
   removes the padding rows.
-* The Ray backend (`jaxflow.workers.ray_backend`) starts one process per host of the pool,
+* The Ray backend (`jaxflow.workers.ray`) starts one process per host of the pool,
   each building the same role class from the same arguments (`jaxflow.workers.roles`)
   inside its ``jax.distributed`` cluster; a call sends each process its rows and every
   process runs the same SPMD program (`jaxflow.workers.host_transfer`; see

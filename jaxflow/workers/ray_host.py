@@ -1,6 +1,6 @@
 """The worker side of the Ray backend: one `HostProcess` per host per worker group.
 
-A `HostProcess` is a plain class that `jaxflow.workers.ray_backend` runs as a Ray actor. Its
+A `HostProcess` is a plain class that `jaxflow.workers.ray` runs as a Ray actor. Its
 life:
 
 1. ``free_address()`` (rank 0 only): an ``ip:port`` for the group's JAX coordinator.
@@ -126,10 +126,11 @@ class HostProcess:
         rules that ``role``'s model is laid out with."""
         import jax
 
+        from jaxflow.mesh import Role
         from jaxflow.workers.roles import pool_placement
 
         placement = pool_placement(kwargs["placement"], kwargs["pool"], tuple(jax.devices()))
-        phase = "train" if role in ("actor", "critic") else "infer"
+        phase = "train" if Role(role).trains else "infer"
         return placement, placement.mesh(role, "train"), placement.rules(role, phase)
 
     def block_keys(self, role: str, kwargs: dict[str, Any], abstract: Any) -> list[list[tuple]]:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.data.tasks import TASKS, task_reward
-from jaxflow.mesh import MeshSpec, Rules
+from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.rewards import (
     EXTRA_COLUMN_PREFIX,
     OverlongBuffer,
@@ -25,8 +25,8 @@ from jaxflow.rewards import (
     register_reward,
     token_level_scores,
 )
-from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, packed_forward, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, scores_on_last_token, sequence_scores
+from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, row_program
+from jaxflow.workers.forward import ForwardConfig, scores_on_last_token, sequence_scores
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 
 # The built-in tasks' rule reward by data_source, registered here, above both the tasks
@@ -59,13 +59,10 @@ class RewardModelWorker(RoleWorker):
       model: a reward model (``head="reward"``: the score is read at the last real token).
       mesh, rules: its mesh and (inference) rules.
       output_key: the ``[B, R]`` column written.
-      micro_batch_size_per_device: micro-batch of the forward (memory).
-      use_remove_padding: the forward runs over packed real tokens (`jaxflow.workers.packing`).
-      max_token_len_per_device: with remove padding, micro-batches of at most this many
-        tokens per device (verl's ``reward_model.use_dynamic_bsz``); None = by rows.
+      forward: how the scoring forward runs (micro-batches, remove padding, token budget).
     """
 
-    head = "reward"
+    role = Role.REWARD  # the cost model's head too
 
     def __init__(
         self,
@@ -74,35 +71,22 @@ class RewardModelWorker(RoleWorker):
         rules: Rules | str,
         *,
         output_key: str = "token_level_scores",
-        micro_batch_size_per_device: int | None = None,
-        use_remove_padding: bool = False,
-        max_token_len_per_device: int | None = None,
+        forward: ForwardConfig = ForwardConfig(),
     ):
         super().__init__(model, mesh, rules)
         self.output_key = output_key
-        self.micro_batch_size_per_device = micro_batch_size_per_device
-        self.use_remove_padding = use_remove_padding
-        self.max_token_len_per_device = max_token_len_per_device
+        self.forward = forward
 
     @register(DP_COMPUTE)
     def scores(self, batch: Batch) -> Batch:
         """``output_key`` [B, R]: each row's score on its last response token."""
-        if self.use_remove_padding:
-            return packed_forward(
-                self,
-                self.output_key,
-                batch,
-                scores_fn(self.output_key),
-                {},
-                max_token_len=self.max_token_len_per_device,
-                rows_per_micro=self.micro_batch_size_per_device,
-            )
-        tensors = self.put(batch, PROMPT_KEYS)
-        return Batch(self.scores_program(len(batch))(self.params, tensors, {}))
+        return self.run_forward(
+            batch, self.forward, self.output_key, scores_fn(self.output_key), {}, self.scores_program
+        )
 
     def scores_program(self, rows: int):
         """The jitted scoring forward of ``rows`` responses (`scores_program`)."""
-        k = num_micro_batches(rows, self.micro_batch_size_per_device, self.dp_size, "reward scores")
+        k = num_micro_batches(rows, self.forward.micro_batch_size_per_device, self.dp_size, "reward scores")
         return self._compiled(("scores", k), lambda: scores_program(self.layout, k, self.output_key))
 
 

@@ -11,25 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from jaxflow.mesh import ROLES, Placement, ResourcePool
+from jaxflow.mesh import ROLES, Placement, ResourcePool, Role
 from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig
 from jaxflow.workers.base import ModelLike
 from jaxflow.workers.critic import CriticConfig, CriticWorker
+from jaxflow.workers.forward import ForwardConfig
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardModelWorker
-
-
-@dataclasses.dataclass(frozen=True)
-class ForwardConfig:
-    """An inference role's forward over the rollout (the reference's log-probs, the reward and
-    cost models' scores): ``micro_batch_size_per_device`` rows per data-parallel rank per pass
-    (None: one pass); ``use_remove_padding``: over packed real tokens (no padding, the same
-    values), then in micro-batches of at most ``max_token_len_per_device`` tokens per device
-    (None: by rows; verl's ``log_prob_use_dynamic_bsz``)."""
-
-    micro_batch_size_per_device: int | None = None
-    use_remove_padding: bool = False
-    max_token_len_per_device: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,50 +49,33 @@ def role_class(role: str) -> type:
 
 
 def make_role_worker(role: str, placement: Placement, model: ModelLike, settings: RoleSettings) -> Any:
-    """The worker of ``role`` on its placement mesh (the actor: its training mesh and rules,
-    and the hybrid engine towards the placement's generation layout)."""
+    """The worker of ``role`` on its placement mesh, with the training rules for a role that
+    trains and the inference rules otherwise (the actor: also the hybrid engine towards the
+    placement's generation layout)."""
     if role not in placement.roles:
         raise ValueError(f"a model was given for role {role!r} but the placement has no such role: {placement}")
+    cls = role_class(role)
+    rules = placement.rules(role, "train" if Role(role).trains else "infer")
+    return cls(model, placement.mesh(role), rules, **_role_options(role, placement, settings))
+
+
+def _role_options(role: str, placement: Placement, settings: RoleSettings) -> dict[str, Any]:
+    """What the class of ``role`` takes besides its model, mesh and rules."""
     if role == "actor":
-        spec = placement.roles["actor"]
-        gen_rules: Any = placement.rules("actor", "generate") if spec.gen_tp is not None else None
-        return ActorWorker(
-            model=model,
-            mesh=placement.mesh("actor", "train"),
-            rules=placement.rules("actor", "train"),
+        gen_tp = placement.roles["actor"].gen_tp
+        return dict(
             config=settings.actor_config,
             rollout=settings.rollout,
-            gen_tp=spec.gen_tp,
-            gen_rules=gen_rules,
+            gen_tp=gen_tp,
+            gen_rules=placement.rules("actor", "generate") if gen_tp is not None else None,
             strategy=settings.strategy,
         )
-    if role == "ref":
-        return ReferenceWorker(
-            model=model,
-            mesh=placement.mesh("ref"),
-            rules=placement.rules("ref", "infer"),
-            temperature=settings.rollout.temperature,
-            micro_batch_size_per_device=settings.ref.micro_batch_size_per_device,
-            use_remove_padding=settings.ref.use_remove_padding,
-            max_token_len_per_device=settings.ref.max_token_len_per_device,
-        )
     if role == "critic":
-        return CriticWorker(
-            model=model,
-            mesh=placement.mesh("critic"),
-            rules=placement.rules("critic", "train"),
-            config=settings.critic_config,
-        )
-    extra = {"output_key": "token_level_cost"} if role == "cost" else {}
-    forward: ForwardConfig = getattr(settings, role)  # the reward or the cost model's
-    return role_class(role)(
-        model=model,
-        mesh=placement.mesh(role),
-        rules=placement.rules(role, "infer"),
-        micro_batch_size_per_device=forward.micro_batch_size_per_device,
-        use_remove_padding=forward.use_remove_padding,
-        **extra,
-    )
+        return dict(config=settings.critic_config)
+    if role == "ref":
+        return dict(temperature=settings.rollout.temperature, forward=settings.ref)
+    output_key = "token_level_cost" if role == "cost" else "token_level_scores"
+    return dict(output_key=output_key, forward=getattr(settings, role))  # the reward or the cost model's
 
 
 def pool_placement(placement: Placement, pool: str, devices: tuple[Any, ...]) -> Placement:

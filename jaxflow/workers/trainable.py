@@ -117,8 +117,6 @@ class TrainableWorker(RoleWorker):
     Subclasses name their ``role`` (the metrics' prefix) and build their step
     (`build_train_step`)."""
 
-    role: str
-
     def __init__(self, model: ModelLike, mesh: Any, rules: Any, config: Any):
         self.config = config
         self.tx, self.schedule = make_optimizer(config.optim)
