@@ -3,7 +3,7 @@ decode slots with chunked prefill and prompt pages shared by the n samples, all 
 compiled program (no host round trip, no recompilation as sequences come and go).
 
 Rows. Row r is sample ``j = r % n`` of prompt ``b = r // n`` (verl's interleaved repeat). A
-row's randomness is ``fold_in(fold_in(fold_in(key, prompt id), j), token index)`` (`row_keys`),
+row's randomness is ``fold_in(fold_in(key, prompt id * n + j), token index)`` (`row_keys`),
 the prompt id being the caller's (``prompt_index_B``: e.g. the prompt's place in the training
 step's stream of prompts), so what a row samples does not depend on its slot, on when it was
 admitted or had to wait, on the other rows, on the replica it runs on, on the size of the page
@@ -426,12 +426,14 @@ def sample_step(ro: Rollout, c: Carry, run_S: jax.Array):
 
 
 def row_keys(rng: jax.Array, prompt_index_B: jax.Array, n: int, row_S: jax.Array, token_S: jax.Array) -> jax.Array:
-    """The PRNG key of token ``token_S`` of each row ``row_S`` (sample ``row % n`` of prompt
-    ``row // n``): ``fold_in(fold_in(fold_in(rng, prompt_index_B[row // n]), row % n), token)``."""
+    """The PRNG key of token ``token_S`` of each row ``row_S`` (sample ``j = row % n`` of prompt
+    ``row // n``): ``fold_in(fold_in(rng, prompt_index_B[row // n] * n + j), token)``. The
+    sample's id ``prompt id * n + j`` is the row a caller would get by repeating each prompt
+    ``n`` times with ``n = 1``, so sharing a prompt's pages between its samples changes no draw."""
 
     def key(row, token):
-        prompt = jax.random.fold_in(rng, prompt_index_B[row // n])
-        return jax.random.fold_in(jax.random.fold_in(prompt, row % n), token)
+        sample = prompt_index_B[row // n] * n + row % n
+        return jax.random.fold_in(jax.random.fold_in(rng, sample), token)
 
     return jax.vmap(key)(row_S, token_S)
 

@@ -492,7 +492,7 @@ def _call_shape(
         rows.prompt_len,
         params.max_new_tokens,
         n=params.n,
-        replicas=rows.offsets_R.shape[0],
+        replicas=rows.replicas,
         slots=options.slots,
         page_size=options.page_size,
         kv_tokens=kv_tokens,
@@ -511,14 +511,15 @@ def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, me
     return memory_kv_tokens(shape, _kv_shards(rules, mesh), devices)
 
 
-def _prompt_index(prompt_index, B: int) -> np.ndarray:
-    """Each prompt's id ``[B]`` (default ``0 .. B - 1``): non-negative, distinct integers."""
+def _prompt_index(prompt_index, B: int, n: int) -> np.ndarray:
+    """Each prompt's id ``[B]`` (default ``0 .. B - 1``): non-negative, distinct integers whose
+    sample ids ``id * n + j`` (padding prompts' included) fit in int32."""
     if prompt_index is None:
         return np.arange(B, dtype=np.int32)
     index = np.asarray(jax.device_get(prompt_index))
     if index.shape != (B,) or not np.issubdtype(index.dtype, np.integer):
         raise ValueError(f"prompt_index must be {B} integers (one per prompt), got {index.dtype} {index.shape}")
-    if index.min() < 0 or index.max() >= np.iinfo(np.int32).max - B or len(np.unique(index)) != B:
+    if index.min() < 0 or (int(index.max()) + B + 1) * n > np.iinfo(np.int32).max or len(np.unique(index)) != B:
         raise ValueError(f"prompt_index must be distinct non-negative int32 ids, got {index[:8].tolist()}...")
     return index.astype(np.int32)
 
@@ -548,7 +549,7 @@ def _prepare(
             raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
         stop_strings = StopStrings.build(params.stop, tokenizer, cfg.vocab_size)
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
-    prompt_index = _prompt_index(prompt_index, len(ids))
+    prompt_index = _prompt_index(prompt_index, len(ids), params.n)
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
     eos = _eos_ids(params, cfg)
     replicas = _batch_axis_size(rules, mesh)
@@ -736,8 +737,9 @@ def generate_from_state(
     program is cached per (graphdef, static settings, mesh, rules, bucket shapes), so
     repeated calls compile nothing. ``rng`` (a PRNG key) overrides ``params.seed``.
     ``prompt_index`` ([B] distinct non-negative ids; default ``0 .. B - 1``): sample ``j`` of
-    prompt ``i`` draws its token ``t`` with ``fold_in(fold_in(fold_in(rng, prompt_index[i]), j),
-    t)`` (`batcher.row_keys`), whatever the mesh, the replicas, the slots or the page pool.
+    prompt ``i`` draws its token ``t`` with ``fold_in(fold_in(rng, prompt_index[i] * n + j), t)``
+    (`batcher.row_keys`), whatever the mesh, the replicas, the slots or the page pool, and as
+    if each prompt were repeated ``n`` times with ``n = 1``.
     """
     call = _prepare(
         graphdef,

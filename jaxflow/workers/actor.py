@@ -333,7 +333,7 @@ class ActorWorker(TrainableWorker):
         samples what the uninterrupted run would have (None: this worker's call count).
         Prompt ``i`` is prompt ``prompt_offset + i`` of the step (a step may sample several
         prompt batches: DAPO's dynamic sampling), and its ``j``-th sample's token ``t`` draws
-        from ``fold_in(fold_in(fold_in(key, prompt_offset + i), j), t)``: the same tokens on
+        from ``fold_in(fold_in(key, (prompt_offset + i) * n + j), t)``: the same tokens on
         any mesh, placement, backend or process count. Returns the prompts repeated ``n``
         times (interleaved, with a ``uid`` per prompt, ``"<step>:<prompt>"``: its samples
         share it) plus ``responses``, ``response_mask``, ``rollout_log_probs`` (the
