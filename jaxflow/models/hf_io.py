@@ -344,6 +344,11 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
     os.makedirs(path, exist_ok=True)
     head = _head_of(model)
     cfg: ModelConfig = model.cfg
+    if cfg.lora is not None:
+        raise ValueError(
+            "this model has LoRA adapters, which an HF checkpoint cannot hold: write them as a PEFT adapter "
+            "(jaxflow.models.peft_io.save_adapter) or merge them first (jaxflow.models.peft_io.merged_model)"
+        )
     table = [(key, name, layout.to_hf) for key, name, layout in _tensor_table(cfg, head)]
     state = nnx.state(model)
     flat = {}
