@@ -38,9 +38,11 @@ from jaxflow.configs.resolve import (
     active_roles,
     build_placement,
     checkpoint_dir,
+    lora_config,
     model_config,
     model_path,
     platform,
+    ref_in_actor,
 )
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
@@ -171,7 +173,8 @@ class RunSpec:
         micro-batch, the optimizer sized by ``actor_optimizer_steps``).
       rollout: training and validation `SamplingParams` side by side.
       ref_micro_batch_size_per_device: the reference log-prob forward's micro-batch;
-        ``ref_use_remove_padding`` / ``ref_max_token_len_per_device``: its packed forward.
+        ``ref_use_remove_padding`` / ``ref_max_token_len_per_device``: its packed forward;
+        ``ref_in_actor``: the reference is the actor's base model (LoRA), not a role.
       critic: the value update (None without a critic).
       reward: the reward model / rule scorer settings (the cost model shares the reward
         model's forward micro-batch).
@@ -205,6 +208,7 @@ class RunSpec:
     sft: SFTSpec
     ref_use_remove_padding: bool = False
     ref_max_token_len_per_device: int | None = None
+    ref_in_actor: bool = False  # LoRA: the reference is the actor's base model, served by the actor
 
     @property
     def role_settings(self) -> RoleSettings:
@@ -219,6 +223,7 @@ class RunSpec:
             ref_use_remove_padding=self.ref_use_remove_padding,
             ref_max_token_len_per_device=self.ref_max_token_len_per_device,
             reward_use_remove_padding=self.reward.use_remove_padding,
+            ref_in_actor=self.ref_in_actor,
         )
 
     @property
@@ -341,6 +346,8 @@ def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
         log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
         log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
         log_balance=cfg.trainer.balance_batch,
+        lora=lora_config(cfg),
+        lora_adapter_path=os.path.expanduser(cfg.actor_rollout_ref.model.lora_adapter_path),
         optim=_optim(
             a,
             optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
@@ -400,15 +407,17 @@ def rollout_config(
 ) -> RolloutConfig:
     """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``),
     with the run's tokenizer (built here when stop strings need one and none is given)."""
-    r = cfg.actor_rollout_ref.rollout
+    r, probe = cfg.actor_rollout_ref.rollout, cfg.jaxflow.rollout_probe
     if r.stop and tokenizer is None:
         tokenizer = build_tokenizer(cfg)
+    probing = probe.enable == "on" or (probe.enable == "auto" and lora_config(cfg) is not None)
     return RolloutConfig(
         train=sampling_params(cfg, r, eos_token_id, pad_token_id),
         val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
         max_num_seqs=r.max_num_seqs,
         max_total_tokens=r.max_total_tokens,
         tokenizer=tokenizer if r.stop else None,
+        probe_tolerance=probe.tolerance if probing else 0.0,
     )
 
 
@@ -585,4 +594,5 @@ def describe_run(
             if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz
             else None
         ),
+        ref_in_actor=ref_in_actor(cfg),
     )

@@ -89,11 +89,14 @@ def rollout(
     ``token_level_scores`` (``reward``). ``step`` seeds the rollout (the actor's training
     sampling parameters). No reordering for data-parallel balance here: every packed pass
     deals its rows to its own mesh's data-parallel ranks balanced by tokens
-    (`jaxflow.workers.packing`). Returns the batch and the rule scorer's ``reward/*`` metrics."""
+    (`jaxflow.workers.packing`). Returns the batch and the rule scorer's ``reward/*`` metrics,
+    with the rollout probe's ``rollout/probe_tv`` when the actor has one
+    (`jaxflow.workers.rollout_probe`)."""
     with timer("gen"):
         batch = ready(w.actor.generate(prompts, step=step))
     for part, seconds in gen_parts(w).items():  # the slowest rank's, so the gap between them and gen is visible
         timer.seconds[f"gen_{part}"] = seconds
+    probe = w.actor.rollout_probe()[0]
     with timer("old_log_prob"):  # reported as ~0 s when skipped, as the phase ran no program
         if bypass_mode:
             batch = batch.update(tensors={"old_log_probs": batch["rollout_log_probs"]})
@@ -110,7 +113,7 @@ def rollout(
     with timer("reward"):
         scores, reward_metrics = score_batch(w.reward, batch)
         batch |= ready(scores)
-    return batch, reward_metrics
+    return batch, reward_metrics | probe
 
 
 def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:

@@ -141,14 +141,14 @@ def peft_config(lora: LoRAConfig, base_model: str) -> dict[str, Any]:
     }
 
 
-def save_adapter(graphdef: nnx.GraphDef, params: Any, path: str | os.PathLike, base_model: str = "") -> str:
-    """Writes the model's adapters as the PEFT directory ``path`` (``base_model``: where the
-    base model lives, PEFT's ``base_model_name_or_path``: the pointer a loader follows). In a
+def save_adapter(cfg: Any, adapters: Any, path: str | os.PathLike, base_model: str = "") -> str:
+    """Writes the adapters of a model with config ``cfg`` (its ``lora``; ``adapters``: their
+    state, or the whole model's) as the PEFT directory ``path``; ``base_model``: where the base
+    model lives (PEFT's ``base_model_name_or_path``, the pointer a loader follows). In a
     multi-process world every process calls it (each adapter is gathered) and process 0 writes."""
-    cfg = model_config_of(graphdef, params)
     if cfg.lora is None:
         raise ValueError("the model has no LoRA adapters to save")
-    _, adapters = split_adapters(params)
+    _, adapters = split_adapters(adapters)
     tensors: dict[str, np.ndarray] = {}
     for p, v in jax.tree_util.tree_leaves_with_path(adapters, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         module, layer = _module_name(p)

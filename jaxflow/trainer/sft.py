@@ -205,7 +205,7 @@ def warm_start(cfg: ConfigDict, *, resuming: bool = False) -> tuple[ConfigDict, 
         print(f"jaxflow: resuming; the reference policy is the supervised warm start in {out}", flush=True)
         return rl_cfg, None
     sft_cfg = ConfigDict(cfg.to_dict())
-    sft_cfg.jaxflow.job = "sft"
+    sft_cfg.jaxflow.job = "sft"  # every weight (RL's LoRA adapters, if any, start on top of them)
     sft_cfg.jaxflow.sft.steps = steps
     sft_cfg.jaxflow.sft.output_dir = out
     print(f"jaxflow: supervised warm start ({steps} steps on {cfg.jaxflow.data.builtin_task}) -> {out}", flush=True)

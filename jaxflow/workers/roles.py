@@ -32,6 +32,16 @@ class RoleSettings:
     ref_use_remove_padding: bool = False  # the reference's forward over packed real tokens
     ref_max_token_len_per_device: int | None = None  # ... in micro-batches of this many tokens per device
     reward_use_remove_padding: bool = False  # the reward and cost models' forward over packed tokens
+    ref_in_actor: bool = False  # LoRA: the reference is the actor's base model, served by the actor
+
+    def reference_settings(self) -> dict[str, Any]:
+        """The `ReferenceWorker` settings of the reference policy."""
+        return dict(
+            temperature=self.rollout.temperature,
+            micro_batch_size_per_device=self.ref_micro_batch_size_per_device,
+            use_remove_padding=self.ref_use_remove_padding,
+            max_token_len_per_device=self.ref_max_token_len_per_device,
+        )
 
 
 def role_class(role: str) -> type:
@@ -65,16 +75,14 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
             gen_tp=spec.gen_tp,
             gen_rules=gen_rules,
             strategy=settings.strategy,
+            reference=settings.reference_settings() if settings.ref_in_actor else None,
         )
     if role == "ref":
         return ReferenceWorker(
             model=model,
             mesh=placement.mesh("ref"),
             rules=placement.rules("ref", "infer"),
-            temperature=settings.rollout.temperature,
-            micro_batch_size_per_device=settings.ref_micro_batch_size_per_device,
-            use_remove_padding=settings.ref_use_remove_padding,
-            max_token_len_per_device=settings.ref_max_token_len_per_device,
+            **settings.reference_settings(),
         )
     if role == "critic":
         return CriticWorker(

@@ -220,7 +220,9 @@ def make_train_step(
         fn = named(lambda state, batch, scalars: step(state, batch, scalars), name)
     else:
         fn, in_shardings = named(step, name), (*in_shardings, frozen_shardings)
-    return jax.jit(fn, in_shardings=in_shardings, out_shardings=(state_shardings, replicated), donate_argnames=("state",))
+    return jax.jit(
+        fn, in_shardings=in_shardings, out_shardings=(state_shardings, replicated), donate_argnames=("state",)
+    )
 
 
 def tree_all_finite(tree: Any) -> Array:
