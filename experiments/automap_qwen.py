@@ -16,7 +16,11 @@ model's vocabulary), no supervised warm start, ``--steps`` RL steps and a smalle
 runs in minutes on a CPU. Prints, per model, the auto-mapper's choice (from the run's log),
 each step's line and the exit status; ``--json`` prints them as one object.
 
+``--tiny`` keeps each model's head counts (what the mapper must place) and divides its widths
+by head_dim / 8, with a vocabulary of 512: a smoke test of the script, one step, seconds.
+
     python experiments/automap_qwen.py [--layers=1] [--steps=3] [--prompts=8] [--n=4] [--json]
+    python experiments/automap_qwen.py --tiny [--models=qwen2_5_0_5b]
 """
 
 from __future__ import annotations
@@ -50,16 +54,28 @@ SHAPES = {
 }
 
 
-def save_checkpoint(name: str, layers: int, out: str) -> str:
+VOCAB, TINY_VOCAB = 151936, 512
+
+
+def tiny_shape(shape: dict) -> dict:
+    """``shape`` with its head counts and every width divided by head_dim / 8."""
+    head_dim = shape.get("head_dim", shape["hidden_size"] // shape["num_attention_heads"])
+    scale = head_dim // 8
+    widths = ("hidden_size", "intermediate_size") + (("head_dim",) if "head_dim" in shape else ())
+    return dict(shape, **{k: shape[k] // scale for k in widths})
+
+
+def save_checkpoint(name: str, layers: int, out: str, tiny: bool = False) -> str:
     """A random-weight HF checkpoint of ``name``'s shape at ``layers`` layers (bf16)."""
     import torch
     import transformers
 
     family, shape = SHAPES[name]
+    shape = tiny_shape(shape) if tiny else shape
     config_cls = transformers.Qwen2Config if family == "qwen2" else transformers.Qwen3Config
     model_cls = transformers.Qwen2ForCausalLM if family == "qwen2" else transformers.Qwen3ForCausalLM
     config = config_cls(
-        vocab_size=151936,
+        vocab_size=TINY_VOCAB if tiny else VOCAB,
         num_hidden_layers=layers,
         tie_word_embeddings=True,
         max_position_embeddings=32768,
@@ -113,13 +129,17 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="the head counts at tiny widths, one step: a smoke test")
     args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(steps=1, n=2)
+        args = p.parse_args(argv)
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
     results = {}
     with tempfile.TemporaryDirectory(prefix="automap_qwen_") as tmp:
         for name in args.models.split(","):
             t0 = time.perf_counter()
-            path = save_checkpoint(name, args.layers, tmp)
+            path = save_checkpoint(name, args.layers, tmp, args.tiny)
             say(f"{name}: saved by transformers at {args.layers} layer(s) in {time.perf_counter() - t0:.0f} s")
             r = results[name] = run(path, args, os.path.join(tmp, f"run_{name}"))
             for line in r["auto_mapper"] + r["steps"]:

@@ -10,7 +10,7 @@ all its timed iterations. The machine's load average is printed with the results
 
     python -m jaxflow.automap.calibrate                     # fit the cpu profile first
     python experiments/automap_validation.py [--rounds=3] [--iters=2] [--json]
-    python experiments/automap_validation.py --plans=2 --rounds=1 --iters=1   # a smoke test
+    python experiments/automap_validation.py --tiny     # a smoke test: --plans=1 --rounds=1 --iters=1, one layer
 
 ``--plans=K`` times only the first K of the hand-written plans (plus the mapper's choice when
 it is not among them); acceptance 1 needs all of them (at least 8 distinct plans).
@@ -95,12 +95,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="cpu", help="device kind or profile .json (default: the calibrated cpu)")
     p.add_argument("--plans", type=int, default=len(PLANS), help="time the first K hand-written plans")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--tiny", action="store_true", help="one plan (and the mapper's), one step, one layer: a smoke test")
+    args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(plans=1, rounds=1, iters=1)
+        args = p.parse_args(argv)
+    return args
 
 
-def base_config(name: str, run_dir: str):
+def base_config(name: str, run_dir: str, tiny: bool = False):
     cfg = configs.get_config(name)
     with cfg.unlocked():
+        if tiny:
+            cfg.jaxflow.model.num_layers = 1
         cfg.trainer.total_training_steps = 10_000
         cfg.trainer.test_freq = -1
         cfg.trainer.val_before_train = False
@@ -166,7 +173,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     prof = get_profile(args.profile)
     tmp = tempfile.mkdtemp(prefix="automap_validation_")
-    cfg0 = base_config(args.config, tmp)
+    cfg0 = base_config(args.config, tmp, args.tiny)
     w = workload_from_config(cfg0)
     chosen = Mapper(w, 8, prof).search(top=1)[0]
     plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[: args.plans]}
@@ -194,7 +201,7 @@ def main(argv=None) -> int:
         )
     pred = [r["predicted_s"] for r in rows]
     meas = [r["measured_median_s"] for r in rows]
-    rho = spearman(pred, meas)
+    rho = spearman(pred, meas) if len(rows) > 1 else float("nan")  # one plan: no ranking
     fastest = min(rows, key=lambda r: r["measured_median_s"])
     mine = next(r for r in rows if r["plan"] == chosen_name)
     gap = mine["measured_median_s"] / fastest["measured_median_s"] - 1

@@ -37,6 +37,7 @@ when missing with ``git -C <this repo> worktree add <path> 8a519cb`` and must be
     python experiments/bench_rollout.py --workload static --greedy --json
     python experiments/bench_rollout.py --workload rl --model tiny --prompts 4 --max_new_tokens 32 \
         --rounds 1 --reps 1 --hf_threads 1 --step_tokens 4,12          # smoke test
+    python experiments/bench_rollout.py --tiny --engines jaxflow,transformers    # the same, shorter
 """
 
 from __future__ import annotations
@@ -67,8 +68,13 @@ EOS = 2  # the checkpoint's EOS id (transformers forces it at a row's length)
 STATIC_COMMIT = "8a519cb5f058b5c8d821f4675b0dcebbffd5e898"  # the last commit before the paged engine
 
 
+# --tiny: the smoke test's settings; flags given beside it still apply.
+TINY = dict(model="tiny", prompts=4, max_new_tokens=32, rounds=1, reps=1, hf_threads="1", step_tokens="4,12")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model, 4 prompts, 32 tokens, one call: a smoke test")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="rl")
     p.add_argument(
         "--engines",
@@ -101,7 +107,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_worker", help=argparse.SUPPRESS)
     p.add_argument("--_checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--_threads", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(**TINY)
+        args = p.parse_args(argv)
+    return args
 
 
 def workload(args) -> dict:

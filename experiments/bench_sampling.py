@@ -22,6 +22,7 @@ projections and MLP, scheduling). All measured.
     python experiments/bench_sampling.py                   # the default workload
     python experiments/bench_sampling.py --batch 8 --new_tokens 32 --json
     python experiments/bench_sampling.py --decode_step --rounds 3
+    python experiments/bench_sampling.py --tiny [--decode_step]   # a smoke test of the script
 """
 
 from __future__ import annotations
@@ -46,9 +47,26 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from jaxflow.models import ModelConfig, from_pretrained, init_model, save_pretrained  # noqa: E402
 from jaxflow.sampling import EngineOptions, SamplingParams, generate  # noqa: E402
 
+# --tiny: every size small (a smoke test of the script, seconds); flags given beside it still apply.
+TINY = dict(
+    batch=2,
+    prompt_len=8,
+    new_tokens=8,
+    short=4,
+    hidden=64,
+    intermediate=128,
+    layers=1,
+    heads=4,
+    kv_heads=2,
+    vocab=256,
+    reps=1,
+    hf_threads="1",
+)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test of the script")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt_len", type=int, default=64)
     p.add_argument("--new_tokens", type=int, default=128)
@@ -84,7 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--_worker", choices=("jaxflow", "transformers"), help=argparse.SUPPRESS)
     p.add_argument("--_checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--_threads", type=int, default=0, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(**TINY)
+        args = p.parse_args(argv)
+    return args
 
 
 class _CompileTimer:
@@ -115,7 +137,8 @@ def bench_jaxflow(path: str, ids: np.ndarray, mask: np.ndarray, args) -> dict:
         out = generate(model, ids, mask, params)
         out.responses.block_until_ready()
         first = time.perf_counter() - t0
-    assert int(out.num_steps) == args.new_tokens, int(out.num_steps)
+    lengths = np.asarray(out.lengths)  # EOS ignored: every row runs exactly new_tokens tokens
+    assert (lengths == args.new_tokens).all(), lengths
     times = []
     for _ in range(args.reps):
         t0 = time.perf_counter()

@@ -12,6 +12,9 @@ reward model: actor on 2 processes, ref on the other 2).
 
     python experiments/ray_vs_local.py --config=ppo_tiny --placement=split --steps=5
     python experiments/ray_vs_local.py --all --steps=5 --json=out.json     # the four cases
+    python experiments/ray_vs_local.py --tiny       # a smoke test: grpo_tiny, 2 steps, small batches
+
+``--tiny`` runs the config with 8 prompts x 4 responses, one layer and no supervised warm start.
 """
 
 from __future__ import annotations
@@ -60,6 +63,18 @@ CANCELLING = {
     "actor/pg_loss": "actor/entropy",
     "critic/advantages/mean": 1.0,
 }
+
+
+TINY = [
+    "--config.jaxflow.sft.warm_start_steps=0",
+    "--config.jaxflow.model.num_layers=1",
+    "--config.data.train_batch_size=8",
+    "--config.actor_rollout_ref.rollout.n=4",
+    "--config.actor_rollout_ref.actor.ppo_mini_batch_size=4",
+    "--config.actor_rollout_ref.actor.ppo_micro_batch_size_per_device=4",
+    "--config.critic.ppo_mini_batch_size=4",
+    "--config.critic.ppo_micro_batch_size_per_device=4",
+]
 
 
 def placement_overrides(config: str, placement: str) -> list[str]:
@@ -157,9 +172,10 @@ def timing(rows: list[dict]) -> dict[str, float]:
     return {"first_step_s": times[0], "median_step_s": float(np.median(rest)), "best_step_s": float(np.min(rest))}
 
 
-def run_case(config: str, placement: str, steps: int, rtol: float, out: str) -> dict:
+def run_case(config: str, placement: str, steps: int, rtol: float, out: str, extra: list[str] = ()) -> dict:
     results = {
-        b: run(b, config, placement, steps, os.path.join(out, f"{config}_{placement}_{b}")) for b in ("local", "ray")
+        b: run(b, config, placement, steps, os.path.join(out, f"{config}_{placement}_{b}"), extra)
+        for b in ("local", "ray")
     }
     diffs, bad = compare(results["local"][0], results["ray"][0], rtol)
     report = {
@@ -205,7 +221,11 @@ def main() -> int:
     p.add_argument("--rtol", type=float, default=1e-5)
     p.add_argument("--json", default=None)
     p.add_argument("--out", default=None, help="run directories go here (default: a new temporary directory)")
+    p.add_argument("--tiny", action="store_true", help="grpo_tiny, 2 steps, small batches, one layer: a smoke test")
     args = p.parse_args()
+    if args.tiny:
+        p.set_defaults(config="grpo_tiny", steps=2)
+        args = p.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="ray_vs_local_")
     print(
         f"run directories in {out}; 1-min load average {os.getloadavg()[0]:.1f} at start "
@@ -213,7 +233,7 @@ def main() -> int:
     )
     reports = []
     for config, placement in CASES if args.all else [(args.config, args.placement)]:
-        reports.append(run_case(config, placement, args.steps, args.rtol, out))
+        reports.append(run_case(config, placement, args.steps, args.rtol, out, TINY if args.tiny else ()))
         print_report(reports[-1], args.rtol)
     if args.json:
         with open(args.json, "w") as f:

@@ -29,6 +29,7 @@ and vanilla (gather within the training model-parallel group, tp = 4) differ as 
 
     python experiments/reshard_transition.py              # the table
     python experiments/reshard_transition.py --json       # the rows as JSON
+    python experiments/reshard_transition.py --tiny       # a smoke test: tiny models, fsdp=8 to tp=2 only
 """
 
 from __future__ import annotations
@@ -62,8 +63,26 @@ GEN_TPS = (1, 2, 4)
 STRATEGIES = (("naive", True), ("vanilla", True), ("hybrid", True), ("hybrid", False))
 
 
+# --tiny: tiny models, one transition (training fsdp=8 to generation tp=2, every strategy): a
+# smoke test of the script, seconds; flags given beside it still apply.
+TINY = dict(
+    vocab=256,
+    hidden=64,
+    intermediate=128,
+    layers=1,
+    heads=8,
+    kv_heads=8,
+    time_vocab=256,
+    time_hidden=64,
+    time_intermediate=128,
+    time_layers=1,
+    reps=1,
+)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny models, fsdp=8 to tp=2 only: a smoke test")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--intermediate", type=int, default=2048)
@@ -77,7 +96,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=3, help="timed transitions (median)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     p.add_argument("--json_out", default="", help="also write the rows as JSON to this file")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.tiny:
+        p.set_defaults(**TINY)
+        args = p.parse_args(argv)
+    return args
 
 
 def config(vocab, hidden, intermediate, layers, heads, kv_heads) -> ModelConfig:
@@ -141,10 +164,11 @@ def measure(args) -> list[dict]:
             args.time_vocab, args.time_hidden, args.time_intermediate, args.time_layers, args.heads, args.kv_heads
         )
     rows = []
-    for dp, fsdp, tp in LAYOUTS:
+    layouts, gen_tps = (((1, 8, 1),), (2,)) if args.tiny else (LAYOUTS, GEN_TPS)
+    for dp, fsdp, tp in layouts:
         mesh = MeshSpec(dp=dp, fsdp=fsdp, tp=tp).build(jax.devices())
         train_rules, _ = hybrid_rules(cfg, fsdp * tp)
-        for gen_tp in GEN_TPS:
+        for gen_tp in gen_tps:
             if (fsdp * tp) % gen_tp:
                 continue
             for strategy, bucketed in STRATEGIES:

@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from tests.child_env import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 # The tiniest run that exercises the real paths: one device, one layer, 2 prompts x 2 responses.
@@ -35,9 +37,10 @@ TINY = [
 
 
 def cli_env(**extra: str) -> dict[str, str]:
-    """The environment of a user's shell: this checkout on the path, no simulated-device flags,
-    no Ray cluster named (``RAY_ADDRESS`` only when given in ``extra``)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
+    """The environment of a user's shell: this checkout on the path, no simulated-device count
+    (the run chooses its own; conftest's compile flags and the run-wide cache reach it), no Ray
+    cluster named (``RAY_ADDRESS`` only when given in ``extra``)."""
+    env = {k: v for k, v in child_env().items() if k != "RAY_ADDRESS"}
     return {**env, "PYTHONPATH": str(REPO), **extra}
 
 

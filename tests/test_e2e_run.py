@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxflow.run import main
+from tests.child_env import child_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,7 +40,7 @@ TIMING = ("timing_s/", "perf/")
 
 
 def _run(args, run_dir, **kwargs):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     cmd = [sys.executable, "-m", "jaxflow.run", *args, f"--config.trainer.default_local_dir={run_dir}"]
     return subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs
@@ -55,6 +56,7 @@ def _comparable(record):
     return {k: v for k, v in record.items() if k != "time" and not k.startswith(TIMING)}
 
 
+@pytest.mark.slow
 def test_sigkill_then_auto_resume_ends_like_an_uninterrupted_run(tmp_path):
     reference = _run(SHORT, tmp_path / "reference")
     out, _ = reference.communicate(timeout=600)
@@ -103,6 +105,7 @@ USER_REWARD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(USER_REWARD)

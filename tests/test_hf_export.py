@@ -30,6 +30,7 @@ from jaxflow.run import main as run_main
 from jaxflow.trainer.checkpoint import MARKER, SKIP, CheckpointManager
 from jaxflow.trainer.hf_export import EXPORT_MARKER, abstract_train_state, run_config
 from jaxflow.trainer.sft import run_sft
+from tests.child_env import child_env
 from tests.hf_reference import hf_logits
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,6 +129,7 @@ def _assert_lm_matches(hf_dir, model):
     assert np.abs(ours - ref)[on].max() <= 1e-4
 
 
+@pytest.mark.slow
 def test_the_end_of_run_and_checkpoint_exports_load_in_transformers(run_dir):
     final = _restored(run_dir, "actor", 2)
     _assert_lm_matches(run_dir / "hf_actor", final)
@@ -175,7 +177,7 @@ def test_sft_stops_on_a_refused_update_and_never_writes_over_what_is_not_its_exp
 def test_export_cli_from_another_directory_converts_any_step_and_role(run_dir, tmp_path, capsys):
     """``python -m jaxflow.export`` as a user runs it, in another working directory than the
     run's (whose actor was named by a relative path)."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = child_env()
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.run(
         [

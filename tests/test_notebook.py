@@ -5,6 +5,7 @@ import os
 from pathlib import Path
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "experiments" / "colab_tpu.ipynb"
@@ -17,6 +18,7 @@ def _text(cell) -> str:
     )
 
 
+@pytest.mark.slow
 def test_colab_notebook_runs_on_cpu(tmp_path, monkeypatch):
     nb = nbformat.read(NOTEBOOK, as_version=4)
     (params,) = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]

@@ -118,6 +118,7 @@ def _assert_finite(metrics):
     assert not bad, bad
 
 
+@pytest.mark.slow
 def test_ppo_iteration(workers, prompts):
     name, placement, w = workers
     actor0 = jax.device_get(w.actor.worker.params)

@@ -556,6 +556,7 @@ def cli_runs(backend, tmp_path_factory):
     return {"local": local, "ray": ray_rows, "ray_dir": out / "ray", "killed": killed}
 
 
+@pytest.mark.slow
 def test_cli_ray_run_killed_and_restarted_equals_the_local_run(cli_runs):
     """Acceptance 1 in small, and a restart: every metric of every step of the Ray run, whose
     worker died during step 2 and whose fresh processes resumed from step 1's checkpoint,
@@ -582,6 +583,7 @@ def test_cli_ray_run_killed_and_restarted_equals_the_local_run(cli_runs):
     assert _wait_gone(started[0] + started[1]) == []
 
 
+@pytest.mark.slow
 def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, tmp_path):
     """Saved by 4 processes x 2 devices (actor fsdp=4,tp=2), resumed by 2 processes x 2 devices
     (fsdp=2,tp=2): step 2 continues with the 4-process run's metrics."""

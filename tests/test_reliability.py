@@ -53,6 +53,7 @@ def error_lines(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith(("error:", "stopped:"))]
 
 
+@pytest.mark.slow
 def test_reruns_keep_checkpoints_and_user_files_and_bad_updates_or_damage_never_cost_a_good_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # Files of the user's that sit where earlier versions wrote the built-in task.
@@ -127,6 +128,7 @@ def _reward_file(tmp_path, name, body):
     return path
 
 
+@pytest.mark.slow
 def test_reward_functions_that_cannot_work_stop_the_run_in_one_line(tmp_path):
     # verl's per-dataset signature: refused when loading, before any model is built.
     two_args = _reward_file(
@@ -677,6 +679,7 @@ def _summary_seconds(line: str) -> int:
     return int(m.group(1) or 0) * 60 + int(m.group(2))
 
 
+@pytest.mark.slow
 def test_a_rerun_without_checkpoints_keeps_the_previous_outputs(tmp_path):
     """The default save_freq=-1 writes no checkpoints, so a rerun starts afresh: the outputs of
     the run before (metrics, TensorBoard events, plot, HF export, warm start, config) are moved
