@@ -11,7 +11,8 @@ on every projection (random B, so the update is not zero):
 - ``full``: no adapters (the weights themselves): the engine's speed without LoRA.
 
 Reported per variant (``measured``: wall clock, median of ``--reps`` calls after a warm-up
-call that compiles): ``sync_s`` (the weights made ready for the engine: the merge, or
+call that compiles; the variants' calls alternate, so a machine whose load changes slows them
+alike): ``sync_s`` (the weights made ready for the engine: the merge, or
 nothing), ``engine_s`` (the rollout program), tokens per second of the whole call, and the
 generation copy's bytes per device (``analytic``: shapes and shardings). The model is
 Llama-shaped with random weights, float32 (CPU): hidden 512, 8 layers, 8 heads / 2 kv heads,
@@ -31,7 +32,9 @@ import sys
 import time
 
 MODELS = {
-    "default": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=2),
+    "default": dict(
+        vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=2
+    ),
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
 }
 
@@ -87,34 +90,40 @@ def _bytes_per_device(tree) -> int:
     return sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
 
 
-def run_variant(args, variant: str) -> dict:
+def run_variants(args, variants: list[str]) -> list[dict]:
+    """Each variant's timings; the variants' calls alternate (rep 1 of each, then rep 2, ...),
+    so that a machine whose load changes over the run slows them alike."""
     import numpy as np
 
     from jaxflow.data.batch import Batch
 
-    actor = _actor(args, variant)
+    actors = {v: _actor(args, v) for v in variants}
     rng = np.random.default_rng(0)
     ids = rng.integers(3, MODELS[args.model]["vocab_size"], (args.prompts, args.prompt_len)).astype(np.int32)
     prompts = Batch({"prompt_ids": ids, "prompt_mask": np.ones_like(ids)})
-    actor.generate(prompts, step=0)  # compiles
-    parts, walls = [], []
+    for actor in actors.values():
+        actor.generate(prompts, step=0)  # compiles
+    parts = {v: [] for v in variants}
+    walls = {v: [] for v in variants}
     for rep in range(args.reps):
-        t0 = time.perf_counter()
-        actor.generate(prompts, step=rep + 1)
-        walls.append(time.perf_counter() - t0)
-        parts.append(actor.generation_seconds())
+        for v, actor in actors.items():
+            t0 = time.perf_counter()
+            actor.generate(prompts, step=rep + 1)
+            walls[v].append(time.perf_counter() - t0)
+            parts[v].append(actor.generation_seconds())
     tokens = args.prompts * args.n * args.max_new_tokens
-    copy = 0
-    if variant == "merge":
-        copy = _bytes_per_device(actor.frozen)  # the merged copy has the base's shapes and dtype
-    return dict(
-        variant=variant,
-        sync_s=statistics.median(p["reshard"] for p in parts),
-        engine_s=statistics.median(p["engine"] for p in parts),
-        call_s=statistics.median(walls),
-        tokens_per_s=tokens / statistics.median(walls),
-        generation_copy_bytes_per_device=copy,
-    )
+    return [
+        dict(
+            variant=v,
+            sync_s=statistics.median(p["reshard"] for p in parts[v]),
+            engine_s=statistics.median(p["engine"] for p in parts[v]),
+            call_s=statistics.median(walls[v]),
+            tokens_per_s=tokens / statistics.median(walls[v]),
+            # the merged copy has the base's shapes and dtype
+            generation_copy_bytes_per_device=_bytes_per_device(actors[v].frozen) if v == "merge" else 0,
+        )
+        for v in variants
+    ]
 
 
 def main(argv=None) -> int:
@@ -125,7 +134,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
 
-    results = [run_variant(args, v) for v in args.variants.split(",")]
+    results = run_variants(args, args.variants.split(","))
     device = jax.devices()[0].device_kind
     print(
         f"LoRA rollouts on {args.devices} x {device} ({args.model} model, rank {args.rank}, {args.prompts} prompts x "

@@ -75,11 +75,12 @@ class RolloutProbe:
 
     def log_probs(self, name: str, graphdef: nnx.GraphDef, params: Any, mesh: Mesh, rules: Rules) -> np.ndarray:
         """The probe's next-token log-probabilities ``[R, V]`` under ``params`` in their layout
-        (``name`` keys the compiled program: one per graph and layout)."""
-        if name not in self._programs:
+        (``name`` and the graph key the compiled program: the trainer's layout, the rollout's)."""
+        key = (name, graphdef)
+        if key not in self._programs:
             layout = RoleLayout(graphdef, mesh, rules, state_shardings(params, rules, mesh))
-            self._programs[name] = (row_program(layout, probe_fn, 1, name="rollout_probe"), layout.dp_size)
-        program, dp = self._programs[name]
+            self._programs[key] = (row_program(layout, probe_fn, 1, name="rollout_probe"), layout.dp_size)
+        program, dp = self._programs[key]
         rows = {k: np.repeat(v, dp, axis=0) for k, v in self.tensors.items()}  # one row per data-parallel rank
         return host_array(program(params, rows, {})["probe_log_probs"])[0]
 
