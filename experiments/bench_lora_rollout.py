@@ -16,10 +16,10 @@ alike): ``sync_s`` (the weights made ready for the engine: the merge, or
 nothing), ``engine_s`` (the rollout program), tokens per second of the whole call, and the
 generation copy's bytes per device (``analytic``: shapes and shardings). The model is
 Llama-shaped with random weights, float32 (CPU): hidden 512, 8 layers, 8 heads / 2 kv heads,
-vocab 32000 (``--model tiny`` for a smoke test).
+vocab 32000 (``--tiny``: a tiny model, a smoke test).
 
     python experiments/bench_lora_rollout.py
-    python experiments/bench_lora_rollout.py --model tiny --prompts 4 --max_new_tokens 8 --reps 1 --json
+    python experiments/bench_lora_rollout.py --tiny --json   # a smoke test of the script
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ MODELS = {
     ),
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
 }
+# --tiny: the tiny model and a few short rollouts, one timed call each (seconds).
+TINY = dict(model="tiny", prompts=4, prompt_len=8, max_new_tokens=8, reps=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -50,8 +52,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max_new_tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--variants", default="merge,adapter,full")
-    p.add_argument("--json", action="store_true", help="print the results as one JSON line too")
-    return p.parse_args(argv)
+    p.add_argument("--tiny", action="store_true", help="tiny sizes: a smoke test of the script")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    args = p.parse_args(argv)
+    if args.tiny:  # flags given beside it still apply
+        p.set_defaults(**TINY)
+        args = p.parse_args(argv)
+    return args
 
 
 def _actor(args, variant: str):
@@ -136,6 +143,9 @@ def main(argv=None) -> int:
 
     results = run_variants(args, args.variants.split(","))
     device = jax.devices()[0].device_kind
+    if args.json:
+        print(json.dumps({"device": device, "devices": args.devices, "model": args.model, "results": results}))
+        return 0
     print(
         f"LoRA rollouts on {args.devices} x {device} ({args.model} model, rank {args.rank}, {args.prompts} prompts x "
         f"n={args.n} x {args.max_new_tokens} new tokens; measured, median of {args.reps}):"
@@ -146,8 +156,6 @@ def main(argv=None) -> int:
             f"  {r['variant']:<8} {r['sync_s']:8.3f} {r['engine_s']:9.3f} {r['call_s']:8.3f} {r['tokens_per_s']:8.0f} "
             f"{r['generation_copy_bytes_per_device'] / 2**20:13.1f}"
         )
-    if args.json:
-        print(json.dumps({"device": device, "devices": args.devices, "results": results}))
     return 0
 
 
