@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -116,7 +117,7 @@ def run(path: str, args: argparse.Namespace, run_dir: str) -> dict:
         "wall_s": time.perf_counter() - t0,
         "mesh_keys_given": [k for k in keys if k.startswith("jaxflow.mesh") or k.startswith("jaxflow.placement")],
         "auto_mapper": [line for line in lines if "auto-mapper" in line],
-        "steps": [line for line in lines if line.lstrip().startswith("step ")],
+        "steps": [line for line in lines if re.match(r"\s*step \d+ ", line)],  # not the summary's "step time"
         "tail": lines[-15:],
     }
 

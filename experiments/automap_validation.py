@@ -42,8 +42,9 @@ from jaxflow.automap.auto import describe  # noqa: E402
 from jaxflow.automap.layouts import Layout  # noqa: E402
 from jaxflow.automap.profiles import get_profile  # noqa: E402
 from jaxflow.automap.search import Mapper, evaluate  # noqa: E402
-from jaxflow.automap.verify import apply_plan  # noqa: E402
-from jaxflow.automap.workload import workload_from_config  # noqa: E402
+from jaxflow.automap.workload import workload_from_spec  # noqa: E402
+from jaxflow.configs.overrides import with_values  # noqa: E402
+from jaxflow.configs.prepare import prepare_run  # noqa: E402
 
 L = Layout
 # name -> pools as (roles, devices, {role: Layout(dp, fsdp, tp[, gen_tp])}), in device order.
@@ -148,7 +149,7 @@ def time_plans(cfg0, plans: dict, args: argparse.Namespace, tmp: str, say) -> tu
 
     trainers = {}
     for name, plan in plans.items():
-        cfg = apply_plan(cfg0, plan, 8)
+        cfg = with_values(cfg0, plan.overrides(8))
         with cfg.unlocked():
             cfg.trainer.default_local_dir = os.path.join(tmp, str(len(trainers)))
         configs.validate(cfg)
@@ -174,7 +175,7 @@ def main(argv=None) -> int:
     prof = get_profile(args.profile)
     tmp = tempfile.mkdtemp(prefix="automap_validation_")
     cfg0 = base_config(args.config, tmp, args.tiny)
-    w = workload_from_config(cfg0)
+    w = workload_from_spec(prepare_run(cfg0, with_placement=False, with_datasets=False).spec)
     chosen = Mapper(w, 8, prof).search(top=1)[0]
     plans = {name: evaluate(w, prof, pools) for name, pools in list(PLANS.items())[: args.plans]}
     chosen_name = next((n for n, p in plans.items() if p.key() == chosen.key()), None)

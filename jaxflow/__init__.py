@@ -4,8 +4,8 @@ The curated API, loaded on first use (``import jaxflow`` itself imports nothing 
 
     import jaxflow
     cfg = jaxflow.load_config("grpo_tiny", ["actor_rollout_ref.rollout.n=4"])
-    spec = jaxflow.describe_run(cfg)             # the typed description of the run
-    jaxflow.RLTrainer(cfg).fit()                 # or jaxflow.dry_run(cfg)
+    run = jaxflow.prepare_run(cfg)               # the typed description, tokenizer and prompts
+    jaxflow.RLTrainer(cfg).fit()                 # or jaxflow.dry_run(run.spec)
 
 Subpackages, floor by floor (DESIGN.md): `mesh`; `models`, `data`, `rewards`; `sampling`,
 `reshard`, `algos`; `workers`; `iterations`, `configs`; `trainer`, `plan`; `run` (the CLI).
@@ -20,6 +20,8 @@ _API = {
     "validate": "jaxflow.configs",
     "ConfigError": "jaxflow.configs",
     "describe_run": "jaxflow.configs",
+    "prepare_run": "jaxflow.configs",
+    "PreparedRun": "jaxflow.configs",
     "RunSpec": "jaxflow.configs",
     # data
     "Batch": "jaxflow.data",

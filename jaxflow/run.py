@@ -8,9 +8,12 @@ On CPU, ``jaxflow.num_devices`` devices are simulated (XLA host platform device 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import os
 import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxflow.mesh.devices import enable_compilation_cache, simulate_devices
@@ -33,6 +36,70 @@ README's table, or `python -m jaxflow.configs.docs`.
 
 named configs:
 """
+
+
+FLAGS = ("--dry_run", "--json=")
+
+
+def _matches(arg: str, flags: Sequence[str]) -> bool:
+    """Whether ``arg`` is one of ``flags`` (a flag ending in ``=`` takes a value)."""
+    return any(arg == f or (f.endswith("=") and arg.startswith(f)) for f in flags)
+
+
+def parse_command(
+    argv: Sequence[str], usage: str, flags: Sequence[str], default: str | None = None
+) -> tuple[str, list[str], list[str]] | int:
+    """``(config name or path, overrides, the command's own arguments)`` of a command line
+    (`jaxflow.configs.parse_cli_args`; ``default``: the config without ``--config``), or the
+    exit code when there is nothing to run: 0 after printing ``usage`` for ``--help``, 2 after
+    saying what is wrong (a ``--config`` without a value, an argument not among ``flags``).
+    The CLIs of jaxflow share it."""
+    from jaxflow import configs
+
+    try:
+        name, overrides, rest = configs.parse_cli_args(argv, default or configs.DEFAULT_CONFIG)
+    except configs.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "--help" in rest or "-h" in rest:
+        print(usage)
+        return 0
+    unknown = [a for a in rest if not _matches(a, flags)]
+    if unknown:
+        print(f"error: unknown argument(s) {unknown}\n\n{usage}", file=sys.stderr)
+        return 2
+    return name, overrides, rest
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A command line of a jaxflow CLI built on this one's (`load_command`): the config's
+    ``name``, the command's own arguments (``rest``), the configured device count, and
+    ``prepare``: `jaxflow.configs.prepare.prepare_run` of the config (its keywords)."""
+
+    name: str
+    rest: list[str]
+    num_devices: int
+    prepare: Callable[..., Any]
+
+
+def load_command(argv: Sequence[str], usage: str, flags: Sequence[str], default: str | None = None) -> Command | int:
+    """`parse_command`, then the config loaded with its overrides (not validated: a command
+    may plan it for another cluster); an exit code as `parse_command`'s, or 2 after saying
+    what is wrong with the config."""
+    from jaxflow import configs
+    from jaxflow.configs.prepare import prepare_run
+
+    parsed = parse_command(argv, usage, flags, default)
+    if isinstance(parsed, int):
+        return parsed
+    name, overrides, rest = parsed
+    try:
+        cfg = configs.apply_overrides(configs.get_config(name), overrides)
+    except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return Command(name, rest, cfg.jaxflow.num_devices, functools.partial(prepare_run, cfg))
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
@@ -133,44 +200,45 @@ def _run_dir(cfg: Any) -> str | None:
     if cfg.jaxflow.job == "sft":
         from jaxflow.trainer.sft import sft_run_dir
 
-        return sft_run_dir(cfg)
+        return sft_run_dir(cfg.jaxflow.sft.output_dir)
     from jaxflow.configs import checkpoint_dir
 
     return checkpoint_dir(cfg)
 
 
+def _dry_run(cfg: Any, json_path: str | None) -> None:
+    """The run's plan, compiled ahead of time on the simulated devices: the trainer's own start
+    (`prepare_run`, `place_run`: the auto-mapper's plan, compiled, for placement auto), then
+    the dry run; a Ray run's plan per host too (its programs compile per group mesh, as here)."""
+    from jaxflow.configs.prepare import prepare_run
+    from jaxflow.plan.dry_run import dry_run, simulated_devices
+    from jaxflow.trainer.builders import place_run, ray_config
+
+    devices = simulated_devices(cfg.jaxflow.num_devices, cfg.trainer.experiment_name)
+    spec, _, _ = place_run(prepare_run(cfg, devices=devices, with_datasets=False), cfg, verify=True)
+    if spec.trainer.backend == "ray":
+        from jaxflow.mesh.devices import host_slots
+        from jaxflow.workers.ray_backend import describe_hosts
+
+        hosts = spec.placement.on(host_slots(spec.num_devices, spec.ray.devices_per_host))
+        print(describe_hosts(hosts, ray_config(spec)), flush=True)
+    dry_run(spec, json_path=json_path)
+
+
 def _train(cfg: Any, json_path: str | None) -> int:
     if cfg.jaxflow.dry_run.enable:
-        from jaxflow.automap import resolve_placement
-        from jaxflow.configs.validate import warn_ignored_under_auto
-        from jaxflow.plan.dry_run import dry_run
-
-        given, cfg = cfg, resolve_placement(cfg)  # jaxflow.placement.type=auto (the default): the auto-mapper's plan
-        warn_ignored_under_auto(given, cfg)
-        if cfg.jaxflow.backend == "ray":  # the per-host plan; the programs compile as below, per group mesh
-            from jaxflow.configs.resolve import build_placement, ray_config, ray_devices
-            from jaxflow.workers.ray_backend import describe_hosts
-
-            print(describe_hosts(build_placement(cfg, ray_devices(cfg)), ray_config(cfg)), flush=True)
-
-        from jaxflow.configs.run_spec import build_tokenizer, data_spec
-        from jaxflow.trainer.builders import count_train_prompts
-
-        # Epoch mode sizes the schedules by the training files' prompts, as the run does.
-        prompts = (
-            None if cfg.trainer.total_training_steps else count_train_prompts(data_spec(cfg), build_tokenizer(cfg))
-        )
-        dry_run(cfg, json_path=json_path, num_train_prompts=prompts)
+        _dry_run(cfg, json_path)
         return 0
     if cfg.jaxflow.job == "sft":
+        from jaxflow.configs.prepare import prepare_run
         from jaxflow.trainer.sft import run_sft
 
-        run_sft(cfg)
+        run_sft(prepare_run(cfg, with_datasets=False), record=cfg)
         return 0
 
     from jaxflow.trainer.rl import RLTrainer
 
-    RLTrainer(cfg).fit()  # checks the input, resolves placement auto, warm start, train; ends with a summary
+    RLTrainer(cfg).fit()  # checks the input, places auto, warm start, train; ends with a summary
     return 0
 
 
@@ -184,10 +252,11 @@ def _asyncio_to_log_file(file_handlers: list[logging.Handler]) -> None:
         log.addHandler(handler)  # a closed FileHandler reopens its file to append
 
 
-def _report(e: BaseException, log_path: str | None) -> int:
-    """One line on stderr for a failed run (the traceback goes to the log file); the exit code:
-    2 for the user's input or storage, 3 for a run stopped by a guard (non-finite steps, a
-    rollout that does not sample the trained policy), 1 otherwise."""
+def report(e: BaseException, log_path: str | None = None, user_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """One line on stderr for a failed run or command (the traceback goes to the log file); the
+    exit code: 2 for the user's input or storage (``user_errors``: a command's own), 3 for a
+    run stopped by a guard (non-finite steps, a rollout that does not sample the trained
+    policy), 1 otherwise."""
     from jaxflow.trainer.guard import NonFiniteError
     from jaxflow.workers.rollout_probe import RolloutMismatchError
 
@@ -197,7 +266,7 @@ def _report(e: BaseException, log_path: str | None) -> int:
     if isinstance(e, (NonFiniteError, RolloutMismatchError)):
         print(f"stopped: {e}", file=sys.stderr)
         return 3
-    if isinstance(e, _user_errors()):
+    if isinstance(e, _user_errors() + tuple(user_errors)):
         print(f"error: {e}", file=sys.stderr)
         return 2
     from jaxflow.trainer.outputs import storage_error
@@ -210,34 +279,33 @@ def _report(e: BaseException, log_path: str | None) -> int:
     return 1
 
 
+def _load(name: str, overrides: list[str], dry_run: bool) -> Any:
+    """The config with its overrides (``dry_run``: ``jaxflow.dry_run.enable``), its devices
+    simulated (before JAX starts), validated."""
+    from jaxflow import configs
+
+    cfg = configs.apply_overrides(configs.get_config(name), overrides)
+    if dry_run:
+        with cfg.unlocked():
+            cfg.jaxflow.dry_run.enable = True
+    num_devices = cfg.get("jaxflow", {}).get("num_devices")  # validated next; absent in a broken config
+    if isinstance(num_devices, int) and num_devices > 0:
+        simulate_devices(num_devices)
+    configs.validate(cfg)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     from jaxflow import configs
 
-    try:
-        name, overrides, rest = configs.parse_cli_args(argv)
-    except configs.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if "--help" in rest or "-h" in rest:
-        print(USAGE + configs.describe_named())
-        return 0
-    dry_run = "--dry_run" in rest
+    parsed = parse_command(argv, USAGE + configs.describe_named(), FLAGS)
+    if isinstance(parsed, int):
+        return parsed
+    name, overrides, rest = parsed
     json_path = next((a.split("=", 1)[1] for a in rest if a.startswith("--json=")), None)
-    unknown = [a for a in rest if a not in ("--dry_run",) and not a.startswith("--json=")]
-    if unknown:
-        print(f"error: unknown argument(s) {unknown}\n\n{USAGE}{configs.describe_named()}", file=sys.stderr)
-        return 2
     try:
-        cfg = configs.get_config(name)
-        configs.apply_overrides(cfg, overrides)
-        if dry_run:
-            with cfg.unlocked():
-                cfg.jaxflow.dry_run.enable = True
-        num_devices = cfg.get("jaxflow", {}).get("num_devices")  # validated next; absent in a broken config
-        if isinstance(num_devices, int) and num_devices > 0:
-            simulate_devices(num_devices)
-        configs.validate(cfg)
+        cfg = _load(name, overrides, "--dry_run" in rest)
     except (configs.ConfigError, FileNotFoundError, KeyError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -271,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         return INTERRUPTED
     except Exception as e:  # noqa: BLE001 - every failure becomes one line; the log has the rest
         _asyncio_to_log_file(handlers[1:])
-        return _report(e, log_path)
+        return report(e, log_path)
     finally:
         logging.raiseExceptions = raise_exceptions
         for handler in handlers:

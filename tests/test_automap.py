@@ -21,9 +21,10 @@ from jaxflow.automap.layouts import Layout, feasible_layouts, role_layout
 from jaxflow.automap.profiles import PROFILES, get_profile
 from jaxflow.automap.search import Mapper, allocations, bell, evaluate, pool_sizes, set_partitions
 from jaxflow.automap.simulate import generate_time, infer_time, train_time
-from jaxflow.automap.verify import apply_plan, compile_check
-from jaxflow.automap.workload import workload_from_config
-from jaxflow.configs.overrides import get_value
+from jaxflow.automap.verify import compile_check
+from jaxflow.automap.workload import workload_from_spec
+from jaxflow.configs.overrides import get_value, with_values
+from jaxflow.configs.prepare import prepare_run
 from jaxflow.mesh import Placement, state_shardings
 from jaxflow.models import init_model
 
@@ -40,6 +41,22 @@ def _cfg(name: str, **keys):
                 node = node[p]
             node[leaf] = v
     return cfg
+
+
+def _spec(cfg):
+    """The run as the auto-mapper plans it: described without a placement or prompts."""
+    return prepare_run(cfg, with_placement=False, with_datasets=False).spec
+
+
+def workload_from_config(cfg):
+    return workload_from_spec(_spec(cfg))
+
+
+def _resolved(cfg, log=None):
+    """The config a run of ``cfg`` records once placed (`place_run`: placement auto resolved)."""
+    from jaxflow.trainer.builders import place_run
+
+    return place_run(prepare_run(cfg, with_datasets=False), cfg, log=log)[2]
 
 
 def _qwen_cfg():
@@ -188,28 +205,19 @@ def test_cli_json_schema():
                 if role == "actor":
                     assert math.prod(m["generate"].values()) == p["devices"]
     # The overrides reproduce a config that validates.
-    cfg = apply_plan(configs.get_config("ppo_7b"), _plan_from(d["best"]), 16)
+    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in d["best"]["overrides"].items()}
+    cfg = with_values(configs.get_config("ppo_7b"), overrides)
     configs.validate(cfg)
-
-
-def _plan_from(d):
-    """A stand-in with the ``overrides`` method apply_plan reads."""
-
-    class _P:
-        def overrides(self, n):
-            return {k: tuple(v) if isinstance(v, list) else v for k, v in d["overrides"].items()}
-
-    return _P()
 
 
 def test_compile_check_rejects_a_plan_that_cannot_fit():
     cfg = _cfg("grpo_tiny")
     w = workload_from_config(cfg)
     plan = Mapper(w, 8, get_profile("cpu")).search(top=1)[0]
-    ok = compile_check(cfg, plan, 8, get_profile("cpu"), programs=("ref/log_probs",))
+    ok = compile_check(_spec(cfg), plan, 8, get_profile("cpu"), programs=("ref/log_probs",))
     assert ok["fits"] and ok["rejected"] is None and ok["programs"][0]["compiled_peak_gib"] > 0
     tiny = dataclasses.replace(get_profile("cpu"), memory_gib=1e-6)
-    bad = compile_check(cfg, plan, 8, tiny, programs=("ref/log_probs",))
+    bad = compile_check(_spec(cfg), plan, 8, tiny, programs=("ref/log_probs",))
     assert not bad["fits"]
     assert bad["rejected"].startswith("ref/log_probs needs") and "GiB per device" in bad["rejected"]
 
@@ -254,7 +262,6 @@ def test_auto_placement_needs_no_mesh_keys(preset):
     """grpo_tiny on Qwen-shaped models (1 layer), placement auto: the config validates
     without any mesh, the auto-mapper's choice validates and builds real meshes and shardings
     on the 8 devices."""
-    from jaxflow.automap.auto import resolve_placement
     from jaxflow.configs import build_placement
 
     shape = {f"jaxflow.model.{k}": v for k, v in QWEN_SHAPES[preset].items()}
@@ -273,15 +280,15 @@ def test_auto_placement_needs_no_mesh_keys(preset):
     with pytest.raises(configs.ConfigError, match="resolved at start-up"):
         build_placement(cfg)
     lines = []
-    resolved = resolve_placement(cfg, log=lines.append)
+    resolved = _resolved(cfg, log=lines.append)
     assert resolved.jaxflow.placement.type in ("colocated", "custom") and "auto-mapper" in lines[0]
-    placement = build_placement(resolved)  # validated inside resolve_placement; real devices here
+    placement = build_placement(resolved)  # validated inside place_run; real devices here
     mc = configs.model_config(resolved, "actor")
     _, state = nnx.split(nnx.eval_shape(lambda: init_model(mc, head="lm")))
     for role in ("actor", "ref"):
         state_shardings(state, placement.rules(role, "infer"), placement.mesh(role))
     state_shardings(state, placement.rules("actor", "generate"), placement.mesh("actor", "generate"))
-    assert resolve_placement(resolved) is resolved  # a resolved config is left alone
+    assert _resolved(resolved) is resolved  # a resolved config is left alone
 
 
 # --- the cost model, by hand -------------------------------------------------------------------
@@ -604,7 +611,7 @@ def test_roles_of_different_sizes():
         assert pc.peak_bytes <= A100.budget_bytes
         for role, rl in pc.layouts.items():
             assert rl.plan.num_params == sizes[role]
-    resolved = apply_plan(cfg, plan, 64)
+    resolved = with_values(cfg, plan.overrides(64))
     configs.validate(resolved)
     assert configs.model_config(resolved, "critic").num_layers == 80
     assert configs.model_config(resolved, "actor").num_layers == 40
@@ -626,12 +633,14 @@ def test_a_plan_the_estimate_passes_but_the_compiler_rejects_falls_back_to_the_n
     limit = dataclasses.replace(cpu, memory_gib=1.05 * dp.pools[0].peak_bytes / 2**30)
     assert dp.pools[0].peak_bytes <= limit.budget_bytes  # the estimate passes
     lines = []
-    chosen = choose_verified(cfg, [dp, fsdp], 8, limit, attempts=2, log=lines.append, programs=("actor/train_step",))
+    chosen = choose_verified(
+        _spec(cfg), [dp, fsdp], 8, limit, attempts=2, log=lines.append, programs=("actor/train_step",)
+    )
     assert chosen is fsdp and fsdp.compiled["fits"]
     assert not dp.compiled["fits"] and dp.compiled["rejected"].startswith("actor/train_step needs")
     assert "compiled plan 1: REJECTED" in lines[0] and "compiled plan 2: fits" in lines[1]
     with pytest.raises(ValueError, match="none of the 1 best plans fits"):
-        choose_verified(cfg, [dp], 8, limit, attempts=1, programs=("actor/train_step",))
+        choose_verified(_spec(cfg), [dp], 8, limit, attempts=1, programs=("actor/train_step",))
 
 
 def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
@@ -639,7 +648,6 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
     fits the profile (the fit at least as close to the measurements as its starting point),
     writes it, and the auto-mapper plans with the file."""
     from jaxflow.automap import calibrate
-    from jaxflow.automap.auto import resolve_placement
     from jaxflow.automap.profiles import load_profile, save_profile
 
     cfg = _cfg(
@@ -653,7 +661,7 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
         },
     )
     lines = []
-    m = calibrate.measure(cfg, 8, repeats=1, shapes=((16, 8, 8),), collective_bytes=(1 << 16,), log=lines.append)
+    m = calibrate.measure(_spec(cfg), 8, repeats=1, shapes=((16, 8, 8),), collective_bytes=(1 << 16,), log=lines.append)
     assert [s.phase for s in m["samples"]] == ["infer", "train", "generate"]
     assert [(k, x) for k, x, _ in m["collectives"]] == [(2, 1 << 16), (4, 1 << 16), (8, 1 << 16)]
     assert all(s.seconds > 0 for s in m["samples"]) and m["flops"] > 0 and m["hbm_bw"] > 0
@@ -672,7 +680,7 @@ def test_calibrate_fits_a_profile_the_mapper_uses(tmp_path):
     save_profile(prof, path)
     assert load_profile(path) == prof
     logged = []
-    resolved = resolve_placement(_cfg("ppo_tiny", **{"jaxflow.placement.device_kind": path}), log=logged.append)
+    resolved = _resolved(_cfg("ppo_tiny", **{"jaxflow.placement.device_kind": path}), log=logged.append)
     assert resolved.jaxflow.placement.type in ("colocated", "custom") and "cpu profile" in logged[0]
 
 
@@ -722,7 +730,6 @@ def test_memory_scale_from_the_compiler_changes_the_plan():
 def test_ray_pools_take_whole_hosts():
     """On the Ray backend every pool is whole hosts (one process per host per group): the
     auto-mapper allocates only those."""
-    from jaxflow.automap.auto import resolve_placement
 
     assert pool_sizes(8, 2, whole_hosts=True) == [2, 4, 6, 8] and pool_sizes(8, 2) == [1, 2, 4, 6, 8]
     assert pool_sizes(4, 8, whole_hosts=True) == [1, 2, 4]  # below one host: the whole cluster's divisors
@@ -730,7 +737,7 @@ def test_ray_pools_take_whole_hosts():
         "ppo_tiny",
         **{"jaxflow.backend": "ray", "jaxflow.ray.devices_per_host": 4, "jaxflow.placement.device_kind": "cpu"},
     )
-    resolved = resolve_placement(cfg, log=None)
+    resolved = _resolved(cfg)
     sizes = resolved.jaxflow.placement.pool_sizes or (8,)
     assert all(s % 4 == 0 for s in sizes) and sum(sizes) == 8
 

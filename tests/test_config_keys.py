@@ -21,8 +21,10 @@ import pytest
 
 from jaxflow.configs import ConfigError, load_config
 from jaxflow.configs.base import FIELDS
-from jaxflow.configs.resolve import FakeDevice, ray_config
+from jaxflow.configs.prepare import build_dataset, dataset_sources
 from jaxflow.configs.run_spec import build_tokenizer, describe_run
+from jaxflow.mesh.devices import FakeDevice
+from jaxflow.trainer.builders import ray_config
 
 BASE = [
     "jaxflow.placement.type=colocated",
@@ -48,17 +50,10 @@ class View:
     @functools.cached_property
     def spec(self):
         devices = [FakeDevice(i) for i in range(self.cfg.jaxflow.num_devices)]
-        return describe_run(
-            self.cfg,
-            devices=devices,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-        )
+        return describe_run(self.cfg, tokenizer=self.tokenizer, devices=devices)
 
     @functools.cached_property
     def datasets(self):
-        from jaxflow.trainer.builders import build_dataset, dataset_sources
-
         return [build_dataset(self.spec.data, source, self.tokenizer) for source in dataset_sources(self.spec.data)]
 
 
@@ -66,6 +61,12 @@ def spec(path):
     """Observed in the run description: ``spec.<path>``."""
     get = operator.attrgetter(path)
     return lambda v: get(v.spec)
+
+
+def role(name, path):
+    """Observed in a role's settings: ``spec.roles[name].<path>``."""
+    get = operator.attrgetter(path)
+    return lambda v: get(v.spec.roles[name])
 
 
 def mesh(role, phase="train"):
@@ -89,8 +90,6 @@ def first_prompts(v):
 
 
 def sources(v):
-    from jaxflow.trainer.builders import dataset_sources
-
     return [repr(s) for s in dataset_sources(v.spec.data)]
 
 
@@ -103,13 +102,14 @@ def epoch_order(v):
 def profile(v):
     from jaxflow.automap.auto import placement_profile
 
-    return placement_profile(v.cfg)
+    return placement_profile(v.spec)
 
 
 def dry_run_budget(v):
+    from jaxflow.configs.prepare import prepare_run
     from jaxflow.plan.dry_run import plan
 
-    return plan(v.cfg, ["actor/train_step"])[0].device_memory_bytes
+    return plan(prepare_run(v.cfg, with_datasets=False).spec, ["actor/train_step"])[0].device_memory_bytes
 
 
 def run_dir(v):
@@ -240,12 +240,12 @@ CHECKS = {
     f"{A}.kl_loss_type": ("mse", [f"{A}.use_kl_loss=True"], spec("actor.kl_loss_type")),
     f"{A}.kl_loss_coef": (0.1, [f"{A}.use_kl_loss=True"], spec("actor.kl_loss_coef")),
     **_optim(A, "actor", [], "constant"),
-    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device": (8, [], spec("ref_micro_batch_size_per_device")),
-    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (True, PACKED, spec("ref_max_token_len_per_device")),
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device": (8, [], role("ref", "micro_batch_size_per_device")),
+    "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": (True, PACKED, role("ref", "max_token_len_per_device")),
     "actor_rollout_ref.ref.log_prob_max_token_len_per_device": (
         64,
         PACKED + ["actor_rollout_ref.ref.log_prob_use_dynamic_bsz=True"],
-        spec("ref_max_token_len_per_device"),
+        role("ref", "max_token_len_per_device"),
     ),
     f"{R}.n": (4, [], spec("n")),
     f"{R}.temperature": (0.7, [], spec("rollout.temperature")),
@@ -307,13 +307,13 @@ CHECKS = {
     # --- reward
     "reward_model.enable": (False, [], spec("roles")),
     "reward_model.model.path": ("preset:tiny_qwen2", [], model("reward")),
-    "reward_model.model.use_remove_padding": (True, [], spec("reward.use_remove_padding")),
-    "reward_model.micro_batch_size_per_device": (8, [], spec("reward.micro_batch_size_per_device")),
-    "custom_reward_function.path": ("@reward", [], spec("reward.custom_function_path")),
+    "reward_model.model.use_remove_padding": (True, [], role("reward", "use_remove_padding")),
+    "reward_model.micro_batch_size_per_device": (8, [], role("reward", "micro_batch_size_per_device")),
+    "custom_reward_function.path": ("@reward", [], spec("reward.custom_reward_path")),
     "custom_reward_function.name": (
         "score_it",
         ["custom_reward_function.path=@reward"],
-        spec("reward.custom_function_name"),
+        spec("reward.custom_reward_name"),
     ),
     # --- algorithm
     "algorithm.adv_estimator": ("grpo", [f"{R}.n=2"], spec("algorithm.algorithm.adv_estimator")),
@@ -381,20 +381,20 @@ CHECKS = {
     # --- jaxflow: system
     "jaxflow.job": ("sft", [], spec("roles")),
     "jaxflow.backend": ("ray", [], spec("trainer.backend")),
-    "jaxflow.ray.address": ("auto", [], lambda v: ray_config(v.cfg).address),
-    "jaxflow.ray.devices_per_host": (4, [], lambda v: ray_config(v.cfg).devices_per_host),
-    "jaxflow.ray.accelerator": ("gpu", [], lambda v: ray_config(v.cfg).accelerator),
-    "jaxflow.ray.cpus_per_host": (2.0, [], lambda v: ray_config(v.cfg).cpus_per_host),
-    "jaxflow.ray.compile_deadline_s": (60.0, [], lambda v: ray_config(v.cfg).compile_deadline_s),
-    "jaxflow.ray.step_deadline_s": (60.0, [], lambda v: ray_config(v.cfg).step_deadline_s),
-    "jaxflow.ray.sync_deadline_s": (60.0, [], lambda v: ray_config(v.cfg).sync_deadline_s),
-    "jaxflow.ray.schedule_timeout_s": (5.0, [], lambda v: ray_config(v.cfg).schedule_timeout_s),
+    "jaxflow.ray.address": ("auto", [], lambda v: ray_config(v.spec).address),
+    "jaxflow.ray.devices_per_host": (4, [], lambda v: ray_config(v.spec).devices_per_host),
+    "jaxflow.ray.accelerator": ("gpu", [], lambda v: ray_config(v.spec).accelerator),
+    "jaxflow.ray.cpus_per_host": (2.0, [], lambda v: ray_config(v.spec).cpus_per_host),
+    "jaxflow.ray.compile_deadline_s": (60.0, [], lambda v: ray_config(v.spec).compile_deadline_s),
+    "jaxflow.ray.step_deadline_s": (60.0, [], lambda v: ray_config(v.spec).step_deadline_s),
+    "jaxflow.ray.sync_deadline_s": (60.0, [], lambda v: ray_config(v.spec).sync_deadline_s),
+    "jaxflow.ray.schedule_timeout_s": (5.0, [], lambda v: ray_config(v.spec).schedule_timeout_s),
     "jaxflow.ray.max_restarts": (2, [], spec("trainer.max_restarts")),
-    "jaxflow.ray.tpu_topology": ("2x2", ["jaxflow.ray.tpu_version=v5p"], lambda v: ray_config(v.cfg).tpu_topology),
+    "jaxflow.ray.tpu_topology": ("2x2", ["jaxflow.ray.tpu_version=v5p"], lambda v: ray_config(v.spec).tpu_topology),
     "jaxflow.ray.tpu_version": (
         "v6e",
         ["jaxflow.ray.tpu_topology=2x2", "jaxflow.ray.tpu_version=v5p"],
-        lambda v: ray_config(v.cfg).tpu_version,
+        lambda v: ray_config(v.spec).tpu_version,
     ),
     "jaxflow.num_devices": (4, [], spec("num_devices")),
     "jaxflow.placement.type": ("split", [], pools),
@@ -521,12 +521,12 @@ def _load(overrides, files):
 
 
 def test_every_key_has_a_check():
-    keys = [key for key, _, _ in FIELDS]
+    keys = [key for key, *_ in FIELDS]
     assert set(CHECKS) == set(keys), {"unchecked": set(keys) - set(CHECKS), "not a key": set(CHECKS) - set(keys)}
     print(f"{len(CHECKS)} documented keys checked")
 
 
-@pytest.mark.parametrize("key", [key for key, _, _ in FIELDS])
+@pytest.mark.parametrize("key", [key for key, *_ in FIELDS])
 def test_key_changes_the_run_or_is_refused(key, files):
     check = CHECKS[key]
     if isinstance(check, Refused):

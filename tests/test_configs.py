@@ -7,9 +7,10 @@ import pytest
 
 import jaxflow.configs as configs
 from jaxflow.configs import ConfigError, apply_overrides, get_config, load_config, validate
-from jaxflow.configs.base import FIELDS, KEY_DOCS, KEY_TYPES, get_base_config
+from jaxflow.configs.base import BOUNDS, FIELDS, KEY_DOCS, KEY_TYPES, get_base_config
 from jaxflow.configs.docs import main as docs_main
 from jaxflow.configs.docs import markdown_table
+from jaxflow.configs.overrides import with_values
 
 TINY = [n for n in configs.NAMED if n.endswith("_tiny")]
 PAPER = {
@@ -60,10 +61,13 @@ def test_tiny_configs_are_cpu_sized(name):
     model = configs.model_config(cfg, "actor")
     assert 64 <= model.hidden_size <= 128 and 2 <= model.num_layers <= 4
     assert model.vocab_size >= 100  # the char tokenizer's ids (padded to a multiple of fsdp*tp)
-    from jaxflow.automap.auto import resolve_placement
+    from jaxflow.configs.prepare import prepare_run
     from jaxflow.configs.resolve import pool_size
+    from jaxflow.trainer.builders import place_run
 
-    resolved = resolve_placement(cfg, log=None)  # the auto-mapper's pools and meshes
+    _, _, resolved = place_run(
+        prepare_run(cfg, with_datasets=False), cfg, log=None
+    )  # the auto-mapper's pools and meshes
     actor = configs.mesh_sizes(resolved, "actor")
     assert actor["dp"] * actor["fsdp"] * actor["tp"] == pool_size(resolved, "actor")
     assert cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n <= 512
@@ -333,6 +337,28 @@ def test_malformed_config_gives_one_clear_error(name, overrides, key, words):
     assert err.problems == [(key, err.problems[0][1])], str(err)  # exactly one problem, this key
     assert str(err).startswith(key + ":") and words in str(err), str(err)
     assert isinstance(err, ValueError)
+
+
+def _outside(key):
+    """Values of ``key`` just outside its bound, below and (if it has one) above, in its type."""
+    bound, (typ, _) = BOUNDS[key], KEY_TYPES[key]
+    step = 1 if typ is int else 0.5
+    values = [bound.lo - (step if bound.ends[0] == "[" else 0)]
+    if bound.hi != float("inf"):
+        values.append(bound.hi + (step if bound.ends[1] == "]" else 0))
+    values = [v - step if v in bound.also else v for v in values]
+    return [(v, 0.999) if typ in (tuple, list) else int(v) if typ is int else v for v in values]
+
+
+@pytest.mark.parametrize("key", sorted(BOUNDS))
+def test_a_value_outside_its_bound_is_refused_naming_the_bound(key):
+    """The FIELDS table's bounds, checked alike for every key (ppo_tiny runs a critic; the KL
+    controller made adaptive): a value just outside is refused, naming the key and the bound."""
+    for bad in _outside(key):
+        cfg = with_values(get_config("ppo_tiny"), {"algorithm.kl_ctrl.type": "adaptive", key: bad})
+        with pytest.raises(ConfigError) as info:
+            validate(cfg)
+        assert f"{key}: must be {BOUNDS[key].describe()}, got" in str(info.value), (bad, str(info.value))
 
 
 def test_several_problems_reported_together():

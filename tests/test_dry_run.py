@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxflow.configs import active_roles, load_config
+from jaxflow.configs.prepare import prepare_run
+from jaxflow.mesh.devices import FakeDevice
 from jaxflow.plan.dry_run import DEFAULT_PROGRAMS, OPTIONAL_PROGRAMS, dry_run
 
 ALL_PROGRAMS = DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS
@@ -26,7 +28,7 @@ def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("dry_run") / "plan.json"
     before = {id(a) for a in jax.live_arrays()}
     text = io.StringIO()
-    report = dry_run(cfg, out=text, json_path=str(path), programs=ALL_PROGRAMS)
+    report = dry_run(prepare_run(cfg).spec, out=text, json_path=str(path), programs=ALL_PROGRAMS)
     leaked = [a for a in jax.live_arrays() if id(a) not in before]
     return cfg, report, text.getvalue(), path, leaked
 
@@ -121,7 +123,7 @@ def test_json_report(tiny):
 def test_over_budget_is_reported():
     cfg = load_config("ppo_tiny", ["jaxflow.dry_run.device_memory_gib=0.001", "jaxflow.placement.type=colocated"])
     text = io.StringIO()
-    report = dry_run(cfg, out=text, programs=["ref/log_probs"])
+    report = dry_run(prepare_run(cfg).spec, out=text, programs=["ref/log_probs"])
     assert not report.fits and not report.program("ref/log_probs").fits
     assert not report.pools[0].fits
     assert "DOES NOT FIT: ref/log_probs, pool global" in text.getvalue()
@@ -129,8 +131,9 @@ def test_over_budget_is_reported():
 
 def test_needs_the_configured_device_count():
     cfg = load_config("ppo_7b")  # 16 devices; this process has 8
+    spec = prepare_run(cfg, devices=[FakeDevice(i) for i in range(16)], with_datasets=False).spec  # placed on stand-ins
     with pytest.raises(RuntimeError, match="xla_force_host_platform_device_count=16"):
-        dry_run(cfg, out=None)
+        dry_run(spec, out=None)
 
 
 def test_paper_config_in_a_subprocess(tmp_path):

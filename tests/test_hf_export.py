@@ -24,6 +24,7 @@ from flax import nnx
 
 import jaxflow.trainer.hf_export as hf_export
 from jaxflow import configs
+from jaxflow.configs.prepare import prepare_run
 from jaxflow.configs.run_spec import build_tokenizer
 from jaxflow.export import main as export_main
 from jaxflow.run import main as run_main
@@ -87,7 +88,7 @@ def sft(tmp_path_factory):
     configs.validate(cfg)
     console = io.StringIO()
     with contextlib.redirect_stdout(console):
-        _, graphdef, params = run_sft(cfg)
+        _, graphdef, params = run_sft(prepare_run(cfg, with_datasets=False), record=cfg)
     return out, graphdef, params, console.getvalue()
 
 
@@ -105,7 +106,7 @@ def run_dir(tmp_path_factory, sft):
 def _restored(run_dir, role, step):
     """The role's model at ``step``, restored by orbax (not through any safetensors file)."""
     cfg = run_config(run_dir)
-    graphdef, abstract = abstract_train_state(cfg, role, build_tokenizer(cfg))
+    graphdef, abstract = abstract_train_state(prepare_run(cfg, with_datasets=False).spec, role)
     state = CheckpointManager(run_dir, read_only=True).restore(step, targets={role: abstract}).arrays[role]
     return nnx.merge(graphdef, state.params)
 

@@ -24,10 +24,11 @@ from jax.sharding import Mesh
 
 import jaxflow.models as models
 from jaxflow.configs import load_config
-from jaxflow.configs.resolve import FakeDevice
+from jaxflow.configs.prepare import prepare_run
 from jaxflow.configs.run_spec import describe_run
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import HYBRID_TRAIN_RULES, TRAIN_RULES
+from jaxflow.mesh.devices import FakeDevice
 from jaxflow.models import peft_io
 from jaxflow.models.lora import LORA_TARGETS, LoRAConfig, join, parse_target_modules, split_adapters
 from jaxflow.sampling import SamplingParams
@@ -223,8 +224,9 @@ def test_a_checkpoint_holds_the_adapters_and_their_optimizer_state_only(actor, t
     n_adapters = sum(x.size for x in jax.tree.leaves(w.state.params))
     assert sum(int(np.prod(m.shape)) for m in floats.values()) == 3 * n_adapters  # adapters, mu, nu
     assert all(m.shape == () for k, m in stored.items() if k not in floats)  # the step counts
-    record = experiment_record(load_config("grpo_tiny", ["actor_rollout_ref.model.lora_rank=8"]))
-    assert record["actor base"] == "preset tiny_llama" and record["actor LoRA"].startswith("rank=8 alpha=16 ")
+    spec = prepare_run(load_config("grpo_tiny", ["actor_rollout_ref.model.lora_rank=8"]), with_datasets=False).spec
+    record = experiment_record(spec)
+    assert record["actor base"] == "preset (trainer.seed=0)" and record["actor LoRA"].startswith("rank=8 alpha=16 ")
     w.state = jax.tree.map(jnp.zeros_like, w.state)
     w.restore_train_state(str(tmp_path / "actor"))
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(w.state)):
@@ -274,9 +276,9 @@ def test_the_probe_stops_a_rollout_whose_adapter_sync_was_skipped(actor):
 
 
 def test_a_mismatch_stops_the_cli_in_one_line(capsys):
-    from jaxflow.run import _report
+    from jaxflow.run import report
 
-    code = _report(RolloutMismatchError("the rollout's next-token distributions differ ... by 0.3"), None)
+    code = report(RolloutMismatchError("the rollout's next-token distributions differ ... by 0.3"), None)
     err = capsys.readouterr().err
     assert code == 3 and err.startswith("stopped: ") and err.count("\n") == 1
 
@@ -348,13 +350,18 @@ def test_an_actor_starts_from_a_peft_adapter(hf_base):
 def test_the_run_has_no_reference_role_and_the_actor_serves_it():
     cfg = load_config("grpo_tiny", ["actor_rollout_ref.model.lora_rank=8", "jaxflow.placement.type=colocated"])
     spec = describe_run(cfg, devices=[FakeDevice(i) for i in range(8)])
-    assert spec.roles == ("actor",) and spec.ref_in_actor and spec.role_settings.ref_in_actor
+    assert tuple(spec.roles) == ("actor",) and spec.ref_in_actor and spec.role_settings.ref_in_actor
+    # the reference's forward keeps its settings (actor_rollout_ref.ref) though it has no role
+    assert spec.role_settings.ref == spec.actor_reference
     assert spec.actor.lora == LoRAConfig(rank=8, alpha=16.0) == spec.models["actor"].config.lora
     assert spec.rollout.probe_tolerance == cfg.jaxflow.rollout_probe.tolerance > 0
     full = describe_run(
         load_config("grpo_tiny", ["jaxflow.placement.type=colocated"]), devices=[FakeDevice(i) for i in range(8)]
     )
-    assert full.roles == ("actor", "ref") and not full.ref_in_actor and full.rollout.probe_tolerance == 0
+    assert tuple(full.roles) == ("actor", "ref") and not full.ref_in_actor
+    assert (
+        full.roles["ref"] == spec.actor_reference
+    )  # the same forward, as a role of its own and full.rollout.probe_tolerance == 0
 
 
 def test_dry_run_plans_the_adapters_and_the_reference_on_the_actor():
@@ -362,10 +369,10 @@ def test_dry_run_plans_the_adapters_and_the_reference_on_the_actor():
 
     overrides = ["jaxflow.placement.type=colocated"]
     report, specs = plan(
-        load_config("ppo_tiny", overrides + ["actor_rollout_ref.model.lora_rank=8"]),
+        prepare_run(load_config("ppo_tiny", overrides + ["actor_rollout_ref.model.lora_rank=8"])).spec,
         ["actor/train_step", "ref/log_probs"],
     )
-    full, _ = plan(load_config("ppo_tiny", overrides), [])
+    full, _ = plan(prepare_run(load_config("ppo_tiny", overrides)).spec, [])
     actor, base = report.role("actor"), full.role("actor")
     assert [r.role for r in report.roles] == ["actor", "critic"]  # no reference role, no second copy
     m = actor.model  # rank r on every projection: r (in + out) parameters each

@@ -20,8 +20,9 @@ import pytest
 
 from jaxflow.algos import AlgorithmSettings
 from jaxflow.algos.advantages import ADV_ESTIMATOR_REGISTRY, register_adv_est
-from jaxflow.automap import Mapper, get_profile, workload_from_config
+from jaxflow.automap import Mapper, get_profile, workload_from_spec
 from jaxflow.configs import ConfigError, load_config
+from jaxflow.configs.prepare import prepare_run
 from jaxflow.configs.run_spec import algorithm_settings
 from jaxflow.iterations import (
     ALGORITHM_REGISTRY,
@@ -144,8 +145,8 @@ def test_trainer_runs_it_and_keeps_its_state(algorithm, tmp_path):
 
 
 def test_dry_run_plans_its_rollouts(algorithm, tmp_path):
-    cfg = tiny_config(tmp_path)
-    _, programs = plan(cfg, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS)
+    spec = prepare_run(tiny_config(tmp_path), with_datasets=False).spec
+    _, programs = plan(spec, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS)
     planned = {p.name: p for p in programs}
     assert "actor/generate_greedy" in planned and "n=1" in planned["actor/generate_greedy"].description
     assert "on-policy" not in planned["actor/train_step"].description  # the rollout scores old log-probs
@@ -155,13 +156,13 @@ def test_dry_run_plans_its_rollouts(algorithm, tmp_path):
     ALGORITHM_REGISTRY.register(NAME, override=True)(dataclasses.replace(algorithm, uses_critic=lambda s: True))
     try:
         with pytest.raises(ConfigError, match="critic.enable"):
-            plan(cfg, ["actor/generate"])
+            plan(spec, ["actor/generate"])
     finally:
         ALGORITHM_REGISTRY.register(NAME, override=True)(algorithm)
 
 
 def test_auto_mapper_schedules_its_stages(algorithm, tmp_path):
-    w = workload_from_config(tiny_config(tmp_path))
+    w = workload_from_spec(prepare_run(tiny_config(tmp_path), with_placement=False, with_datasets=False).spec)
     phases = {s.name: s.phase for s in w.stages}
     assert phases["actor/generate_greedy"] == "generate_one"
     assert "actor/log_probs" in phases  # scored in the rollout although the update is on-policy

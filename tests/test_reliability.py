@@ -590,7 +590,7 @@ def test_every_float_key_refuses_nan_and_inf():
 
     float_keys = [
         key
-        for key, _, _ in FIELDS
+        for key, *_ in FIELDS
         if KEY_TYPES[key][0] is float or (KEY_TYPES[key][0] in (tuple, list) and key.endswith(".betas"))
     ]
     assert len(float_keys) > 30 and "actor_rollout_ref.actor.optim.lr" in float_keys
@@ -653,8 +653,14 @@ def test_save_refuses_non_finite_params(tmp_path):
 
 def test_user_meshes_that_the_auto_mapper_replaces_are_said_in_one_line(caplog):
     from jaxflow import configs
-    from jaxflow.automap import resolve_placement
+    from jaxflow.automap import auto_place
+    from jaxflow.configs.overrides import with_values
+    from jaxflow.configs.prepare import prepare_run
     from jaxflow.configs.validate import warn_ignored_under_auto
+
+    def resolve_placement(cfg, log):  # the config a run records once the auto-mapper placed it
+        prepared = prepare_run(cfg, with_datasets=False)
+        return with_values(cfg, auto_place(prepared.spec, prepared.devices, log=log).overrides())
 
     cfg = configs.get_config("grpo_tiny")
     configs.apply_overrides(cfg, ["jaxflow.mesh.actor.train.tp=8", "jaxflow.mesh.actor.generate.tp=8"])
@@ -719,6 +725,8 @@ def test_a_rerun_without_checkpoints_keeps_the_previous_outputs(tmp_path):
     step_s = sum(json.loads(line)["timing_s/step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines())
     assert _summary_seconds(rl_done) >= _summary_seconds(sft_done) + step_s - 1, (rl_done, sft_done, step_s)
     assert "auto-mapper's plan replaced" not in out  # TINY's meshes are the plan's: no false alarm
+    # The auto-mapper chose the placement: its predicted step time stands beside the measured one.
+    assert re.search(r"\n  step time: median [\d.]+ s \(measured, 1 step\) vs [\d.]+ s predicted \(auto-mapper, ", out)
 
     code, out = run_cli(args, run_dir)
     assert code == 0, out

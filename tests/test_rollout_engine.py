@@ -406,11 +406,7 @@ def test_worker_generate_with_configured_stops_and_limits(llama):
     ]
 
     def worker(*overrides):
-        spec = describe_run(
-            load_config("grpo_tiny", keys + list(overrides)),
-            eos_token_id=tok.eos_token_id,
-            pad_token_id=tok.pad_token_id,
-        )
+        spec = describe_run(load_config("grpo_tiny", keys + list(overrides)), tokenizer=tok)
         mesh = MeshSpec(fsdp=2).build(jax.devices()[:2])
         return spec, ActorWorker(nnx.split(model), mesh, "train", rollout=spec.rollout)
 

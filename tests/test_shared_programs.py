@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 
 import jaxflow.workers.actor as actor_module
-from jaxflow.configs import build_tokenizer, load_config
+from jaxflow.configs import load_config
+from jaxflow.configs.prepare import prepare_run
 from jaxflow.plan.dry_run import DEFAULT_PROGRAMS, OPTIONAL_PROGRAMS, plan
 from jaxflow.plan.lowering import with_shardings
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import lower_generate
 from jaxflow.trainer import builders
-from jaxflow.trainer.builders import count_train_prompts
 from jaxflow.trainer.rl import RLTrainer
 from jaxflow.workers import trainable as workers_trainable
 from jaxflow.workers.base import RoleWorker
@@ -247,9 +247,10 @@ def test_dry_run_lowers_the_programs_the_run_calls(config, tmp_path, monkeypatch
     recorder = Recorder(monkeypatch, trainer.spec)
     trainer.train_step(1)
     monkeypatch.undo()
-    cfg = trainer.cfg
-    prompts = None if cfg.trainer.total_training_steps else count_train_prompts(trainer.spec.data, build_tokenizer(cfg))
-    report, programs = plan(cfg, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS, num_train_prompts=prompts)
+    planned_run, _, _ = builders.place_run(
+        prepare_run(cfg, with_datasets=False), cfg, log=None
+    )  # as the dry run starts
+    report, programs = plan(planned_run, DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS)
     planned = {p.name: p for p in programs}
     ran = recorder.texts
     # Every program the run called is planned, and the plan's lowering is the one it called.

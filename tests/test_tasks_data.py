@@ -399,8 +399,8 @@ def test_the_default_run_validates_on_200_distinct_held_out_problems():
     """The default config's validation set: at least 200 distinct problems, none of them in
     its training set (the splits the run itself builds)."""
     from jaxflow import configs
+    from jaxflow.configs.prepare import dataset_sources
     from jaxflow.configs.run_spec import data_spec
-    from jaxflow.trainer.builders import dataset_sources
 
     cfg = configs.get_config(configs.DEFAULT_CONFIG)
     train_source, val_source = dataset_sources(data_spec(cfg))

@@ -29,8 +29,7 @@ SMALL = [
 
 
 def _spec(cfg):
-    tok = build_tokenizer(cfg)
-    return describe_run(cfg, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    return describe_run(cfg, tokenizer=build_tokenizer(cfg))
 
 
 class CompileCounter:
@@ -229,8 +228,8 @@ def test_warm_start_hands_its_weights_to_rl_in_memory(tmp_path, monkeypatch):
     returned = {}
     run_sft = sft.run_sft
 
-    def recording(cfg):
-        metrics, graphdef, params = run_sft(cfg)
+    def recording(*args, **kwargs):
+        metrics, graphdef, params = run_sft(*args, **kwargs)
         returned["params"] = jax.device_get(params)  # host copies: the values SFT ended with
         return metrics, graphdef, params
 

@@ -274,3 +274,18 @@ def test_end_of_run_summary():
         "  HF export  out",
     ]
     assert format_duration(3725) == "1h02m"
+
+
+def test_the_summary_sets_the_predicted_step_time_beside_the_measured_median():
+    """When the auto-mapper chose the placement, its predicted step time (analytic) stands
+    beside the median of the logged step times (validation steps without timing skipped)."""
+    seconds = [9.0, 1.2, 0.8, 1.0, 1.1]  # the first step compiles: the median ignores it
+    history = [{"step": 0, "val/score/mean": 0.1}] + [
+        {"step": i + 1, "timing_s/step": s} for i, s in enumerate(seconds)
+    ]
+    text = run_summary(history, wall_s=20, predicted=("auto-mapper, cpu profile", 0.5))
+    assert (
+        "  step time: median 1.100 s (measured, 5 steps) vs 0.500 s predicted (auto-mapper, cpu profile; analytic)"
+        in (text.splitlines())
+    )
+    assert "step time" not in run_summary(history, wall_s=20)  # a placement chosen by hand: no prediction

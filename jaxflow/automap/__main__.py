@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shlex
 import sys
 import time
 from typing import Any
+
+from jaxflow.configs.run_spec import RunSpec
 
 USAGE = __doc__
 
@@ -121,6 +122,7 @@ KNOWN = (
     "--concurrent",
     "--memory_scale",
 )
+FLAGS = tuple(f for name in KNOWN for f in (name, f"{name}="))  # each alone or with a value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,12 +160,12 @@ def _options(rest: list[str], default_devices: int) -> Options:
     )
 
 
-def _search(cfg: Any, o: Options, say: Any) -> tuple[Any, Any, list[Any], Any, float]:
+def _search(spec: RunSpec, o: Options, say: Any) -> tuple[Any, Any, list[Any], Any, float]:
     """``(profile, mapper, plans, best, search seconds)``; ValueError for a cluster no plan fits."""
     from jaxflow.automap.profiles import get_profile
     from jaxflow.automap.search import Mapper
     from jaxflow.automap.verify import search_verified
-    from jaxflow.automap.workload import workload_from_config
+    from jaxflow.automap.workload import workload_from_spec
 
     prof = get_profile(o.device_kind, o.devices_per_host, o.memory_gib)
     per = prof.devices_per_host
@@ -172,7 +174,7 @@ def _search(cfg: Any, o: Options, say: Any) -> tuple[Any, Any, list[Any], Any, f
         raise ValueError(f"--devices={o.devices} is not a whole number of hosts of {per} devices ({where})")
     t0 = time.perf_counter()
     mapper = Mapper(
-        workload_from_config(cfg), o.devices, prof, concurrent=o.concurrent, whole_hosts=cfg.jaxflow.backend == "ray"
+        workload_from_spec(spec), o.devices, prof, concurrent=o.concurrent, whole_hosts=spec.trainer.backend == "ray"
     )
     for phase, factor in o.memory_scale.items():
         mapper.scale_memory(phase, factor)
@@ -181,7 +183,7 @@ def _search(cfg: Any, o: Options, say: Any) -> tuple[Any, Any, list[Any], Any, f
     best = plans[0]
     if o.verify_top:
         best, plans = search_verified(
-            cfg, mapper, o.devices, attempts=o.verify_top, log=say, top=max(o.top, 20), time_limit_s=o.time_limit_s
+            spec, mapper, o.devices, attempts=o.verify_top, log=say, top=max(o.top, 20), time_limit_s=o.time_limit_s
         )
     return prof, mapper, plans, best, search_s
 
@@ -238,43 +240,30 @@ def _print_ranking(name: str, o: Options, prof: Any, mapper: Any, plans: list[An
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    from jaxflow import configs
+    """The command line (run.py's: `jaxflow.run.load_command`, `jaxflow.run.report`)."""
+    from jaxflow.configs import ConfigError
+    from jaxflow.mesh.devices import simulate_devices
+    from jaxflow.run import load_command, report
 
+    command = load_command(sys.argv[1:] if argv is None else argv, USAGE, FLAGS)
+    if isinstance(command, int):
+        return command
+    planning_errors = (ValueError, KeyError, ConfigError)  # flags, configs and clusters no plan fits
     try:
-        name, overrides, rest = configs.parse_cli_args(argv)
-    except configs.ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if "--help" in rest or "-h" in rest:
-        print(USAGE)
-        return 0
-    unknown = [a for a in rest if a.split("=", 1)[0] not in KNOWN]
-    if unknown:
-        print(f"error: unknown argument(s) {unknown}\n{USAGE}", file=sys.stderr)
-        return 2
-    try:
-        cfg = configs.get_config(name)
-        configs.apply_overrides(cfg, overrides)
-        o = _options(rest, cfg.jaxflow.num_devices)
-    except (configs.ConfigError, ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if o.verify_top:  # simulated devices must be set before JAX starts
-        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
-        os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={o.devices}"])
-    as_json = o.json_to is True
-    say = (lambda s: print(s, file=sys.stderr, flush=True)) if as_json else (lambda s: print(s, flush=True))
-    try:
-        found = _search(cfg, o, say)
-    except (ValueError, KeyError, configs.ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    result = _result(name, o, *found)
+        o = _options(command.rest, command.num_devices)
+        if o.verify_top:  # simulated devices must be set before JAX starts
+            simulate_devices(o.devices)
+        as_json = o.json_to is True
+        say = (lambda s: print(s, file=sys.stderr, flush=True)) if as_json else (lambda s: print(s, flush=True))
+        spec = command.prepare(with_placement=False, with_datasets=False).spec
+        found = _search(spec, o, say)
+    except planning_errors as e:
+        return report(e, user_errors=planning_errors)
+    result = _result(command.name, o, *found)
     if as_json:
         print(json.dumps(result, indent=2))
         return 0
-    _print_ranking(name, o, *found)
+    _print_ranking(command.name, o, *found)
     if o.json_to is not None:
         try:
             with open(o.json_to, "w", encoding="utf-8") as f:

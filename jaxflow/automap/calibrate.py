@@ -104,7 +104,7 @@ def predict(prof: Any, calls: Sequence[tuple[Any, Any, str]]) -> list[float]:
 
 
 def measure(
-    cfg: Any,
+    spec: Any,
     devices: int,
     repeats: int = 5,
     shapes: Sequence[tuple[int, int, int]] = SHAPES,
@@ -113,10 +113,11 @@ def measure(
 ) -> dict[str, Any]:
     """Times on this machine (see the module docstring): ``flops``, ``hbm_bw``,
     ``call_s`` (a trivial program), ``collectives`` ``[(k, bytes, seconds)]`` (all-reduces
-    over 2, 4, 8 devices of ``collective_bytes``) and the stage ``samples`` at ``shapes``."""
+    over 2, 4, 8 devices of ``collective_bytes``) and the stage ``samples`` at ``shapes``, on
+    the actor of ``spec`` (a `RunSpec`, placed or not)."""
     import jax
 
-    from jaxflow.automap.workload import workload_from_config
+    from jaxflow.automap.workload import workload_from_spec
 
     devs = jax.devices()[:devices]
     if len(devs) < devices:
@@ -127,10 +128,10 @@ def measure(
         f"{out['call_s'] * 1e3:.2f} ms (measured)"
     )
     out["collectives"] = _collective_times(devs, collective_bytes, repeats, out["call_s"])
-    base = workload_from_config(cfg)
+    base = workload_from_spec(spec)
     samples = []
     for rows, P, R in shapes:
-        samples += _stage_samples(cfg, base, devs, rows, P, R, repeats)
+        samples += _stage_samples(spec.actor, base, devs, rows, P, R, repeats)
         log(
             "  "
             + ", ".join(f"{s.phase} {s.seconds * 1e3:.1f} ms" for s in samples[-3:])
@@ -193,9 +194,9 @@ def _collective_times(devs: list, collective_bytes: Sequence[int], repeats: int,
     return out
 
 
-def _stage_samples(cfg: Any, base: Any, devs: list, rows: int, P: int, R: int, repeats: int) -> list[Sample]:
-    """Measured: the actor's forward, train step and generation of ``rows`` x (P + R) tokens
-    on ``devs`` (fsdp over all), through the workers' own builders."""
+def _stage_samples(actor: Any, base: Any, devs: list, rows: int, P: int, R: int, repeats: int) -> list[Sample]:
+    """Measured: the forward, train step (the `ActorConfig` ``actor``) and generation of
+    ``rows`` x (P + R) tokens on ``devs`` (fsdp over all), through the workers' own builders."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -204,7 +205,6 @@ def _stage_samples(cfg: Any, base: Any, devs: list, rows: int, P: int, R: int, r
     from jax.sharding import PartitionSpec as Ps
 
     from jaxflow.automap.layouts import Layout, role_layout
-    from jaxflow.configs.run_spec import describe_run
     from jaxflow.mesh import MeshSpec, state_shardings
     from jaxflow.models import init_model
     from jaxflow.reshard import HybridEngine
@@ -215,7 +215,6 @@ def _stage_samples(cfg: Any, base: Any, devs: list, rows: int, P: int, R: int, r
     from jaxflow.workers.train_state import create_train_state
 
     mc = base.models["actor"].config
-    actor = describe_run(cfg, with_placement=False).actor
     tx, schedule = make_optimizer(actor.optim)
     graphdef, params = nnx.split(init_model(mc, head="lm"))
     rl = role_layout(sample_workload(base, Sample("train", rows, P, R, 0.0)), "actor", Layout(1, len(devs), 1, 1))
@@ -330,27 +329,25 @@ def fit_profile(m: dict[str, Any], devices: int, source: str, log: Callable[[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = dict(a.removeprefix("--").split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-    unknown = sorted(set(args) - {"config", "devices", "repeats", "out"})
-    if unknown:
-        print(f"error: unknown argument(s) {unknown}\n{__doc__}", file=sys.stderr)
-        return 2
-    devices = int(args.get("devices", 8))
-    from jaxflow.mesh import simulate_devices
-
-    simulate_devices(devices)  # before JAX starts
-    from jaxflow import configs
+    """The command line (run.py's: `jaxflow.run.load_command`)."""
     from jaxflow.automap.profiles import calibrated_path, save_profile
+    from jaxflow.mesh import simulate_devices
+    from jaxflow.run import load_command
 
-    cfg = configs.get_config(args.get("config", "ppo_tiny"))
+    flags = ("--devices=", "--repeats=", "--out=")
+    command = load_command(sys.argv[1:] if argv is None else argv, __doc__, flags, default="ppo_tiny")
+    if isinstance(command, int):
+        return command
+    args = dict(a.removeprefix("--").split("=", 1) for a in command.rest)
+    devices = int(args.get("devices", 8))
+    simulate_devices(devices)  # before JAX starts
+    spec = command.prepare(with_placement=False, with_datasets=False).spec
     load = os.getloadavg()[0]
     print(
-        f"calibrating the cpu profile on {devices} simulated devices ({cfg.trainer.experiment_name}'s model; "
-        f"load average {load:.1f})",
+        f"calibrating the cpu profile on {devices} simulated devices ({spec.name}'s model; load average {load:.1f})",
         flush=True,
     )
-    m = measure(cfg, devices, repeats=int(args.get("repeats", 5)))
+    m = measure(spec, devices, repeats=int(args.get("repeats", 5)))
     prof = fit_profile(m, devices, f"calibrated {time.strftime('%Y-%m-%d %H:%M')} (load {load:.1f})")
     path = args.get("out", calibrated_path())
     save_profile(prof, path)

@@ -132,32 +132,40 @@ class DeviceProfile:
         return cls(**data)
 
 
-def _gpu(
-    name: str, tflops: float, tbps: float, gib: float, link_gbps: float, net_gbps: float, **kw: Any
+def _datasheet(
+    name: str, tflops: float, tbps: float, gib: float, intra_gbps: float, inter_gbps: float, per_host: int, **kw: Any
 ) -> DeviceProfile:
+    """A profile from its data sheet's units: peak TFLOP/s, HBM TB/s and GiB, the bandwidths
+    within a link domain (NVLink, ICI) and across (network, DCN) in GB/s per device."""
     return DeviceProfile(
         name=name,
         flops=tflops * 1e12,
         hbm_bw=tbps * 1e12,
         memory_gib=gib,
-        intra_bw=link_gbps * 1e9,
-        inter_bw=net_gbps * 1e9,
-        devices_per_host=8,
+        intra_bw=intra_gbps * 1e9,
+        inter_bw=inter_gbps * 1e9,
+        devices_per_host=per_host,
         **kw,
     )
+
+
+def _gpu(name: str, tflops: float, tbps: float, gib: float, nvlink_gbps: float, net_gbps: float) -> DeviceProfile:
+    """A GPU of hosts of 8."""
+    return _datasheet(name, tflops, tbps, gib, nvlink_gbps, net_gbps, 8)
 
 
 def _tpu(
     name: str, tflops: float, tbps: float, gib: float, ici_gbps: float, dcn_gbps: float, per_host: int, slice_chips: int
 ) -> DeviceProfile:
-    return DeviceProfile(
-        name=name,
-        flops=tflops * 1e12,
-        hbm_bw=tbps * 1e12,
-        memory_gib=gib,
-        intra_bw=ici_gbps * 1e9,
-        inter_bw=dcn_gbps * 1e9,
-        devices_per_host=per_host,
+    """A TPU: its slice is the link domain, rings over ICI, no host kernel launches."""
+    return _datasheet(
+        name,
+        tflops,
+        tbps,
+        gib,
+        ici_gbps,
+        dcn_gbps,
+        per_host,
         link_domain=slice_chips,
         protocols=TPU_ICI,
         kernel_overhead_s=1e-6,
@@ -195,14 +203,14 @@ PROFILES: dict[str, DeviceProfile] = {
     "tpu-v6e": _tpu("tpu-v6e", 918, 1.638, 32, 200, 3.1, 8, 256),
     # This CPU, uncalibrated (a guess for a few loaded cores simulating 8 devices); run
     # `python -m jaxflow.automap.calibrate` to replace it with a fitted profile.
-    "cpu": DeviceProfile(
-        name="cpu",
-        flops=20e9,
-        hbm_bw=10e9,
-        memory_gib=2.0,
-        intra_bw=5e9,
-        inter_bw=5e9,
-        devices_per_host=8,
+    "cpu": _datasheet(
+        "cpu",
+        0.02,
+        0.01,
+        2.0,
+        5,
+        5,
+        8,
         hbm_eff=1.0,
         protocols=(Protocol("host", 50e-6, 20e-6, 20e-6, 1.0),),
         kernel_overhead_s=20e-6,

@@ -12,25 +12,44 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import Any
-
-from ml_collections import ConfigDict
 
 from jaxflow.automap.profiles import DeviceProfile, GiB
 from jaxflow.automap.search import Plan
+from jaxflow.configs.run_spec import RunSpec
+from jaxflow.mesh import MeshSpec, Placement
 
 
-def apply_plan(cfg: ConfigDict, plan: Plan, num_devices: int) -> ConfigDict:
-    """A copy of ``cfg`` with the plan's placement and meshes (its config overrides)."""
-    out = cfg.copy_and_resolve_references()
-    with out.unlocked():
-        for key, value in plan.overrides(num_devices).items():
-            node = out
-            *parents, leaf = key.split(".")
-            for name in parents:
-                node = node[name]
-            node[leaf] = value
-    return out
+def plan_placement(plan: Plan, devices: Sequence[Any], spec: RunSpec) -> Placement:
+    """The plan's `Placement` of ``spec``'s roles on ``devices``: one pool (``global``) or the
+    plan's pools in device order, each named after its first role, with every role's mesh,
+    the actor's generation tp and the models' shapes."""
+    if len(plan.pools) == 1:
+        groups = [("global", plan.pools[0].devices, plan.pools[0].roles)]
+    else:
+        groups = [(p.roles[0], p.devices, p.roles) for p in plan.pools]
+    layouts = {role: rl.layout for p in plan.pools for role, rl in p.layouts.items()}
+    return Placement.from_groups(
+        groups,
+        devices,
+        meshes={role: MeshSpec(**layout.train_sizes) for role, layout in layouts.items()},
+        gen_tp={"actor": layouts["actor"].gen_tp},
+        models={role: m.config for role, m in spec.models.items() if m.config is not None},
+    )
+
+
+def apply_plan(spec: RunSpec, plan: Plan, devices: Sequence[Any]) -> RunSpec:
+    """``spec`` placed as ``plan`` says on ``devices`` (their count is the run's): the pools
+    and meshes, and the actor's decode slots when the plan lowered them."""
+    seqs = plan.pool_of("actor").layouts["actor"].layout.max_num_seqs
+    return dataclasses.replace(
+        spec,
+        num_devices=len(devices),
+        placement=plan_placement(plan, devices, spec),
+        rollout=dataclasses.replace(spec.rollout, max_num_seqs=seqs) if seqs else spec.rollout,
+        mapping=dataclasses.replace(spec.mapping, type="colocated" if len(plan.pools) == 1 else "custom"),
+    )
 
 
 def _program_key(spec: Any) -> tuple:
@@ -39,74 +58,75 @@ def _program_key(spec: Any) -> tuple:
     return spec.name, tuple(spec.mesh.shape.items()), spec.description
 
 
-def compile_check(
-    cfg: ConfigDict, plan: Plan, num_devices: int, prof: DeviceProfile, programs: Any = None, cache: dict | None = None
-) -> dict[str, Any]:
-    """Compile the plan's programs (the dry run's default set, or ``programs``) for
-    ``num_devices`` devices, in the order of a step, and judge them against the profile's
-    device memory; stop at the first that does not fit. ``cache`` (a dict shared across
-    plans) keeps each compiled program's memory by (program, mesh, shapes): a program several
-    plans share compiles once. Returns ``{"fits", "programs": [...], "rejected": "program:
-    bytes" | None, "compiled_now": programs compiled by this call}`` and stores it on
-    ``plan.compiled``."""
-    from jaxflow.plan.dry_run import compile_program
-    from jaxflow.plan.dry_run import plan as plan_programs
-    from jaxflow.plan.lowering import CompiledMemory
+def _program_row(p: Any, estimated_pool_bytes: int, cached: bool) -> dict[str, Any]:
+    """One compiled program (a `jaxflow.plan.dry_run.ProgramReport`) as a row of the check."""
+    return {
+        "program": p.name,
+        "role": p.role,
+        "phase": p.phase,
+        "mesh": p.mesh,
+        "compiled_peak_bytes": p.peak_bytes,
+        "compiled_peak_gib": p.peak_bytes / GiB,
+        "resident_gib": p.resident_bytes / GiB,
+        "compiled_total_gib": p.total_bytes / GiB,
+        "estimated_pool_peak_gib": estimated_pool_bytes / GiB,
+        "fits": p.fits,
+        "compile_s": p.compile_seconds,
+        "cached": cached,
+    }
 
-    planned = apply_plan(cfg, plan, num_devices)
-    with planned.unlocked():
-        planned.jaxflow.dry_run.device_memory_gib = prof.memory_gib
-    t0 = time.perf_counter()
-    report, specs = plan_programs(planned, programs)
-    cache = {} if cache is None else cache
-    estimates = {r: plan.pool_of(r).peak_bytes for r in (rp.role for rp in report.roles)}
-    rows, compiled_now, bad = [], 0, None
-    for spec in specs:
-        key = _program_key(spec)
-        cached = key in cache
-        if cached:
-            spec = dataclasses.replace(spec, lower=None, measure=lambda m=cache[key]: m)
-        p = compile_program(report, spec)
-        if not cached:
-            compiled_now += 1
-            cache[key] = CompiledMemory(
-                p.argument_bytes,
-                p.output_bytes,
-                p.alias_bytes,
-                p.temp_bytes,
-                p.generated_code_bytes,
-                p.compile_seconds,
-                p.extra,
-            )
-        rows.append(
-            {
-                "program": p.name,
-                "role": p.role,
-                "phase": p.phase,
-                "mesh": p.mesh,
-                "compiled_peak_bytes": p.peak_bytes,
-                "compiled_peak_gib": p.peak_bytes / GiB,
-                "resident_gib": p.resident_bytes / GiB,
-                "compiled_total_gib": p.total_bytes / GiB,
-                "estimated_pool_peak_gib": estimates[p.role] / GiB,
-                "fits": p.fits,
-                "compile_s": p.compile_seconds,
-                "cached": cached,
-            }
-        )
-        if not p.fits:
-            bad = p
-            break
-    rejected = None
+
+def _rejection(bad: Any, report: Any, prof: DeviceProfile) -> str | None:
+    """Why the plan does not fit: the first program over the device memory, else the dry run's
+    analytic estimate of a pool; None when it fits."""
     if bad is not None:
-        rejected = (
+        return (
             f"{bad.name} needs {bad.total_bytes / GiB:.2f} GiB per device (compiled peak "
             f"{bad.peak_bytes / GiB:.2f} + resident {bad.resident_bytes / GiB:.2f}) > "
             f"{prof.memory_gib:.1f} GiB"
         )
-    elif not report.fits:
+    if not report.fits:
         pools = [pp.name for pp in report.pools if not pp.fits]
-        rejected = f"the dry run's analytic estimate of pool(s) {pools} exceeds {prof.memory_gib:.1f} GiB"
+        return f"the dry run's analytic estimate of pool(s) {pools} exceeds {prof.memory_gib:.1f} GiB"
+    return None
+
+
+def compile_check(
+    spec: RunSpec, plan: Plan, num_devices: int, prof: DeviceProfile, programs: Any = None, cache: dict | None = None
+) -> dict[str, Any]:
+    """Compile the plan's programs (the dry run's default set, or ``programs``) for
+    ``num_devices`` simulated devices, in the order of a step, and judge them against the
+    profile's device memory; stop at the first that does not fit. ``cache`` (a dict shared
+    across plans) keeps each compiled program's memory by (program, mesh, shapes): a program
+    several plans share compiles once. Returns ``{"fits", "programs": [...], "rejected":
+    "program: bytes" | None, "compiled_now": programs compiled by this call}`` and stores it on
+    ``plan.compiled``."""
+    from jaxflow.plan.dry_run import compile_program, simulated_devices
+    from jaxflow.plan.dry_run import plan as plan_programs
+    from jaxflow.plan.lowering import CompiledMemory
+
+    planned = apply_plan(spec, plan, simulated_devices(num_devices, spec.name))
+    planned = dataclasses.replace(
+        planned, dry_run=dataclasses.replace(planned.dry_run, device_memory_gib=prof.memory_gib)
+    )
+    t0 = time.perf_counter()
+    report, specs = plan_programs(planned, programs)
+    cache = {} if cache is None else cache
+    rows, compiled_now, bad = [], 0, None
+    for program in specs:
+        key = _program_key(program)
+        cached = key in cache
+        if cached:
+            program = dataclasses.replace(program, lower=None, measure=lambda m=cache[key]: m)
+        p = compile_program(report, program)
+        if not cached:
+            compiled_now += 1
+            cache[key] = CompiledMemory(**{f.name: getattr(p, f.name) for f in dataclasses.fields(CompiledMemory)})
+        rows.append(_program_row(p, plan.pool_of(p.role).peak_bytes, cached))
+        if not p.fits:
+            bad = p
+            break
+    rejected = _rejection(bad, report, prof)
     result = {
         "fits": rejected is None,
         "programs": rows,
@@ -120,8 +140,16 @@ def compile_check(
     return result
 
 
+def _verdict(result: dict[str, Any]) -> str:
+    """``fits (compiled max 1.20 GiB vs estimated 1.10 GiB per device)``, or ``REJECTED: why (...)``."""
+    return ("fits" if result["fits"] else f"REJECTED: {result['rejected']}") + (
+        f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
+        f"{result['estimated_max_pool_gib']:.2f} GiB per device)"
+    )
+
+
 def choose_verified(
-    cfg: ConfigDict,
+    spec: RunSpec,
     plans: list[Plan],
     num_devices: int,
     prof: DeviceProfile,
@@ -136,15 +164,10 @@ def choose_verified(
     cache: dict = {}
     tried, rejected = 0, []
     for i, plan in enumerate(plans, 1):
-        result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
+        result = compile_check(spec, plan, num_devices, prof, programs=programs, cache=cache)
         if log is not None:
             how = "" if result["compiled_now"] else " (programs compiled before)"
-            log(
-                f"compiled plan {i}: "
-                + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
-                + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
-                f"{result['estimated_max_pool_gib']:.2f} GiB per device){how}"
-            )
+            log(f"compiled plan {i}: {_verdict(result)}{how}")
         if result["fits"]:
             return plan
         rejected.append(f"plan {i}: {result['rejected']}")
@@ -177,7 +200,7 @@ def memory_correction(plan: Plan, row: dict[str, Any]) -> tuple[str, float] | No
 
 
 def search_verified(
-    cfg: ConfigDict,
+    spec: RunSpec,
     mapper: Any,
     num_devices: int,
     attempts: int = 3,
@@ -201,15 +224,9 @@ def search_verified(
         if not fresh:
             break
         plan = fresh[0]
-        result = compile_check(cfg, plan, num_devices, prof, programs=programs, cache=cache)
-        rank = plans.index(plan) + 1
+        result = compile_check(spec, plan, num_devices, prof, programs=programs, cache=cache)
         if log is not None:
-            log(
-                f"compiled plan {rank} of the ranking: "
-                + ("fits" if result["fits"] else f"REJECTED: {result['rejected']}")
-                + f" (compiled max {result['compiled_max_total_gib']:.2f} GiB vs estimated "
-                f"{result['estimated_max_pool_gib']:.2f} GiB per device)"
-            )
+            log(f"compiled plan {plans.index(plan) + 1} of the ranking: {_verdict(result)}")
         if result["fits"]:
             return plan, plans
         rejected[plan.key()] = result["rejected"]

@@ -1,6 +1,6 @@
 """What the auto-mapper plans: the roles' models and the dataflow of one RL iteration, read
-from the run's typed description (:func:`jaxflow.configs.run_spec.describe_run`, without a
-placement: the mapper is what places it).
+from the run's typed description (`RunSpec`, without a placement: the mapper is what places
+it; `jaxflow.configs.prepare.prepare_run` with ``with_placement=False`` describes any run so).
 
 The dataflow (HybridFlow's PPO; the other algorithms drop roles they do not run)::
 
@@ -24,13 +24,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxflow.configs.run_spec import RunSpec, describe_run
+from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.plan.lowering import forward_of, run_algorithm
@@ -197,8 +196,7 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         if mc is None:
             raise ValueError(f"cannot plan {role!r}: its model path has no config.json to read the shapes from")
         models[role] = role_model(role, Role(role).head, mc)
-    train = {"actor": spec.actor, "critic": spec.critic}
-    train = {r: c for r, c in train.items() if r in spec.roles}
+    train = {r: c for r, c in spec.roles.items() if r in TRAINING_ROLES}
     algorithm = run_algorithm(spec)
     # The actor's log-prob forward: the rollout scores them, or the update is not on-policy;
     # never in bypass mode (the rollout's own log-probs are the old ones).
@@ -218,15 +216,6 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).micro_batch_size_per_device for r in spec.roles},
         max_num_seqs=spec.rollout.max_num_seqs,
         state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
-        stages=dataflow(spec.roles, old_log_probs, algorithm.extra_rollouts, spec.ref_in_actor),
+        stages=dataflow(tuple(spec.roles), old_log_probs, algorithm.extra_rollouts, spec.ref_in_actor),
         lora_merge=spec.rollout.lora_merge,
     )
-
-
-def workload_from_config(cfg: Any) -> Workload:
-    """The workload of an RL experiment config: :func:`workload_from_spec` of its
-    description (each role's model from its preset, ``preset:NAME`` path or checkpoint
-    ``config.json``)."""
-    if cfg.jaxflow.job != "rl":
-        raise ValueError(f"the auto-mapper plans RL jobs; jaxflow.job is {cfg.jaxflow.job!r}")
-    return workload_from_spec(describe_run(cfg, with_placement=False))

@@ -9,8 +9,10 @@
 - :func:`get_config`, :func:`apply_overrides` (:mod:`~jaxflow.configs.overrides`),
   :func:`validate` (:mod:`~jaxflow.configs.validate`; raises :class:`ConfigError`).
 - :data:`KEY_DOCS`: one line per key (``python -m jaxflow.configs.docs`` prints the table).
-- :func:`describe_run` (:mod:`~jaxflow.configs.run_spec`): the one typed description of a
-  run (`RunSpec`) that real runs and dry runs consume.
+- :func:`prepare_run` (:mod:`~jaxflow.configs.prepare`): the config read once into a
+  `PreparedRun`: the one typed description of the run (`RunSpec`,
+  :mod:`~jaxflow.configs.run_spec`), its tokenizer and prompts, which the trainer, the dry
+  run, the SFT job and the auto-mapper consume; nothing below them reads a config.
 - Helpers that interpret a config for the run exactly as validation does
   (:mod:`~jaxflow.configs.resolve`):
   :func:`active_roles`, :func:`placement_groups`, :func:`mesh_sizes`,
@@ -131,13 +133,13 @@ def load_config(name_or_path: str = DEFAULT_CONFIG, overrides: Iterable[str] = (
     return cfg
 
 
-def parse_cli_args(argv: Sequence[str]) -> tuple[str, list[str], list[str]]:
+def parse_cli_args(argv: Sequence[str], default: str = DEFAULT_CONFIG) -> tuple[str, list[str], list[str]]:
     """Splits ``argv`` into ``(config name or path, overrides, other arguments)``.
 
     Understands ``--config=NAME``, ``--config NAME``, ``--config.key=value`` and
-    ``--config.key value``; the config defaults to :data:`DEFAULT_CONFIG`.
+    ``--config.key value``; the config defaults to ``default``.
     """
-    name, overrides, rest = DEFAULT_CONFIG, [], []
+    name, overrides, rest = default, [], []
     args = list(argv)
     i = 0
     while i < len(args):
@@ -171,16 +173,23 @@ def describe_named() -> str:
     return "\n".join(lines)
 
 
-# The typed run description (`jaxflow.configs.run_spec`) imports JAX and the workers; it
-# loads on first use, so that reading a config stays cheap.
-_RUN_SPEC_NAMES = ("ModelSpec", "RewardSpec", "RunSpec", "build_tokenizer", "describe_run")
+# The typed run description (`jaxflow.configs.run_spec`, `jaxflow.configs.prepare`) imports JAX
+# and the workers; it loads on first use, so that reading a config stays cheap.
+_LAZY = {
+    "ModelSpec": "run_spec",
+    "RewardSpec": "run_spec",
+    "RunSpec": "run_spec",
+    "build_tokenizer": "run_spec",
+    "describe_run": "run_spec",
+    "PreparedRun": "prepare",
+    "prepare_run": "prepare",
+}
 
 
 def __getattr__(name: str):
-    if name in _RUN_SPEC_NAMES:
-        from jaxflow.configs import run_spec
-
-        return getattr(run_spec, name)
+    if name in _LAZY:
+        module = importlib.import_module(f"jaxflow.configs.{_LAZY[name]}")
+        return getattr(module, name)
     raise AttributeError(f"module 'jaxflow.configs' has no attribute {name!r}")
 
 
@@ -193,6 +202,7 @@ __all__ = [
     "NAMED",
     "ConfigError",
     "ModelSpec",
+    "PreparedRun",
     "RewardSpec",
     "RunSpec",
     "active_roles",
@@ -213,6 +223,7 @@ __all__ = [
     "parse_cli_args",
     "parse_value",
     "placement_groups",
+    "prepare_run",
     "uses_reference",
     "validate",
 ]

@@ -20,7 +20,8 @@ jaxflow.configs.docs`` prints it as a markdown table.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
+from typing import Any, NamedTuple
 
 from ml_collections import ConfigDict, config_dict
 
@@ -34,6 +35,56 @@ class Optional_:
 
 def _opt(t: type) -> Optional_:
     return Optional_(t)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bound:
+    """A key's allowed values, checked alike for every key by `jaxflow.configs.validate`
+    (None passes for an optional key; a sequence is checked element by element): ``lo`` ..
+    ``hi``, each end closed or open as ``ends`` says (``"[]"``, ``"(]"``, ``"[)"``, ``"()"``),
+    or one of ``also``. An error states it as ``text`` (default: the interval) plus ``note``.
+    ``when``: checked only while that part of the run is on (``critic``: a critic runs;
+    ``adaptive_kl``: the adaptive KL controller)."""
+
+    lo: float = -math.inf
+    hi: float = math.inf
+    ends: str = "[]"
+    also: tuple[float, ...] = ()
+    text: str = ""
+    note: str = ""
+    when: str = ""
+
+    def holds(self, value: float) -> bool:
+        above = self.lo < value if self.ends[0] == "(" else self.lo <= value
+        below = value < self.hi if self.ends[1] == ")" else value <= self.hi
+        return value in self.also or (above and below)
+
+    def describe(self) -> str:
+        """``>= 1``, ``> 0``, ``in (0, 1]``, or ``text``; then ``note``."""
+        if self.text:
+            words = self.text
+        elif self.hi == math.inf:
+            words = f"{'>' if self.ends[0] == '(' else '>='} {self.lo:g}"
+        else:
+            words = f"in {self.ends[0]}{self.lo:g}, {self.hi:g}{self.ends[1]}"
+        return words + self.note
+
+
+AT_LEAST_1 = Bound(lo=1)
+AT_LEAST_0 = Bound(lo=0)
+POSITIVE = Bound(lo=0, ends="(]")
+FRACTION = Bound(0, 1)
+STEPS_OR_NEVER = Bound(lo=1, also=(-1,), text="-1 (never) or >= 1 steps")
+
+
+class Field(NamedTuple):
+    """One row of `FIELDS`: the dotted key, its default (``_opt(T)``: None, else a T), its
+    one-line description, and its allowed values (None: any of its type)."""
+
+    key: str
+    default: Any
+    doc: str
+    bound: Bound | None = None
 
 
 _MESH_DOC = "{role}: size of the {axis} axis of its mesh ({what}); -1 = what the pool leaves."
@@ -51,21 +102,30 @@ def _mesh_fields(prefix: str, role: str, dp: int = 1, fsdp: int = -1, tp: int = 
     ]
 
 
-def _optim_fields(prefix: str, lr: float) -> list[tuple[str, Any, str]]:
+def _optim_fields(prefix: str, lr: float, when: str = "") -> list[tuple]:
+    """An optimizer's keys; ``when``: the part of the run that must be on for their bounds to
+    be checked (the critic's)."""
     return [
-        (f"{prefix}.lr", lr, "Peak learning rate (AdamW)."),
+        (f"{prefix}.lr", lr, "Peak learning rate (AdamW).", Bound(lo=0, ends="(]", when=when)),
         (f"{prefix}.lr_warmup_steps", -1, "Linear warmup steps; negative = use lr_warmup_steps_ratio (0 = no warmup)."),
-        (f"{prefix}.lr_warmup_steps_ratio", 0.0, "Warmup steps as a fraction of the total training steps."),
+        (
+            f"{prefix}.lr_warmup_steps_ratio",
+            0.0,
+            "Warmup steps as a fraction of the total training steps.",
+            Bound(0, 1, when=when),
+        ),
         (f"{prefix}.warmup_style", "constant", "LR schedule after warmup: constant | cosine."),
-        (f"{prefix}.min_lr_ratio", 0.0, "Final LR / peak LR for the cosine schedule."),
-        (f"{prefix}.weight_decay", 0.01, "AdamW decoupled weight decay."),
-        (f"{prefix}.betas", (0.9, 0.999), "AdamW (beta1, beta2)."),
+        (f"{prefix}.min_lr_ratio", 0.0, "Final LR / peak LR for the cosine schedule.", Bound(0, 1, when=when)),
+        (f"{prefix}.weight_decay", 0.01, "AdamW decoupled weight decay.", Bound(lo=0, when=when)),
+        (f"{prefix}.betas", (0.9, 0.999), "AdamW (beta1, beta2).", Bound(0, 1, "[)", when=when)),
     ]
 
 
-# (key, default, one-line description). ``_opt(T)`` defaults to None and otherwise holds a T.
-FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
-    [
+# (key, default, one-line description[, bound]). ``_opt(T)`` defaults to None and otherwise
+# holds a T; a `Bound` says what values the key takes (`Field`).
+FIELDS: tuple[Field, ...] = tuple(
+    Field(*row)
+    for row in [
         # --- data (verl) ---------------------------------------------------------------------
         (
             "data.train_files",
@@ -80,10 +140,15 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "data_source",
             "Column that selects the rule-based reward function (verl's key; only data_source is supported).",
         ),
-        ("data.max_prompt_length", 16, "Prompt length P in tokens; prompts are left-padded to P."),
-        ("data.max_response_length", 8, "Response length R in tokens; generation stops at EOS or R."),
-        ("data.train_batch_size", 64, "Prompts per training step (each gets rollout.n responses)."),
-        ("data.val_batch_size", _opt(int), "Prompts per validation batch; None = the whole validation set at once."),
+        ("data.max_prompt_length", 16, "Prompt length P in tokens; prompts are left-padded to P.", AT_LEAST_1),
+        ("data.max_response_length", 8, "Response length R in tokens; generation stops at EOS or R.", AT_LEAST_1),
+        ("data.train_batch_size", 64, "Prompts per training step (each gets rollout.n responses).", AT_LEAST_1),
+        (
+            "data.val_batch_size",
+            _opt(int),
+            "Prompts per validation batch; None = the whole validation set at once.",
+            AT_LEAST_1,
+        ),
         ("data.truncation", "error", "Prompts longer than P: error | left | right | filter (drop)."),
         ("data.shuffle", True, "Shuffle the training prompts each epoch."),
         ("data.seed", 1, "Seed of the prompt shuffling."),
@@ -125,13 +190,15 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "actor_rollout_ref.actor.ppo_mini_batch_size",
             32,
             "Prompts per PPO mini-batch (one optimizer step); holds ppo_mini_batch_size * rollout.n responses.",
+            AT_LEAST_1,
         ),
         (
             "actor_rollout_ref.actor.ppo_micro_batch_size_per_device",
             4,
             "Responses per data-parallel rank per forward/backward pass (gradient accumulation).",
+            AT_LEAST_1,
         ),
-        ("actor_rollout_ref.actor.ppo_epochs", 1, "Passes over each training batch."),
+        ("actor_rollout_ref.actor.ppo_epochs", 1, "Passes over each training batch.", AT_LEAST_1),
         (
             "actor_rollout_ref.actor.use_dynamic_bsz",
             False,
@@ -144,12 +211,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
         ),
         ("actor_rollout_ref.actor.shuffle", False, "Reshuffle the batch into mini-batches at every PPO epoch."),
         ("actor_rollout_ref.actor.grad_clip", 1.0, "Global gradient-norm clip; <= 0 disables clipping."),
-        ("actor_rollout_ref.actor.clip_ratio_low", 0.2, "PPO ratio clip below: 1 - clip_ratio_low."),
-        ("actor_rollout_ref.actor.clip_ratio_high", 0.2, "PPO ratio clip above: 1 + clip_ratio_high."),
+        ("actor_rollout_ref.actor.clip_ratio_low", 0.2, "PPO ratio clip below: 1 - clip_ratio_low.", Bound(0, 1, "()")),
+        ("actor_rollout_ref.actor.clip_ratio_high", 0.2, "PPO ratio clip above: 1 + clip_ratio_high.", POSITIVE),
         (
             "actor_rollout_ref.actor.clip_ratio_c",
             3.0,
             "Dual-clip PPO bound for negative advantages (> 1); dppo_tv / dppo_kl: the truncation of their IS ratio.",
+            Bound(lo=1, ends="(]", note=" (the dual-clip bound)"),
         ),
         ("actor_rollout_ref.actor.tau_pos", 1.0, "sapo: gate temperature of tokens with a positive advantage (> 0)."),
         ("actor_rollout_ref.actor.tau_neg", 1.05, "sapo: gate temperature of the other tokens (> 0)."),
@@ -196,12 +264,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "KL estimator of that loss: kl (k1) | abs | mse (k2) | low_var_kl (k3), '+' suffix = straight-through k2"
             " gradient.",
         ),
-        ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "Coefficient of the KL loss."),
+        ("actor_rollout_ref.actor.kl_loss_coef", 0.001, "Coefficient of the KL loss.", AT_LEAST_0),
         *_optim_fields("actor_rollout_ref.actor.optim", 1e-4),
         (
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
             16,
             "Responses per data-parallel rank per reference log-prob forward pass.",
+            AT_LEAST_1,
         ),
         (
             "actor_rollout_ref.ref.log_prob_use_dynamic_bsz",
@@ -213,10 +282,20 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             16384,
             "Token budget of one reference forward micro-batch per data-parallel rank.",
         ),
-        ("actor_rollout_ref.rollout.n", 1, "Responses sampled per prompt (>= 2 for group baselines: grpo, rloo, ...)."),
-        ("actor_rollout_ref.rollout.temperature", 1.0, "Sampling temperature."),
-        ("actor_rollout_ref.rollout.top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off."),
-        ("actor_rollout_ref.rollout.top_k", -1, "Top-k sampling; -1 or 0 = off."),
+        (
+            "actor_rollout_ref.rollout.n",
+            1,
+            "Responses sampled per prompt (>= 2 for group baselines: grpo, rloo, ...).",
+            AT_LEAST_1,
+        ),
+        ("actor_rollout_ref.rollout.temperature", 1.0, "Sampling temperature.", AT_LEAST_0),
+        ("actor_rollout_ref.rollout.top_p", 1.0, "Nucleus sampling mass in (0, 1]; 1 = off.", Bound(0, 1, "(]")),
+        (
+            "actor_rollout_ref.rollout.top_k",
+            -1,
+            "Top-k sampling; -1 or 0 = off.",
+            Bound(lo=-1, text="-1 or 0 (off) or a positive k"),
+        ),
         ("actor_rollout_ref.rollout.do_sample", True, "Sample (True) or decode greedily (False)."),
         (
             "actor_rollout_ref.rollout.ignore_eos",
@@ -228,6 +307,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             0,
             "Decode slots per generation data-parallel group: sequences decoded at once, a finished one's slot refilled; "
             "0 = the engine's default (every row, at most 256).",
+            AT_LEAST_0,
         ),
         (
             "actor_rollout_ref.rollout.max_total_tokens",
@@ -235,6 +315,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "KV-cache budget per generation data-parallel group, in tokens (sglang's max_total_tokens): the page pool's "
             "size; a sequence that finds no free page waits for one; 0 = the engine's default (the prompts alive and a "
             "quarter of every slot's response length).",
+            AT_LEAST_0,
         ),
         (
             "actor_rollout_ref.rollout.stop",
@@ -251,6 +332,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device",
             16,
             "Responses per data-parallel rank per old-log-prob forward pass of the actor.",
+            AT_LEAST_1,
         ),
         (
             "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz",
@@ -262,14 +344,20 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             16384,
             "Token budget of one old-log-prob forward micro-batch per data-parallel rank.",
         ),
-        ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt."),
+        ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt.", AT_LEAST_1),
         (
             "actor_rollout_ref.rollout.val_kwargs.temperature",
             0.0,
             "Validation: sampling temperature (0 with do_sample=False = greedy).",
+            AT_LEAST_0,
         ),
-        ("actor_rollout_ref.rollout.val_kwargs.top_p", 1.0, "Validation: nucleus sampling mass."),
-        ("actor_rollout_ref.rollout.val_kwargs.top_k", -1, "Validation: top-k; -1 or 0 = off."),
+        ("actor_rollout_ref.rollout.val_kwargs.top_p", 1.0, "Validation: nucleus sampling mass.", Bound(0, 1, "(]")),
+        (
+            "actor_rollout_ref.rollout.val_kwargs.top_k",
+            -1,
+            "Validation: top-k; -1 or 0 = off.",
+            Bound(lo=-1, text="-1 or 0 (off) or a positive k"),
+        ),
         ("actor_rollout_ref.rollout.val_kwargs.do_sample", False, "Validation: sample (True) or greedy (False)."),
         # --- critic (verl) ---------------------------------------------------------------------
         ("critic.enable", _opt(bool), "Run a critic (value model); None = only when algorithm.adv_estimator is gae."),
@@ -279,7 +367,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "Critic weights (value head on the decoder): HF checkpoint directory, 'preset:NAME', or empty = the actor's "
             "model.",
         ),
-        *_optim_fields("critic.optim", 1e-3),
+        *_optim_fields("critic.optim", 1e-3, when="critic"),
         ("critic.model.use_remove_padding", False, "Critic value / update forwards over packed real tokens."),
         (
             "critic.use_dynamic_bsz",
@@ -292,17 +380,29 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "critic.ppo_mini_batch_size",
             32,
             "Prompts per critic mini-batch (times rollout.n responses), as the actor's.",
+            Bound(lo=1, when="critic"),
         ),
         (
             "critic.ppo_micro_batch_size_per_device",
             4,
             "Responses per data-parallel rank per critic forward/backward pass.",
+            Bound(lo=1, when="critic"),
         ),
-        ("critic.forward_micro_batch_size_per_device", 16, "Responses per data-parallel rank per value forward pass."),
-        ("critic.ppo_epochs", 1, "Critic passes over each training batch."),
+        (
+            "critic.forward_micro_batch_size_per_device",
+            16,
+            "Responses per data-parallel rank per value forward pass.",
+            Bound(lo=1, when="critic"),
+        ),
+        ("critic.ppo_epochs", 1, "Critic passes over each training batch.", Bound(lo=1, when="critic")),
         ("critic.shuffle", False, "Reshuffle the critic's mini-batches at every epoch."),
         ("critic.grad_clip", 1.0, "Critic global gradient-norm clip; <= 0 disables clipping."),
-        ("critic.cliprange_value", 0.5, "Value clipping range around the old values."),
+        (
+            "critic.cliprange_value",
+            0.5,
+            "Value clipping range around the old values.",
+            Bound(lo=0, ends="(]", when="critic"),
+        ),
         ("critic.loss_agg_mode", "token-mean", "Value-loss aggregation (same modes as the actor's)."),
         # --- reward (verl) ---------------------------------------------------------------------
         (
@@ -325,6 +425,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "reward_model.micro_batch_size_per_device",
             16,
             "Responses per data-parallel rank per reward-model forward pass.",
+            AT_LEAST_1,
         ),
         (
             "custom_reward_function.path",
@@ -350,8 +451,8 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             _opt(list),
             "gdpo: one weight per gdpo_reward_keys entry; None = all 1.",
         ),
-        ("algorithm.gamma", 1.0, "Discount factor (gae, reinforce_plus_plus)."),
-        ("algorithm.lam", 1.0, "GAE lambda."),
+        ("algorithm.gamma", 1.0, "Discount factor (gae, reinforce_plus_plus).", FRACTION),
+        ("algorithm.lam", 1.0, "GAE lambda.", FRACTION),
         ("algorithm.norm_adv_by_std_in_grpo", True, "GRPO: divide by the group's reward std (False = Dr. GRPO)."),
         ("algorithm.use_kl_in_reward", False, "Subtract kl_ctrl.kl_coef * KL(actor || ref) from the token rewards."),
         (
@@ -360,9 +461,19 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "KL estimator of the in-reward penalty: kl | abs | mse | low_var_kl (+ suffix allowed).",
         ),
         ("algorithm.kl_ctrl.type", "fixed", "KL coefficient controller: fixed | adaptive."),
-        ("algorithm.kl_ctrl.kl_coef", 0.001, "(Initial) in-reward KL coefficient."),
-        ("algorithm.kl_ctrl.horizon", 10000, "Adaptive controller horizon (responses)."),
-        ("algorithm.kl_ctrl.target_kl", 0.1, "Adaptive controller target KL."),
+        ("algorithm.kl_ctrl.kl_coef", 0.001, "(Initial) in-reward KL coefficient.", AT_LEAST_0),
+        (
+            "algorithm.kl_ctrl.horizon",
+            10000,
+            "Adaptive controller horizon (responses).",
+            Bound(lo=0, ends="(]", note=" for the adaptive controller", when="adaptive_kl"),
+        ),
+        (
+            "algorithm.kl_ctrl.target_kl",
+            0.1,
+            "Adaptive controller target KL.",
+            Bound(lo=0, ends="(]", note=" for the adaptive controller", when="adaptive_kl"),
+        ),
         (
             "algorithm.rollout_correction.bypass_mode",
             False,
@@ -401,26 +512,32 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "Their thresholds: one for all or one per criterion (comma-separated); *_k1 take 'lower_upper' ratio bounds.",
         ),
         # --- trainer (verl) ----------------------------------------------------------------------
-        ("trainer.total_epochs", 1, "Passes over the training prompts (when total_training_steps is None)."),
+        (
+            "trainer.total_epochs",
+            1,
+            "Passes over the training prompts (when total_training_steps is None).",
+            AT_LEAST_1,
+        ),
         (
             "trainer.total_training_steps",
             _opt(int),
             "Training steps; None = total_epochs * steps per epoch. When set it wins (the data loader wraps around).",
+            AT_LEAST_1,
         ),
         ("trainer.project_name", "jaxflow", "Project name (loggers, checkpoint directory)."),
         ("trainer.experiment_name", "base", "Experiment name (loggers, checkpoint directory)."),
         ("trainer.logger", ["console"], "Metric sinks: any of console, jsonl, tensorboard, wandb."),
-        ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation."),
-        ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never."),
+        ("trainer.log_val_generations", 0, "Validation generations printed / logged per validation.", AT_LEAST_0),
+        ("trainer.save_freq", -1, "Checkpoint every this many steps (and at the end); -1 = never.", STEPS_OR_NEVER),
         (
             "trainer.save_hf",
             False,
             "Also write the actor as an HF directory (safetensors + tokenizer) into each checkpoint's step_N/hf_actor; "
             "the end of a run always writes <run dir>/hf_actor.",
         ),
-        ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never."),
+        ("trainer.test_freq", -1, "Validate every this many steps (and at the end); -1 = never.", STEPS_OR_NEVER),
         ("trainer.val_before_train", True, "Validate once before the first step."),
-        ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts."),
+        ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts.", AT_LEAST_0),
         (
             "trainer.balance_batch",
             False,
@@ -439,8 +556,18 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "",
             "Checkpoint directory; empty = checkpoints/<project_name>/<experiment_name>.",
         ),
-        ("trainer.max_actor_ckpt_to_keep", _opt(int), "Keep this many latest actor checkpoints; None = all."),
-        ("trainer.max_critic_ckpt_to_keep", _opt(int), "Keep this many latest critic checkpoints; None = all."),
+        (
+            "trainer.max_actor_ckpt_to_keep",
+            _opt(int),
+            "Keep this many latest actor checkpoints; None = all.",
+            AT_LEAST_1,
+        ),
+        (
+            "trainer.max_critic_ckpt_to_keep",
+            _opt(int),
+            "Keep this many latest critic checkpoints; None = all.",
+            AT_LEAST_1,
+        ),
         ("trainer.seed", 0, "Seed of parameter init, sampling and dropout-free randomness."),
         # --- jaxflow: system -------------------------------------------------------------------
         ("jaxflow.job", "rl", "What the run does: rl (the RL loop) | sft (supervised warm start, see jaxflow.sft)."),
@@ -461,9 +588,10 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             8,
             "ray backend: accelerators per host, one process per host per worker group (CPU: simulated devices per "
             "process); jaxflow.num_devices / devices_per_host hosts, and every pool takes whole hosts.",
+            AT_LEAST_1,
         ),
         ("jaxflow.ray.accelerator", "cpu", "ray backend: cpu | gpu | tpu (what a host bundle asks Ray for)."),
-        ("jaxflow.ray.cpus_per_host", 1.0, "ray backend: CPU cores in each host's bundle."),
+        ("jaxflow.ray.cpus_per_host", 1.0, "ray backend: CPU cores in each host's bundle.", POSITIVE),
         (
             "jaxflow.ray.tpu_topology",
             "",
@@ -475,28 +603,33 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "jaxflow.ray.compile_deadline_s",
             900.0,
             "ray backend: deadline of a worker call that compiles (a method's first call with given shapes, role builds).",
+            POSITIVE,
         ),
-        ("jaxflow.ray.step_deadline_s", 600.0, "ray backend: deadline of every other worker call."),
+        ("jaxflow.ray.step_deadline_s", 600.0, "ray backend: deadline of every other worker call.", POSITIVE),
         (
             "jaxflow.ray.sync_deadline_s",
             180.0,
             "ray backend: deadline of world set-up (jax.distributed.initialize) and of the other ranks after one failed.",
+            POSITIVE,
         ),
         (
             "jaxflow.ray.schedule_timeout_s",
             60.0,
             "ray backend: a worker group whose host bundles the cluster cannot place within this is reported.",
+            POSITIVE,
         ),
         (
             "jaxflow.ray.max_restarts",
             0,
             "ray backend: after a worker process dies or a call passes its deadline, stop every group, start fresh "
             "processes and resume from the last complete checkpoint, at most this many times; 0 = stop with the error.",
+            AT_LEAST_0,
         ),
         (
             "jaxflow.num_devices",
             8,
             "Devices the run uses; on CPU this many devices are simulated (XLA host platform device count).",
+            AT_LEAST_1,
         ),
         (
             "jaxflow.placement.type",
@@ -532,6 +665,7 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             2,
             "actor generation tensor parallelism; must divide the training weight-parallel degree fsdp*tp (the rest becomes"
             " generation dp).",
+            AT_LEAST_1,
         ),
         *_mesh_fields("jaxflow.mesh.critic", "critic"),
         *_mesh_fields("jaxflow.mesh.ref", "reference policy"),
@@ -582,29 +716,38 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
         ),
         ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
         ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
-        ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split)."),
+        ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split).", AT_LEAST_1),
         ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),
-        ("jaxflow.reward.timeout_s", 5.0, "Per-response time limit of a custom reward function (then it scores 0)."),
+        (
+            "jaxflow.reward.timeout_s",
+            5.0,
+            "Per-response time limit of a custom reward function (then it scores 0).",
+            Bound(lo=0, ends="(]", note=" seconds"),
+        ),
         (
             "jaxflow.reward.batch_timeout_s",
             60.0,
             "Time limit of one batch's custom reward calls; samples unscored by then score 0 (counted as timeouts).",
+            Bound(lo=0, ends="(]", note=" seconds"),
         ),
         (
             "jaxflow.reward.load_timeout_s",
             60.0,
             "Time limit for importing custom_reward_function.path (in a worker, before the run builds anything else).",
+            Bound(lo=0, ends="(]", note=" seconds"),
         ),
         (
             "jaxflow.reward.max_failure_fraction",
             0.5,
             "Stop the run when more than this fraction of the reward calls of the last 5 batches failed (errors and "
             "timeouts); a batch whose every sample fails always stops it. 1.0 = only that.",
+            Bound(0, 1, "(]"),
         ),
         (
             "jaxflow.trainer.max_nonfinite_steps",
             3,
             "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped).",
+            AT_LEAST_0,
         ),
         (
             "jaxflow.rollout_probe.enable",
@@ -649,7 +792,12 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             8,
             "sft job: demonstrations per data-parallel rank per forward/backward pass.",
         ),
-        ("jaxflow.sft.test_freq", 50, "sft job: greedy accuracy on the test split every this many steps; -1 = never."),
+        (
+            "jaxflow.sft.test_freq",
+            50,
+            "sft job: greedy accuracy on the test split every this many steps; -1 = never.",
+            STEPS_OR_NEVER,
+        ),
         (
             "jaxflow.sft.output_dir",
             "checkpoints/jaxflow/sft_tiny",
@@ -694,11 +842,13 @@ FIELDS: tuple[tuple[str, Any, str], ...] = tuple(
             "jaxflow.dry_run.device_memory_gib",
             80.0,
             "Dry run: per-device memory budget the compiled programs are checked against.",
+            POSITIVE,
         ),
     ]
 )
 
-KEY_DOCS: dict[str, str] = {key: doc for key, _, doc in FIELDS}
+KEY_DOCS: dict[str, str] = {f.key: f.doc for f in FIELDS}
+BOUNDS: dict[str, Bound] = {f.key: f.bound for f in FIELDS if f.bound is not None}
 
 
 def _type_of(default: Any) -> tuple[type, bool]:
@@ -708,16 +858,16 @@ def _type_of(default: Any) -> tuple[type, bool]:
 
 
 # key -> (type, optional). Used by apply_overrides (for fields whose value is None) and validate.
-KEY_TYPES: dict[str, tuple[type, bool]] = {key: _type_of(default) for key, default, _ in FIELDS}
+KEY_TYPES: dict[str, tuple[type, bool]] = {f.key: _type_of(f.default) for f in FIELDS}
 
-DEFAULTS: dict[str, Any] = {key: (None if isinstance(default, Optional_) else default) for key, default, _ in FIELDS}
+DEFAULTS: dict[str, Any] = {f.key: (None if isinstance(f.default, Optional_) else f.default) for f in FIELDS}
 
 
 def get_base_config() -> ConfigDict:
     """A fresh ConfigDict with every key at its default (unlocked, so named configs may edit
     it; :func:`jaxflow.configs.get_config` locks what it returns)."""
     cfg = ConfigDict()
-    for key, default, _ in FIELDS:
+    for key, default, *_ in FIELDS:
         *parents, leaf = key.split(".")
         node = cfg
         for name in parents:
@@ -731,12 +881,26 @@ def get_base_config() -> ConfigDict:
     return cfg
 
 
-def tiny_config(name: str) -> ConfigDict:
+def tiny_config(
+    name: str, adv_estimator: str = "gae", *, kl_in_reward: bool = False, kl_loss_type: str = ""
+) -> ConfigDict:
     """The base config with the settings shared by the ``*_tiny`` configs: a self-contained CPU
     run of a few minutes that visibly learns one-digit addition (300 steps, validation every 50,
-    no checkpoints; a rerun resumes from the run directory's checkpoints if it has any)."""
+    no checkpoints; a rerun resumes from the run directory's checkpoints if it has any).
+
+    The algorithm: ``adv_estimator`` (a critic for ``gae`` only), the KL to the reference
+    either in the reward (``kl_in_reward``) or as a loss (``kl_loss_type``), at 0.001."""
     cfg = get_base_config()
     cfg.trainer.experiment_name = name
+    cfg.algorithm.adv_estimator = adv_estimator
+    cfg.critic.enable = adv_estimator == "gae"
+    if kl_in_reward:
+        cfg.algorithm.use_kl_in_reward = True
+        cfg.algorithm.kl_ctrl.kl_coef = 0.001
+    if kl_loss_type:
+        cfg.actor_rollout_ref.actor.use_kl_loss = True
+        cfg.actor_rollout_ref.actor.kl_loss_type = kl_loss_type
+        cfg.actor_rollout_ref.actor.kl_loss_coef = 0.001
     cfg.trainer.total_training_steps = 300
     cfg.trainer.test_freq = 50
     cfg.trainer.logger = ["console", "jsonl"]
@@ -764,33 +928,47 @@ def tiny_config(name: str) -> ConfigDict:
     return cfg
 
 
-# --- shared by the paper's workloads (ppo_7b ... ppo_70b) --------------------------------------
+# --- the paper's workloads (ppo_7b ... ppo_70b) ------------------------------------------------
 
 
-def paper_ppo_config(
-    *,
-    name: str,
-    preset: str,
-    num_devices: int,
-    actor_train: tuple[int, int, int],
-    actor_gen_tp: int,
-    critic: tuple[int, int, int],
-    micro_batch_size_per_device: int,
-    max_num_seqs: int,
-) -> ConfigDict:
+@dataclasses.dataclass(frozen=True)
+class PaperWorkload:
+    """One of HybridFlow's PPO workloads: the models' preset, the devices, and the paper's
+    hand-picked layout on each half (``actor_train`` / ``critic``: (dp, fsdp, tp); the
+    actor's generation tp), micro-batch and decode slots."""
+
+    preset: str
+    num_devices: int
+    actor_train: tuple[int, int, int]
+    actor_gen_tp: int
+    critic: tuple[int, int, int]
+    micro_batch_size_per_device: int
+    max_num_seqs: int
+
+
+PAPER_WORKLOADS = {
+    "ppo_7b": PaperWorkload("llama2_7b", 16, (1, 4, 2), 2, (1, 4, 2), 8, 32),
+    "ppo_13b": PaperWorkload("llama2_13b", 32, (2, 4, 2), 4, (1, 8, 2), 4, 32),
+    "ppo_34b": PaperWorkload("codellama_34b", 64, (1, 8, 4), 4, (1, 8, 4), 2, 128),
+    "ppo_70b": PaperWorkload("llama2_70b", 128, (1, 8, 8), 8, (1, 8, 8), 2, 128),
+}
+
+
+def paper_ppo_config(name: str) -> ConfigDict:
     """HybridFlow's PPO workload (arXiv 2409.19256, section 8): actor, critic, reference and
     reward model all of one size; 1024 prompts per step, 1024-token prompts and responses,
     one PPO epoch of 8 mini-batches of 128 prompts; bf16 weights, fp32 Adam moments.
 
-    Placement ``split`` (the paper's hand-picked layout, kept so the benchmark stays
-    comparable): actor+ref on the first half of the devices, critic+reward on the second.
-    ``actor_train`` / ``critic`` are (dp, fsdp, tp) on a half; ``ref`` and ``reward`` shard
-    fully (fsdp) over theirs. ``--config.jaxflow.placement.type=auto`` lets the auto-mapper
+    ``name``: a `PAPER_WORKLOADS` row. Placement ``split`` (the paper's hand-picked layout,
+    kept so the benchmark stays comparable): actor+ref on the first half of the devices,
+    critic+reward on the second, the actor and critic as the row says; ``ref`` and
+    ``reward`` shard fully (fsdp) over theirs. ``--config.jaxflow.placement.type=auto`` lets the auto-mapper
     choose instead, planning for A100-80G hosts of 8 (``jaxflow.placement.device_kind``).
     Prompts come from the built-in task unless ``data.train_files`` is set: throughput does
     not depend on their content, since prompts are left-padded to 1024 tokens and
     ``ignore_eos`` generates all 1024 response tokens.
     """
+    w = PAPER_WORKLOADS[name]
     cfg = get_base_config()
     cfg.trainer.experiment_name = name
     cfg.trainer.project_name = "jaxflow_paper"
@@ -811,23 +989,23 @@ def paper_ppo_config(
     cfg.algorithm.use_kl_in_reward = True
     cfg.critic.enable = True
     cfg.reward_model.enable = True
-    cfg.reward_model.model.path = f"preset:{preset}"
+    cfg.reward_model.model.path = f"preset:{w.preset}"
 
     for role in (cfg.actor_rollout_ref.actor, cfg.critic):
         role.ppo_mini_batch_size = 128  # 1024 / 128 = 8 optimizer steps per PPO epoch
-        role.ppo_micro_batch_size_per_device = micro_batch_size_per_device
+        role.ppo_micro_batch_size_per_device = w.micro_batch_size_per_device
         role.ppo_epochs = 1
     cfg.actor_rollout_ref.actor.optim.lr = 1e-6
     cfg.critic.optim.lr = 1e-5
     for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.ref"):
-        cfg[key].log_prob_micro_batch_size_per_device = micro_batch_size_per_device
-    cfg.critic.forward_micro_batch_size_per_device = micro_batch_size_per_device
-    cfg.reward_model.micro_batch_size_per_device = micro_batch_size_per_device
+        cfg[key].log_prob_micro_batch_size_per_device = w.micro_batch_size_per_device
+    cfg.critic.forward_micro_batch_size_per_device = w.micro_batch_size_per_device
+    cfg.reward_model.micro_batch_size_per_device = w.micro_batch_size_per_device
     cfg.actor_rollout_ref.rollout.ignore_eos = True
-    cfg.actor_rollout_ref.rollout.max_num_seqs = max_num_seqs
+    cfg.actor_rollout_ref.rollout.max_num_seqs = w.max_num_seqs
 
     m = cfg.jaxflow.model
-    m.preset = preset
+    m.preset = w.preset
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
         m[key] = 0  # the preset's published shape
     m.dtype = "bfloat16"
@@ -836,14 +1014,14 @@ def paper_ppo_config(
     m.remat_policy = "full"
     cfg.jaxflow.optim.state_dtype = "float32"
 
-    cfg.jaxflow.num_devices = num_devices
+    cfg.jaxflow.num_devices = w.num_devices
     cfg.jaxflow.placement.type = "split"  # two equal pools
     # What jaxflow.placement.type=auto plans for: the paper's A100-80G hosts of 8.
     cfg.jaxflow.placement.device_kind = "a100-80g"
     cfg.jaxflow.placement.devices_per_host = 8
     mesh = cfg.jaxflow.mesh
-    mesh.actor.train.dp, mesh.actor.train.fsdp, mesh.actor.train.tp = actor_train
-    mesh.actor.generate.tp = actor_gen_tp
-    mesh.critic.dp, mesh.critic.fsdp, mesh.critic.tp = critic
+    mesh.actor.train.dp, mesh.actor.train.fsdp, mesh.actor.train.tp = w.actor_train
+    mesh.actor.generate.tp = w.actor_gen_tp
+    mesh.critic.dp, mesh.critic.fsdp, mesh.critic.tp = w.critic
     cfg.jaxflow.ray.accelerator = "gpu"  # the paper's hosts: 8 GPUs each (backend=ray)
     return cfg

@@ -39,7 +39,7 @@ def markdown_table(cfg: ConfigDict | None = None) -> str:
     header = "default" if cfg is None else "value"
     cfg = get_base_config() if cfg is None else cfg
     rows = [f"| key | {header} | description |", "| --- | --- | --- |"]
-    for key, _, _ in FIELDS:
+    for key, *_ in FIELDS:
         rows.append(f"| `{key}` | {_cell(get_value(cfg, key))} | {_escape(KEY_DOCS[key])} |")
     return "\n".join(rows)
 

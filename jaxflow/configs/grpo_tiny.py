@@ -9,13 +9,8 @@ from jaxflow.configs.base import tiny_config
 
 
 def get_config() -> ConfigDict:
-    cfg = tiny_config("grpo_tiny")
-    cfg.algorithm.adv_estimator = "grpo"
+    cfg = tiny_config("grpo_tiny", "grpo", kl_loss_type="low_var_kl")
     cfg.algorithm.norm_adv_by_std_in_grpo = True
-    cfg.critic.enable = False
-    cfg.actor_rollout_ref.actor.use_kl_loss = True
-    cfg.actor_rollout_ref.actor.kl_loss_type = "low_var_kl"
-    cfg.actor_rollout_ref.actor.kl_loss_coef = 0.001
     # 3-digit reversal: prompts of 9 tokens (with BOS), answers of 4 (with EOS); ~300 of the
     # 1000 strings are held out, 256 of them (distinct) are the validation set.
     cfg.jaxflow.data.builtin_task = "reverse_digits"

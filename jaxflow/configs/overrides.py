@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from ml_collections import ConfigDict
@@ -65,6 +65,17 @@ def get_value(cfg: ConfigDict, key: str) -> Any:
     for part in key.split("."):
         node = node[part]
     return node
+
+
+def with_values(cfg: ConfigDict, values: Mapping[str, Any]) -> ConfigDict:
+    """A copy of ``cfg`` with typed ``values`` at their dotted keys (e.g. the auto-mapper's
+    choice, recorded with the run; a command line sets them with `apply_overrides`)."""
+    out = cfg.copy_and_resolve_references()
+    with out.unlocked():
+        for key, value in values.items():
+            *parents, leaf = key.split(".")
+            get_value(out, ".".join(parents))[leaf] = value
+    return out
 
 
 def suggest(key: str, candidates: Iterable[str]) -> str:
@@ -133,6 +144,20 @@ def _parse_sequence(raw: str) -> list[Any]:
     return items
 
 
+def _typed_items(items: list[Any], elem: type | None, bad: ConfigError) -> list[Any]:
+    """A sequence's parsed items as ``elem`` (floats from ints too; strings from anything);
+    ``bad`` raised for an item of another type."""
+    if elem is float:
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
+            raise bad
+        return [float(x) for x in items]
+    if elem is None or all(type(x) is elem for x in items):
+        return items
+    if elem is str:
+        return [str(x) for x in items]  # 'console,1' -> ['console', '1']
+    raise bad
+
+
 def parse_value(key: str, raw: str, typ: type, optional: bool = False, elem: type | None = None) -> Any:
     """``raw`` (command-line text) as a value of type ``typ`` (``elem``: the element type of a
     sequence, if known). Raises :class:`ConfigError` naming the key, the expected type and
@@ -160,17 +185,7 @@ def parse_value(key: str, raw: str, typ: type, optional: bool = False, elem: typ
     if typ is str:
         return _unquote(s)
     if typ in (tuple, list):
-        items = _parse_sequence(s)
-        if elem is float:
-            if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in items):
-                raise bad
-            items = [float(x) for x in items]
-        elif elem is not None and not all(type(x) is elem for x in items):
-            if elem is str:
-                items = [str(x) for x in items]  # 'console,1' -> ['console', '1']
-            else:
-                raise bad
-        return typ(items)
+        return typ(_typed_items(_parse_sequence(s), elem, bad))
     if typ is type(None):  # a field the schema does not know whose value is None
         try:
             return ast.literal_eval(s)

@@ -7,13 +7,4 @@ from jaxflow.configs.base import paper_ppo_config
 
 
 def get_config() -> ConfigDict:
-    return paper_ppo_config(
-        name="ppo_13b",
-        preset="llama2_13b",
-        num_devices=32,
-        actor_train=(2, 4, 2),  # (dp, fsdp, tp)
-        actor_gen_tp=4,
-        critic=(1, 8, 2),  # (dp, fsdp, tp)
-        micro_batch_size_per_device=4,
-        max_num_seqs=32,
-    )
+    return paper_ppo_config("ppo_13b")

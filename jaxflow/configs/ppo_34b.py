@@ -7,13 +7,4 @@ from jaxflow.configs.base import paper_ppo_config
 
 
 def get_config() -> ConfigDict:
-    return paper_ppo_config(
-        name="ppo_34b",
-        preset="codellama_34b",
-        num_devices=64,
-        actor_train=(1, 8, 4),  # (dp, fsdp, tp)
-        actor_gen_tp=4,
-        critic=(1, 8, 4),  # (dp, fsdp, tp)
-        micro_batch_size_per_device=2,
-        max_num_seqs=128,
-    )
+    return paper_ppo_config("ppo_34b")

@@ -7,13 +7,4 @@ from jaxflow.configs.base import paper_ppo_config
 
 
 def get_config() -> ConfigDict:
-    return paper_ppo_config(
-        name="ppo_7b",
-        preset="llama2_7b",
-        num_devices=16,
-        actor_train=(1, 4, 2),  # (dp, fsdp, tp)
-        actor_gen_tp=2,
-        critic=(1, 4, 2),  # (dp, fsdp, tp)
-        micro_batch_size_per_device=8,
-        max_num_seqs=32,
-    )
+    return paper_ppo_config("ppo_7b")

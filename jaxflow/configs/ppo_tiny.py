@@ -6,11 +6,7 @@ from jaxflow.configs.base import tiny_config
 
 
 def get_config() -> ConfigDict:
-    cfg = tiny_config("ppo_tiny")
-    cfg.algorithm.adv_estimator = "gae"
-    cfg.critic.enable = True
-    cfg.algorithm.use_kl_in_reward = True
-    cfg.algorithm.kl_ctrl.kl_coef = 0.001
+    cfg = tiny_config("ppo_tiny", "gae", kl_in_reward=True)
     # A small entropy bonus keeps PPO exploring while its critic is still learning per-prompt values.
     cfg.actor_rollout_ref.actor.entropy_coeff = 0.01
     return cfg

@@ -6,11 +6,6 @@ from jaxflow.configs.base import tiny_config
 
 
 def get_config() -> ConfigDict:
-    cfg = tiny_config("reinforce_pp_tiny")
-    cfg.algorithm.adv_estimator = "reinforce_plus_plus"
+    cfg = tiny_config("reinforce_pp_tiny", "reinforce_plus_plus", kl_loss_type="mse")
     cfg.algorithm.gamma = 1.0
-    cfg.critic.enable = False
-    cfg.actor_rollout_ref.actor.use_kl_loss = True
-    cfg.actor_rollout_ref.actor.kl_loss_type = "mse"
-    cfg.actor_rollout_ref.actor.kl_loss_coef = 0.001
     return cfg

@@ -6,9 +6,4 @@ from jaxflow.configs.base import tiny_config
 
 
 def get_config() -> ConfigDict:
-    cfg = tiny_config("remax_tiny")
-    cfg.algorithm.adv_estimator = "remax"
-    cfg.critic.enable = False
-    cfg.algorithm.use_kl_in_reward = True
-    cfg.algorithm.kl_ctrl.kl_coef = 0.001
-    return cfg
+    return tiny_config("remax_tiny", "remax", kl_in_reward=True)

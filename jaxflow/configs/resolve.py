@@ -84,6 +84,46 @@ def _equal_sizes(n: int, pools: int, key: str) -> list[int]:
     return [n // pools] * pools
 
 
+def _custom_groups(cfg: ConfigDict) -> list[tuple[str, ...]]:
+    """``jaxflow.placement.groups`` (``'actor,ref;critic;reward'``) as role tuples, each role
+    known and on one pool, every active role on some pool."""
+    text = cfg.jaxflow.placement.groups
+    if not text.strip():
+        raise ConfigError(
+            "jaxflow.placement.groups", "placement type 'custom' needs the pools, e.g. 'actor,ref;critic;reward'"
+        )
+    groups = [tuple(r.strip() for r in g.split(",") if r.strip()) for g in text.split(";")]
+    seen: set[str] = set()
+    for g in groups:
+        if not g:
+            raise ConfigError("jaxflow.placement.groups", f"{text!r} has an empty pool")
+        for role in g:
+            if role not in ROLES:
+                raise ConfigError("jaxflow.placement.groups", f"unknown role {role!r}; roles are {', '.join(ROLES)}")
+            if role in seen:
+                raise ConfigError("jaxflow.placement.groups", f"role {role!r} is placed on two pools")
+            seen.add(role)
+    missing = [r for r in active_roles(cfg) if r not in seen]
+    if missing:
+        raise ConfigError("jaxflow.placement.groups", f"{text!r} places no pool for the active roles {missing}")
+    return groups
+
+
+def _group_sizes(cfg: ConfigDict, groups: list[tuple[str, ...]]) -> list[int]:
+    """``jaxflow.placement.pool_sizes`` (default: equal pools), one per group, adding up to
+    ``jaxflow.num_devices``."""
+    n, key = cfg.jaxflow.num_devices, "jaxflow.placement.pool_sizes"
+    sizes = list(cfg.jaxflow.placement.pool_sizes) or _equal_sizes(n, len(groups), key)
+    if len(sizes) != len(groups):
+        pools = ["+".join(g) for g in groups]
+        raise ConfigError(key, f"{len(sizes)} sizes {tuple(sizes)} for {len(groups)} pools {pools}")
+    if any(s < 1 for s in sizes):
+        raise ConfigError(key, f"pool sizes must be >= 1, got {tuple(sizes)}")
+    if sum(sizes) != n:
+        raise ConfigError(key, f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}")
+    return sizes
+
+
 def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     """``[(pool name, size, roles)]`` in device order, as :meth:`Placement.from_groups` takes
     them (all roles, active or not; pools are named after their first role)."""
@@ -91,8 +131,8 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     if p.type == "auto" and cfg.jaxflow.job == "rl":
         raise ConfigError(
             "jaxflow.placement.type",
-            "'auto' is resolved at start-up by jaxflow.automap.resolve_placement, which sets the pools "
-            "and meshes; resolve the config before building its placement",
+            "'auto' is resolved at start-up by the auto-mapper (jaxflow.automap.auto_place), which chooses the "
+            "pools and meshes; place the run before building its placement",
         )
     if p.type != "custom" and p.groups:
         raise ConfigError("jaxflow.placement.groups", f"is only used by placement type 'custom' (type is {p.type!r})")
@@ -106,42 +146,10 @@ def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     if p.type == "split":
         groups = [tuple(g) for g in SPLIT_GROUPS]
     elif p.type == "custom":
-        if not p.groups.strip():
-            raise ConfigError(
-                "jaxflow.placement.groups", "placement type 'custom' needs the pools, e.g. 'actor,ref;critic;reward'"
-            )
-        groups = [tuple(r.strip() for r in g.split(",") if r.strip()) for g in p.groups.split(";")]
-        seen: set[str] = set()
-        for g in groups:
-            if not g:
-                raise ConfigError("jaxflow.placement.groups", f"{p.groups!r} has an empty pool")
-            for role in g:
-                if role not in ROLES:
-                    raise ConfigError(
-                        "jaxflow.placement.groups", f"unknown role {role!r}; roles are {', '.join(ROLES)}"
-                    )
-                if role in seen:
-                    raise ConfigError("jaxflow.placement.groups", f"role {role!r} is placed on two pools")
-                seen.add(role)
-        missing = [r for r in active_roles(cfg) if r not in seen]
-        if missing:
-            raise ConfigError("jaxflow.placement.groups", f"{p.groups!r} places no pool for the active roles {missing}")
+        groups = _custom_groups(cfg)
     else:
         raise ConfigError("jaxflow.placement.type", f"must be one of {', '.join(PLACEMENT_TYPES)}, got {p.type!r}")
-    sizes = list(p.pool_sizes) or _equal_sizes(n, len(groups), "jaxflow.placement.pool_sizes")
-    if len(sizes) != len(groups):
-        pools = ["+".join(g) for g in groups]
-        raise ConfigError(
-            "jaxflow.placement.pool_sizes", f"{len(sizes)} sizes {tuple(sizes)} for {len(groups)} pools {pools}"
-        )
-    if any(s < 1 for s in sizes):
-        raise ConfigError("jaxflow.placement.pool_sizes", f"pool sizes must be >= 1, got {tuple(sizes)}")
-    if sum(sizes) != n:
-        raise ConfigError(
-            "jaxflow.placement.pool_sizes",
-            f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}",
-        )
-    return [(g[0], s, g) for g, s in zip(groups, sizes)]
+    return [(g[0], s, g) for g, s in zip(groups, _group_sizes(cfg, groups))]
 
 
 def mesh_key(role: str) -> str:
@@ -288,14 +296,27 @@ def checkpoint_dir(cfg: ConfigDict) -> str:
     return t.default_local_dir or os.path.join("checkpoints", t.project_name, t.experiment_name)
 
 
-class FakeDevice:
-    """Stands in for a device when planning a placement without devices (``.id`` only)."""
+def run_devices(cfg: ConfigDict) -> tuple[Any, ...]:
+    """The devices a run's placement is built over: the first ``jaxflow.num_devices`` of
+    ``jax.devices()``, or on the Ray backend a `jaxflow.mesh.devices.HostSlot` per device of
+    each host of ``jaxflow.ray.devices_per_host`` (the devices live in the workers' processes)."""
+    n = cfg.jaxflow.num_devices
+    if cfg.jaxflow.backend == "ray":
+        from jaxflow.mesh.devices import host_slots
 
-    def __init__(self, i: int):
-        self.id = i
+        try:
+            return host_slots(n, cfg.jaxflow.ray.devices_per_host)
+        except ValueError as e:
+            raise ConfigError("jaxflow.ray.devices_per_host", str(e)) from None
+    import jax
 
-    def __repr__(self) -> str:
-        return f"FakeDevice({self.id})"
+    available = jax.devices()
+    if len(available) < n:
+        raise ConfigError(
+            "jaxflow.num_devices",
+            f"{n} devices requested but only {len(available)} {available[0].platform} devices exist",
+        )
+    return tuple(available[:n])
 
 
 def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> Any:
@@ -303,22 +324,13 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
     meshes, the actor's generation tp and the model shapes (which picks the k/v variant of
     the hybrid rules and checks that every mesh fits its model).
 
-    ``devices`` defaults to the first ``jaxflow.num_devices`` of ``jax.devices()``;
-    :func:`validate` passes stand-ins, so a 128-device plan is checked without devices.
+    ``devices`` defaults to `run_devices`; :func:`validate` passes stand-ins
+    (`jaxflow.mesh.devices.FakeDevice`), so a 128-device plan is checked without devices.
     """
     from jaxflow.mesh import MeshSpec, Placement
 
-    n = cfg.jaxflow.num_devices
     if devices is None:
-        import jax
-
-        available = jax.devices()
-        if len(available) < n:
-            raise ConfigError(
-                "jaxflow.num_devices",
-                f"{n} devices requested but only {len(available)} {available[0].platform} devices exist",
-            )
-        devices = available[:n]
+        devices = run_devices(cfg)
     roles = active_roles(cfg)
     groups = [(name, size, tuple(r for r in group if r in roles)) for name, size, group in placement_groups(cfg)]
     meshes = {r: MeshSpec(**mesh_axes(cfg, r)) for r in roles}
@@ -326,34 +338,3 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
     return Placement.from_groups(
         groups, devices, meshes=meshes, gen_tp={"actor": cfg.jaxflow.mesh.actor.generate.tp}, models=models
     )
-
-
-def ray_config(cfg: ConfigDict) -> Any:
-    """``jaxflow.ray.*`` as a :class:`jaxflow.workers.ray_backend.RayConfig`."""
-    from jaxflow.workers.ray_backend import RayConfig
-
-    r = cfg.jaxflow.ray
-    return RayConfig(
-        address=r.address,
-        devices_per_host=r.devices_per_host,
-        cpus_per_host=float(r.cpus_per_host),
-        accelerator=r.accelerator,
-        compile_deadline_s=r.compile_deadline_s,
-        step_deadline_s=r.step_deadline_s,
-        sync_deadline_s=r.sync_deadline_s,
-        schedule_timeout_s=r.schedule_timeout_s,
-        tpu_topology=r.tpu_topology,
-        tpu_version=r.tpu_version,
-        local_num_cpus=math.ceil(cfg.jaxflow.num_devices // r.devices_per_host * r.cpus_per_host),
-    )
-
-
-def ray_devices(cfg: ConfigDict) -> tuple[Any, ...]:
-    """The stand-in devices (one `HostSlot` per device of each host) a Ray run's placement is
-    built over: ``jaxflow.num_devices`` in hosts of ``jaxflow.ray.devices_per_host``."""
-    from jaxflow.workers.ray_backend import host_slots
-
-    try:
-        return host_slots(cfg.jaxflow.num_devices, cfg.jaxflow.ray.devices_per_host)
-    except ValueError as e:
-        raise ConfigError("jaxflow.ray.devices_per_host", str(e)) from None

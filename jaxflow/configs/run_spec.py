@@ -1,11 +1,12 @@
 """The one typed description of a run: an experiment config (ml_collections, verl's keys) in,
-a frozen `RunSpec` out. Real runs (`jaxflow.trainer`), dry runs (`jaxflow.plan`) and, next,
-the auto-mapper and the Ray backend consume it; nothing below this module reads a raw config
-key. Each key is read here once (``rollout.n`` included)::
+a frozen `RunSpec` out. Real runs (`jaxflow.trainer`), dry runs (`jaxflow.plan`), the SFT job
+and the auto-mapper consume it, through `jaxflow.configs.prepare.prepare_run` (the spec, the
+tokenizer and the prompts); nothing below them reads a raw config key. Each key is read here
+once (``rollout.n`` included)::
 
-    spec = describe_run(cfg)                      # after configs.validate(cfg)
+    spec = describe_run(cfg, tokenizer=tok)       # after configs.validate(cfg)
     spec.placement.mesh("actor", "train")         # meshes and rules per role and phase
-    spec.actor, spec.critic, spec.rollout         # worker settings, micro-batches included
+    spec.roles["ref"], spec.actor, spec.rollout   # each active role's settings
     spec.algorithm                                # what the algorithm's iteration reads
 
 Sizes. verl's batch keys count prompts; the worker configs count responses (``* n``).
@@ -49,7 +50,14 @@ from jaxflow.data.tokenizer import load_tokenizer
 from jaxflow.mesh import Placement, Role
 from jaxflow.models import ModelConfig
 from jaxflow.sampling import SamplingParams
-from jaxflow.workers import ActorConfig, CriticConfig, OptimConfig, RoleSettings, RolloutConfig
+from jaxflow.workers import (
+    ActorConfig,
+    CriticConfig,
+    ForwardConfig,
+    OptimConfig,
+    RoleSettings,
+    RolloutConfig,
+)
 
 # Policy-loss options of the modes that take them (actor_rollout_ref.actor.policy_loss.*).
 POLICY_LOSS_OPTIONS = {
@@ -65,7 +73,9 @@ class ModelSpec:
 
     ``path``: an HF checkpoint directory, or ``""`` for a preset initialised from ``seed``.
     ``config``: the `ModelConfig` (dtypes, scanning and remat from ``jaxflow.model``); None
-    only for a checkpoint without a ``config.json``.
+    only for a checkpoint without a ``config.json``. ``follows_actor``: the role starts from
+    the actor's configured weights (``actor_rollout_ref.model.path``): the reference always,
+    the critic when ``critic.model.path`` is empty; a warm start replaces them together.
     """
 
     role: str
@@ -73,6 +83,7 @@ class ModelSpec:
     path: str
     config: ModelConfig | None
     seed: int
+    follows_actor: bool = False
 
     @property
     def is_preset(self) -> bool:
@@ -81,19 +92,16 @@ class ModelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
-    """The reward: an optional reward model (its forward micro-batch, packed or padded; the
-    cost model shares them), and the rule scorer: the custom function and its time limits per
-    sample, per batch and for loading, and the failure fraction that stops the run."""
+    """The rule scorer (`jaxflow.rewards.RewardScorer`'s settings): the custom function and its
+    time limits per sample, per batch and for loading, and the failure fraction that stops the
+    run."""
 
-    model: bool
-    micro_batch_size_per_device: int | None
-    custom_function_path: str | None
-    custom_function_name: str
+    custom_reward_path: str | None
+    custom_reward_name: str
     timeout_s: float
     batch_timeout_s: float
     load_timeout_s: float
     max_failure_fraction: float
-    use_remove_padding: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +154,8 @@ class TrainerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class SFTSpec:
-    """The supervised job (``jaxflow.sft``; ``warm_start_steps``: an RL run's warm start)."""
+    """The supervised job (``jaxflow.sft``). ``warm_start_steps``: an RL run's warm start, 0
+    when the actor has weights of its own (``actor_rollout_ref.model.path``)."""
 
     steps: int
     warm_start_steps: int
@@ -160,41 +169,79 @@ class SFTSpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class MappingSpec:
+    """How the pools and meshes are chosen (``jaxflow.placement``): ``type`` ``auto`` (the
+    auto-mapper at start-up, `jaxflow.automap.auto_place`), ``colocated``, ``split`` or
+    ``custom``; for ``auto``, the device profile ``device_kind`` (``""``: the local devices')
+    and its ``devices_per_host`` (0: the profile's; on Ray, ``jaxflow.ray.devices_per_host``)."""
+
+    type: str
+    device_kind: str
+    devices_per_host: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DryRunSpec:
+    """``jaxflow.dry_run``: plan and compile instead of training, against ``device_memory_gib``
+    per device."""
+
+    enable: bool
+    device_memory_gib: float
+
+
+@dataclasses.dataclass(frozen=True)
+class RaySpec:
+    """``jaxflow.ray`` (the Ray backend's hosts, bundles and deadlines; its restarts:
+    `TrainerSpec.max_restarts`): what the trainer builds the backend's ``RayConfig`` from."""
+
+    address: str
+    devices_per_host: int
+    cpus_per_host: float
+    accelerator: str
+    compile_deadline_s: float
+    step_deadline_s: float
+    sync_deadline_s: float
+    schedule_timeout_s: float
+    tpu_topology: str
+    tpu_version: str
+
+
+RoleConfig = ActorConfig | CriticConfig | ForwardConfig
+
+
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
     """Everything a run (or a plan of it) needs to know, typed.
 
     Attributes:
       name: ``trainer.experiment_name``; ``job``: ``rl`` | ``sft``.
       placement: pools, meshes and logical-axis rules per role and phase, the actor's
-        generation tp and the model shapes; None when the run is described before it has one
-        (``describe_run(..., with_placement=False)``: the auto-mapper plans it).
-      roles: the active roles in order; ``models``: their `ModelSpec`.
-      actor: the policy update (mini- and micro-batches in responses, the log-prob forward's
-        micro-batch, the optimizer sized by ``actor_optimizer_steps``).
+        generation tp and the model shapes; None until the auto-mapper places a run whose
+        ``mapping.type`` is ``auto`` (`jaxflow.automap.auto_place`).
+      roles: the active roles in order, each with its worker's settings: the actor's
+        `ActorConfig` (mini- and micro-batches in responses, the log-prob forward, the optimizer
+        sized by ``actor_optimizer_steps``), the critic's `CriticConfig`, the inference roles'
+        `ForwardConfig` (the reward and cost models share ``reward_model``'s); ``models``: their
+        `ModelSpec`.
       rollout: training and validation `SamplingParams` side by side.
-      ref_micro_batch_size_per_device: the reference log-prob forward's micro-batch;
-        ``ref_use_remove_padding`` / ``ref_max_token_len_per_device``: its packed forward;
-        ``ref_in_actor``: the reference is the actor's base model (LoRA), not a role.
-      critic: the value update (None without a critic).
-      reward: the reward model / rule scorer settings (the cost model shares the reward
-        model's forward micro-batch).
+      reward: the rule scorer's settings.
+      actor_reference: LoRA: the reference policy's forward, served by the actor (its base
+        model, no role of its own: ``ref_in_actor``); None otherwise.
       algorithm: what the algorithm's iteration reads.
       prompt_length, response_length: P and R; ``train_batch_size``: prompts per step.
       training_steps: iterations of the run; ``critic_warmup``: the first steps without an
         actor update.
       data, trainer, sft: the prompts, the loop's plumbing, the supervised job.
+      mapping, dry_run, ray: how the placement is chosen, the dry run, the Ray backend.
     """
 
     name: str
     job: str
     num_devices: int
     placement: Placement | None
-    roles: tuple[str, ...]
+    roles: Mapping[str, RoleConfig]
     models: Mapping[str, ModelSpec]
-    actor: ActorConfig
     rollout: RolloutConfig
-    ref_micro_batch_size_per_device: int | None
-    critic: CriticConfig | None
     reward: RewardSpec
     algorithm: AlgorithmSettings
     prompt_length: int
@@ -206,23 +253,38 @@ class RunSpec:
     data: DataSpec
     trainer: TrainerSpec
     sft: SFTSpec
-    ref_use_remove_padding: bool = False
-    ref_max_token_len_per_device: int | None = None
-    ref_in_actor: bool = False  # LoRA: the reference is the actor's base model, served by the actor
+    mapping: MappingSpec
+    dry_run: DryRunSpec
+    ray: RaySpec
+    actor_reference: ForwardConfig | None = None
+
+    @property
+    def ref_in_actor(self) -> bool:
+        """LoRA: the reference is the actor's base model, served by the actor."""
+        return self.actor_reference is not None
+
+    @property
+    def actor(self) -> ActorConfig:
+        """The policy update's settings (``roles["actor"]``)."""
+        return self.roles["actor"]
+
+    @property
+    def critic(self) -> CriticConfig | None:
+        """The value update's settings (None without a critic)."""
+        return self.roles.get("critic")
 
     @property
     def role_settings(self) -> RoleSettings:
         """What the role workers are built with besides their models and placement (both
         backends take it whole)."""
+        none = ForwardConfig()
         return RoleSettings(
             actor_config=self.actor,
             rollout=self.rollout,
             critic_config=self.critic or CriticConfig(),
-            ref_micro_batch_size_per_device=self.ref_micro_batch_size_per_device,
-            reward_micro_batch_size_per_device=self.reward.micro_batch_size_per_device,
-            ref_use_remove_padding=self.ref_use_remove_padding,
-            ref_max_token_len_per_device=self.ref_max_token_len_per_device,
-            reward_use_remove_padding=self.reward.use_remove_padding,
+            ref=self.roles.get("ref", self.actor_reference or none),
+            reward=self.roles.get("reward", none),
+            cost=self.roles.get("cost", none),
             ref_in_actor=self.ref_in_actor,
         )
 
@@ -235,6 +297,24 @@ class RunSpec:
     def rollout_rows(self) -> int:
         """Responses per training step: ``train_batch_size * n``."""
         return self.train_batch_size * self.n
+
+
+def start_actor_from(spec: RunSpec, path: str) -> RunSpec:
+    """``spec`` with the actor, and the roles that follow its weights (`ModelSpec.follows_actor`),
+    started from the checkpoint directory ``path`` (e.g. the run's supervised warm start, which
+    trained the actor's own model: the shapes stay)."""
+    models = {
+        role: dataclasses.replace(m, path=path) if role == "actor" or m.follows_actor else m
+        for role, m in spec.models.items()
+    }
+    return dataclasses.replace(spec, models=models)
+
+
+def from_section(cls: type, section: ConfigDict, **values: Any) -> Any:
+    """``cls`` (a dataclass mirroring a config section) from the section's keys of its field
+    names, ``values`` taking precedence."""
+    kwargs = {f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section}
+    return cls(**{**kwargs, **values})
 
 
 def build_tokenizer(cfg: ConfigDict) -> Any:
@@ -283,25 +363,19 @@ def optimizer_steps(steps: int, train_batch_size: int, mini_batch_size: int, epo
 
 
 def _optim(section: ConfigDict, total_steps: int, state_dtype: str) -> OptimConfig:
-    o = section.optim
-    return OptimConfig(
-        lr=o.lr,
-        weight_decay=o.weight_decay,
-        betas=tuple(o.betas),
+    return from_section(
+        OptimConfig,
+        section.optim,
+        betas=tuple(section.optim.betas),
         grad_clip=section.grad_clip,
-        lr_warmup_steps=o.lr_warmup_steps,
-        lr_warmup_steps_ratio=o.lr_warmup_steps_ratio,
         total_training_steps=max(1, total_steps),
-        warmup_style=o.warmup_style,
-        min_lr_ratio=o.min_lr_ratio,
         state_dtype=state_dtype,
     )
 
 
 def rollout_correction(cfg: ConfigDict) -> RolloutCorrectionConfig:
     """verl's ``algorithm.rollout_correction``."""
-    r = cfg.algorithm.rollout_correction
-    return RolloutCorrectionConfig(**{f.name: r[f.name] for f in dataclasses.fields(RolloutCorrectionConfig)})
+    return from_section(RolloutCorrectionConfig, cfg.algorithm.rollout_correction)
 
 
 def policy_loss_kwargs(cfg: ConfigDict, mode: str) -> tuple[tuple[str, Any], ...]:
@@ -316,68 +390,49 @@ def policy_loss_kwargs(cfg: ConfigDict, mode: str) -> tuple[tuple[str, Any], ...
     return kwargs
 
 
+def update_settings(cfg: ConfigDict, section: ConfigDict, updates: int, n: int, packed: bool) -> dict[str, Any]:
+    """What the actor's and the critic's PPO updates share besides the keys of their
+    ``section`` that keep verl's names (epochs, micro-batches, shuffling, token budgets), as
+    `ActorConfig` / `CriticConfig` keywords: mini-batches of prompts as ``* n`` responses,
+    the seed, remove padding (``packed``), and the optimizer sized by the ``updates`` steps
+    that update."""
+    s = section
+    steps = optimizer_steps(updates, cfg.data.train_batch_size, s.ppo_mini_batch_size, s.ppo_epochs)
+    return dict(
+        ppo_mini_batch_size=s.ppo_mini_batch_size * n,
+        seed=cfg.trainer.seed,
+        use_remove_padding=packed,
+        optim=_optim(s, steps, cfg.jaxflow.optim.state_dtype),
+    )
+
+
 def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
-    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob micro-batch); ``n``: the
-    training rollouts' responses per prompt. ``algorithm.rollout_correction.bypass_mode``
-    selects the ``bypass_mode`` loss (as verl's ``apply_bypass_mode``)."""
-    a = cfg.actor_rollout_ref.actor
+    """verl's ``actor_rollout_ref.actor`` (+ the rollout's log-prob forward); ``n``: the
+    training rollouts' responses per prompt; no update in the ``trainer.critic_warmup`` steps.
+    ``algorithm.rollout_correction.bypass_mode`` selects the ``bypass_mode`` loss (as verl's
+    ``apply_bypass_mode``)."""
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     mode = "bypass_mode" if cfg.algorithm.rollout_correction.bypass_mode else a.policy_loss.loss_mode
     updates = max(0, steps - cfg.trainer.critic_warmup)
-    return ActorConfig(
-        ppo_mini_batch_size=a.ppo_mini_batch_size * n,
-        ppo_micro_batch_size_per_device=a.ppo_micro_batch_size_per_device,
-        ppo_epochs=a.ppo_epochs,
-        shuffle=a.shuffle,
-        seed=cfg.trainer.seed,
+    return from_section(
+        ActorConfig,
+        a,
+        **update_settings(cfg, a, updates, n, packed=cfg.actor_rollout_ref.model.use_remove_padding),
         loss_mode=mode,
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode,
         policy_loss_kwargs=policy_loss_kwargs(cfg, mode),
-        entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type,
-        log_prob_micro_batch_size_per_device=cfg.actor_rollout_ref.rollout.log_prob_micro_batch_size_per_device,
-        use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
-        use_dynamic_bsz=a.use_dynamic_bsz,
-        ppo_max_token_len_per_device=a.ppo_max_token_len_per_device,
-        log_prob_use_dynamic_bsz=cfg.actor_rollout_ref.rollout.log_prob_use_dynamic_bsz,
-        log_prob_max_token_len_per_device=cfg.actor_rollout_ref.rollout.log_prob_max_token_len_per_device,
+        log_prob_micro_batch_size_per_device=r.log_prob_micro_batch_size_per_device,
+        log_prob_use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
+        log_prob_max_token_len_per_device=r.log_prob_max_token_len_per_device,
         log_balance=cfg.trainer.balance_batch,
         lora=lora_config(cfg),
         lora_adapter_path=os.path.expanduser(cfg.actor_rollout_ref.model.lora_adapter_path),
-        optim=_optim(
-            a,
-            optimizer_steps(updates, cfg.data.train_batch_size, a.ppo_mini_batch_size, a.ppo_epochs),
-            cfg.jaxflow.optim.state_dtype,
-        ),
     )
 
 
 def critic_config(cfg: ConfigDict, steps: int, n: int) -> CriticConfig:
     """verl's ``critic``; ``n``: the training rollouts' responses per prompt."""
     c = cfg.critic
-    return CriticConfig(
-        ppo_mini_batch_size=c.ppo_mini_batch_size * n,
-        ppo_micro_batch_size_per_device=c.ppo_micro_batch_size_per_device,
-        ppo_epochs=c.ppo_epochs,
-        shuffle=c.shuffle,
-        seed=cfg.trainer.seed,
-        cliprange_value=c.cliprange_value,
-        loss_agg_mode=c.loss_agg_mode,
-        forward_micro_batch_size_per_device=c.forward_micro_batch_size_per_device,
-        use_remove_padding=c.model.use_remove_padding,
-        use_dynamic_bsz=c.use_dynamic_bsz,
-        ppo_max_token_len_per_device=c.ppo_max_token_len_per_device,
-        forward_max_token_len_per_device=c.forward_max_token_len_per_device,
-        optim=_optim(
-            c,
-            optimizer_steps(steps, cfg.data.train_batch_size, c.ppo_mini_batch_size, c.ppo_epochs),
-            cfg.jaxflow.optim.state_dtype,
-        ),
-    )
+    return from_section(CriticConfig, c, **update_settings(cfg, c, steps, n, packed=c.model.use_remove_padding))
 
 
 def sampling_params(
@@ -423,8 +478,7 @@ def rollout_config(
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
     """verl's ``algorithm`` and ``jaxflow.safe_rlhf``."""
-    a, s = cfg.algorithm, cfg.jaxflow.safe_rlhf
-    k = a.kl_ctrl
+    a = cfg.algorithm
     return AlgorithmSettings(
         algorithm=AlgorithmConfig(
             adv_estimator=a.adv_estimator,
@@ -433,59 +487,64 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
             norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
             use_kl_in_reward=a.use_kl_in_reward,
             kl_penalty=a.kl_penalty,
-            kl_ctrl=KLControlConfig(type=k.type, kl_coef=k.kl_coef, horizon=k.horizon, target_kl=k.target_kl),
+            kl_ctrl=from_section(KLControlConfig, a.kl_ctrl),
             gdpo_reward_keys=tuple(a.gdpo_reward_keys),
             gdpo_reward_weights=None if a.gdpo_reward_weights is None else tuple(a.gdpo_reward_weights),
             rollout_correction=rollout_correction(cfg),
         ),
-        safe_rlhf=SafeRLHFConfig(
-            enable=s.enable,
-            cost_model_path=s.cost_model_path,
-            cost_rule=s.cost_rule,
-            forbidden_chars=s.forbidden_chars,
-            cost_threshold=s.cost_threshold,
-            lambda_init=s.lambda_init,
-            lambda_lr=s.lambda_lr,
-            lambda_update_scale=s.lambda_update_scale,
-            lambda_max=s.lambda_max,
-        ),
+        safe_rlhf=from_section(SafeRLHFConfig, cfg.jaxflow.safe_rlhf),
     )
 
 
 def reward_spec(cfg: ConfigDict) -> RewardSpec:
-    """``reward_model``, ``custom_reward_function`` and ``jaxflow.reward``."""
-    fn, r = cfg.custom_reward_function, cfg.jaxflow.reward
-    return RewardSpec(
-        model="reward" in active_roles(cfg),
+    """``custom_reward_function`` and ``jaxflow.reward``."""
+    fn = cfg.custom_reward_function
+    return from_section(RewardSpec, cfg.jaxflow.reward, custom_reward_path=fn.path, custom_reward_name=fn.name)
+
+
+def forward_configs(cfg: ConfigDict) -> dict[str, ForwardConfig]:
+    """The inference roles' forwards: the reference's (``actor_rollout_ref.ref``, packed with
+    the actor's ``use_remove_padding``), the reward and cost models' (``reward_model``)."""
+    r = cfg.actor_rollout_ref
+    reward = ForwardConfig(
         micro_batch_size_per_device=cfg.reward_model.micro_batch_size_per_device,
-        custom_function_path=fn.path,
-        custom_function_name=fn.name,
-        timeout_s=r.timeout_s,
-        batch_timeout_s=r.batch_timeout_s,
-        load_timeout_s=r.load_timeout_s,
-        max_failure_fraction=r.max_failure_fraction,
         use_remove_padding=cfg.reward_model.model.use_remove_padding,
     )
+    ref = ForwardConfig(
+        micro_batch_size_per_device=r.ref.log_prob_micro_batch_size_per_device,
+        use_remove_padding=r.model.use_remove_padding,
+        max_token_len_per_device=r.ref.log_prob_max_token_len_per_device if r.ref.log_prob_use_dynamic_bsz else None,
+    )
+    return {"ref": ref, "reward": reward, "cost": reward}
+
+
+def role_configs(cfg: ConfigDict, steps: int, n: int) -> dict[str, RoleConfig]:
+    """Each active role's worker settings (`RunSpec.roles`), in role order."""
+    forwards = forward_configs(cfg)
+    out: dict[str, RoleConfig] = {}
+    for role in active_roles(cfg):
+        if role == "actor":
+            out[role] = actor_config(cfg, steps, n)
+        elif role == "critic":
+            out[role] = critic_config(cfg, steps, n)
+        else:
+            out[role] = forwards[role]
+    return out
 
 
 def data_spec(cfg: ConfigDict) -> DataSpec:
     """``data`` and ``jaxflow.data`` (the tokenizer: `build_tokenizer`)."""
     d, j = cfg.data, cfg.jaxflow.data
     task = j.builtin_task
-    params = (("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else ()
-    return DataSpec(
+    return from_section(
+        DataSpec,
+        d,
         train_files=tuple(f for f in d.train_files.split(",") if f),
         val_files=tuple(f for f in d.val_files.split(",") if f),
         builtin_task=task,
-        task_params=params,
+        task_params=(("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else (),
         num_train_examples=j.num_train_examples,
         num_val_examples=j.num_val_examples,
-        prompt_key=d.prompt_key,
-        max_prompt_length=d.max_prompt_length,
-        truncation=d.truncation,
-        shuffle=d.shuffle,
-        seed=d.seed,
-        val_batch_size=d.val_batch_size,
     )
 
 
@@ -493,18 +552,11 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
     """``trainer``, ``jaxflow.trainer``, ``jaxflow.backend`` and ``jaxflow.ray.max_restarts``."""
     t = cfg.trainer
     keep = [k for k in (t.max_actor_ckpt_to_keep, t.max_critic_ckpt_to_keep) if k is not None]
-    return TrainerSpec(
-        project_name=t.project_name,
-        experiment_name=t.experiment_name,
+    return from_section(
+        TrainerSpec,
+        t,
         run_dir=checkpoint_dir(cfg),
         logger=tuple(t.logger),
-        log_val_generations=t.log_val_generations,
-        test_freq=t.test_freq,
-        val_before_train=t.val_before_train,
-        save_freq=t.save_freq,
-        save_hf=t.save_hf,
-        resume_mode=t.resume_mode,
-        resume_from_path=t.resume_from_path,
         resume_other_experiment=cfg.jaxflow.trainer.resume_other_experiment,
         max_ckpt_to_keep=min(keep) if keep else None,
         max_nonfinite_steps=cfg.jaxflow.trainer.max_nonfinite_steps,
@@ -515,18 +567,17 @@ def trainer_spec(cfg: ConfigDict) -> TrainerSpec:
 
 
 def sft_spec(cfg: ConfigDict) -> SFTSpec:
-    """``jaxflow.sft``."""
+    """``jaxflow.sft`` (no warm start for an actor with weights of its own)."""
     s = cfg.jaxflow.sft
-    return SFTSpec(
-        steps=s.steps,
-        warm_start_steps=s.warm_start_steps,
-        lr=s.lr,
-        warmup_steps=s.warmup_steps,
-        weight_decay=s.weight_decay,
-        batch_size=s.batch_size,
-        micro_batch_size_per_device=s.micro_batch_size_per_device,
-        test_freq=s.test_freq,
-        output_dir=s.output_dir,
+    return from_section(SFTSpec, s, warm_start_steps=0 if cfg.actor_rollout_ref.model.path else s.warm_start_steps)
+
+
+def mapping_spec(cfg: ConfigDict) -> MappingSpec:
+    """``jaxflow.placement``'s choice of mapper (on Ray, hosts of ``jaxflow.ray.devices_per_host``)."""
+    p = cfg.jaxflow.placement
+    ray = cfg.jaxflow.backend == "ray"
+    return from_section(
+        MappingSpec, p, devices_per_host=cfg.jaxflow.ray.devices_per_host if ray else p.devices_per_host
     )
 
 
@@ -539,44 +590,48 @@ def model_spec(
     checkpoint = bool(path) and not path.startswith(PRESET_PREFIX)
     if mc is not None and not checkpoint:
         mc = mc.replace(eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-    return ModelSpec(role=role, head=Role(role).head, path=path if checkpoint else "", config=mc, seed=cfg.trainer.seed)
+    follows = role == "ref" or (role == "critic" and not cfg.critic.model.path)
+    return ModelSpec(
+        role=role,
+        head=Role(role).head,
+        path=path if checkpoint else "",
+        config=mc,
+        seed=cfg.trainer.seed,
+        follows_actor=follows,
+    )
 
 
 def describe_run(
     cfg: ConfigDict,
     *,
+    tokenizer: Any = None,
     devices: Sequence[Any] | None = None,
-    eos_token_id: int | None = None,
-    pad_token_id: int | None = None,
     num_train_prompts: int | None = None,
     with_placement: bool = True,
-    tokenizer: Any = None,
 ) -> RunSpec:
     """The `RunSpec` of a validated config.
 
-    ``devices``: those of the placement (default: the first ``jaxflow.num_devices``).
-    ``eos_token_id`` / ``pad_token_id``: the tokenizer's (stop tokens of the rollouts, and the
-    ids of a preset model). ``num_train_prompts``: the training set's size, which sizes the
-    schedules when ``trainer.total_training_steps`` is unset (default: the built-in task's).
-    ``with_placement=False``: no placement (``placement`` is None), for a config whose
-    placement is still ``auto``: the auto-mapper describes the run before it places it.
-    ``tokenizer``: the run's (for ``rollout.stop``; default: built from the config when needed).
+    ``tokenizer``: the run's (`build_tokenizer`): its eos / pad ids are the rollouts' stop
+    token and a preset model's ids, and it matches ``rollout.stop`` strings (None: no ids;
+    built from the config for stop strings). ``devices``: those of the placement (default:
+    the first ``jaxflow.num_devices``; on Ray, stand-ins for its hosts' devices).
+    ``num_train_prompts``: the training set's size, which sizes the schedules when
+    ``trainer.total_training_steps`` is unset (default: the built-in task's).
+    ``with_placement=False``, or ``jaxflow.placement.type=auto``: no placement yet
+    (``placement`` is None): the auto-mapper places the run.
     """
     steps = training_steps(cfg, num_train_prompts)
-    roles = active_roles(cfg)
-    rollout = rollout_config(cfg, eos_token_id, pad_token_id, tokenizer)
-    n = rollout.train.n  # rollout.n, read once
+    eos, pad = (None, None) if tokenizer is None else (tokenizer.eos_token_id, tokenizer.pad_token_id)
+    rollout = rollout_config(cfg, eos, pad, tokenizer)
+    placed = with_placement and not (cfg.jaxflow.placement.type == "auto" and cfg.jaxflow.job == "rl")
     return RunSpec(
         name=cfg.trainer.experiment_name,
         job=cfg.jaxflow.job,
         num_devices=cfg.jaxflow.num_devices,
-        placement=build_placement(cfg, devices) if with_placement else None,
-        roles=roles,
-        models={r: model_spec(cfg, r, eos_token_id, pad_token_id) for r in roles},
-        actor=actor_config(cfg, steps, n),
+        placement=build_placement(cfg, devices) if placed else None,
+        roles=role_configs(cfg, steps, rollout.train.n),  # rollout.n, read once
+        models={r: model_spec(cfg, r, eos, pad) for r in active_roles(cfg)},
         rollout=rollout,
-        ref_micro_batch_size_per_device=cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_device,
-        critic=critic_config(cfg, steps, n) if "critic" in roles else None,
         reward=reward_spec(cfg),
         algorithm=algorithm_settings(cfg),
         prompt_length=cfg.data.max_prompt_length,
@@ -588,11 +643,8 @@ def describe_run(
         data=data_spec(cfg),
         trainer=trainer_spec(cfg),
         sft=sft_spec(cfg),
-        ref_use_remove_padding=cfg.actor_rollout_ref.model.use_remove_padding,
-        ref_max_token_len_per_device=(
-            cfg.actor_rollout_ref.ref.log_prob_max_token_len_per_device
-            if cfg.actor_rollout_ref.ref.log_prob_use_dynamic_bsz
-            else None
-        ),
-        ref_in_actor=ref_in_actor(cfg),
+        mapping=mapping_spec(cfg),
+        dry_run=from_section(DryRunSpec, cfg.jaxflow.dry_run),
+        ray=from_section(RaySpec, cfg.jaxflow.ray),
+        actor_reference=forward_configs(cfg)["ref"] if ref_in_actor(cfg) else None,
     )

@@ -8,11 +8,7 @@ from jaxflow.configs.base import tiny_config
 
 
 def get_config() -> ConfigDict:
-    cfg = tiny_config("safe_rlhf_tiny")
-    cfg.algorithm.adv_estimator = "grpo"
-    cfg.critic.enable = False
-    cfg.actor_rollout_ref.actor.use_kl_loss = True
-    cfg.actor_rollout_ref.actor.kl_loss_coef = 0.001
+    cfg = tiny_config("safe_rlhf_tiny", "grpo", kl_loss_type="low_var_kl")
     s = cfg.jaxflow.safe_rlhf
     s.enable = True
     s.cost_model_path = ""  # rule-based cost, measurable exactly

@@ -28,12 +28,11 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxflow.configs.base import KEY_TYPES
+from jaxflow.configs.base import BOUNDS, KEY_TYPES, Bound
 from jaxflow.configs.overrides import ELEMENT_TYPES, ConfigError, get_value, leaf_keys, suggest, type_name
 from jaxflow.configs.resolve import (
     PLACEMENT_TYPES,
     PRESET_PREFIX,
-    FakeDevice,
     active_roles,
     build_placement,
     critic_enabled,
@@ -46,6 +45,7 @@ from jaxflow.configs.resolve import (
     placement_groups,
 )
 from jaxflow.mesh import ROLES
+from jaxflow.mesh.devices import FakeDevice
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -104,20 +104,21 @@ class _Checker:
         hint = suggest(str(value), valid)
         return self.check(value in valid, key, f"must be one of {', '.join(valid)}; got {value!r}{hint}")
 
-    def at_least(self, key: str, minimum: float = 1, note: str = "") -> bool:
-        """``value >= minimum`` (None, for optional keys, passes)."""
+    def bounded(self, key: str, bound: Bound) -> bool:
+        """The key's value within ``bound`` (None, for optional keys, passes; a sequence, each
+        element)."""
         value = get_value(self.cfg, key)
-        return value is None or self.check(value >= minimum, key, f"must be >= {minimum}{note}, got {value}")
+        if value is None:
+            return True
+        items = value if isinstance(value, (tuple, list)) else [value]
+        shown = tuple(value) if isinstance(value, (tuple, list)) else value
+        return self.check(all(bound.holds(x) for x in items), key, f"must be {bound.describe()}, got {shown}")
+
+    def at_least(self, key: str, minimum: float = 1, note: str = "") -> bool:
+        return self.bounded(key, Bound(lo=minimum, note=note))
 
     def positive(self, key: str, note: str = "") -> bool:
-        value = get_value(self.cfg, key)
-        return self.check(value > 0, key, f"must be > 0{note}, got {value}")
-
-    def within(self, key: str, lo: float, hi: float, interval: str = "[]") -> bool:
-        """``value`` in the interval ``lo..hi``, ends open or closed as in ``interval`` (e.g. "(]")."""
-        value = get_value(self.cfg, key)
-        ok = (lo < value if interval[0] == "(" else lo <= value) and (value < hi if interval[1] == ")" else value <= hi)
-        return self.check(ok, key, f"must be in {interval[0]}{lo}, {hi}{interval[1]}, got {value}")
+        return self.bounded(key, Bound(lo=0, ends="(]", note=note))
 
 
 # ----------------------------------------------------------------------------- stage 1: schema
@@ -232,41 +233,19 @@ def _check_enums(c: _Checker) -> None:
     )
 
 
-def _check_ranges(c: _Checker) -> None:
+def _check_bounds(c: _Checker) -> None:
+    """Every key with a `Bound` in the ``FIELDS`` table holds a value within it (the keys of a
+    part of the run that is off, e.g. the critic's without a critic, are not checked)."""
+    on = {"": True, "critic": critic_enabled(c.cfg), "adaptive_kl": c.cfg.algorithm.kl_ctrl.type == "adaptive"}
+    for key, bound in BOUNDS.items():
+        if on[bound.when]:
+            c.bounded(key, bound)
+
+
+def _check_token_budgets(c: _Checker) -> None:
+    """A token budget (dynamic micro-batches) packs rows: it needs remove padding and must hold
+    one padded row."""
     cfg = c.cfg
-    for key in (
-        "data.max_prompt_length",
-        "data.max_response_length",
-        "data.train_batch_size",
-        "data.val_batch_size",
-        f"{ACTOR}.ppo_mini_batch_size",
-        f"{ACTOR}.ppo_micro_batch_size_per_device",
-        f"{ACTOR}.ppo_epochs",
-        f"{ROLLOUT}.n",
-        f"{ROLLOUT}.val_kwargs.n",
-        f"{ROLLOUT}.log_prob_micro_batch_size_per_device",
-        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_device",
-        "reward_model.micro_batch_size_per_device",
-        "trainer.total_epochs",
-        "trainer.total_training_steps",
-        "trainer.max_actor_ckpt_to_keep",
-        "trainer.max_critic_ckpt_to_keep",
-        "jaxflow.num_devices",
-        "jaxflow.mesh.actor.generate.tp",
-        "jaxflow.data.num_val_examples",
-    ):
-        c.at_least(key)
-    for key in (
-        f"{ROLLOUT}.max_num_seqs",
-        f"{ROLLOUT}.max_total_tokens",
-        "trainer.log_val_generations",
-        "trainer.critic_warmup",
-        "jaxflow.ray.max_restarts",
-        "jaxflow.trainer.max_nonfinite_steps",
-        f"{ACTOR}.kl_loss_coef",
-        "algorithm.kl_ctrl.kl_coef",
-    ):
-        c.at_least(key, 0)
     row = cfg.data.max_prompt_length + cfg.data.max_response_length
     for flag, budget, padding in (
         (f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_device", "actor_rollout_ref.model"),
@@ -294,16 +273,14 @@ def _check_ranges(c: _Checker) -> None:
                 budget,
                 f"must hold one padded row: >= max_prompt_length + max_response_length = {row} tokens",
             )
-    for key in (
-        "jaxflow.ray.cpus_per_host",
-        "jaxflow.ray.compile_deadline_s",
-        "jaxflow.ray.step_deadline_s",
-        "jaxflow.ray.sync_deadline_s",
-        "jaxflow.ray.schedule_timeout_s",
-    ):
-        c.positive(key)
-    if c.at_least("jaxflow.ray.devices_per_host") and cfg.jaxflow.backend == "ray":
-        per = cfg.jaxflow.ray.devices_per_host
+
+
+def _check_ray(c: _Checker) -> None:
+    """The Ray backend's hosts: whole hosts for the run and for every pool; a TPU topology
+    names its generation."""
+    cfg = c.cfg
+    per = cfg.jaxflow.ray.devices_per_host
+    if per >= 1 and cfg.jaxflow.backend == "ray":
         c.check(
             cfg.jaxflow.num_devices % per == 0,
             "jaxflow.ray.devices_per_host",
@@ -327,57 +304,21 @@ def _check_ranges(c: _Checker) -> None:
             "jaxflow.ray.tpu_version",
             "must name the TPU generation (e.g. 'v5p') when jaxflow.ray.tpu_topology is set",
         )
-    for key in ("trainer.save_freq", "trainer.test_freq", "jaxflow.sft.test_freq"):
-        value = get_value(cfg, key)
-        c.check(value == -1 or value >= 1, key, f"must be -1 (never) or >= 1 steps, got {value}")
 
-    optims = [f"{ACTOR}.optim"]
-    if critic_enabled(cfg):
-        optims.append("critic.optim")
-        for key in (
-            "ppo_mini_batch_size",
-            "ppo_micro_batch_size_per_device",
-            "ppo_epochs",
-            "forward_micro_batch_size_per_device",
-        ):
-            c.at_least(f"critic.{key}")
-        c.positive("critic.cliprange_value")
-    for prefix in optims:
-        c.positive(f"{prefix}.lr")
-        c.at_least(f"{prefix}.weight_decay", 0)
-        c.within(f"{prefix}.lr_warmup_steps_ratio", 0, 1)
-        c.within(f"{prefix}.min_lr_ratio", 0, 1)
-        betas = get_value(cfg, f"{prefix}.betas")
-        c.check(all(0 <= b < 1 for b in betas), f"{prefix}.betas", f"must be in [0, 1), got {tuple(betas)}")
 
-    c.within(f"{ACTOR}.clip_ratio_low", 0, 1, "()")
-    c.positive(f"{ACTOR}.clip_ratio_high")
-    c.check(
-        cfg.actor_rollout_ref.actor.clip_ratio_c > 1,
-        f"{ACTOR}.clip_ratio_c",
-        f"must be > 1 (the dual-clip bound), got {cfg.actor_rollout_ref.actor.clip_ratio_c}",
-    )
-    c.within("algorithm.gamma", 0, 1)
-    c.within("algorithm.lam", 0, 1)
-    if cfg.algorithm.kl_ctrl.type == "adaptive":
-        c.positive("algorithm.kl_ctrl.target_kl", " for the adaptive controller")
-        c.positive("algorithm.kl_ctrl.horizon", " for the adaptive controller")
-
+def _check_ranges(c: _Checker) -> None:
+    """The keys' bounds, then what a bound cannot say: token budgets, Ray's hosts, a
+    temperature of 0 while sampling."""
+    _check_bounds(c)
+    _check_token_budgets(c)
+    _check_ray(c)
     for prefix in (ROLLOUT, f"{ROLLOUT}.val_kwargs"):
-        s = get_value(cfg, prefix)
-        if c.at_least(f"{prefix}.temperature", 0):
-            c.check(
-                not (s.do_sample and s.temperature == 0),
-                f"{prefix}.temperature",
-                f"is 0 but {prefix}.do_sample is true; use a temperature > 0, or do_sample=false (greedy)",
-            )
-        c.within(f"{prefix}.top_p", 0, 1, "(]")
-        c.check(s.top_k >= -1, f"{prefix}.top_k", f"must be -1 or 0 (off) or a positive k, got {s.top_k}")
-    c.positive("jaxflow.reward.timeout_s", " seconds")
-    c.positive("jaxflow.reward.batch_timeout_s", " seconds")
-    c.positive("jaxflow.reward.load_timeout_s", " seconds")
-    c.within("jaxflow.reward.max_failure_fraction", 0, 1, "(]")
-    c.positive("jaxflow.dry_run.device_memory_gib")
+        s = get_value(c.cfg, prefix)
+        c.check(
+            not (s.do_sample and s.temperature == 0),
+            f"{prefix}.temperature",
+            f"is 0 but {prefix}.do_sample is true; use a temperature > 0, or do_sample=false (greedy)",
+        )
 
 
 def _check_algorithm(c: _Checker) -> None:
@@ -538,7 +479,7 @@ def _check_lora(c: _Checker) -> None:
 
     cfg, m, key = c.cfg, c.cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
     c.one_of("jaxflow.rollout_probe.enable", PROBE_MODES)
-    c.within("jaxflow.rollout_probe.tolerance", 0.0, 1.0, "(]")
+    c.bounded("jaxflow.rollout_probe.tolerance", Bound(0.0, 1.0, "(]"))
     if m.lora_rank <= 0 and not m.lora_adapter_path:
         c.at_least(f"{key}.lora_rank", 0)
         return
@@ -546,7 +487,7 @@ def _check_lora(c: _Checker) -> None:
         c.add(f"{key}.lora_rank", "LoRA adapters train an rl job's actor; an sft job trains every weight")
         return
     c.positive(f"{key}.lora_alpha")
-    c.within(f"{key}.lora_dropout", 0.0, 1.0, "[)")
+    c.bounded(f"{key}.lora_dropout", Bound(0.0, 1.0, "[)"))
     try:
         parse_target_modules(m.target_modules)
     except ValueError as e:
@@ -866,8 +807,8 @@ def validate(cfg: ConfigDict) -> None:
         check(c)
     c.raise_if_any()
     if _auto(cfg):
-        # The auto-mapper picks pools and meshes at start-up (jaxflow.automap.resolve_placement)
-        # and validates the config it produces; here only what does not depend on a mesh.
+        # The auto-mapper picks pools and meshes at start-up (jaxflow.automap.auto_place; the
+        # run validates the config that records its choice); here only what needs no mesh.
         p = cfg.jaxflow.placement
         c.check(not p.groups, "jaxflow.placement.groups", "is only used by placement type 'custom' (type is 'auto')")
         c.check(

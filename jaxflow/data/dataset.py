@@ -204,6 +204,18 @@ class PromptBatch:
         return int(self.prompt_ids.shape[0])
 
 
+def _located_rows(files: list[str], rows: Sequence[Mapping[str, Any]] | None) -> list[tuple[dict, str, str]]:
+    """``[(row, file, where in it)]`` of the files in order, or of the rows held in memory
+    (``files`` naming them); a `DatasetError` when there are none."""
+    if rows is not None:
+        located = [(dict(row), ", ".join(files), f"row {i}") for i, row in enumerate(rows)]
+    else:
+        located = [(row, path, where) for path in files for row, where in _read_rows_with_location(path)]
+    if not located:
+        raise DatasetError(f"dataset is empty: no rows in {', '.join(files)}")
+    return located
+
+
 class PromptDataset:
     """Tokenised prompts of one or more files (see the module docstring).
 
@@ -249,13 +261,7 @@ class PromptDataset:
         self.truncation = truncation
         self.use_chat_template = use_chat_template
 
-        located = []
-        if rows is not None:
-            located = [(dict(row), ", ".join(files), f"row {i}") for i, row in enumerate(rows)]
-        for path in files if rows is None else ():
-            located.extend((row, path, where) for row, where in _read_rows_with_location(path))
-        if not located:
-            raise DatasetError(f"dataset is empty: no rows in {', '.join(files)}")
+        located = _located_rows(files, rows)
 
         texts, columns = [], []
         for row, path, where in located:
@@ -264,28 +270,7 @@ class PromptDataset:
             columns.append(_host_columns(row, self.prompt_key, path, where))
         ids = _encode_all(tokenizer, texts, add_special_tokens=not use_chat_template)
 
-        keep, num_truncated = [], 0
-        self._ids: list[np.ndarray] = []
-        for k, token_ids in enumerate(ids):
-            length = len(token_ids)
-            if length > self.max_prompt_length:
-                if truncation == "error":
-                    _, path, where = located[k]
-                    raise DatasetError(
-                        f"{path}: the prompt of {where} has {length} tokens, more than "
-                        f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length or "
-                        "set truncation to 'left', 'right' or 'filter'"
-                    )
-                if truncation == "filter":
-                    continue
-                num_truncated += 1
-                token_ids = (
-                    token_ids[-self.max_prompt_length :]
-                    if truncation == "left"
-                    else token_ids[: self.max_prompt_length]
-                )
-            keep.append(k)
-            self._ids.append(np.asarray(token_ids, np.int32))
+        keep, num_truncated = self._fit_lengths(ids, located)
         num_filtered = len(located) - len(keep)
         if not keep:
             raise DatasetError(
@@ -311,6 +296,34 @@ class PromptDataset:
                 num_filtered,
                 self.max_prompt_length,
             )
+
+    def _fit_lengths(self, ids: Sequence[Sequence[int]], located: list) -> tuple[list[int], int]:
+        """Keeps the prompts (their ids in ``self._ids``) no longer than ``max_prompt_length``,
+        truncating or dropping longer ones as ``truncation`` says (``error``: a `DatasetError`
+        naming the row). Returns the kept rows' indices and how many were truncated."""
+        keep, num_truncated = [], 0
+        self._ids: list[np.ndarray] = []
+        for k, token_ids in enumerate(ids):
+            length = len(token_ids)
+            if length > self.max_prompt_length:
+                if self.truncation == "error":
+                    _, path, where = located[k]
+                    raise DatasetError(
+                        f"{path}: the prompt of {where} has {length} tokens, more than "
+                        f"max_prompt_length={self.max_prompt_length}; raise max_prompt_length or "
+                        "set truncation to 'left', 'right' or 'filter'"
+                    )
+                if self.truncation == "filter":
+                    continue
+                num_truncated += 1
+                token_ids = (
+                    token_ids[-self.max_prompt_length :]
+                    if self.truncation == "left"
+                    else token_ids[: self.max_prompt_length]
+                )
+            keep.append(k)
+            self._ids.append(np.asarray(token_ids, np.int32))
+        return keep, num_truncated
 
     def _render(self, prompt: Any, path: str, where: str) -> str:
         if isinstance(prompt, str):

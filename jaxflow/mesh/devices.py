@@ -1,8 +1,11 @@
 """Process-wide JAX setup: the number of devices a process sees when they are simulated on the
-host CPU, and the persistent compilation cache."""
+host CPU, and the persistent compilation cache; and the stand-ins a `Placement` is built over
+when its devices are not this process's (`FakeDevice` for planning, `HostSlot` for a Ray
+run's hosts)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 
@@ -30,3 +33,31 @@ def enable_compilation_cache() -> str:
     min_seconds = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeDevice:
+    """Stands in for a device when a placement is planned without devices (``.id`` only)."""
+
+    id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSlot:
+    """A device of a Ray run as the driver sees it: the ``local``-th device of host ``host``.
+    `Placement`s of a Ray run are built over these (the devices themselves live in the
+    workers' processes)."""
+
+    id: int
+    host: int
+    local: int
+
+
+def host_slots(num_devices: int, devices_per_host: int) -> tuple[HostSlot, ...]:
+    """``num_devices`` `HostSlot`s, ``devices_per_host`` per host: the devices a Ray run's
+    `Placement` is built over."""
+    if num_devices % devices_per_host:
+        raise ValueError(
+            f"{num_devices} devices are not whole hosts of {devices_per_host} (jaxflow.ray.devices_per_host)"
+        )
+    return tuple(HostSlot(i, i // devices_per_host, i % devices_per_host) for i in range(num_devices))

@@ -193,6 +193,12 @@ class Placement:
         """Each role on its own pool: ``sizes`` maps role -> pool size."""
         return cls.from_groups([(role, size, (role,)) for role, size in sizes.items()], devices, **kw)
 
+    def on(self, devices: Sequence[Any]) -> Placement:
+        """The same pools (sizes, order), meshes and rules over other devices: e.g. a Ray run's
+        host stand-ins (`jaxflow.mesh.devices.HostSlot`) for the plan planned on local ones."""
+        pools = split_pools([(name, pool.size) for name, pool in self.pools.items()], devices)
+        return Placement(pools, self.roles, self.models)
+
     # --- queries -------------------------------------------------------------------------
 
     def _spec(self, role: str) -> RoleSpec:

@@ -333,6 +333,31 @@ def sharded_array(
     return jax.make_array_from_callback(tuple(shape), sharding, block)
 
 
+def _hf_tensors(
+    model: nnx.Module, cfg: ModelConfig, head: str
+) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """``(hf name, shape, fetch)`` of every tensor of ``model``'s HF checkpoint, in table order
+    (a scanned stack gives one tensor per layer)."""
+    table = [(key, name, layout.to_hf) for key, name, layout in _tensor_table(cfg, head)]
+    flat = {}
+    for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        flat[_strip_layers(p)] = v.get_value()
+    tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
+    for key, name, to_hf in table:
+        if key[0] != "layers":
+            arr = flat[(key, None)]
+            tensors.append((name, _hf_shape(to_hf, arr.shape[0:]), _fetcher(arr, None, to_hf)))
+            continue
+        for i in range(cfg.num_layers):
+            if (key, i) in flat:  # unrolled layers
+                arr, index = flat[(key, i)], None
+            else:  # scanned stack
+                arr, index = flat[(key, None)], i
+            shape = arr.shape if index is None else arr.shape[1:]
+            tensors.append((name.format(i=i), _hf_shape(to_hf, shape), _fetcher(arr, index, to_hf)))
+    return tensors
+
+
 def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
     """Write ``config.json`` and HF-layout safetensors (sharded with an index past
     ``max_shard_bytes``) that ``transformers`` loads. Tensors are fetched from the devices
@@ -349,27 +374,8 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
             "this model has LoRA adapters, which an HF checkpoint cannot hold: write them as a PEFT adapter "
             "(jaxflow.models.peft_io.save_adapter) or merge them first (jaxflow.models.peft_io.merged_model)"
         )
-    table = [(key, name, layout.to_hf) for key, name, layout in _tensor_table(cfg, head)]
-    state = nnx.state(model)
-    flat = {}
-    for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        flat[_strip_layers(p)] = v.get_value()
+    tensors = _hf_tensors(model, cfg, head)
     dtype = np.dtype(cfg.param_dtype)
-
-    # (hf name, shape, fetch)
-    tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
-    for key, name, to_hf in table:
-        if key[0] != "layers":
-            arr = flat[(key, None)]
-            tensors.append((name, _hf_shape(to_hf, arr.shape[0:]), _fetcher(arr, None, to_hf)))
-            continue
-        for i in range(cfg.num_layers):
-            if (key, i) in flat:  # unrolled layers
-                arr, index = flat[(key, i)], None
-            else:  # scanned stack
-                arr, index = flat[(key, None)], i
-            shape = arr.shape if index is None else arr.shape[1:]
-            tensors.append((name.format(i=i), _hf_shape(to_hf, shape), _fetcher(arr, index, to_hf)))
 
     shards: list[list[int]] = [[]]
     size = 0

@@ -1,6 +1,6 @@
-"""Planners that never allocate a model: the dry run (plan a run, compile its programs ahead
-of time on a simulated mesh through the workers' own program builders), and next the
-auto-mapper."""
+"""Planners that never allocate a model: the dry run (plan a run, its `RunSpec`, and compile
+its programs ahead of time on a simulated mesh through the workers' own program builders),
+which the auto-mapper's compile check and the trainer's compile-ahead use too."""
 
 from jaxflow.plan.dry_run import (
     DEFAULT_PROGRAMS,

@@ -3,9 +3,11 @@ without allocating a model or a batch.
 
 ``python -m jaxflow.run --config=ppo_70b --dry_run`` comes down to::
 
-    report = dry_run(cfg)                 # prints the plan and the table as it goes
-    report.to_json()                      # or dry_run(cfg, json_path="plan.json")
+    report = dry_run(spec)                # prints the plan and the table as it goes
+    report.to_json()                      # or dry_run(spec, json_path="plan.json")
 
+(``spec``: the run's `RunSpec` with its placement: `jaxflow.configs.prepare.prepare_run`, and
+for ``placement.type=auto`` the auto-mapper's, `jaxflow.automap.auto_place`),
 with ``XLA_FLAGS=--xla_force_host_platform_device_count=<jaxflow.num_devices>`` set before
 JAX starts, so a 128-device HybridFlow run is planned on one CPU machine.
 
@@ -71,7 +73,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from jaxflow.configs import ConfigError
-from jaxflow.configs.run_spec import RunSpec, build_tokenizer, describe_run
+from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig
 from jaxflow.plan import lowering as progs
@@ -300,21 +302,18 @@ def _params_bytes(state: Any, rules: Rules, mesh: Mesh) -> int:
     return shard_bytes(leaves, shardings)
 
 
+MODEL_KEYS = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim")
+
+
 def _model_dict(mc: ModelConfig) -> dict[str, Any]:
-    return dict(
-        model_type=mc.model_type,
-        num_layers=mc.num_layers,
-        hidden_size=mc.hidden_size,
-        intermediate_size=mc.intermediate_size,
-        num_heads=mc.num_heads,
-        num_kv_heads=mc.num_kv_heads,
-        head_dim=mc.head_dim,
-        vocab_size=mc.vocab_size,
-        param_dtype=jnp.dtype(mc.param_dtype).name,
-        dtype=jnp.dtype(mc.dtype).name,
-        scan_layers=mc.scan_layers,
-        remat_policy=mc.remat_policy,
-    )
+    """The model's shape and numerics as the report lists them."""
+    return {
+        **{k: getattr(mc, k) for k in (*MODEL_KEYS, "vocab_size")},
+        "param_dtype": jnp.dtype(mc.param_dtype).name,
+        "dtype": jnp.dtype(mc.dtype).name,
+        "scan_layers": mc.scan_layers,
+        "remat_policy": mc.remat_policy,
+    }
 
 
 def _model_text(m: dict[str, Any]) -> str:
@@ -425,13 +424,47 @@ def _max_rss_bytes() -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def _check_devices(cfg: Any) -> None:
-    n, have = cfg.jaxflow.num_devices, jax.device_count()
+def simulated_devices(n: int, name: str) -> tuple[Any, ...]:
+    """The first ``n`` devices the dry run of ``name`` compiles for; a RuntimeError saying how
+    to simulate them when JAX has fewer."""
+    have = jax.device_count()
     if have < n:
         raise RuntimeError(
-            f"the dry run of {cfg.trainer.experiment_name} needs {n} devices but JAX has {have}: start Python with "
+            f"the dry run of {name} needs {n} devices but JAX has {have}: start Python with "
             f"XLA_FLAGS=--xla_force_host_platform_device_count={n} (set before jax is imported)"
         )
+    return tuple(jax.devices()[:n])
+
+
+def _plan_training(
+    run: RunSpec,
+    role: str,
+    rp: RolePlan,
+    mc: ModelConfig,
+    state: Any,
+    graphdef: Any,
+    wanted: Sequence[str],
+    specs: dict[str, progs.ProgramSpec],
+) -> None:
+    """A training role's optimizer state, gradients and training activations into ``rp``; its
+    train step (and with LoRA the reference served by the actor's base) into ``specs``."""
+    spec = run.placement.roles[role]
+    main = "train" if "train" in spec.rules else "infer"
+    mesh, rules = run.placement.mesh(role, main), run.placement.rules(role, main)
+    dp = data_parallel_size(rules, mesh)
+    P, R = run.prompt_length, run.response_length
+    tx, _ = progs.optimizer(run, role)
+    trained, frozen = progs.trained_and_frozen(state)  # LoRA: the adapters train, the base does not
+    rp.optimizer_bytes = progs.tree_bytes_per_device(progs.abstract_role_state(trained, rules, mesh, tx)[0].opt_state)
+    rows, k = progs.train_micro_batches(run, role, rules, mesh)
+    if f"{role}/train_step" in wanted:
+        specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules)
+    rp.micro_batches[f"{role}/train_step"] = k
+    rp.gradient_bytes = _params_bytes(trained, rules, mesh) * (2 if k > 1 else 1)
+    rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
+    if role == "actor" and run.ref_in_actor and "ref/log_probs" in wanted:  # the reference: the base alone
+        ref, _ = progs.forward_program(run, "ref/log_probs", progs.base_graphdef(mc), frozen, mesh, rules)
+        specs["ref/log_probs"] = dataclasses.replace(ref, role="actor", description=ref.description + ", the base")
 
 
 def _role_plan(
@@ -462,20 +495,7 @@ def _role_plan(
     )
     dp = data_parallel_size(rules, mesh)
     if role in TRAINING_ROLES:
-        tx, _ = progs.optimizer(run, role)
-        trained, frozen = progs.trained_and_frozen(state)  # LoRA: the adapters train, the base does not
-        rp.optimizer_bytes = progs.tree_bytes_per_device(
-            progs.abstract_role_state(trained, rules, mesh, tx)[0].opt_state
-        )
-        rows, k = progs.train_micro_batches(run, role, rules, mesh)
-        if f"{role}/train_step" in wanted:
-            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules)
-        rp.micro_batches[f"{role}/train_step"] = k
-        rp.gradient_bytes = _params_bytes(trained, rules, mesh) * (2 if k > 1 else 1)
-        rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
-        if role == "actor" and run.ref_in_actor and "ref/log_probs" in wanted:  # the reference: the base alone
-            ref, _ = progs.forward_program(run, "ref/log_probs", progs.base_graphdef(mc), frozen, mesh, rules)
-            specs["ref/log_probs"] = dataclasses.replace(ref, role="actor", description=ref.description + ", the base")
+        _plan_training(run, role, rp, mc, state, graphdef, wanted, specs)
     forward = f"{role}/values" if role == "critic" else f"{role}/scores" if head == "reward" else f"{role}/log_probs"
     rows, k = progs.forward_micro_batches(run, forward, rules, mesh)
     if forward in wanted:
@@ -551,36 +571,26 @@ def _platform_notes(platform: str, role_plans: dict[str, RolePlan]) -> list[str]
     return notes
 
 
-def plan(
-    cfg: Any, program_names: Sequence[str] | None = None, *, num_train_prompts: int | None = None
-) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
-    """The analytic plan and the programs to compile (not compiled yet), in step order.
-    ``num_train_prompts``: the training set's size, which sizes the learning-rate schedules
-    (and so the train steps' constants) when ``trainer.total_training_steps`` is unset."""
-    if cfg.jaxflow.job != "rl":
-        raise ValueError(f"the dry run plans RL jobs; jaxflow.job is {cfg.jaxflow.job!r}")
+def plan(run: RunSpec, program_names: Sequence[str] | None = None) -> tuple[DryRunReport, list[progs.ProgramSpec]]:
+    """The analytic plan of ``run`` (an RL run with its placement) and the programs to compile
+    (not compiled yet), in step order."""
+    if run.job != "rl":
+        raise ValueError(f"the dry run plans RL jobs; jaxflow.job is {run.job!r}")
     unknown = sorted(set(program_names or ()) - set(DEFAULT_PROGRAMS) - set(OPTIONAL_PROGRAMS))
     if unknown:
         raise ValueError(f"unknown programs {unknown}; choose from {DEFAULT_PROGRAMS + OPTIONAL_PROGRAMS}")
-    _check_devices(cfg)
-    if cfg.jaxflow.placement.type == "auto":
+    simulated_devices(run.num_devices, run.name)
+    if run.placement is None:
         raise ConfigError(
             "jaxflow.placement.type",
-            "is 'auto': the dry run plans a resolved placement; resolve it "
-            "first with jaxflow.automap.resolve_placement(cfg) (python -m jaxflow.run --dry_run does)",
+            "is 'auto': the dry run plans a placed run; place it first with jaxflow.automap.auto_place "
+            "(python -m jaxflow.run --dry_run does)",
         )
-    tokenizer = build_tokenizer(cfg)
-    run = describe_run(
-        cfg,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        num_train_prompts=num_train_prompts,
-    )
-    roles = run.roles
+    roles = tuple(run.roles)
     progs.run_algorithm(run)  # checked against the roles
     served = ("ref",) if run.ref_in_actor else ()  # LoRA: the reference is the actor's base, planned with it
     wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles + served]
-    budget = int(cfg.jaxflow.dry_run.device_memory_gib * GiB)
+    budget = int(run.dry_run.device_memory_gib * GiB)
     role_plans: dict[str, RolePlan] = {}
     specs: dict[str, progs.ProgramSpec] = {}
     notes: list[str] = []
@@ -596,7 +606,7 @@ def plan(
         num_devices=run.num_devices,
         platform=platform,
         device_memory_bytes=budget,
-        placement=cfg.jaxflow.placement.type,
+        placement=run.mapping.type,
         pools=_pool_plans(run.placement, role_plans, budget),
         roles=[role_plans[r] for r in roles],
         notes=notes + _platform_notes(platform, role_plans),
@@ -625,43 +635,35 @@ def compile_program(report: DryRunReport, spec: progs.ProgramSpec) -> ProgramRep
         phase=spec.phase,
         mesh=dict(spec.mesh.shape),
         description=spec.description,
-        argument_bytes=m.argument_bytes,
-        output_bytes=m.output_bytes,
-        alias_bytes=m.alias_bytes,
-        temp_bytes=m.temp_bytes,
-        generated_code_bytes=m.generated_code_bytes,
+        **{f.name: getattr(m, f.name) for f in dataclasses.fields(progs.CompiledMemory)},
         peak_bytes=m.peak_bytes,
         analytic_argument_bytes=spec.analytic_argument_bytes,
         resident_bytes=resident,
         total_bytes=m.peak_bytes + resident,
         fits=m.peak_bytes + resident <= report.device_memory_bytes,
-        compile_seconds=m.compile_seconds,
-        extra=m.extra,
     )
 
 
 def dry_run(
-    cfg: Any,
+    run: RunSpec,
     *,
     out: TextIO | None = sys.stdout,
     json_path: str | None = None,
     programs: Sequence[str] | None = None,
-    num_train_prompts: int | None = None,
 ) -> DryRunReport:
-    """Plan ``cfg`` (a validated experiment config) and compile its programs ahead of time on
+    """Plan ``run`` (an RL run with its placement) and compile its programs ahead of time on
     ``jaxflow.num_devices`` devices (simulated on CPU), printing the plan, then each program
     as it compiles, then the verdict, to ``out`` (None: silent). ``json_path``: also write
     :meth:`DryRunReport.to_json` there. ``programs``: which to compile (default
     :data:`DEFAULT_PROGRAMS`; :data:`OPTIONAL_PROGRAMS` adds the actor's and the critic's
-    forwards). ``num_train_prompts``: as for :func:`plan`. Allocates no model, optimizer
-    state or batch."""
+    forwards). Allocates no model, optimizer state or batch."""
     t0 = time.perf_counter()
 
     def say(text: str) -> None:
         if out is not None:
             print(text, file=out, flush=True)
 
-    report, specs = plan(cfg, programs, num_train_prompts=num_train_prompts)
+    report, specs = plan(run, programs)
     say(format_plan(report))
     say(format_program_header(report))
     for spec in specs:
@@ -691,4 +693,5 @@ __all__ = [
     "generate_activation_bytes",
     "kv_pool_bytes",
     "plan",
+    "simulated_devices",
 ]

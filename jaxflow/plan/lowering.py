@@ -366,14 +366,15 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
             "old_log_probs",
         )
     if name == "ref/log_probs":
+        ref = spec.role_settings.ref  # a role, or LoRA: the actor's base
         return Forward(
             "ref",
             lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
             log_probs_fn("ref_log_prob"),
             ("temperature",),
-            spec.ref_micro_batch_size_per_device,
-            spec.ref_use_remove_padding,
-            spec.ref_max_token_len_per_device,
+            ref.micro_batch_size_per_device,
+            ref.use_remove_padding,
+            ref.max_token_len_per_device,
             "ref_log_prob",
         )
     if name == "critic/values":
@@ -391,13 +392,14 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
     if name in ("reward/scores", "cost/scores"):
         role = name.split("/")[0]
         key = "token_level_cost" if role == "cost" else "token_level_scores"
+        forward = spec.roles[role]
         return Forward(
             role,
             lambda lo, k: scores_program(lo, k, key),
             scores_fn(key),
             (),
-            spec.reward.micro_batch_size_per_device,
-            spec.reward.use_remove_padding,
+            forward.micro_batch_size_per_device,
+            forward.use_remove_padding,
             None,
             key,
         )

@@ -1,64 +1,47 @@
-"""The objects a run needs besides its typed description (`jaxflow.configs.run_spec`):
-tokenizer, prompt datasets, and each role's model in its layout."""
+"""The objects a run needs besides its prepared description (`jaxflow.configs.prepare`): the
+data loader, the console's words about the prompts, each role's model in its layout, and the
+Ray backend's settings."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
 from flax import nnx
 from jax.sharding import Mesh
+from ml_collections import ConfigDict
 
 import jaxflow.models as models
-from jaxflow.configs.overrides import ConfigError
-from jaxflow.configs.run_spec import DataSpec, ModelSpec, RunSpec
+from jaxflow.automap import AutoPlacement, auto_place
+from jaxflow.configs.overrides import with_values
+from jaxflow.configs.prepare import BuiltinSplit, DataSource, PreparedRun
+from jaxflow.configs.run_spec import ModelSpec, RunSpec
+from jaxflow.configs.validate import validate, warn_ignored_under_auto
 from jaxflow.data.dataset import PromptDataLoader, PromptDataset
-from jaxflow.data.tasks import Task, get_task, make_mixed_examples
 from jaxflow.mesh import Rules, state_shardings
+from jaxflow.workers.ray_backend import RayConfig
 
 
-def builtin_task(data: DataSpec) -> Task:
-    """The built-in task ``jaxflow.data.builtin_task`` with its configured parameters."""
-    return get_task(data.builtin_task, **dict(data.task_params))
-
-
-@dataclasses.dataclass(frozen=True)
-class BuiltinSplit:
-    """A split of the built-in task, generated in memory (no file is written or read)."""
-
-    task: Task
-    split: str  # "train" or "test"
-    num_examples: int
-    seed: int
-
-    def rows(self) -> list[dict[str, Any]]:
-        return make_mixed_examples([self.task], self.num_examples, seed=self.seed, split=self.split)
-
-
-DataSource = list[str] | BuiltinSplit
-
-
-def dataset_sources(data: DataSpec) -> tuple[DataSource, DataSource]:
-    """``(train, val)``: the configured files, or for an empty key the built-in task's split
-    (``jaxflow.data.builtin_task``), generated deterministically in memory."""
-    train: DataSource = list(data.train_files)
-    val: DataSource = list(data.val_files)
-    if not train:
-        train = BuiltinSplit(builtin_task(data), "train", data.num_train_examples, data.seed)
-    if not val:
-        val = BuiltinSplit(builtin_task(data), "test", data.num_val_examples, data.seed)
-    return train, val
-
-
-def build_dataset(data: DataSpec, source: DataSource, tokenizer: Any) -> PromptDataset:
-    kwargs = dict(prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation)
-    if isinstance(source, BuiltinSplit):
-        return PromptDataset(
-            f"built-in {source.task.name} {source.split} split", tokenizer, rows=source.rows(), **kwargs
-        )
-    return PromptDataset(source, tokenizer, **kwargs)
+def place_run(
+    prepared: PreparedRun, cfg: ConfigDict, *, verify: bool = False, log: Callable[[str], None] | None = print
+) -> tuple[RunSpec, AutoPlacement | None, ConfigDict]:
+    """The run placed, and the config it records: ``prepared.spec`` and ``cfg`` as they are,
+    or for ``placement.type=auto`` the auto-mapper's placement on ``prepared.devices``
+    (`jaxflow.automap.auto_place`; ``verify``: its programs also compile and fit, for a dry
+    run; ``log``: its one line) with the keys that reproduce it set in the recorded config
+    (validated, as a command line setting them would be), and the user's own meshes it
+    replaced said in one warning. The run and its dry run start the same way."""
+    if prepared.spec.placement is not None:
+        return prepared.spec, None, cfg
+    auto = auto_place(prepared.spec, prepared.devices, verify=verify, log=log)
+    record = with_values(cfg, auto.overrides())
+    warn_ignored_under_auto(cfg, record)
+    validate(record)
+    return auto.spec, auto, record
 
 
 def train_loader(spec: RunSpec, dataset: PromptDataset) -> PromptDataLoader:
@@ -67,14 +50,6 @@ def train_loader(spec: RunSpec, dataset: PromptDataset) -> PromptDataLoader:
     return PromptDataLoader(
         dataset, spec.train_batch_size, shuffle=spec.data.shuffle, seed=spec.data.seed, drop_last=True
     )
-
-
-def count_train_prompts(data: DataSpec, tokenizer: Any) -> int | None:
-    """Prompts of the configured training files that the run keeps (after
-    ``data.truncation=filter``), which size an epoch-mode run's schedules; None for the
-    built-in task (its size is ``jaxflow.data.num_train_examples``)."""
-    train, _ = dataset_sources(data)
-    return None if isinstance(train, BuiltinSplit) else len(build_dataset(data, train, tokenizer))
 
 
 CUT_WARNING_FRACTION = 0.05  # more of a split's prompts truncated or dropped than this is said loudly
@@ -163,20 +138,9 @@ def init_sharded(
     return graphdef, init()
 
 
-def check_vocab(spec: RunSpec, tokenizer: Any) -> None:
-    """Every model's vocabulary (a preset's, or a checkpoint's ``config.json``) must hold every
-    tokenizer id: an id past the embedding table is garbage (NaN at best)."""
-    for role, m in spec.models.items():
-        if m.config is None or m.config.vocab_size >= tokenizer.vocab_size:
-            continue
-        if m.is_preset:
-            raise ConfigError(
-                "jaxflow.model.vocab_size",
-                f"{m.config.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size} ids",
-            )
-        raise ConfigError(
-            "jaxflow.data.tokenizer",
-            f"the tokenizer has {tokenizer.vocab_size} ids but the {role} "
-            f"model {m.path} has {m.config.vocab_size} vocabulary rows: ids past them have no "
-            "embedding; use the model's own tokenizer (jaxflow.data.tokenizer=model)",
-        )
+def ray_config(spec: RunSpec) -> RayConfig:
+    """The Ray backend's settings (``jaxflow.ray.*``), with a local Ray instance's CPUs sized
+    for the run's hosts."""
+    r = spec.ray
+    hosts = spec.num_devices // r.devices_per_host
+    return RayConfig(**dataclasses.asdict(r), local_num_cpus=math.ceil(hosts * r.cpus_per_host))

@@ -12,9 +12,10 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 import jax
+
+from jaxflow.configs.run_spec import RunSpec
 
 
 def cache_enabled() -> bool:
@@ -22,13 +23,13 @@ def cache_enabled() -> bool:
     return bool(jax.config.jax_compilation_cache_dir)
 
 
-def compile_ahead(cfg: Any, num_train_prompts: int | None, workers: int | None = None) -> dict[str, float]:
-    """Compile the step's programs of ``cfg`` (a validated config with a resolved placement)
-    in ``workers`` threads (default: one per program, at most the CPU count). Returns the
-    MEASURED wall seconds of each program's compile, by the plan's program name."""
+def compile_ahead(spec: RunSpec, workers: int | None = None) -> dict[str, float]:
+    """Compile the step's programs of ``spec`` (a placed RL run) in ``workers`` threads
+    (default: one per program, at most the CPU count). Returns the MEASURED wall seconds of
+    each program's compile, by the plan's program name."""
     from jaxflow.plan.dry_run import plan
 
-    _, specs = plan(cfg, num_train_prompts=num_train_prompts)
+    _, specs = plan(spec)
     jobs = [
         (spec.name if i == 0 else f"{spec.name}#{i}", low) for spec in specs for i, low in enumerate(spec.lowered())
     ]

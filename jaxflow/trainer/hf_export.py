@@ -40,7 +40,8 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 import jaxflow.models as models
-from jaxflow.configs.run_spec import build_tokenizer, describe_run
+from jaxflow.configs.prepare import prepare_run
+from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, state_shardings
 from jaxflow.models import peft_io
 from jaxflow.models.lora import join, split_adapters
@@ -238,13 +239,12 @@ def run_config(run_dir: str | os.PathLike) -> ConfigDict:
     return ConfigDict(json.loads(path.read_text()))
 
 
-def abstract_train_state(cfg: ConfigDict, role: str, tokenizer: Any) -> tuple[nnx.GraphDef, TrainState]:
+def abstract_train_state(spec: RunSpec, role: str) -> tuple[nnx.GraphDef, TrainState]:
     """``(graphdef, TrainState of jax.ShapeDtypeStruct)`` of ``role`` exactly as the RL trainer
     builds it (from the run's `RunSpec`), each leaf carrying its sharding on the role's
     training mesh; nothing allocated. With LoRA the state holds the adapters only."""
     if role not in TRAINING_ROLES:
         raise ValueError(f"role must be one of {sorted(TRAINING_ROLES)}, got {role!r}")
-    spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     if role not in spec.roles:
         raise NoSuchRoleError(f"the run has no {role} (its roles: {', '.join(spec.roles)})")
     mcfg = spec.models[role].config
@@ -300,15 +300,17 @@ def export_checkpoint(
     read it)."""
     check_export_target(out_dir, protect=(run_dir,))
     step, cfg = step_config(run_dir, step)
-    tokenizer = build_tokenizer(cfg)
+    # on this process's devices (a Ray run's too), without its prompts
+    prepared = prepare_run(cfg, devices=jax.devices()[: cfg.jaxflow.num_devices], with_datasets=False)
+    tokenizer = prepared.tokenizer
     try:
-        graphdef, abstract = abstract_train_state(cfg, role, tokenizer)
+        graphdef, abstract = abstract_train_state(prepared.spec, role)
     except NoSuchRoleError as e:
         raise NoSuchRoleError(f"step {step} of {Path(run_dir).absolute()}: {e}") from None
     abstract = dataclasses.replace(abstract, opt_state=jax.tree.map(lambda _: SKIP, abstract.opt_state), step=SKIP)
     ckpt = CheckpointManager(run_dir, read_only=True)
     params = ckpt.restore(step, targets={role: abstract}).arrays[role].params
-    spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    spec = prepared.spec
     lora = spec.models[role].config.lora
     if lora is None:
         if merged:

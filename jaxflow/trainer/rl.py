@@ -4,7 +4,8 @@ validation, checkpoints, metrics and the non-finite guard.
 
 ::
 
-    trainer = RLTrainer(cfg)          # tokenizer, data, placement, workers, checkpoints, loggers
+    trainer = RLTrainer(cfg)          # the prepared run (spec, tokenizer, prompts), placement,
+                                      # warm start, workers, checkpoints, loggers
     history = trainer.fit()           # resume (trainer.resume_mode), train, validate, save, plot,
                                       # export the actor (<run_dir>/hf_actor), print a summary
 
@@ -15,6 +16,7 @@ from step ``k`` continues exactly as the uninterrupted run would have.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -26,34 +28,23 @@ import jax
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxflow.automap.auto import resolve_placement
+from jaxflow.automap import AutoPlacement
 from jaxflow.configs import ConfigError
-from jaxflow.configs.resolve import SHAPE_KEYS, active_roles, lora_config, model_config, ray_config, ray_devices
-from jaxflow.configs.run_spec import (
-    DataSpec,
-    RewardSpec,
-    RunSpec,
-    TrainerSpec,
-    algorithm_settings,
-    build_tokenizer,
-    data_spec,
-    describe_run,
-    reward_spec,
-    trainer_spec,
-)
-from jaxflow.configs.validate import warn_ignored_under_auto
+from jaxflow.configs.overrides import with_values
+from jaxflow.configs.prepare import PreparedRun, prepare_run
+from jaxflow.configs.resolve import SHAPE_KEYS
+from jaxflow.configs.run_spec import RewardSpec, RunSpec, TrainerSpec
 from jaxflow.iterations import batch_from_prompts, select_algorithm
 from jaxflow.mesh import Role
 from jaxflow.plan.lowering import run_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer import interrupt
 from jaxflow.trainer.builders import (
-    build_dataset,
-    check_vocab,
     cut_prompts_warning,
-    dataset_sources,
     describe_source,
     load_model,
+    place_run,
+    ray_config,
     train_loader,
 )
 from jaxflow.trainer.checkpoint import CheckpointManager, ExperimentMismatchError, HostState, ItemIO
@@ -110,26 +101,24 @@ def _mean(value: Any) -> float:
 MODEL_SHAPE = ("model_type", *SHAPE_KEYS)
 
 
-def experiment_record(cfg: ConfigDict) -> dict[str, str]:
+def experiment_record(spec: RunSpec) -> dict[str, str]:
     """What identifies an RL experiment's checkpoints (recorded in each, compared on resume):
     the algorithm and advantage estimator, the task (the built-in task, or the training files'
     names), the roles, and each model's shape, one line each."""
-    settings = algorithm_settings(cfg)
-    files = [os.path.basename(f) for f in cfg.data.train_files]
+    files = [os.path.basename(f) for f in spec.data.train_files]
     record = {
-        "algorithm": f"{select_algorithm(settings)} ({settings.algorithm.adv_estimator})",
-        "task": ", ".join(files) if files else f"built-in {cfg.jaxflow.data.builtin_task}",
-        "roles": ", ".join(active_roles(cfg)),
+        "algorithm": f"{select_algorithm(spec.algorithm)} ({spec.algorithm.algorithm.adv_estimator})",
+        "task": ", ".join(files) if files else f"built-in {spec.data.builtin_task}",
+        "roles": ", ".join(spec.roles),
     }
-    for role in active_roles(cfg):
+    for role, m in spec.models.items():
         if role != "ref":  # the actor's model
-            mc = model_config(cfg, role)
-            shape = "unknown" if mc is None else " ".join(f"{k}={getattr(mc, k)}" for k in MODEL_SHAPE)
+            shape = "unknown" if m.config is None else " ".join(f"{k}={getattr(m.config, k)}" for k in MODEL_SHAPE)
             record[f"{role} model"] = shape
-    lora = lora_config(cfg)
+    lora = spec.actor.lora
     if lora is not None:  # the checkpoints hold adapters: they mean something on their base only
         record["actor LoRA"] = f"rank={lora.rank} alpha={lora.alpha:g} targets={','.join(lora.targets)}"
-        record["actor base"] = cfg.actor_rollout_ref.model.path or f"preset {cfg.jaxflow.model.preset}"
+        record["actor base"] = base_pointer(spec)
     return record
 
 
@@ -141,17 +130,20 @@ class RLTrainer:
         default: the configured model, after the supervised warm start when one is configured
         (``jaxflow.sft.warm_start_steps``; its weights are handed over in memory).
 
-        What the user gave is checked before anything is trained or built: the run directory
-        (a fresh run refuses one that holds checkpoints), the reward function, the tokenizer and
-        the data. Then the auto-mapper resolves ``placement.type=auto``, the warm start runs
-        (skipped when the run resumes and its output is on disk) and the workers are built.
-        The run directory is locked from here to the end of ``fit`` (one run per directory), and
-        a fresh run moves an earlier run's outputs there aside (``previous-<time>/``)."""
+        The config is read once (`prepare_run`: the typed description, the tokenizer, the
+        prompts). What the user gave is checked before anything is trained or built: the run
+        directory (a fresh run refuses one that holds checkpoints), the reward function, the
+        data. Then the auto-mapper places a run of ``placement.type=auto`` (`place_run`), the
+        warm start runs (skipped when the run resumes and its output is on disk) and the
+        workers are built. The run directory is locked from here to the end of ``fit`` (one run
+        per directory), and a fresh run moves an earlier run's outputs there aside
+        (``previous-<time>/``)."""
         self._started = time.perf_counter()  # the summary's wall time: the whole run, build included
         self._first_step_at: float | None = None
         self.compiles = CompileLog().__enter__()  # compile seconds per program, for the summary
         self.ckpt: CheckpointManager | None = None
         self.backend = None
+        self.auto: AutoPlacement | None = None  # the auto-mapper's choice (placement.type=auto)
         try:
             self._setup(cfg, actor_params)
         except BaseException:  # a refused or failed start leaves the directory unlocked
@@ -161,64 +153,60 @@ class RLTrainer:
             raise
 
     def _setup(self, cfg: ConfigDict, actor_params: Any) -> None:
-        self.cfg = cfg
-        # The run's settings that do not depend on the placement (the rest: self.spec, below).
-        t, reward, data = trainer_spec(cfg), reward_spec(cfg), data_spec(cfg)
+        prepared = prepare_run(cfg)  # spec (placed unless auto), tokenizer, prompts
+        t = prepared.spec.trainer
         self.run_dir = t.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
         # First, before anything is built or written: the directory's lock (another run there is
         # refused); a fresh run refuses a directory that holds checkpoints (it never deletes them),
         # and a resume refuses another experiment's.
-        self.ckpt = self._open_checkpoints(t, experiment_record(cfg))
+        self.ckpt = self._open_checkpoints(t, experiment_record(prepared.spec))
         # Then the user's reward function, imported in a worker under a time limit: a file that
         # hangs or fails at import, or a wrong signature, stops the run before anything is built.
-        self.scorer = self._build_scorer(reward)
-        self.tokenizer = build_tokenizer(cfg)
-        self._load_prompts(data, reward)
+        self.scorer = self._build_scorer(prepared.spec.reward)
+        self.tokenizer = prepared.tokenizer
+        self._load_prompts(prepared)
         resuming = self.ckpt.resume_dir() is not None
         if resuming:  # it goes on with the outputs in the directory: they must be ours
             check_run_config_target(self.run_dir)
             check_export_target(os.path.join(self.run_dir, HF_DIR))
         else:  # an earlier run's outputs are kept, moved aside
             set_aside_previous_outputs(self.run_dir)
-        given, cfg = cfg, resolve_placement(cfg)  # placement auto: the auto-mapper's pools and meshes
-        warn_ignored_under_auto(given, cfg)  # and the user's own meshes it replaced, said loudly
+        # placement auto: the auto-mapper's pools and meshes (the run records the keys that pin them)
+        spec, self.auto, self.run_config = place_run(prepared, cfg)
         if actor_params is None:
-            cfg, actor_params = warm_start(cfg, resuming=resuming)
-            if t.backend == "ray":  # the workers read the warm start's HF directory (cfg names it),
-                actor_params = None  # each process only its shards
-        self.cfg = cfg
-        self.ckpt.run_config = absolute_paths(cfg.to_dict())  # each step records the config it was saved with
-        self.backend = None
-        devices = None
+            spec, actor_params = warm_start(
+                dataclasses.replace(prepared, spec=spec), self.run_config, resuming=resuming
+            )
+            if spec.models["actor"].path != prepared.spec.models["actor"].path:  # the warm start's checkpoint
+                self.run_config = with_values(
+                    self.run_config, {"actor_rollout_ref.model.path": spec.models["actor"].path}
+                )
+            if t.backend == "ray":  # the workers read the warm start's HF directory, each process only its shards
+                actor_params = None
+        self.ckpt.run_config = absolute_paths(
+            self.run_config.to_dict()
+        )  # each step records the config it was saved with
         if t.backend == "ray":  # Ray is imported only on this path
             from jaxflow.workers.ray_backend import RayBackend
 
-            self.backend = RayBackend(ray_config(cfg))
+            self.backend = RayBackend(ray_config(spec))
             print(f"jaxflow: {self.backend.cluster}", flush=True)
-            devices = ray_devices(cfg)
-        self.spec: RunSpec = describe_run(
-            cfg,
-            devices=devices,
-            eos_token_id=self.tokenizer.eos_token_id,
-            pad_token_id=self.tokenizer.pad_token_id,
-            num_train_prompts=len(self.train_data),
-        )
-        check_vocab(self.spec, self.tokenizer)
-        self.algorithm = run_algorithm(self.spec)  # its iteration, and what it runs on
+        self.spec: RunSpec = spec
+        self.algorithm = run_algorithm(spec)  # its iteration, and what it runs on
         self.algorithm_name = self.algorithm.name
-        self.loader = train_loader(self.spec, self.train_data)
-        self.total_steps = self.spec.training_steps
-        self.placement = self.spec.placement
+        self.loader = train_loader(spec, self.train_data)
+        self.total_steps = spec.training_steps
+        self.placement = spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
         self._restart_actor_params = actor_params if self.backend is not None else None
         self.workers = self._build_workers(actor_params)
-        self.algo_state = self.algorithm.state.initial(self.spec.algorithm)
-        self.guard = NonFiniteGuard(self.spec.trainer.max_nonfinite_steps)
+        self.algo_state = self.algorithm.state.initial(spec.algorithm)
+        self.guard = NonFiniteGuard(spec.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
-        if self.spec.trainer.compile_ahead and self.backend is None and cache_enabled():
+        if spec.trainer.compile_ahead and self.backend is None and cache_enabled():
             t0 = time.perf_counter()
-            seconds = compile_ahead(self.cfg, len(self.train_data))
+            seconds = compile_ahead(spec)
             print(describe_compile_ahead(seconds, time.perf_counter() - t0), flush=True)
 
     # ------------------------------------------------------------------ construction
@@ -252,20 +240,20 @@ class RLTrainer:
                 "trainer.default_local_dir to another directory",
             ) from e
 
-    def _load_prompts(self, data: DataSpec, reward: RewardSpec) -> None:
+    def _load_prompts(self, prepared: PreparedRun) -> None:
         """The training and validation prompts, checked against the reward function, and the
         start-up lines that say what the run reads: the custom reward function, each split's
         source and how many prompts were cut (loudly when many were)."""
-        if reward.custom_function_path:
+        reward = prepared.spec.reward
+        if reward.custom_reward_path:
             print(
-                f"reward: custom function {reward.custom_function_name}() from {reward.custom_function_path} "
+                f"reward: custom function {reward.custom_reward_name}() from {reward.custom_reward_path} "
                 "(custom_reward_function)",
                 flush=True,
             )
-        train, val = dataset_sources(data)
-        self.train_data = build_dataset(data, train, self.tokenizer)
-        self.val_data = build_dataset(data, val, self.tokenizer)
-        if not reward.custom_function_path:  # the built-in scorers compare one string or number
+        train, val = prepared.sources
+        self.train_data, self.val_data = prepared.train_data, prepared.val_data
+        if not reward.custom_reward_path:  # the built-in scorers compare one string or number
             for dataset in (self.train_data, self.val_data):
                 dataset.check_ground_truths(
                     (str, int, float),
@@ -286,14 +274,7 @@ class RLTrainer:
     @staticmethod
     def _build_scorer(r: RewardSpec) -> RewardScorer:
         try:
-            return RewardScorer(
-                custom_reward_path=r.custom_function_path,
-                custom_reward_name=r.custom_function_name,
-                timeout_s=r.timeout_s,
-                batch_timeout_s=r.batch_timeout_s,
-                load_timeout_s=r.load_timeout_s,
-                max_failure_fraction=r.max_failure_fraction,
-            )
+            return RewardScorer(**dataclasses.asdict(r))
         except (RewardFunctionError, ImportError, AttributeError, TypeError) as e:  # the user's file, not jaxflow
             raise ConfigError("custom_reward_function", str(e)) from e
 
@@ -489,7 +470,15 @@ class RLTrainer:
         if "tensorboard" in t.logger:
             outputs["tensorboard"] = os.path.join(self.run_dir, TENSORBOARD_DIR)
         logged = read_jsonl(outputs["metrics"]) if outputs["metrics"] else history  # earlier steps of a resumed run
-        print(run_summary(logged, wall_s=time.perf_counter() - self._started, outputs=outputs), flush=True)
+        predicted = (
+            None
+            if self.auto is None
+            else (f"auto-mapper, {self.auto.profile.name} profile", self.auto.predicted_step_s)
+        )
+        print(
+            run_summary(logged, wall_s=time.perf_counter() - self._started, outputs=outputs, predicted=predicted),
+            flush=True,
+        )
         first = (
             ""
             if self._first_step_at is None
@@ -519,7 +508,7 @@ class RLTrainer:
             self.guard.load_state_dict(guard)
 
     def _fit_attempt(self, history: list[dict[str, float]]) -> None:
-        cfg, t = self.cfg, self.spec.trainer
+        t = self.spec.trainer
         start_step = self.resume()
         history[:] = [h for h in history if h["step"] <= start_step]
         logger = MetricsLogger(
@@ -527,7 +516,7 @@ class RLTrainer:
             backends=tuple(t.logger),
             project=t.project_name,
             experiment=t.experiment_name,
-            config=cfg.to_dict(),
+            config=self.run_config.to_dict(),
             console_keys=CONSOLE_KEYS,
             resume_step=start_step if start_step else None,
             total_steps=self.total_steps,

@@ -11,6 +11,7 @@ given the prompt, over the same ``[prompt | response]`` rows and the same jitted
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -19,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from ml_collections import ConfigDict
 
-from jaxflow.configs.run_spec import build_tokenizer, describe_run, sft_spec
+from jaxflow.configs.prepare import PreparedRun, builtin_task
+from jaxflow.configs.run_spec import RunSpec, SFTSpec, start_actor_from
 from jaxflow.data.dataset import tokenize_sft_examples
 from jaxflow.mesh import data_parallel_size, state_shardings
 from jaxflow.sampling import SamplingParams, generate_from_state
-from jaxflow.trainer.builders import builtin_task, check_vocab, load_model
+from jaxflow.trainer.builders import load_model
 from jaxflow.trainer.checkpoint import all_finite
 from jaxflow.trainer.guard import NonFiniteError
 from jaxflow.trainer.hf_export import check_export_target, write_hf
@@ -36,6 +37,8 @@ from jaxflow.workers import OptimConfig, create_train_state, make_optimizer, mak
 from jaxflow.workers.base import num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, log_probs_and_entropy
 
+WARM_START_DIR = "sft_warm_start"  # an RL run's supervised warm start, in its run directory
+
 
 def sft_loss(model, micro, gbi, scalars):
     """Token-mean NLL with the mini-batch's token count, so micro-batches add up exactly."""
@@ -45,17 +48,17 @@ def sft_loss(model, micro, gbi, scalars):
     return nll, {"loss": nll}
 
 
-def greedy_accuracy(graphdef, params, task, tokenizer, cfg: ConfigDict, n: int = 256, seed: int = 0) -> float:
+def greedy_accuracy(graphdef, params, task, tokenizer, spec: RunSpec, n: int = 256, seed: int = 0) -> float:
     """Exact-match accuracy of greedy answers on ``n`` test-split problems."""
     rows = task.make_sft_examples(n, seed=seed, split="test")
-    data = tokenize_sft_examples(rows, tokenizer, cfg.data.max_prompt_length, cfg.data.max_response_length)
+    data = tokenize_sft_examples(rows, tokenizer, spec.prompt_length, spec.response_length)
     out = generate_from_state(
         graphdef,
         params,
         data["prompt_ids"],
         data["prompt_mask"],
         SamplingParams(
-            max_new_tokens=cfg.data.max_response_length,
+            max_new_tokens=spec.response_length,
             greedy=True,
             eos_token_ids=(tokenizer.eos_token_id,),
             pad_token_id=tokenizer.pad_token_id,
@@ -66,16 +69,16 @@ def greedy_accuracy(graphdef, params, task, tokenizer, cfg: ConfigDict, n: int =
     return float(np.mean([t.strip() == row["response"] for t, row in zip(texts, rows)]))
 
 
-def sft_run_dir(cfg: ConfigDict) -> str:
-    """Where an sft job logs: ``<output_dir>_run`` beside its checkpoint."""
-    out = cfg.jaxflow.sft.output_dir
-    return os.path.join(os.path.dirname(os.path.abspath(out)), f"{os.path.basename(out)}_run")
+def sft_run_dir(output_dir: str) -> str:
+    """Where an sft job writing ``output_dir`` logs: ``<output_dir>_run`` beside it."""
+    return os.path.join(os.path.dirname(os.path.abspath(output_dir)), f"{os.path.basename(output_dir)}_run")
 
 
-def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
-    """Train, log (``sft/loss``, ``sft/val_accuracy``), write the HF checkpoint (+ tokenizer),
-    print a summary. Returns the final metrics and the trained ``(graphdef, params)``, still on
-    the actor's training mesh (the RL warm start takes them over in memory).
+def run_sft(prepared: PreparedRun, record: Any = None) -> tuple[dict[str, float], nnx.GraphDef, Any]:
+    """Train, log (``sft/loss``, ``sft/val_accuracy``; ``record``: the config written beside the
+    logs), write the HF checkpoint (+ tokenizer), print a summary. Returns the final metrics
+    and the trained ``(graphdef, params)``, still on the actor's training mesh (the RL warm
+    start takes them over in memory).
 
     Nothing of the user's is lost: ``output_dir`` is checked before training (a new or empty
     directory, or an earlier jaxflow export, see `check_export_target`) and replaced only by
@@ -84,31 +87,48 @@ def run_sft(cfg: ConfigDict) -> tuple[dict[str, float], nnx.GraphDef, Any]:
     untouched. The log directory (``<output_dir>_run``) is locked for the job's lifetime, and an
     earlier job's logs there are moved aside (``previous-<time>/``)."""
     started = time.perf_counter()
-    check_export_target(sft_spec(cfg).output_dir)
-    run_dir = sft_run_dir(cfg)
+    output_dir = prepared.spec.sft.output_dir
+    check_export_target(output_dir)
+    run_dir = sft_run_dir(output_dir)
     with RunDirLock(run_dir):
         set_aside_previous_outputs(run_dir)
-        return _train_sft(cfg, run_dir, started)
+        return _train_sft(prepared, record, run_dir, started)
 
 
-def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str, float], nnx.GraphDef, Any]:
-    tokenizer = build_tokenizer(cfg)
-    spec = describe_run(cfg, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    check_vocab(spec, tokenizer)
-    s = spec.sft
+def _refused(step: int, metrics: dict[str, float], s: SFTSpec) -> NonFiniteError:
+    return NonFiniteError(
+        f"sft step {step}: the update was refused (loss {metrics['sft/loss']:.4g}, gradient norm "
+        f"{metrics['sft/grad_norm']:.4g}, learning rate {s.lr:g}: not finite, or weights that would "
+        f"overflow); no weights were written, {os.path.abspath(s.output_dir)} is unchanged. Lower "
+        "jaxflow.sft.lr or check the data"
+    )
+
+
+def _sft_step(step_fn: Any, state: Any, batch: dict[str, np.ndarray]) -> tuple[Any, dict[str, float]]:
+    """One optimizer step and its metrics (``timing_s/step`` measured)."""
+    start = time.perf_counter()
+    state, out = step_fn(state, batch, {})
+    out = jax.device_get(out)
+    metrics = {f"sft/{k}": float(out[k]) for k in ("loss", "grad_norm", "lr", "update_skipped")}
+    metrics["timing_s/step"] = time.perf_counter() - start
+    return state, metrics
+
+
+def _train_sft(
+    prepared: PreparedRun, record: Any, run_dir: str, started: float
+) -> tuple[dict[str, float], nnx.GraphDef, Any]:
+    spec, tokenizer = prepared.spec, prepared.tokenizer
+    s, t = spec.sft, spec.trainer
     task = builtin_task(spec.data)
     rows = task.make_sft_examples(spec.data.num_train_examples, seed=spec.data.seed, split="train")
     data = tokenize_sft_examples(rows, tokenizer, spec.prompt_length, spec.response_length)
-
     graphdef, state, step_fn = _sft_state_and_step(spec)
-
-    t = spec.trainer
     logger = MetricsLogger(
         run_dir,
         backends=tuple(t.logger),
         project=t.project_name,
         experiment=t.experiment_name,
-        config=cfg.to_dict(),
+        config=record,
         console_keys={"sft/loss": "loss", "sft/val_accuracy": "val_acc", "timing_s/step": "step_s"},
         total_steps=s.steps,
     )
@@ -117,27 +137,13 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
     metrics: dict[str, float] = {}
     try:
         for step in range(1, s.steps + 1):
-            start = time.perf_counter()
             idx = rng.choice(len(rows), size=s.batch_size, replace=False)
-            state, out = step_fn(state, {key: data[key][idx] for key in PROMPT_KEYS}, {})
-            out = jax.device_get(out)
-            metrics = {
-                "sft/loss": float(out["loss"]),
-                "sft/grad_norm": float(out["grad_norm"]),
-                "sft/lr": float(out["lr"]),
-                "sft/update_skipped": float(out["update_skipped"]),
-                "timing_s/step": time.perf_counter() - start,
-            }
+            state, metrics = _sft_step(step_fn, state, {key: data[key][idx] for key in PROMPT_KEYS})
             if metrics["sft/update_skipped"] > 0:
                 logger.log(metrics, step)
-                raise NonFiniteError(
-                    f"sft step {step}: the update was refused (loss {metrics['sft/loss']:.4g}, gradient norm "
-                    f"{metrics['sft/grad_norm']:.4g}, learning rate {s.lr:g}: not finite, or weights that would "
-                    f"overflow); no weights were written, {os.path.abspath(s.output_dir)} is unchanged. Lower "
-                    "jaxflow.sft.lr or check the data"
-                )
+                raise _refused(step, metrics, s)
             if s.test_freq > 0 and (step % s.test_freq == 0 or step == s.steps):
-                metrics["sft/val_accuracy"] = greedy_accuracy(graphdef, state.params, task, tokenizer, cfg)
+                metrics["sft/val_accuracy"] = greedy_accuracy(graphdef, state.params, task, tokenizer, spec)
             logger.log(metrics, step)
             history.append({"step": step, **metrics})
     finally:
@@ -146,23 +152,20 @@ def _train_sft(cfg: ConfigDict, run_dir: str, started: float) -> tuple[dict[str,
         raise NonFiniteError(f"sft: the trained weights hold NaN or Inf; {s.output_dir} is unchanged")
     out_dir = write_hf(graphdef, state.params, tokenizer, s.output_dir)
     outputs = {"HF export": str(out_dir), "metrics": os.path.join(run_dir, JSONL_NAME) if "jsonl" in t.logger else None}
-    print(
-        "sft "
-        + run_summary(
-            history,
-            wall_s=time.perf_counter() - started,
-            outputs=outputs,
-            train=("training loss", "sft/loss"),
-            val=("held-out accuracy", "sft/val_accuracy"),
-        ),
-        flush=True,
+    summary = run_summary(
+        history,
+        wall_s=time.perf_counter() - started,
+        outputs=outputs,
+        train=("training loss", "sft/loss"),
+        val=("held-out accuracy", "sft/val_accuracy"),
     )
+    print("sft " + summary, flush=True)
     return metrics, graphdef, state.params
 
 
-def _sft_state_and_step(spec: Any) -> tuple[nnx.GraphDef, Any, Any]:
-    """``(graphdef, train state, jitted step)`` of the supervised run ``spec`` (a `RunSpec`):
-    the actor on its training mesh, AdamW at ``jaxflow.sft.lr``, `sft_loss` micro-batched."""
+def _sft_state_and_step(spec: RunSpec) -> tuple[nnx.GraphDef, Any, Any]:
+    """``(graphdef, train state, jitted step)`` of the supervised run ``spec``: the actor on
+    its training mesh, AdamW at ``jaxflow.sft.lr``, `sft_loss` micro-batched."""
     s = spec.sft
     mesh, rules = spec.placement.mesh("actor", "train"), spec.placement.rules("actor", "train")
     graphdef, params = load_model(spec.models["actor"], mesh, rules)
@@ -185,29 +188,32 @@ def _sft_state_and_step(spec: Any) -> tuple[nnx.GraphDef, Any, Any]:
     return graphdef, state, step_fn
 
 
-def warm_start(cfg: ConfigDict, *, resuming: bool = False) -> tuple[ConfigDict, tuple[nnx.GraphDef, Any] | None]:
-    """``(RL config, actor weights)`` after ``jaxflow.sft.warm_start_steps`` supervised steps
-    when the actor has no checkpoint: SFT runs first and RL starts from its weights, handed
-    over in memory (``RLTrainer(cfg, actor_params=...)``); its HF checkpoint is still written
-    to ``<run dir>/sft_warm_start``, and the RL config points at it (the reference policy).
-    A run that ``resuming`` from its checkpoints reads that directory back instead of training
-    again (weights ``None``: the role builders load it); SFT runs again only if it is gone.
-    Without a warm start: ``(cfg, None)``."""
-    steps = sft_spec(cfg).warm_start_steps
-    if steps <= 0 or cfg.actor_rollout_ref.model.path:
-        return cfg, None
-    from jaxflow.configs import checkpoint_dir
-
-    out = os.path.abspath(os.path.join(checkpoint_dir(cfg), "sft_warm_start"))
-    rl_cfg = ConfigDict(cfg.to_dict())
-    rl_cfg.actor_rollout_ref.model.path = out
+def warm_start(
+    prepared: PreparedRun, record: Any = None, *, resuming: bool = False
+) -> tuple[RunSpec, tuple[nnx.GraphDef, Any] | None]:
+    """``(RL run, actor weights)`` after ``jaxflow.sft.warm_start_steps`` supervised steps (0
+    when the actor has weights of its own): SFT runs first on the run's placement and RL
+    starts from its weights, handed over in memory (``RLTrainer(cfg, actor_params=...)``);
+    its HF checkpoint is still written to ``<run dir>/sft_warm_start``, and the returned run's
+    actor (and the roles that follow its weights: the reference) names it
+    (`jaxflow.configs.run_spec.start_actor_from`). A run that ``resuming`` from its
+    checkpoints reads that directory back instead of training again (weights ``None``: the
+    role builders load it); SFT runs again only if it is gone. ``record``: the config the
+    warm start's logs record (the run's). Without a warm start: ``(prepared.spec, None)``."""
+    spec = prepared.spec
+    steps = spec.sft.warm_start_steps
+    if steps <= 0:
+        return spec, None
+    out = os.path.abspath(os.path.join(spec.trainer.run_dir, WARM_START_DIR))
+    rl_spec = start_actor_from(spec, out)
     if resuming and os.path.isfile(os.path.join(out, "config.json")):
         print(f"jaxflow: resuming; the reference policy is the supervised warm start in {out}", flush=True)
-        return rl_cfg, None
-    sft_cfg = ConfigDict(cfg.to_dict())
-    sft_cfg.jaxflow.job = "sft"  # every weight (RL's LoRA adapters, if any, start on top of them)
-    sft_cfg.jaxflow.sft.steps = steps
-    sft_cfg.jaxflow.sft.output_dir = out
-    print(f"jaxflow: supervised warm start ({steps} steps on {cfg.jaxflow.data.builtin_task}) -> {out}", flush=True)
-    _, graphdef, params = run_sft(sft_cfg)
-    return rl_cfg, (graphdef, params)
+        return rl_spec, None
+    sft = dataclasses.replace(spec.sft, steps=steps, output_dir=out)
+    actor = spec.models["actor"]  # every weight trains (RL's LoRA adapters, if any, start on top of them)
+    models = {**spec.models, "actor": dataclasses.replace(actor, config=actor.config.replace(lora=None))}
+    print(f"jaxflow: supervised warm start ({steps} steps on {spec.data.builtin_task}) -> {out}", flush=True)
+    _, graphdef, params = run_sft(
+        dataclasses.replace(prepared, spec=dataclasses.replace(spec, sft=sft, models=models)), record
+    )
+    return rl_spec, (graphdef, params)

@@ -19,7 +19,7 @@ from jaxflow.workers.protocols import (
 )
 from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RewardModelWorker, RuleRewardWorker
-from jaxflow.workers.roles import RoleSettings
+from jaxflow.workers.roles import ForwardConfig, RoleSettings
 from jaxflow.workers.train_state import TrainState, abstract_train_state, create_train_state, make_train_step
 from jaxflow.workers.trainable import TrainableWorker
 
@@ -34,6 +34,7 @@ __all__ = [
     "ActorWorker",
     "CriticConfig",
     "CriticWorker",
+    "ForwardConfig",
     "LocalWorkerGroup",
     "OptimConfig",
     "ReferenceWorker",

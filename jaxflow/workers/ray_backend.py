@@ -66,6 +66,7 @@ import numpy as np
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import Placement
+from jaxflow.mesh.devices import HostSlot, host_slots
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.host_transfer import (
     RowSplit,
@@ -282,27 +283,6 @@ class Unschedulable(WorkerGroupError, ClusterError):
 class ClusterLost(ClusterError):
     """The Ray cluster itself went away (its owner stopped it, its head died): not a worker's
     fault, and restarting worker groups in it cannot help."""
-
-
-@dataclasses.dataclass(frozen=True)
-class HostSlot:
-    """A device of a Ray run as the driver sees it: the ``local``-th device of host ``host``.
-    `Placement`s of a Ray run are built over these (the devices themselves live in the
-    workers' processes)."""
-
-    id: int
-    host: int
-    local: int
-
-
-def host_slots(num_devices: int, devices_per_host: int) -> tuple[HostSlot, ...]:
-    """``num_devices`` `HostSlot`s, ``devices_per_host`` per host: the devices a Ray run's
-    `Placement` is built over."""
-    if num_devices % devices_per_host:
-        raise ValueError(
-            f"{num_devices} devices are not whole hosts of {devices_per_host} (jaxflow.ray.devices_per_host)"
-        )
-    return tuple(HostSlot(i, i // devices_per_host, i % devices_per_host) for i in range(num_devices))
 
 
 def pool_hosts(placement: Placement, pool: str, devices_per_host: int) -> tuple[int, ...]:

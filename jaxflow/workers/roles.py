@@ -20,27 +20,39 @@ from jaxflow.workers.reward import RewardModelWorker
 
 
 @dataclasses.dataclass(frozen=True)
+class ForwardConfig:
+    """An inference role's forward over the rollout (the reference's log-probs, the reward and
+    cost models' scores): ``micro_batch_size_per_device`` rows per data-parallel rank per pass
+    (None: one pass); ``use_remove_padding``: over packed real tokens (no padding, the same
+    values), then in micro-batches of at most ``max_token_len_per_device`` tokens per device
+    (None: by rows; verl's ``log_prob_use_dynamic_bsz``)."""
+
+    micro_batch_size_per_device: int | None = None
+    use_remove_padding: bool = False
+    max_token_len_per_device: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RoleSettings:
-    """What the role classes take besides their model and placement."""
+    """What the role classes take besides their model and placement: each role's settings
+    whole (the inference roles' `ForwardConfig`)."""
 
     actor_config: ActorConfig = ActorConfig()
     rollout: RolloutConfig = RolloutConfig()
     critic_config: CriticConfig = CriticConfig()
     strategy: str = "hybrid"
-    ref_micro_batch_size_per_device: int | None = None  # the reference's log-prob forward
-    reward_micro_batch_size_per_device: int | None = None  # the reward and cost models' forward
-    ref_use_remove_padding: bool = False  # the reference's forward over packed real tokens
-    ref_max_token_len_per_device: int | None = None  # ... in micro-batches of this many tokens per device
-    reward_use_remove_padding: bool = False  # the reward and cost models' forward over packed tokens
+    ref: ForwardConfig = ForwardConfig()
+    reward: ForwardConfig = ForwardConfig()
+    cost: ForwardConfig = ForwardConfig()
     ref_in_actor: bool = False  # LoRA: the reference is the actor's base model, served by the actor
 
     def reference_settings(self) -> dict[str, Any]:
-        """The `ReferenceWorker` settings of the reference policy."""
+        """The `ReferenceWorker` settings of the reference policy (a role, or the actor's base)."""
         return dict(
             temperature=self.rollout.temperature,
-            micro_batch_size_per_device=self.ref_micro_batch_size_per_device,
-            use_remove_padding=self.ref_use_remove_padding,
-            max_token_len_per_device=self.ref_max_token_len_per_device,
+            micro_batch_size_per_device=self.ref.micro_batch_size_per_device,
+            use_remove_padding=self.ref.use_remove_padding,
+            max_token_len_per_device=self.ref.max_token_len_per_device,
         )
 
 
@@ -92,12 +104,13 @@ def make_role_worker(role: str, placement: Placement, model: ModelLike, settings
             config=settings.critic_config,
         )
     extra = {"output_key": "token_level_cost"} if role == "cost" else {}
+    forward: ForwardConfig = getattr(settings, role)  # the reward or the cost model's
     return role_class(role)(
         model=model,
         mesh=placement.mesh(role),
         rules=placement.rules(role, "infer"),
-        micro_batch_size_per_device=settings.reward_micro_batch_size_per_device,
-        use_remove_padding=settings.reward_use_remove_padding,
+        micro_batch_size_per_device=forward.micro_batch_size_per_device,
+        use_remove_padding=forward.use_remove_padding,
         **extra,
     )
 

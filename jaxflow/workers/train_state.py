@@ -176,37 +176,9 @@ def make_train_step(
 
             grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
             micros = batch if presplit else split_micro(batch, num_micro, mesh, batch_axes) if num_micro > 1 else None
-            if micros is None or micros["response_mask"].shape[0] == 1:  # one micro-batch: no loop, no accumulators
-                (loss, aux), grads = grad_fn(
-                    state.params, batch if micros is None else jax.tree.map(lambda x: x[0], micros), 0
-                )
-            else:
-
-                def body(acc, micro_index):
-                    micro, index = micro_index
-                    (l, a), g = grad_fn(state.params, micro, index)
-                    g = jax.lax.with_sharding_constraint(g, param_shardings)
-                    return jax.tree.map(jnp.add, acc, (l, a, g)), None
-
-                first = jax.tree.map(lambda x: x[0], micros)
-                (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, state.params, first, 0)
-                zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_s, aux_s, grads_s))
-                k = micros["response_mask"].shape[0]
-                (loss, aux, grads), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(k)))
+            loss, aux, grads = accumulate_grads(grad_fn, state.params, batch, micros, param_shardings)
             grads = jax.lax.with_sharding_constraint(grads, param_shardings)
-            grad_norm = optax.tree.norm(grads)
-            updates, opt_state = tx.update(grads, state.opt_state, state.params)
-            params = optax.apply_updates(state.params, updates)
-            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & tree_all_finite((params, opt_state))
-
-            def keep(new, old):
-                return jnp.where(finite, new, old)
-
-            new_state = TrainState(
-                params=jax.tree.map(keep, params, state.params),
-                opt_state=jax.tree.map(keep, opt_state, state.opt_state),
-                step=state.step + finite.astype(jnp.int32),
-            )
+            new_state, grad_norm, finite = guarded_update(tx, state, grads, loss)
             metrics = dict(aux)
             metrics.update(
                 grad_norm=grad_norm,
@@ -223,6 +195,53 @@ def make_train_step(
     return jax.jit(
         fn, in_shardings=in_shardings, out_shardings=(state_shardings, replicated), donate_argnames=("state",)
     )
+
+
+def accumulate_grads(
+    grad_fn: Callable, params: Any, batch: dict, micros: dict | None, param_shardings: Any
+) -> tuple[Array, Any, Any]:
+    """``(loss, aux, grads)`` summed over the micro-batches ``micros`` (``[k, ...]`` columns;
+    None: ``batch`` in one pass) in a ``lax.scan``; one micro-batch takes no loop and no
+    accumulators. ``grad_fn(params, micro, index)``: ``value_and_grad`` of the loss, with its
+    aux (``index``: the micro-batch's, which keys its dropout)."""
+    if micros is None or micros["response_mask"].shape[0] == 1:
+        (loss, aux), grads = grad_fn(params, batch if micros is None else jax.tree.map(lambda x: x[0], micros), 0)
+        return loss, aux, grads
+
+    def body(acc, micro_index):
+        micro, index = micro_index
+        (l, a), g = grad_fn(params, micro, index)
+        g = jax.lax.with_sharding_constraint(g, param_shardings)
+        return jax.tree.map(jnp.add, acc, (l, a, g)), None
+
+    first = jax.tree.map(lambda x: x[0], micros)
+    (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, params, first, 0)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_s, aux_s, grads_s))
+    k = micros["response_mask"].shape[0]
+    (loss, aux, grads), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(k)))
+    return loss, aux, grads
+
+
+def guarded_update(
+    tx: optax.GradientTransformation, state: TrainState, grads: Any, loss: Array
+) -> tuple[TrainState, Array, Array]:
+    """``(state, grad norm, finite)``: the optimizer step, kept only when the loss, the
+    gradient norm and the new parameters and optimizer state are all finite (else the old
+    state, its step not counted)."""
+    grad_norm = optax.tree.norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & tree_all_finite((params, opt_state))
+
+    def keep(new, old):
+        return jnp.where(finite, new, old)
+
+    new_state = TrainState(
+        params=jax.tree.map(keep, params, state.params),
+        opt_state=jax.tree.map(keep, opt_state, state.opt_state),
+        step=state.step + finite.astype(jnp.int32),
+    )
+    return new_state, grad_norm, finite
 
 
 def tree_all_finite(tree: Any) -> Array:
