@@ -5,7 +5,8 @@ All losses share the signature of :func:`compute_policy_loss`'s positional colum
 ``(loss, metrics)`` where ``metrics`` always holds the scalars ``pg_clipfrac``,
 ``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), plus any metric
 of the loss's own under its verl name (``bypass_mode``'s ``rollout_corr/*``). Gradients flow
-through ``log_prob`` only. verl 0.9.1's newer losses live beside this module:
+through ``log_prob`` only. A loss that aggregates a per-token loss is written as its per-token
+maths under :func:`token_policy_loss`, which adds the shared keywords and the aggregation. verl 0.9.1's newer losses live beside this module:
 `jaxflow.algos.trust_region_losses` (``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``) and
 `jaxflow.algos.rollout_correction` (``bypass_mode``).
 
@@ -140,7 +141,8 @@ def register_policy_loss(name: str, *, override: bool = False):
     ``(loss, metrics)``. It may declare any of the common keywords ``loss_agg_mode,
     clip_ratio_low, clip_ratio_high, clip_ratio_c`` (those it omits are not passed),
     ``rollout_is_weights`` and ``global_batch_info`` (passed when the caller gives them), plus
-    its own mode-specific keywords.
+    its own mode-specific keywords. Stack it on :func:`token_policy_loss` to write only the
+    per-token maths.
     """
     return POLICY_LOSS_REGISTRY.register(name, override=override)
 
