@@ -132,6 +132,8 @@ POLICY_LOSS_REGISTRY = Registry("policy loss")
 # it. (``rollout_is_weights`` and ``global_batch_info`` are passed only when given, and a loss
 # that cannot honour them then raises instead of silently ignoring them.)
 COMMON_POLICY_LOSS_KEYWORDS = ("loss_agg_mode", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+# The columns every policy loss takes first, ``[B, T]`` each.
+POLICY_LOSS_COLUMNS = ("old_log_prob", "log_prob", "advantages", "response_mask")
 
 
 def register_policy_loss(name: str, *, override: bool = False):
@@ -265,6 +267,8 @@ def _public_signature(token_loss: Callable[..., Any], loss_agg_mode: str | None)
     added = [] if loss_agg_mode is None else [inspect.Parameter("loss_agg_mode", keyword, default=loss_agg_mode)]
     added += [inspect.Parameter(name, keyword, default=None) for name in ("rollout_is_weights", "global_batch_info")]
     sig = inspect.signature(token_loss)
+    if tuple(sig.parameters)[:4] != POLICY_LOSS_COLUMNS:
+        raise TypeError(f"a per-token policy loss takes {POLICY_LOSS_COLUMNS} first, got {tuple(sig.parameters)[:4]}")
     return sig.replace(parameters=[*sig.parameters.values(), *added])
 
 

@@ -37,7 +37,7 @@ def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., t
     (truncated IS ratios), ``ppo_kl``.
     """
 
-    def loss(
+    def token_loss(
         old_log_prob: Array,
         log_prob: Array,
         advantages: Array,
@@ -58,9 +58,9 @@ def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., t
             ppo_kl=masked_mean(-neg_kl, response_mask),
         )
 
-    loss.__name__ = loss.__qualname__ = name
-    loss.__doc__ = f"{trust_region.__doc__}\n\n    The loss: see `_dppo_loss`."
-    return token_policy_loss()(loss)
+    token_loss.__name__ = token_loss.__qualname__ = name
+    token_loss.__doc__ = f"{trust_region.__doc__}\n\n    The loss: see `_dppo_loss`."
+    return token_policy_loss()(token_loss)
 
 
 def _binary_tv_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high) -> Array:
