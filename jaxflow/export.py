@@ -3,7 +3,10 @@
 Converts a saved step of a jaxflow run (default: the latest complete one; the last line names
 the step) into an HF directory (``config.json``, ``*.safetensors``, the run's tokenizer) that
 ``transformers.AutoModelForCausalLM.from_pretrained`` loads (a critic:
-``AutoModelForTokenClassification``): verl's model merger, for jaxflow. Each step is read as
+``AutoModelForTokenClassification``): verl's model merger, for jaxflow. A LoRA run's actor
+becomes a PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``) that
+``peft.PeftModel.from_pretrained`` loads onto the base model, or with ``--merged`` the HF
+model with the adapters merged into its weights. Each step is read as
 the config it was saved with describes it. The saved state is read shard by shard into the
 role's training mesh (``jaxflow.num_devices`` simulated devices on CPU) and written one tensor
 at a time; no device holds the whole model.
@@ -27,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
     p.add_argument("--role", choices=("actor", "critic"), default="actor")
     p.add_argument(
+        "--merged", action="store_true", help="a LoRA run: the HF model with the adapters merged in (not the adapter)"
+    )
+    p.add_argument(
         "--out", required=True, help="the HF directory to write: new, empty, or an earlier jaxflow export (replaced)"
     )
     return p
@@ -42,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         step, cfg = step_config(args.checkpoint, args.step)  # the step's own config
         simulate_devices(cfg.jaxflow.num_devices)
-        out = export_checkpoint(args.checkpoint, args.out, step=step, role=args.role)
+        out = export_checkpoint(args.checkpoint, args.out, step=step, role=args.role, merged=args.merged)
     except (CheckpointError, OSError, ValueError, ExportError) as e:  # OSError: missing files, not ours, disk full
         print(f"error: {storage_error(e) or e}", file=sys.stderr)
         return 2

@@ -255,13 +255,15 @@ def _asyncio_to_log_file(file_handlers: list[logging.Handler]) -> None:
 def report(e: BaseException, log_path: str | None = None, user_errors: tuple[type[BaseException], ...] = ()) -> int:
     """One line on stderr for a failed run or command (the traceback goes to the log file); the
     exit code: 2 for the user's input or storage (``user_errors``: a command's own), 3 for a
-    run stopped by the non-finite guard, 1 otherwise."""
+    run stopped by a guard (non-finite steps, a rollout that does not sample the trained
+    policy), 1 otherwise."""
     from jaxflow.trainer.guard import NonFiniteError
+    from jaxflow.workers.rollout_probe import RolloutMismatchError
 
     log = logging.getLogger(__name__)
     log.info("the run failed", exc_info=e)
     details = f" (traceback in {log_path})" if log_path else ""
-    if isinstance(e, NonFiniteError):
+    if isinstance(e, (NonFiniteError, RolloutMismatchError)):
         print(f"stopped: {e}", file=sys.stderr)
         return 3
     if isinstance(e, _user_errors() + tuple(user_errors)):

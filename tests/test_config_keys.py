@@ -146,6 +146,7 @@ BYPASS = [f"{RC}.bypass_mode=True"]
 FG, OB = "algorithm.filter_groups", "reward_model.overlong_buffer"
 FILTER = [f"{FG}.enable=True", f"{FG}.metric=acc"]
 OVERLONG = [f"{OB}.enable=True", f"{OB}.len=2"]
+LORA = ["actor_rollout_ref.model.lora_rank=8"]
 FILES = "@files"  # replaced by the test's data files (train with a long prompt, val)
 
 
@@ -201,6 +202,11 @@ CHECKS = {
     # --- actor / reference / rollout
     "actor_rollout_ref.model.path": ("preset:tiny_qwen2", [], model("actor")),
     "actor_rollout_ref.model.use_remove_padding": (True, [], spec("actor.use_remove_padding")),
+    "actor_rollout_ref.model.lora_rank": (8, [], spec("actor.lora")),
+    "actor_rollout_ref.model.lora_alpha": (32.0, LORA, spec("actor.lora")),
+    "actor_rollout_ref.model.target_modules": ("q_proj,v_proj", LORA, spec("actor.lora")),
+    "actor_rollout_ref.model.lora_dropout": (0.1, LORA, spec("actor.lora")),
+    "actor_rollout_ref.model.lora_adapter_path": ("@adapter", [], spec("actor.lora")),
     f"{A}.ppo_mini_batch_size": (16, [], spec("actor.ppo_mini_batch_size")),
     f"{A}.ppo_micro_batch_size_per_device": (8, [], spec("actor.ppo_micro_batch_size_per_device")),
     f"{A}.ppo_epochs": (2, [], spec("actor.ppo_epochs")),
@@ -449,6 +455,8 @@ CHECKS = {
     "jaxflow.trainer.resume_other_experiment": (True, [], spec("trainer.resume_other_experiment")),
     "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),
     "jaxflow.trainer.rollout_agreement": (True, [], spec("algorithm.rollout_agreement")),
+    "jaxflow.rollout_probe.enable": ("on", [], spec("rollout.probe_tolerance")),
+    "jaxflow.rollout_probe.tolerance": (0.1, LORA, spec("rollout.probe_tolerance")),
     # --- jaxflow: SFT
     "jaxflow.sft.steps": (10, [], spec("sft.steps")),
     "jaxflow.sft.warm_start_steps": (10, [], spec("sft.warm_start_steps")),
@@ -479,8 +487,10 @@ CHECKS = {
 def files(tmp_path_factory):
     """``@files``: a data file (a ``prompt`` and a ``question`` column, one prompt longer than
     any max_prompt_length here); ``@reward``: a reward function file; ``@tokenizer``: the
-    char tokenizer as a tokenizer.json."""
+    char tokenizer as a tokenizer.json; ``@adapter``: a PEFT adapter's config (rank 4)."""
     from jaxflow.data.char_tokenizer import CharTokenizer
+    from jaxflow.models.lora import LoRAConfig
+    from jaxflow.models.peft_io import ADAPTER_CONFIG, peft_config
 
     root = tmp_path_factory.mktemp("keys")
     rows = [
@@ -500,10 +510,13 @@ def files(tmp_path_factory):
         "    return 0.0\n\n\nscore_it = compute_score\n"
     )
     CharTokenizer().backend.save(str(root / "tokenizer.json"))
+    (root / "adapter").mkdir()
+    (root / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(peft_config(LoRAConfig(rank=4, alpha=8.0), "")))
     return {
         "@files": str(root / "data.jsonl"),
         "@reward": str(root / "reward.py"),
         "@tokenizer": str(root / "tokenizer.json"),
+        "@adapter": str(root / "adapter"),
     }
 
 

@@ -73,6 +73,15 @@ def test_bench_rl_step():
     assert longtail["workload"] == result["workload"]  # the same tiny sizes
 
 
+def test_bench_lora_rollout():
+    result = run_json("bench_lora_rollout.py", "--tiny")
+    assert result["model"] == "tiny" and [r["variant"] for r in result["results"]] == ["merge", "adapter", "full"]
+    by = {r["variant"]: r for r in result["results"]}
+    assert all(r["engine_s"] > 0 and r["tokens_per_s"] > 0 for r in by.values())
+    # Only merging makes a generation copy: the base's projections, float32, on one device.
+    assert by["merge"]["generation_copy_bytes_per_device"] > 0 == by["adapter"]["generation_copy_bytes_per_device"]
+
+
 def test_bench_rollout():
     # The old static engine needs a git worktree of commit 8a519cb: not created by a test.
     result = run_json("bench_rollout.py", "--tiny", "--engines=jaxflow,transformers")

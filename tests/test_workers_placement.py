@@ -122,13 +122,16 @@ def test_split_pools_4_2_2(split):
     assert actor.dp_size == 2 and ref.dp_size == 4 and critic.dp_size == 2
     assert w.actor.methods() == [
         "abstract_train_state",
+        "export_adapter",
         "export_hf",
         "generate",
         "generation_seconds",
         "get_train_state",
         "log_probs",
         "params_finite",
+        "ref_log_probs",
         "restore_train_state",
+        "rollout_probe",
         "save_train_state",
         "set_train_state",
         "update",

@@ -95,17 +95,31 @@ def abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
     return AbstractMesh(tuple(sizes.values()), tuple(sizes))
 
 
-def sharded_bytes(rm: RoleModel, rules: Rules, mesh: AbstractMesh, itemsize: int) -> int:
-    """Per-device bytes of the role's parameters under ``rules`` (ValueError if a sharded
-    dimension does not divide its mesh axes, as :func:`jaxflow.mesh.state_shardings`)."""
-    return _sharded_elements(rm, rules, tuple(mesh.shape.items())) * itemsize
+def sharded_bytes(rm: RoleModel, rules: Rules, mesh: AbstractMesh, itemsize: int, which: str = "all") -> int:
+    """Per-device bytes of the role's parameters under ``rules`` at ``itemsize`` bytes each
+    (ValueError if a sharded dimension does not divide its mesh axes, as
+    :func:`jaxflow.mesh.state_shardings`); ``which``: ``all``, or an adapted model's ``base``
+    weights or its LoRA ``adapters``."""
+    return _sharded_elements(rm, rules, tuple(mesh.shape.items()), which) * itemsize
+
+
+def weight_bytes(rm: RoleModel, rules: Rules, mesh: AbstractMesh) -> tuple[int, int]:
+    """``(all weights, trained weights)`` per device in their dtypes: with LoRA the base in its
+    dtype plus the adapters (float32), and the adapters; else every parameter, twice."""
+    if rm.config.lora is None:
+        every = sharded_bytes(rm, rules, mesh, rm.param_itemsize)
+        return every, every
+    adapters = sharded_bytes(rm, rules, mesh, rm.adapter_itemsize, "adapters")
+    return sharded_bytes(rm, rules, mesh, rm.param_itemsize, "base") + adapters, adapters
 
 
 @functools.lru_cache(maxsize=4096)
-def _sharded_elements(rm: RoleModel, rules: Rules, sizes: tuple[tuple[str, int], ...]) -> int:
+def _sharded_elements(rm: RoleModel, rules: Rules, sizes: tuple[tuple[str, int], ...], which: str = "all") -> int:
     mesh = abstract_mesh(dict(sizes))
     total = 0
     for leaf in rm.leaves:
+        if which != "all" and leaf.adapter != (which == "adapters"):
+            continue
         spec = logical_to_spec(leaf.logical_axes, rules, mesh)
         n = 1
         for size, entry in zip(leaf.shape, spec):
@@ -140,7 +154,8 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
     heads_axes = dict(rules)["heads"]
     heads_axes = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes)
     weight_degree = math.prod(sizes[a] for a in heads_axes)
-    param_bytes = sharded_bytes(rm, rules, mesh, rm.param_itemsize)
+    param_bytes, trained_bytes = weight_bytes(rm, rules, mesh)  # LoRA: only the adapters train
+    trained = "adapters" if mc.lora is not None else "all"
     plan = RolePlan(
         role=role, pool="", head=rm.head, model={}, num_params=rm.num_params, meshes={}, param_bytes=param_bytes
     )
@@ -150,8 +165,8 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
         rows = w.mini_batch_rows[role]
         k = num_micro_batches(rows, w.train_micro[role], dp_ranks, f"{role} mini-batch")
         micro["train"] = k
-        plan.optimizer_bytes = 2 * sharded_bytes(rm, rules, mesh, w.state_itemsize)
-        plan.gradient_bytes = param_bytes * (2 if k > 1 else 1)
+        plan.optimizer_bytes = 2 * sharded_bytes(rm, rules, mesh, w.state_itemsize, trained)
+        plan.gradient_bytes = trained_bytes * (2 if k > 1 else 1)
         plan.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp_ranks, P, R, rules, mesh)
     k = num_micro_batches(w.rows, w.forward_micro[role], dp_ranks, f"{role} forward")
     micro["infer"] = k
@@ -174,10 +189,25 @@ def role_layout(w: Workload, role: str, layout: Layout) -> RoleLayout:
             replicas=gen_dp,
             slots=(layout.max_num_seqs or w.max_num_seqs) or None,
         )
-        plan.generate_param_bytes = sharded_bytes(rm, gen_rules, gen_mesh, rm.param_itemsize)
+        plan.generate_param_bytes, plan.generate_copy = generation_weight_bytes(w, rm, gen_rules, gen_mesh)
         plan.kv_cache_bytes = kv_pool_bytes(mc, shape, gen_rules, gen_mesh)
         plan.activation_bytes["generate"] = generate_activation_bytes(mc, shape, gen_rules, gen_mesh)
     return RoleLayout(role, layout, rules, mesh, gen_rules, gen_mesh, plan, micro, weight_degree, shape)
+
+
+def generation_weight_bytes(w: Workload, rm: RoleModel, rules: Rules, mesh: AbstractMesh) -> tuple[int, bool]:
+    """``(bytes per device, copy)`` of the weights the actor's rollout reads, as
+    `jaxflow.plan.lowering.generation_weights` says: a copy in the compute dtype when it is
+    narrower than the weights' or (LoRA, merged) the base with the adapters merged in; else
+    the training weights themselves."""
+    narrower = rm.compute_itemsize < rm.param_itemsize
+    itemsize = rm.compute_itemsize if narrower else rm.param_itemsize
+    if rm.config.lora is not None and w.lora_merge:
+        return sharded_bytes(rm, rules, mesh, itemsize, "base"), True
+    if rm.config.lora is not None:  # the adapter path: the base and the adapters
+        adapters = sharded_bytes(rm, rules, mesh, itemsize if narrower else rm.adapter_itemsize, "adapters")
+        return sharded_bytes(rm, rules, mesh, itemsize, "base") + adapters, narrower
+    return sharded_bytes(rm, rules, mesh, itemsize), narrower
 
 
 def candidate_layouts(n: int, devices_per_host: int, generating: bool) -> list[Layout]:

@@ -213,10 +213,11 @@ def pareto_front(options: Sequence[Option]) -> list[Option]:
 def transient_parts(rl: RoleLayout) -> dict[str, tuple[int, int]]:
     """Phase -> (bytes counted exactly, working bytes estimated) of a layout's transient
     (:meth:`jaxflow.plan.dry_run.RolePlan.transient_bytes` split in two): training adds the
-    gradients to its activations, generation the generation copy of the weights to the KV
-    cache and its activations, less the training weights donated into that copy."""
+    gradients to its activations, generation the generation weights to the KV cache and its
+    activations (`RolePlan.generation_weight_bytes`: a copy, or the training weights donated
+    into it)."""
     p = rl.plan
-    exact = {"train": p.gradient_bytes, "generate": p.generate_param_bytes - p.param_bytes}
+    exact = {"train": p.gradient_bytes, "generate": p.generation_weight_bytes}
     rough = {"generate": p.kv_cache_bytes}
     return {phase: (exact.get(phase, 0), act + rough.get(phase, 0)) for phase, act in p.activation_bytes.items()}
 

@@ -49,6 +49,7 @@ FORWARD_PROGRAM = {
 class Leaf:
     shape: tuple[int, ...]
     logical_axes: tuple[str | None, ...]
+    adapter: bool = False  # a LoRA adapter (trained; the other leaves of an adapted model are frozen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +76,12 @@ class RoleModel:
         return jnp.dtype(self.config.param_dtype).itemsize
 
     @property
+    def adapter_itemsize(self) -> int:
+        """Bytes per LoRA adapter parameter (float32, whatever the base weights)."""
+        lora = self.config.lora
+        return 0 if lora is None else jnp.dtype(lora.param_dtype).itemsize
+
+    @property
     def compute_itemsize(self) -> int:
         return jnp.dtype(self.config.dtype).itemsize
 
@@ -97,7 +104,10 @@ def role_model(role: str, head: str, mc: ModelConfig) -> RoleModel:
     axes = logical_axes_tree(state)
     shapes = [tuple(v.shape) for v in jax.tree.leaves(state)]
     names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    leaves = tuple(Leaf(s, tuple(a)) for s, a in zip(shapes, names))
+    adapters = jax.tree.leaves(
+        jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    )
+    leaves = tuple(Leaf(s, tuple(a), lora) for s, a, lora in zip(shapes, names, adapters))
     total = sum(math.prod(s) for s in shapes)
     embed = mc.vocab_size * mc.hidden_size
     # Parameters outside the decoder (`model`): the untied LM head, or the score head.
@@ -135,6 +145,7 @@ class Workload:
     max_num_seqs: int
     state_itemsize: int
     stages: tuple[Stage, ...]
+    lora_merge: bool = True  # with LoRA, the rollout reads a copy with the adapters merged in
 
     @property
     def rows(self) -> int:
@@ -146,12 +157,16 @@ class Workload:
 
 
 def dataflow(
-    roles: tuple[str, ...], old_log_probs: bool = True, extra_rollouts: tuple[str, ...] = ()
+    roles: tuple[str, ...],
+    old_log_probs: bool = True,
+    extra_rollouts: tuple[str, ...] = (),
+    ref_in_actor: bool = False,
 ) -> tuple[Stage, ...]:
     """The stages of one iteration over ``roles`` (HybridFlow's PPO dataflow);
     ``old_log_probs``: whether the actor scores the rollout before its update;
     ``extra_rollouts``: the sampling modes of the actor's further rollouts, one response per
-    prompt each (phase ``generate_one``)."""
+    prompt each (phase ``generate_one``); ``ref_in_actor``: the reference's log-probs run on
+    the actor (LoRA: its base model), a forward of the actor's."""
     stages = [
         Stage("actor/reshard", "actor", "reshard", ()),
         Stage("actor/generate", "actor", "generate", ("actor/reshard",)),
@@ -159,6 +174,9 @@ def dataflow(
     scored = [r for r in roles if r != "actor" or old_log_probs]
     before_train = [FORWARD_PROGRAM[r] for r in scored] + [f"actor/generate_{m}" for m in extra_rollouts]
     stages += [Stage(FORWARD_PROGRAM[r], r, "infer", ("actor/generate",)) for r in scored]
+    if ref_in_actor:
+        stages.append(Stage(FORWARD_PROGRAM["ref"], "actor", "infer", ("actor/generate",)))
+        before_train.append(FORWARD_PROGRAM["ref"])
     stages += [Stage(f"actor/generate_{m}", "actor", "generate_one", ("actor/generate",)) for m in extra_rollouts]
     stages += [
         Stage(f"{r}/train", r, "train", tuple(before_train) or ("actor/generate",))
@@ -198,5 +216,6 @@ def workload_from_spec(spec: RunSpec) -> Workload:
         forward_micro={r: forward_of(spec, FORWARD_PROGRAM[r]).config.micro_batch_size_per_device for r in spec.roles},
         max_num_seqs=spec.rollout.max_num_seqs,
         state_itemsize=jnp.dtype(spec.actor.optim.state_dtype).itemsize,
-        stages=dataflow(tuple(spec.roles), old_log_probs, algorithm.extra_rollouts),
+        stages=dataflow(tuple(spec.roles), old_log_probs, algorithm.extra_rollouts, spec.ref_in_actor),
+        lora_merge=spec.rollout.lora_merge,
     )

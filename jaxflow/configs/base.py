@@ -165,6 +165,28 @@ FIELDS: tuple[Field, ...] = tuple(
             "Actor and reference log-prob / update forwards over packed real tokens (no padding; same values).",
         ),
         (
+            "actor_rollout_ref.model.lora_rank",
+            0,
+            "LoRA: train rank-r adapters on the actor's projections instead of its weights (frozen, bf16 on GPU/TPU "
+            "with jaxflow.model.dtype=auto); the reference policy is then the base model (the adapters switched off, "
+            "no second copy); 0 = full fine-tuning.",
+        ),
+        ("actor_rollout_ref.model.lora_alpha", 16.0, "LoRA: the adapters' update is scaled by lora_alpha / lora_rank."),
+        (
+            "actor_rollout_ref.model.target_modules",
+            "all-linear",
+            "LoRA: the projections that get adapters: all-linear (every projection, not the LM head) or names among "
+            "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj (comma-separated).",
+        ),
+        ("actor_rollout_ref.model.lora_dropout", 0.0, "LoRA: dropout on the adapters' input in training, in [0, 1)."),
+        (
+            "actor_rollout_ref.model.lora_adapter_path",
+            "",
+            "LoRA: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors, e.g. an earlier run's "
+            "export or an SFT adapter) the adapters start from; its config gives the rank, alpha, targets and dropout "
+            "(lora_rank may stay 0). Empty = fresh adapters.",
+        ),
+        (
             "actor_rollout_ref.actor.ppo_mini_batch_size",
             32,
             "Prompts per PPO mini-batch (one optimizer step); holds ppo_mini_batch_size * rollout.n responses.",
@@ -757,6 +779,19 @@ FIELDS: tuple[Field, ...] = tuple(
             3,
             "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped).",
             AT_LEAST_0,
+        ),
+        (
+            "jaxflow.rollout_probe.enable",
+            "auto",
+            "After each weight sync the rollout's and the trainer's weights score a fixed probe sequence; the run stops "
+            "when their next-token distributions differ by more than jaxflow.rollout_probe.tolerance (metric "
+            "rollout/probe_tv every step): auto (with LoRA) | on | off.",
+        ),
+        (
+            "jaxflow.rollout_probe.tolerance",
+            0.05,
+            "Largest total variation distance allowed between the rollout's and the trainer's next-token "
+            "distributions on the probe (max over its positions; dtype noise: ~1e-6 in float32, ~1e-2 in bfloat16).",
         ),
         (
             "jaxflow.trainer.resume_other_experiment",

@@ -36,12 +36,40 @@ def uses_reference(cfg: ConfigDict) -> bool:
     return cfg.jaxflow.job == "rl" and bool(cfg.actor_rollout_ref.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
 
 
+def uses_lora(cfg: ConfigDict) -> bool:
+    """The RL actor trains LoRA adapters (``lora_rank`` > 0 or a ``lora_adapter_path``)."""
+    m = cfg.actor_rollout_ref.model
+    return cfg.jaxflow.job == "rl" and (m.lora_rank > 0 or bool(m.lora_adapter_path))
+
+
+def ref_in_actor(cfg: ConfigDict) -> bool:
+    """The reference policy is the actor's base model (LoRA: the adapters switched off), served
+    by the actor: no reference role, no second copy of the weights."""
+    return uses_reference(cfg) and uses_lora(cfg)
+
+
+def lora_config(cfg: ConfigDict) -> Any:
+    """The actor's `jaxflow.models.lora.LoRAConfig` (``actor_rollout_ref.model.lora_*``), or None
+    without LoRA. With ``lora_adapter_path`` the adapter's ``adapter_config.json`` gives rank,
+    alpha, targets and dropout."""
+    from jaxflow.models.lora import LoRAConfig
+    from jaxflow.models.peft_io import read_adapter_config
+
+    m = cfg.actor_rollout_ref.model
+    if not uses_lora(cfg):
+        return None
+    if m.lora_adapter_path:
+        return read_adapter_config(os.path.expanduser(m.lora_adapter_path))[0]
+    return LoRAConfig(rank=m.lora_rank, alpha=float(m.lora_alpha), targets=m.target_modules, dropout=m.lora_dropout)
+
+
 def active_roles(cfg: ConfigDict) -> tuple[str, ...]:
-    """The roles the run needs, in :data:`ROLES` order (an sft job: the actor only)."""
+    """The roles the run needs, in :data:`ROLES` order (an sft job: the actor only; with LoRA
+    the reference is the actor's base, `ref_in_actor`, not a role of its own)."""
     safe = cfg.jaxflow.safe_rlhf
     on = {
         "actor": True,
-        "ref": uses_reference(cfg),
+        "ref": uses_reference(cfg) and not uses_lora(cfg),
         "critic": critic_enabled(cfg),
         "reward": cfg.jaxflow.job == "rl" and bool(cfg.reward_model.enable),
         "cost": cfg.jaxflow.job == "rl" and bool(safe.enable and safe.cost_model_path),
@@ -207,15 +235,16 @@ def platform(cfg: ConfigDict) -> str:
     return jax.default_backend()
 
 
-def resolve_dtypes(param: str, compute: str, role: str, platform: str) -> tuple[str, str]:
+def resolve_dtypes(param: str, compute: str, role: str, platform: str, frozen: bool = False) -> tuple[str, str]:
     """``(param dtype, compute dtype)`` of a role's model with ``auto`` resolved: on CPU
     float32 for both; on GPU and TPU bfloat16 matmuls, float32 master weights for the trained
-    roles and bfloat16 weights for the frozen ones."""
+    roles and bfloat16 weights for the frozen ones (``frozen``: a trained role's weights under
+    LoRA adapters, which are float32 whatever the weights)."""
     accelerator = platform in ("gpu", "tpu")
     if compute == "auto":
         compute = "bfloat16" if accelerator else "float32"
     if param == "auto":
-        param = "bfloat16" if accelerator and role not in TRAINING_ROLES else "float32"
+        param = "bfloat16" if accelerator and (frozen or role not in TRAINING_ROLES) else "float32"
     return param, compute
 
 
@@ -223,18 +252,21 @@ def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
     """The role's :class:`jaxflow.models.ModelConfig` when its shape is known: a preset
     (empty path: ``jaxflow.model.preset``; ``preset:NAME``) with the ``jaxflow.model`` shape
     overrides, or a checkpoint directory's ``config.json``; else None. Dtypes (`resolve_dtypes`),
-    layer scanning and remat come from ``jaxflow.model`` either way."""
+    layer scanning and remat come from ``jaxflow.model`` either way; the actor's LoRA adapters
+    (`lora_config`) are part of its config."""
     import jax.numpy as jnp
 
     from jaxflow.models import PRESETS, ModelConfig
 
     m = cfg.jaxflow.model
-    param_dtype, compute_dtype = resolve_dtypes(m.dtype, m.compute_dtype, role, platform(cfg))
+    lora = lora_config(cfg) if role == "actor" else None
+    param_dtype, compute_dtype = resolve_dtypes(m.dtype, m.compute_dtype, role, platform(cfg), lora is not None)
     options = dict(
         param_dtype=getattr(jnp, param_dtype),
         dtype=getattr(jnp, compute_dtype),
         scan_layers=m.scan_layers,
         remat_policy=m.remat_policy,
+        lora=lora,
     )
     path = model_path(cfg, role)
     if path and not path.startswith(PRESET_PREFIX):

@@ -40,9 +40,11 @@ from jaxflow.configs.resolve import (
     active_roles,
     build_placement,
     checkpoint_dir,
+    lora_config,
     model_config,
     model_path,
     platform,
+    ref_in_actor,
 )
 from jaxflow.data.char_tokenizer import CharTokenizer
 from jaxflow.data.tokenizer import load_tokenizer
@@ -226,6 +228,8 @@ class RunSpec:
       rollout: training and validation `SamplingParams` side by side.
       reward: the rule scorer's settings; ``overlong``: DAPO's overlong reward shaping
         (``reward_model.overlong_buffer``; None: off).
+      actor_reference: LoRA: the reference policy's forward, served by the actor (its base
+        model, no role of its own: ``ref_in_actor``); None otherwise.
       algorithm: what the algorithm's iteration reads.
       prompt_length, response_length: P and R; ``train_batch_size``: prompts per step.
       training_steps: iterations of the run; ``critic_warmup``: the first steps without an
@@ -256,6 +260,12 @@ class RunSpec:
     mapping: MappingSpec
     dry_run: DryRunSpec
     ray: RaySpec
+    actor_reference: ForwardConfig | None = None
+
+    @property
+    def ref_in_actor(self) -> bool:
+        """LoRA: the reference is the actor's base model, served by the actor."""
+        return self.actor_reference is not None
 
     @property
     def actor(self) -> ActorConfig:
@@ -276,9 +286,10 @@ class RunSpec:
             actor_config=self.actor,
             rollout=self.rollout,
             critic_config=self.critic or CriticConfig(),
-            ref=self.roles.get("ref", none),
+            ref=self.roles.get("ref", self.actor_reference or none),
             reward=self.roles.get("reward", none),
             cost=self.roles.get("cost", none),
+            ref_in_actor=self.ref_in_actor,
         )
 
     @property
@@ -417,6 +428,8 @@ def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
         log_prob_use_dynamic_bsz=r.log_prob_use_dynamic_bsz,
         log_prob_max_token_len_per_device=r.log_prob_max_token_len_per_device,
         log_balance=cfg.trainer.balance_batch,
+        lora=lora_config(cfg),
+        lora_adapter_path=os.path.expanduser(cfg.actor_rollout_ref.model.lora_adapter_path),
     )
 
 
@@ -453,15 +466,17 @@ def rollout_config(
 ) -> RolloutConfig:
     """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``),
     with the run's tokenizer (built here when stop strings need one and none is given)."""
-    r = cfg.actor_rollout_ref.rollout
+    r, probe = cfg.actor_rollout_ref.rollout, cfg.jaxflow.rollout_probe
     if r.stop and tokenizer is None:
         tokenizer = build_tokenizer(cfg)
+    probing = probe.enable == "on" or (probe.enable == "auto" and lora_config(cfg) is not None)
     return RolloutConfig(
         train=sampling_params(cfg, r, eos_token_id, pad_token_id),
         val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
         max_num_seqs=r.max_num_seqs,
         max_total_tokens=r.max_total_tokens,
         tokenizer=tokenizer if r.stop else None,
+        probe_tolerance=probe.tolerance if probing else 0.0,
     )
 
 
@@ -650,4 +665,5 @@ def describe_run(
         mapping=mapping_spec(cfg),
         dry_run=from_section(DryRunSpec, cfg.jaxflow.dry_run),
         ray=from_section(RaySpec, cfg.jaxflow.ray),
+        actor_reference=forward_configs(cfg)["ref"] if ref_in_actor(cfg) else None,
     )

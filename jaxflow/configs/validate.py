@@ -52,6 +52,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 COMPILE_AHEAD = ("auto", "on", "off")
+PROBE_MODES = ("auto", "on", "off")
 RESUME_MODES = ("disable", "auto", "resume_path")
 JOBS = ("rl", "sft")
 BACKENDS = ("local", "ray")
@@ -491,6 +492,41 @@ def _check_sft(c: _Checker) -> None:
     )
 
 
+def _check_lora(c: _Checker) -> None:
+    """The actor's LoRA keys (an RL job's; an sft job trains every weight) and the rollout probe."""
+    from jaxflow.models.hf_io import CheckpointError
+    from jaxflow.models.lora import parse_target_modules
+    from jaxflow.models.peft_io import read_adapter_config
+
+    cfg, m, key = c.cfg, c.cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
+    c.one_of("jaxflow.rollout_probe.enable", PROBE_MODES)
+    c.bounded("jaxflow.rollout_probe.tolerance", Bound(0.0, 1.0, "(]"))
+    if m.lora_rank <= 0 and not m.lora_adapter_path:
+        c.at_least(f"{key}.lora_rank", 0)
+        return
+    if cfg.jaxflow.job != "rl":
+        c.add(f"{key}.lora_rank", "LoRA adapters train an rl job's actor; an sft job trains every weight")
+        return
+    c.positive(f"{key}.lora_alpha")
+    c.bounded(f"{key}.lora_dropout", Bound(0.0, 1.0, "[)"))
+    try:
+        parse_target_modules(m.target_modules)
+    except ValueError as e:
+        c.add(f"{key}.target_modules", str(e))
+    if m.lora_adapter_path:
+        try:
+            lora, _ = read_adapter_config(os.path.expanduser(m.lora_adapter_path))
+        except (FileNotFoundError, CheckpointError, KeyError, ValueError) as e:
+            c.add(f"{key}.lora_adapter_path", f"{m.lora_adapter_path!r}: {e}")
+            return
+        c.check(
+            m.lora_rank in (0, lora.rank),
+            f"{key}.lora_rank",
+            f"is {m.lora_rank} but the adapter in lora_adapter_path has rank {lora.rank} (its config gives the "
+            "adapters' shape; leave lora_rank at 0)",
+        )
+
+
 def _check_paths(c: _Checker) -> None:
     from jaxflow.models import PRESETS
 
@@ -780,7 +816,15 @@ def validate(cfg: ConfigDict) -> None:
     c = _Checker(cfg)
     _check_schema(c)
     c.raise_if_any()
-    for check in (_check_enums, _check_ranges, _check_algorithm, _check_sft, _check_paths, _check_model_shape):
+    for check in (
+        _check_enums,
+        _check_ranges,
+        _check_algorithm,
+        _check_sft,
+        _check_lora,
+        _check_paths,
+        _check_model_shape,
+    ):
         check(c)
     c.raise_if_any()
     if _auto(cfg):

@@ -135,10 +135,13 @@ def rollout(
     """Generation and everything scored on it: `generate`, `log_probs`, `values`, `reward`. No
     reordering for data-parallel balance here: every packed pass deals its rows to its own
     mesh's data-parallel ranks balanced by tokens (`jaxflow.workers.packing`). Returns the
-    batch and the rule scorer's ``reward/*`` metrics."""
+    batch and the rule scorer's ``reward/*`` metrics, with the rollout probe's
+    ``rollout/probe_tv`` when the actor has one (`jaxflow.workers.rollout_probe`)."""
     batch = generate(w, prompts, timer, step=step)
+    probe = w.actor.rollout_probe()[0]
     batch = log_probs(w, batch, timer, old_log_probs=old_log_probs, bypass_mode=bypass_mode)
-    return reward(w, values(w, batch, timer), timer)
+    batch, reward_metrics = reward(w, values(w, batch, timer), timer)
+    return batch, reward_metrics | probe
 
 
 def kl_in_reward(batch: Batch, algo: AlgorithmConfig, kl_ctrl: KLController | None) -> tuple[Batch, dict[str, float]]:

@@ -10,6 +10,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from jaxflow.models.lora import LoRAConfig
+
 # HF architecture name -> (model_type, family). The family selects the block details.
 ARCHITECTURES = {
     "LlamaForCausalLM": ("llama", "llama"),
@@ -45,7 +47,8 @@ class ModelConfig:
     ``param_dtype`` is what parameters are stored in; ``dtype`` what matmuls compute in
     (softmax, norms and the final log-softmax always run in float32). ``attention_impl``: the
     attention of forwards without a KV cache: ``xla`` (jaxflow's, any backend) or ``cudnn``
-    (cuDNN's fused attention through ``jax.nn.dot_product_attention``, GPU only).
+    (cuDNN's fused attention through ``jax.nn.dot_product_attention``, GPU only). ``lora``:
+    LoRA adapters on the projections (`jaxflow.models.lora`; not part of the HF config).
     """
 
     vocab_size: int
@@ -73,6 +76,7 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
     attention_impl: str = "xla"  # xla | cudnn: attention without a KV cache (training, scoring forwards)
+    lora: LoRAConfig | None = None  # adapters on the projections (`jaxflow.models.lora`); None: none
 
     def __post_init__(self):
         if self.model_type not in MODEL_TYPES:

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.mesh import constrain
+from jaxflow.models import lora
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.rope import apply_rope, inverse_frequencies
 
@@ -52,6 +53,14 @@ def token_einsum(spec: str, x, w) -> jax.Array:
     B, L = x.shape[:2]
     y = jnp.einsum(spec.replace("BL", "T"), x.reshape(B * L, *x.shape[2:]), w)
     return y.reshape(B, L, *y.shape[1:])
+
+
+def project(module: nnx.Module, name: str, spec: str, x, dtype) -> jax.Array:
+    """``x W`` for ``module``'s projection ``name`` (`token_einsum` with ``spec``) in
+    ``dtype``, plus its LoRA update when it has an adapter (`jaxflow.models.lora`)."""
+    y = token_einsum(spec, x, getattr(module, name)[...].astype(dtype))
+    adapter = lora.adapter_of(module, name)
+    return y if adapter is None else y + adapter(x).astype(y.dtype)
 
 
 def positions_from_mask(attention_mask_BxL: jax.Array) -> jax.Array:
@@ -90,6 +99,7 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, axes=("head_dim",))
             self.k_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, axes=("head_dim",))
+        lora.attach(self, cfg.lora, rngs)
 
     def __call__(self, x_BxLxD, positions_BxL, mask_BxLxS, cache: Any = None, pool: Any = None):
         """y [B, L, D] and, with an external KV ``cache`` (see `Decoder.__call__`), this
@@ -98,9 +108,9 @@ class Attention(nnx.Module):
         cfg = self.cfg
         dt = cfg.dtype
         x = x_BxLxD.astype(dt)
-        q = token_einsum("BLD,DHK->BLHK", x, self.q_proj[...].astype(dt))
-        k = token_einsum("BLD,DNK->BLNK", x, self.k_proj[...].astype(dt))
-        v = token_einsum("BLD,DNK->BLNK", x, self.v_proj[...].astype(dt))
+        q = project(self, "q_proj", "BLD,DHK->BLHK", x, dt)
+        k = project(self, "k_proj", "BLD,DNK->BLNK", x, dt)
+        v = project(self, "v_proj", "BLD,DNK->BLNK", x, dt)
         if cfg.attention_bias:
             q = q + self.q_bias[...].astype(dt)[None, None]
             k = k + self.k_bias[...].astype(dt)[None, None]
@@ -128,7 +138,7 @@ class Attention(nnx.Module):
         else:
             out = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_BxLxS)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
-        return token_einsum("BLHK,HKD->BLD", out, self.o_proj[...].astype(dt)), pool
+        return project(self, "o_proj", "BLHK,HKD->BLD", out, dt), pool
 
 
 def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Array:
@@ -195,14 +205,15 @@ class MLP(nnx.Module):
         self.gate_proj = _param(rngs, _normal, (D, F), ("embed", "mlp"), pd)
         self.up_proj = _param(rngs, _normal, (D, F), ("embed", "mlp"), pd)
         self.down_proj = _param(rngs, _normal, (F, D), ("mlp", "embed"), pd)
+        lora.attach(self, cfg.lora, rngs)
 
     def __call__(self, x_BxLxD):
         dt = self.cfg.dtype
         x = x_BxLxD.astype(dt)
-        gate = token_einsum("BLD,DF->BLF", x, self.gate_proj[...].astype(dt))
-        up = token_einsum("BLD,DF->BLF", x, self.up_proj[...].astype(dt))
+        gate = project(self, "gate_proj", "BLD,DF->BLF", x, dt)
+        up = project(self, "up_proj", "BLD,DF->BLF", x, dt)
         h = constrain(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
-        return token_einsum("BLF,FD->BLD", h, self.down_proj[...].astype(dt))
+        return project(self, "down_proj", "BLF,FD->BLD", h, dt)
 
 
 class Block(nnx.Module):
@@ -310,8 +321,9 @@ class Decoder(nnx.Module):
         `__call__` describes them)."""
         cfg = self.cfg
 
-        def apply_block(graphdef, state, x, pool):
-            return nnx.merge(graphdef, state)(x, positions, mask, cache, pool)
+        def apply_block(graphdef, state, x, pool, index):
+            with lora.layer_scope(index):  # each layer its own LoRA dropout masks (training only)
+                return nnx.merge(graphdef, state)(x, positions, mask, cache, pool)
 
         if cfg.remat_policy != "none":
             apply_block = jax.checkpoint(apply_block, policy=_REMAT_POLICIES[cfg.remat_policy], static_argnums=(0,))
@@ -320,15 +332,15 @@ class Decoder(nnx.Module):
             graphdef, state = nnx.split(self.layers)
 
             def body(x, layer):
-                state_l, pool_l = layer
-                return apply_block(graphdef, state_l, x, pool_l)
+                state_l, pool_l, index = layer
+                return apply_block(graphdef, state_l, x, pool_l, index)
 
-            return jax.lax.scan(body, x, (state, pools))
+            return jax.lax.scan(body, x, (state, pools, jnp.arange(cfg.num_layers)))
 
         new_pools = []
         for i, layer in enumerate(self.layers):
             graphdef, state = nnx.split(layer)
-            x, pool = apply_block(graphdef, state, x, None if pools is None else pools[i])
+            x, pool = apply_block(graphdef, state, x, None if pools is None else pools[i], i)
             new_pools.append(pool)
         return x, None if pools is None else tuple(new_pools)
 

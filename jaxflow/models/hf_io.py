@@ -333,25 +333,15 @@ def sharded_array(
     return jax.make_array_from_callback(tuple(shape), sharding, block)
 
 
-def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
-    """Write ``config.json`` and HF-layout safetensors (sharded with an index past
-    ``max_shard_bytes``) that ``transformers`` loads. Tensors are fetched from the devices
-    one at a time. In a multi-process world every process calls it alike (each tensor is
-    gathered from the processes that hold it: `host_array`) and process 0 writes the files,
-    holding one file's tensors; the others drop each tensor once gathered."""
-    path = os.fspath(path)
-    primary = jax.process_index() == 0
-    os.makedirs(path, exist_ok=True)
-    head = _head_of(model)
-    cfg: ModelConfig = model.cfg
+def _hf_tensors(
+    model: nnx.Module, cfg: ModelConfig, head: str
+) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+    """``(hf name, shape, fetch)`` of every tensor of ``model``'s HF checkpoint, in table order
+    (a scanned stack gives one tensor per layer)."""
     table = [(key, name, layout.to_hf) for key, name, layout in _tensor_table(cfg, head)]
-    state = nnx.state(model)
     flat = {}
-    for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    for p, v in jax.tree_util.tree_leaves_with_path(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)):
         flat[_strip_layers(p)] = v.get_value()
-    dtype = np.dtype(cfg.param_dtype)
-
-    # (hf name, shape, fetch)
     tensors: list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]] = []
     for key, name, to_hf in table:
         if key[0] != "layers":
@@ -365,6 +355,27 @@ def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_byt
                 arr, index = flat[(key, None)], i
             shape = arr.shape if index is None else arr.shape[1:]
             tensors.append((name.format(i=i), _hf_shape(to_hf, shape), _fetcher(arr, index, to_hf)))
+    return tensors
+
+
+def save_pretrained(model: nnx.Module, path: str | os.PathLike, *, max_shard_bytes: int = 2 << 30) -> None:
+    """Write ``config.json`` and HF-layout safetensors (sharded with an index past
+    ``max_shard_bytes``) that ``transformers`` loads. Tensors are fetched from the devices
+    one at a time. In a multi-process world every process calls it alike (each tensor is
+    gathered from the processes that hold it: `host_array`) and process 0 writes the files,
+    holding one file's tensors; the others drop each tensor once gathered."""
+    path = os.fspath(path)
+    primary = jax.process_index() == 0
+    os.makedirs(path, exist_ok=True)
+    head = _head_of(model)
+    cfg: ModelConfig = model.cfg
+    if cfg.lora is not None:
+        raise ValueError(
+            "this model has LoRA adapters, which an HF checkpoint cannot hold: write them as a PEFT adapter "
+            "(jaxflow.models.peft_io.save_adapter) or merge them first (jaxflow.models.peft_io.merged_model)"
+        )
+    tensors = _hf_tensors(model, cfg, head)
+    dtype = np.dtype(cfg.param_dtype)
 
     shards: list[list[int]] = [[]]
     size = 0

@@ -128,6 +128,7 @@ class RolePlan:
     gradient_bytes: int = 0
     activation_bytes: dict[str, int] = dataclasses.field(default_factory=dict)  # phase -> estimate
     generate_param_bytes: int = 0
+    generate_copy: bool = False  # the generation weights are a copy beside the training weights
     kv_cache_bytes: int = 0
     micro_batches: dict[str, int] = dataclasses.field(default_factory=dict)  # program -> count
 
@@ -135,14 +136,20 @@ class RolePlan:
     def persistent_bytes(self) -> int:
         return self.param_bytes + self.optimizer_bytes
 
+    @property
+    def generation_weight_bytes(self) -> int:
+        """What the generation weights add while the rollout runs: a copy (narrower, or with
+        LoRA adapters merged in) all of it; the training weights donated into it, the difference."""
+        return self.generate_param_bytes - (0 if self.generate_copy else self.param_bytes)
+
     def transient_bytes(self) -> dict[str, int]:
         """Phase -> bytes allocated on top of the persistent state while it runs."""
         out = {}
         for phase, act in self.activation_bytes.items():
             if phase == "train":
                 out[phase] = self.gradient_bytes + act
-            elif phase == "generate":  # the training weights are donated into the generation copy
-                out[phase] = self.generate_param_bytes - self.param_bytes + self.kv_cache_bytes + act
+            elif phase == "generate":
+                out[phase] = self.generation_weight_bytes + self.kv_cache_bytes + act
             else:
                 out[phase] = act
         return out
@@ -429,6 +436,37 @@ def simulated_devices(n: int, name: str) -> tuple[Any, ...]:
     return tuple(jax.devices()[:n])
 
 
+def _plan_training(
+    run: RunSpec,
+    role: str,
+    rp: RolePlan,
+    mc: ModelConfig,
+    state: Any,
+    graphdef: Any,
+    wanted: Sequence[str],
+    specs: dict[str, progs.ProgramSpec],
+) -> None:
+    """A training role's optimizer state, gradients and training activations into ``rp``; its
+    train step (and with LoRA the reference served by the actor's base) into ``specs``."""
+    spec = run.placement.roles[role]
+    main = "train" if "train" in spec.rules else "infer"
+    mesh, rules = run.placement.mesh(role, main), run.placement.rules(role, main)
+    dp = data_parallel_size(rules, mesh)
+    P, R = run.prompt_length, run.response_length
+    tx, _ = progs.optimizer(run, role)
+    trained, frozen = progs.trained_and_frozen(state)  # LoRA: the adapters train, the base does not
+    rp.optimizer_bytes = progs.tree_bytes_per_device(progs.abstract_role_state(trained, rules, mesh, tx)[0].opt_state)
+    rows, k = progs.train_micro_batches(run, role, rules, mesh)
+    if f"{role}/train_step" in wanted:
+        specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules)
+    rp.micro_batches[f"{role}/train_step"] = k
+    rp.gradient_bytes = _params_bytes(trained, rules, mesh) * (2 if k > 1 else 1)
+    rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
+    if role == "actor" and run.ref_in_actor and "ref/log_probs" in wanted:  # the reference: the base alone
+        ref, _ = progs.forward_program(run, "ref/log_probs", progs.base_graphdef(mc), frozen, mesh, rules)
+        specs["ref/log_probs"] = dataclasses.replace(ref, role="actor", description=ref.description + ", the base")
+
+
 def _role_plan(
     run: RunSpec,
     role: str,
@@ -457,14 +495,7 @@ def _role_plan(
     )
     dp = data_parallel_size(rules, mesh)
     if role in TRAINING_ROLES:
-        tx, _ = progs.optimizer(run, role)
-        rp.optimizer_bytes = progs.tree_bytes_per_device(progs.abstract_role_state(state, rules, mesh, tx)[0].opt_state)
-        rows, k = progs.train_micro_batches(run, role, rules, mesh)
-        if f"{role}/train_step" in wanted:
-            specs[f"{role}/train_step"], _ = progs.train_step_program(run, role, graphdef, state, mesh, rules)
-        rp.micro_batches[f"{role}/train_step"] = k
-        rp.gradient_bytes = rp.param_bytes * (2 if k > 1 else 1)
-        rp.activation_bytes["train"] = activation_bytes(mc, "train", rows / k / dp, P, R, rules, mesh)
+        _plan_training(run, role, rp, mc, state, graphdef, wanted, specs)
     forward = f"{role}/values" if role == "critic" else f"{role}/scores" if head == "reward" else f"{role}/log_probs"
     rows, k = progs.forward_micro_batches(run, forward, rules, mesh)
     if forward in wanted:
@@ -493,7 +524,9 @@ def _role_plan(
         slots=progs.generation_slots(run),
         kv_tokens=progs.generation_kv_tokens(run),
     )
-    rp.generate_param_bytes = _params_bytes(state, grules, gmesh)
+    gw = progs.generation_weights(run, mc, graphdef, state)
+    rp.generate_param_bytes = _params_bytes(progs.cast_floats(gw.state, gw.dtype), grules, gmesh)
+    rp.generate_copy = gw.copy
     rp.kv_cache_bytes = kv_pool_bytes(mc, shape, grules, gmesh)
     rp.activation_bytes["generate"] = generate_activation_bytes(mc, shape, grules, gmesh)
     if "actor/generate" in wanted:
@@ -502,7 +535,7 @@ def _role_plan(
         if f"actor/generate_{mode}" in wanted:
             specs[f"actor/generate_{mode}"], _ = progs.generate_program(run, mc, graphdef, state, engine, mode)
     if "actor/reshard" in wanted:
-        specs["actor/reshard"] = progs.reshard_program(engine, state, progs.generation_dtype(mc))
+        specs["actor/reshard"] = progs.reshard_program(engine, gw)
     return rp
 
 
@@ -555,7 +588,8 @@ def plan(run: RunSpec, program_names: Sequence[str] | None = None) -> tuple[DryR
         )
     roles = tuple(run.roles)
     progs.run_algorithm(run)  # checked against the roles
-    wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles]
+    served = ("ref",) if run.ref_in_actor else ()  # LoRA: the reference is the actor's base, planned with it
+    wanted = [p for p in (program_names or DEFAULT_PROGRAMS) if p.split("/")[0] in roles + served]
     budget = int(run.dry_run.device_memory_gib * GiB)
     role_plans: dict[str, RolePlan] = {}
     specs: dict[str, progs.ProgramSpec] = {}

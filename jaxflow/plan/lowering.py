@@ -49,6 +49,8 @@ from jaxflow.configs.run_spec import RunSpec
 from jaxflow.iterations import Algorithm, algorithm_for, algorithm_names, get_algorithm, rollout_scores_old_log_probs
 from jaxflow.mesh import Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
+from jaxflow.models.lora import split_adapters, without_adapters
+from jaxflow.models.peft_io import graphdef_for
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
 from jaxflow.workers.actor import actor_train_step, generation_dtype, log_probs_fn, log_probs_program
@@ -269,22 +271,36 @@ def actor_on_policy(spec: RunSpec) -> bool:
     return not rollout_scores_old_log_probs(spec.algorithm) and spec.actor.is_on_policy(spec.rollout_rows)
 
 
+def trained_and_frozen(state: Any) -> tuple[Any, Any]:
+    """``(trained, frozen)`` parts of a training role's model state: with LoRA adapters the
+    adapters and the base weights (`jaxflow.models.lora.split_adapters`), else everything and
+    None."""
+    trained = split_adapters(state)
+    return (trained[1], trained[0]) if jax.tree.leaves(trained[1]) else (state, None)
+
+
 def train_step_program(
     spec: RunSpec, role: str, graphdef: nnx.GraphDef, state: Any, mesh: Mesh, rules: Rules
 ) -> tuple[ProgramSpec, int]:
     """The actor's or critic's optimizer step on one PPO mini-batch, micro-batched as
     configured (remove padding: packed micro-batches of the all-full-length worst case,
     `full_length_rows`), from the workers' own builder (`actor_train_step` /
-    `critic_train_step`); the actor's on-policy step when the run takes it (`actor_on_policy`).
-    Returns the spec and the number of micro-batches."""
+    `critic_train_step`); the actor's on-policy step when the run takes it (`actor_on_policy`);
+    with LoRA the adapters' step, the frozen base its fourth argument. Returns the spec and
+    the number of micro-batches."""
     P, R = spec.prompt_length, spec.response_length
     tx, schedule = optimizer(spec, role)
     rows, k = train_micro_batches(spec, role, rules, mesh)
-    abstract_state, shardings = abstract_role_state(state, rules, mesh, tx)
+    trained, frozen = trained_and_frozen(state)
+    abstract_state, shardings = abstract_role_state(trained, rules, mesh, tx)
+    frozen_args = () if frozen is None else (abstract_params(frozen, rules, mesh),)
     role_layout = layout(graphdef, state, mesh, rules)
     if role == "actor":
         conf, on_policy = spec.actor, actor_on_policy(spec)
-        step = actor_train_step(role_layout, tx, schedule, conf, shardings, k, on_policy=on_policy)
+        frozen_shardings = None if frozen is None else state_shardings(frozen, rules, mesh)
+        step = actor_train_step(
+            role_layout, tx, schedule, conf, shardings, k, on_policy=on_policy, frozen_shardings=frozen_shardings
+        )
         keys, scalar_names = conf.update_keys(on_policy), ("temperature",)
     else:
         conf, on_policy = spec.critic, False
@@ -312,9 +328,9 @@ def train_step_program(
         phase="train",
         mesh=mesh,
         description=f"1 mini-batch of {rows} x {P}+{R} tokens{', on-policy' if on_policy else ''}, {what}",
-        analytic_argument_bytes=tree_bytes_per_device((abstract_state, batch, scalars)),
+        analytic_argument_bytes=tree_bytes_per_device((abstract_state, batch, scalars, frozen_args)),
         args_hold=("params", "optim"),
-        lower=lambda: step.lower(abstract_state, batch, scalars),
+        lower=lambda: step.lower(abstract_state, batch, scalars, *frozen_args),
     )
     return program, k
 
@@ -352,12 +368,13 @@ def forward_of(spec: RunSpec, name: str) -> Forward:
             "old_log_probs",
         )
     if name == "ref/log_probs":
+        ref = spec.role_settings.ref  # a role, or LoRA: the actor's base
         return Forward(
             "ref",
             lambda lo, k: log_probs_program(lo, k, output_key="ref_log_prob"),
             log_probs_fn("ref_log_prob"),
             ("temperature",),
-            spec.roles["ref"],
+            ref,
             "ref_log_prob",
         )
     if name == "critic/values":
@@ -454,22 +471,67 @@ def generation_kv_tokens(spec: RunSpec) -> int | None:
     return spec.rollout.max_total_tokens or None
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationWeights:
+    """What the actor's rollout reads, as `ActorWorker._generation_weights` makes it: the
+    graph, the (abstract) state, the dtype its floating weights are cast to (None: their own)
+    and whether they are a copy made beside the training weights (``copy``) or the training
+    weights themselves, donated into the generation layout."""
+
+    graphdef: nnx.GraphDef
+    state: Any
+    dtype: Any
+    copy: bool
+
+
+def base_graphdef(mc: ModelConfig) -> nnx.GraphDef:
+    """The graph of an adapted LM's base (its model without adapters)."""
+    return graphdef_for(without_adapters(mc), "lm")
+
+
+def cast_floats(state: Any, dtype: Any) -> Any:
+    """An abstract state with its floating leaves in ``dtype`` (None: as they are)."""
+    if dtype is None:
+        return state
+    return jax.tree.map(
+        lambda x: (
+            jax.ShapeDtypeStruct(x.shape, dtype, sharding=getattr(x, "sharding", None))
+            if jnp.issubdtype(x.dtype, jnp.floating)
+            else x
+        ),
+        state,
+    )
+
+
+def generation_weights(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any) -> GenerationWeights:
+    """The rollout's `GenerationWeights`: with LoRA merged (``rollout.lora_merge``) the base
+    graph and its weights (a copy with the adapters merged in, in `generation_dtype` or the
+    base's dtype); otherwise the model's own graph and weights (a copy when `generation_dtype`
+    narrows them)."""
+    cast = generation_dtype(mc)
+    if mc.lora is not None and spec.rollout.lora_merge:
+        base = split_adapters(state)[0]
+        return GenerationWeights(base_graphdef(mc), base, cast, True)
+    return GenerationWeights(graphdef, state, cast, cast is not None)
+
+
 def generate_program(
     spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, state: Any, engine: HybridEngine, sampling: str = "train"
 ) -> tuple[ProgramSpec, int]:
     """The actor's rollout program (chunked prefill + continuous decode over
     :func:`generation_slots` slots per replica) in the generation layout, for the whole
     rollout in one call, with the ``sampling`` parameters (`RolloutConfig.resolve`:
-    ``"train"``, or ``"greedy"``, ReMax's baseline rollout, ``actor/generate_greedy``).
-    Returns the spec and the prompts per call."""
+    ``"train"``, or ``"greedy"``, ReMax's baseline rollout, ``actor/generate_greedy``), on the
+    weights `generation_weights` says. Returns the spec and the prompts per call."""
     mesh, rules = engine.gen_mesh, engine.gen_rules
     sp = spec.rollout.resolve(sampling)
     n, P = sp.n, spec.prompt_length
     gen_dp = data_parallel_size(rules, mesh)
     prompts = spec.train_batch_size
     slots, kv_tokens = generation_slots(spec), generation_kv_tokens(spec)
-    cast = generation_dtype(mc)  # a narrower generation copy beside the masters, or the weights themselves
-    params = with_shardings(state_shardings(state, rules, mesh), state, float_dtype=cast)
+    gw = generation_weights(spec, mc, graphdef, state)
+    graphdef, state = gw.graphdef, gw.state
+    params = with_shardings(state_shardings(state, rules, mesh), state, float_dtype=gw.dtype)
     ids = np.ones((prompts, P), np.int32)  # host-side shape carrier; lower_generate places nothing
     shape = engine_shape(mc, prompts, P, sp.max_new_tokens, n=n, replicas=gen_dp, slots=slots, kv_tokens=kv_tokens)
     out = ProgramSpec(
@@ -486,9 +548,9 @@ def generate_program(
         analytic_argument_bytes=tree_bytes_per_device(params)
         + 4 * (shape.prompts * (shape.prompt_len + 1) + shape.rows + 2),
         # The training weights are donated into this generation copy (`HybridEngine.generation_swap`):
-        # the actor's optimizer state stays resident, its training weights do not; a narrower
-        # copy (`generation_dtype`) is made beside them, so they stay resident too.
-        args_hold=("params",) if cast is None else (),
+        # the actor's optimizer state stays resident, its training weights do not; a copy (narrower,
+        # `generation_dtype`, or LoRA-merged) is made beside them, so they stay resident too.
+        args_hold=() if gw.copy else ("params",),
         lower=lambda: lower_generate(
             graphdef,
             params,
@@ -507,10 +569,12 @@ def _mesh_text(mesh: Mesh) -> str:
     return " ".join(f"{a}={n}" for a, n in mesh.shape.items())
 
 
-def reshard_program(engine: HybridEngine, state: Any, cast: Any = None) -> ProgramSpec:
+def reshard_program(engine: HybridEngine, gw: GenerationWeights) -> ProgramSpec:
     """The actor's train -> generate weight transition (`HybridEngine.report`: its programs
-    compiled, their memory summed in the order they run), of the weights in their own dtype or,
-    with ``cast``, of their narrower generation copy (`generation_dtype`: the masters stay)."""
+    compiled, their memory summed in the order they run) of what the rollout reads
+    (`generation_weights`): the weights in their own dtype, or a copy (narrower, or
+    LoRA-merged: the masters stay)."""
+    state, cast = gw.state, gw.dtype
     if cast is not None:
         state = jax.tree.map(
             lambda x: (
@@ -554,7 +618,7 @@ def reshard_program(engine: HybridEngine, state: Any, cast: Any = None) -> Progr
         description=f"-> generate {_mesh_text(engine.gen_mesh)} ({engine.strategy}, {len(engine.micro_dp_groups)} "
         f"micro-DP groups of {len(engine.micro_dp_groups[0])})",
         analytic_argument_bytes=train_bytes,
-        args_hold=("params",) if cast is None else (),
+        args_hold=() if gw.copy else ("params",),
         measure=measure,
         lowered_parts=lambda: engine.lowered(state),
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -42,6 +43,9 @@ import jaxflow.models as models
 from jaxflow.configs.prepare import prepare_run
 from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, state_shardings
+from jaxflow.models import peft_io
+from jaxflow.models.lora import join, split_adapters
+from jaxflow.trainer.builders import load_model
 from jaxflow.trainer.checkpoint import SKIP, STEP_PREFIX, CheckpointManager, complete_steps, read_marker
 from jaxflow.trainer.outputs import CONFIG_NAME, NotOursError, is_run_config
 from jaxflow.workers import TrainState, make_optimizer, train_state
@@ -238,7 +242,7 @@ def run_config(run_dir: str | os.PathLike) -> ConfigDict:
 def abstract_train_state(spec: RunSpec, role: str) -> tuple[nnx.GraphDef, TrainState]:
     """``(graphdef, TrainState of jax.ShapeDtypeStruct)`` of ``role`` exactly as the RL trainer
     builds it (from the run's `RunSpec`), each leaf carrying its sharding on the role's
-    training mesh; nothing allocated."""
+    training mesh; nothing allocated. With LoRA the state holds the adapters only."""
     if role not in TRAINING_ROLES:
         raise ValueError(f"role must be one of {sorted(TRAINING_ROLES)}, got {role!r}")
     if role not in spec.roles:
@@ -248,6 +252,8 @@ def abstract_train_state(spec: RunSpec, role: str) -> tuple[nnx.GraphDef, TrainS
         raise FileNotFoundError(f"the {role}'s model config is unknown: no config.json in {spec.models[role].path}")
     mesh, rules = spec.placement.mesh(role, "train"), spec.placement.rules(role, "train")
     graphdef, params = nnx.split(nnx.eval_shape(lambda: models.HEADS[Role(role).head](mcfg, rngs=nnx.Rngs(0))))
+    if mcfg.lora is not None:
+        params = split_adapters(params)[1]
     tx, _ = make_optimizer((spec.actor if role == "actor" else spec.critic).optim)
     state, _ = train_state.abstract_train_state(params, state_shardings(params, rules, mesh), tx, mesh)
     return graphdef, state  # leaves: jax.ShapeDtypeStruct with their shardings
@@ -270,13 +276,28 @@ def step_config(run_dir: str | os.PathLike, step: int | None = None) -> tuple[in
     return step, ConfigDict(recorded) if isinstance(recorded, dict) else run_config(run_dir)
 
 
+def base_pointer(spec: Any) -> str:
+    """Where the actor's base model lives (a LoRA adapter's ``base_model_name_or_path``): its
+    checkpoint directory, or for a preset ``preset (trainer.seed=N)`` (initialised from the
+    run's seed)."""
+    m = spec.models["actor"]
+    return m.path if m.path else f"preset (trainer.seed={m.seed})"
+
+
 def export_checkpoint(
-    run_dir: str | os.PathLike, out_dir: str | os.PathLike, *, step: int | None = None, role: str = "actor"
+    run_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    step: int | None = None,
+    role: str = "actor",
+    merged: bool = False,
 ) -> Path:
     """Write ``role`` of the saved ``step`` (default: the latest complete one) of the run in
     ``run_dir`` as an HF directory ``out_dir``, with the run's tokenizer, as the step's own
     config describes it (`step_config`). Only the parameters are read (the optimizer state's
-    leaves are skipped)."""
+    leaves are skipped). A LoRA run's actor is written as a PEFT adapter directory, or with
+    ``merged`` as the HF model with the adapters merged in (its base read from where the run
+    read it)."""
     check_export_target(out_dir, protect=(run_dir,))
     step, cfg = step_config(run_dir, step)
     # on this process's devices (a Ray run's too), without its prompts
@@ -288,5 +309,17 @@ def export_checkpoint(
         raise NoSuchRoleError(f"step {step} of {Path(run_dir).absolute()}: {e}") from None
     abstract = dataclasses.replace(abstract, opt_state=jax.tree.map(lambda _: SKIP, abstract.opt_state), step=SKIP)
     ckpt = CheckpointManager(run_dir, read_only=True)
-    restored = ckpt.restore(step, targets={role: abstract})
-    return write_hf(graphdef, restored.arrays[role].params, tokenizer, out_dir, protect=(run_dir,))
+    params = ckpt.restore(step, targets={role: abstract}).arrays[role].params
+    spec = prepared.spec
+    lora = spec.models[role].config.lora
+    if lora is None:
+        if merged:
+            raise ValueError(f"--merged: the {role} of {Path(run_dir).absolute()} has no LoRA adapters to merge")
+        return write_hf(graphdef, params, tokenizer, out_dir, protect=(run_dir,))
+    if not merged:
+        write = functools.partial(peft_io.save_adapter, spec.models[role].config, params, base_model=base_pointer(spec))
+        return write_hf_with(write, tokenizer, out_dir, protect=(run_dir,))
+    mesh, rules = spec.placement.mesh(role, "train"), spec.placement.rules(role, "train")
+    base = split_adapters(load_model(spec.models[role], mesh, rules)[1])[0]
+    model = peft_io.merged_model(graphdef, join(base, params))
+    return write_hf_with(lambda tmp: models.save_pretrained(model, tmp), tokenizer, out_dir, protect=(run_dir,))

@@ -52,7 +52,7 @@ from jaxflow.trainer.compile_ahead import cache_enabled, compile_ahead
 from jaxflow.trainer.compile_ahead import describe as describe_compile_ahead
 from jaxflow.trainer.compile_log import CompileLog
 from jaxflow.trainer.guard import NonFiniteError, NonFiniteGuard
-from jaxflow.trainer.hf_export import HF_DIR, check_export_target, write_hf_with
+from jaxflow.trainer.hf_export import HF_DIR, base_pointer, check_export_target, write_hf_with
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
@@ -115,6 +115,10 @@ def experiment_record(spec: RunSpec) -> dict[str, str]:
         if role != "ref":  # the actor's model
             shape = "unknown" if m.config is None else " ".join(f"{k}={getattr(m.config, k)}" for k in MODEL_SHAPE)
             record[f"{role} model"] = shape
+    lora = spec.actor.lora
+    if lora is not None:  # the checkpoints hold adapters: they mean something on their base only
+        record["actor LoRA"] = f"rank={lora.rank} alpha={lora.alpha:g} targets={','.join(lora.targets)}"
+        record["actor base"] = base_pointer(spec)
     return record
 
 
@@ -344,9 +348,13 @@ class RLTrainer:
             self.export_actor(self.ckpt.step_dir(step) / HF_DIR)
 
     def export_actor(self, out_dir: str | os.PathLike) -> str:
-        """The actor as an HF directory with the tokenizer, written by the actor's workers from
-        their sharded params (on the Ray backend this process never holds them)."""
-        return str(write_hf_with(self.workers.actor.export_hf, self.tokenizer, out_dir))
+        """The actor as an HF directory with the tokenizer (with LoRA: its adapters as a PEFT
+        adapter directory, pointing at the base), written by the actor's workers from their
+        sharded params (on the Ray backend this process never holds them)."""
+        if self.spec.actor.lora is None:
+            return str(write_hf_with(self.workers.actor.export_hf, self.tokenizer, out_dir))
+        write = functools.partial(self.workers.actor.export_adapter, base_model=base_pointer(self.spec))
+        return str(write_hf_with(write, self.tokenizer, out_dir))
 
     def resume(self) -> int:
         """Restore the latest checkpoint per ``trainer.resume_mode``; the step to start from."""

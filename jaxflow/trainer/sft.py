@@ -214,6 +214,10 @@ def warm_start(
         print(f"jaxflow: resuming; the reference policy is the supervised warm start in {out}", flush=True)
         return rl_spec, None
     sft = dataclasses.replace(spec.sft, steps=steps, output_dir=out)
+    actor = spec.models["actor"]  # every weight trains (RL's LoRA adapters, if any, start on top of them)
+    models = {**spec.models, "actor": dataclasses.replace(actor, config=actor.config.replace(lora=None))}
     print(f"jaxflow: supervised warm start ({steps} steps on {spec.data.builtin_task}) -> {out}", flush=True)
-    _, graphdef, params = run_sft(dataclasses.replace(prepared, spec=dataclasses.replace(spec, sft=sft)), record)
+    _, graphdef, params = run_sft(
+        dataclasses.replace(prepared, spec=dataclasses.replace(spec, sft=sft, models=models)), record
+    )
     return rl_spec, (graphdef, params)

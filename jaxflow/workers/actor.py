@@ -30,12 +30,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax import lax
 from jax.sharding import Mesh
 
 from jaxflow.algos import agg_loss, compute_policy_loss, kl_penalty, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Role, Rules
+from jaxflow.models.lora import LoRAConfig, merge_adapters
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
 from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
@@ -44,6 +46,8 @@ from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
+from jaxflow.workers.rollout_probe import METRIC as PROBE_METRIC
+from jaxflow.workers.rollout_probe import RolloutProbe
 from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_columns, train_step_program
 
 
@@ -61,6 +65,13 @@ def cast_program(dtype: Any, shardings: Any):
     return jax.jit(lambda params: jax.tree.map(lambda x: x.astype(dtype), params), out_shardings=shardings)
 
 
+def merge_program(lora: LoRAConfig, dtype: Any, shardings: Any):
+    """A jitted ``(base, adapters) -> merged``: the base weights with the LoRA update merged in,
+    ``W + s A B``, in ``dtype`` (None: the base's), laid out by ``shardings`` (the base's: each
+    device merges its own shard, `jaxflow.models.lora.merge_adapters`)."""
+    return jax.jit(lambda base, adapters: merge_adapters(base, adapters, lora, dtype), out_shardings=shardings)
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
     """How the actor samples (verl's ``rollout``): the training rollouts' `SamplingParams`
@@ -71,13 +82,19 @@ class RolloutConfig:
     ``max_total_tokens`` > 0: the KV-cache budget per generation replica in tokens (the page
     pool; sequences wait for pages when it runs short); 0: the engine's default.
     ``tokenizer`` (anything with ``decode(ids)``) gives the tokens' text for the stop strings
-    of the sampling parameters (``SamplingParams.stop``)."""
+    of the sampling parameters (``SamplingParams.stop``). ``lora_merge``: with LoRA, the
+    rollout reads the weights with the adapters merged in (a copy, `merge_program`) instead of
+    running the adapter path. ``probe_tolerance`` > 0: after each weight sync the rollout's
+    and the trainer's weights score a fixed probe and the run stops when they differ by more
+    (`jaxflow.workers.rollout_probe`); 0: no probe."""
 
     train: SamplingParams = SamplingParams(max_new_tokens=32)
     val: SamplingParams = SamplingParams(max_new_tokens=32, greedy=True)
     max_num_seqs: int = 0
     max_total_tokens: int = 0
     tokenizer: Any = dataclasses.field(default=None, compare=False)
+    lora_merge: bool = True
+    probe_tolerance: float = 0.0
 
     @property
     def temperature(self) -> float:
@@ -263,11 +280,13 @@ def actor_train_step(
     num_micro: int,
     *,
     on_policy: bool = False,
+    frozen_shardings: Any = None,
 ):
     """The actor's jitted optimizer step (`train_step_program` with `actor_loss`) on a
     mini-batch of the columns ``config.update_keys(on_policy)`` and the scalar
     ``temperature``: padded rows in ``num_micro`` micro-batches, or (remove padding) packed
-    micro-batches."""
+    micro-batches. ``frozen_shardings``: with LoRA, the base weights' (the step's fourth
+    argument)."""
     return train_step_program(
         layout,
         tx,
@@ -279,6 +298,7 @@ def actor_train_step(
         columns=config.update_keys(on_policy),
         scalar_names=("temperature",),
         name="actor_train_step",
+        frozen_shardings=frozen_shardings,
     )
 
 
@@ -293,6 +313,9 @@ class ActorWorker(TrainableWorker):
       gen_tp: generation tensor parallelism; with it, generation runs in the 3D-HybridEngine's
         generation layout (`jaxflow.reshard.HybridEngine`, ``strategy``, ``gen_rules``).
         Without it, generation runs in the training layout.
+      reference: with LoRA, `ref_log_probs` serves the reference policy (the base model: the
+        adapters switched off, no second copy of the weights) with these `ReferenceWorker`
+        settings (``temperature`` and its `ForwardConfig`, ``forward``).
     """
 
     role = Role.ACTOR
@@ -308,14 +331,20 @@ class ActorWorker(TrainableWorker):
         gen_tp: int | None = None,
         gen_rules: Rules | str | None = None,
         strategy: str = "hybrid",
+        reference: Mapping[str, Any] | None = None,
     ):
         self.rollout = rollout
         super().__init__(model, mesh, rules, config)
+        if reference is not None and self.frozen is None:
+            raise ValueError("an actor serves the reference policy only with LoRA (its base model)")
+        self._reference_settings = reference
+        self._reference: Any = None
         self.engine = None
         if gen_tp is not None:
             self.engine = HybridEngine(self.mesh, self.rules, gen_tp, strategy=strategy, gen_rules=gen_rules)
         self._num_rollouts = 0
         self._gen_seconds: dict[str, float] = {}
+        self.probe = RolloutProbe(rollout.probe_tolerance) if rollout.probe_tolerance > 0 else None
 
     # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
@@ -361,22 +390,38 @@ class ActorWorker(TrainableWorker):
         )
         with contextlib.ExitStack() as stack:
             t0 = time.perf_counter()
-            gen_params, mesh, rules = self._generation_weights(stack)
+            graphdef, gen_params, mesh, rules = self._generation_weights(stack)
             jax.block_until_ready(gen_params)
             t1 = time.perf_counter()
             out = generate_from_state(
-                self.graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options
+                graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options
             )
             responses, response_mask, log_probs = jax.block_until_ready(
                 (out.responses, out.response_mask, out.log_probs)
             )
             t2 = time.perf_counter()
-        rows = prompts.repeat(params.n, interleave=True).update(
-            tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
-            meta={"temperature": 1.0 if params.greedy else float(params.temperature)},
-        )
+            rows = prompts.repeat(params.n, interleave=True).update(
+                tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
+                meta={"temperature": 1.0 if params.greedy else float(params.temperature)},
+            )
+            if self.probe is not None:  # the rollout's weights score the probe while they exist
+                self.probe.capture(rows)
+                rollout_probe = self.probe.log_probs("rollout", graphdef, gen_params, mesh, rules)
+        if self.probe is not None:  # ... and the trainer's, given back
+            self.probe.check(
+                rollout_probe, self.probe.log_probs("trainer", self.graphdef, self.params, self.mesh, self.rules)
+            )
         self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
         return rows
+
+    @register(ONE_TO_ALL)
+    def rollout_probe(self) -> dict[str, float]:
+        """The last rollout's probe (`jaxflow.workers.rollout_probe`): ``rollout/probe_tv``, the
+        total variation between the rollout's and the trainer's next-token distributions on
+        the fixed probe; empty without a probe."""
+        if self.probe is None or self.probe.last is None:
+            return {}
+        return {PROBE_METRIC: self.probe.last}
 
     @register(ONE_TO_ALL)
     def generation_seconds(self) -> dict[str, float]:
@@ -390,26 +435,34 @@ class ActorWorker(TrainableWorker):
         """`generation_dtype` of this actor's model."""
         return generation_dtype(self.model_config)
 
-    def _generation_weights(self, stack: contextlib.ExitStack) -> tuple[Any, Mesh, Rules]:
-        """The weights generation reads, with their mesh and rules. Same dtype as the
-        masters: the training weights themselves, or (hybrid engine) the training state
-        donated into the generation layout and given back on exit. Narrower (`generation_dtype`):
-        a cast copy, resharded into the generation layout (the cast copy donated), dropped on
-        exit; the masters stay untouched."""
+    def _generation_weights(self, stack: contextlib.ExitStack) -> tuple[nnx.GraphDef, Any, Mesh, Rules]:
+        """The graph and weights generation reads, with their mesh and rules. With LoRA and
+        ``rollout.lora_merge``: the base graph and a copy of its weights with the adapters
+        merged in (`merge_program`, in `generation_dtype`), resharded into the generation
+        layout (the copy donated), dropped on exit. Otherwise the model's own graph (with LoRA,
+        the adapter path) and, in the masters' dtype, the training weights themselves or (hybrid
+        engine) the training weights donated into the generation layout and given back on exit;
+        narrower (`generation_dtype`): a cast copy, resharded like the merged one. The masters
+        stay untouched."""
         dtype = self.generation_dtype()
+        if self.frozen is not None and self.rollout.lora_merge:
+            merge = self._compiled(
+                ("merge", dtype), lambda: merge_program(self.model_config.lora, dtype, self.frozen_shardings)
+            )
+            return self._to_generation(self.base_graphdef, merge(self.frozen, self.state.params))
         if dtype is None:
             if self.engine is None:
-                return self.params, self.mesh, self.rules
-            gen = stack.enter_context(self.engine.generation_swap(self.params, self._set_trained_params))
-            return gen, self.engine.gen_mesh, self.engine.gen_rules
-        cast = self._compiled(("cast", dtype.name), lambda: cast_program(dtype, self.state_shardings.params))
-        low = cast(self.params)
-        if self.engine is None:
-            return low, self.mesh, self.rules
-        return self.engine.to_generation(low, donate=True), self.engine.gen_mesh, self.engine.gen_rules
+                return self.graphdef, self.params, self.mesh, self.rules
+            gen = stack.enter_context(self.engine.generation_swap(self.params, self.replace_params))
+            return self.graphdef, gen, self.engine.gen_mesh, self.engine.gen_rules
+        cast = self._compiled(("cast", dtype.name), lambda: cast_program(dtype, self.param_shardings))
+        return self._to_generation(self.graphdef, cast(self.params))
 
-    def _set_trained_params(self, params: Any) -> None:
-        self.state = dataclasses.replace(self.state, params=params)
+    def _to_generation(self, graphdef: nnx.GraphDef, copy: Any) -> tuple[nnx.GraphDef, Any, Mesh, Rules]:
+        """A copy of the weights for generation, moved (donated) into the generation layout."""
+        if self.engine is None:
+            return graphdef, copy, self.mesh, self.rules
+        return graphdef, self.engine.to_generation(copy, donate=True), self.engine.gen_mesh, self.engine.gen_rules
 
     # ------------------------------------------------------------------ log-probs
     @register(DP_COMPUTE)
@@ -429,11 +482,33 @@ class ActorWorker(TrainableWorker):
             ("log_probs", k), lambda: log_probs_program(self.layout, k, with_entropy=self.config.log_prob_entropy)
         )
 
+    @register(DP_COMPUTE)
+    def ref_log_probs(self, batch: Batch, *, temperature: float | None = None) -> Batch:
+        """``ref_log_prob`` [B, R]: the reference policy's log-probs, the reference being this
+        actor's base model (LoRA with ``reference`` settings: the adapters switched off). A
+        `ReferenceWorker` over the actor's own base weights, on its mesh: no copy."""
+        if self._reference_settings is None:
+            raise ValueError("this actor does not serve the reference policy (it needs LoRA and reference settings)")
+        from jaxflow.workers.reference import ReferenceWorker  # which imports this module
+
+        if self._reference is None:
+            model = (self.base_graphdef, self.frozen)
+            self._reference = ReferenceWorker(model, self.mesh, self.rules, **self._reference_settings)
+        self._reference.replace_params(self.frozen)  # the base's current arrays (a rollout may have moved them)
+        return self._reference.log_probs(batch, temperature=temperature)
+
     # ------------------------------------------------------------------ update
     def build_train_step(self, num_micro: int, on_policy: bool):
         """`actor_train_step` (``on_policy``: the step's own forward gives the old log-probs)."""
         return actor_train_step(
-            self.layout, self.tx, self.schedule, self.config, self.state_shardings, num_micro, on_policy=on_policy
+            self.layout,
+            self.tx,
+            self.schedule,
+            self.config,
+            self.state_shardings,
+            num_micro,
+            on_policy=on_policy,
+            frozen_shardings=self.frozen_shardings if self.frozen is not None else None,
         )
 
     @register(DP_TRAIN)

@@ -135,6 +135,10 @@ class RoleWorker:
     def _set_params(self, params: Any) -> None:
         self._params = params
 
+    def replace_params(self, params: Any) -> None:
+        """Replaces the parameters (same structure, shardings and dtypes) in place."""
+        self._params = params
+
     @property
     def params(self) -> Any:
         """The parameters (an ``nnx.State`` on this role's mesh)."""

@@ -220,6 +220,21 @@ class LocalWorkerGroup(WorkerGroup):
         return Batch(put(batch), batch.non_tensors, batch.meta)
 
 
+class MethodView(WorkerGroup):
+    """Another group's registered methods under the names of ``worker_cls``'s: with LoRA the
+    reference policy is the actor's base model, so ``w.ref.log_probs(batch)`` runs the actor
+    group's ``ref_log_probs`` (on the actor's devices, from its weights)."""
+
+    def __init__(self, group: WorkerGroup, worker_cls: type, methods: dict[str, str], *, name: str):
+        self.group, self.worker_cls, self.methods_map, self.name = group, worker_cls, dict(methods), name
+        self.info = group.info
+
+    def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        if method not in self.methods_map:
+            raise AttributeError(f"{self.name!r} (a view of {self.group.name!r}) has no method {method!r}")
+        return self.group.execute(self.methods_map[method], *args, **kwargs)
+
+
 @dataclasses.dataclass
 class Workers:
     """The worker groups an algorithm's iteration runs over (DESIGN.md's ``w``).

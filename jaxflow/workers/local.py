@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from jaxflow.mesh import Placement
 from jaxflow.workers.base import ModelLike
-from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
+from jaxflow.workers.group import LocalWorkerGroup, MethodView, WorkerGroup, Workers
+from jaxflow.workers.reference import ReferenceWorker
 from jaxflow.workers.reward import RewardFn, RuleRewardWorker
 from jaxflow.workers.roles import RoleSettings, make_role_worker
 
@@ -51,6 +52,7 @@ def build_local_workers(
         groups,
         rule_reward=None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward"),
         reward_weights=reward_weights,
+        ref_in_actor=settings.ref_in_actor,
     )
 
 
@@ -59,8 +61,16 @@ def workers_from_groups(
     *,
     rule_reward: WorkerGroup | None = None,
     reward_weights: tuple[float, float] = (1.0, 1.0),
+    ref_in_actor: bool = False,
 ) -> Workers:
-    """`Workers` from one group per model role (``reward``: the reward model) and the rule scorer."""
+    """`Workers` from one group per model role (``reward``: the reward model) and the rule
+    scorer; ``ref_in_actor``: the reference is the actor's base model (LoRA), served by the
+    actor group (`MethodView`)."""
+    if ref_in_actor:
+        groups = {
+            **groups,
+            "ref": MethodView(groups["actor"], ReferenceWorker, {"log_probs": "ref_log_probs"}, name="ref"),
+        }
     reward_group = groups.get("reward")
     reward = None
     if reward_group is not None or rule_reward is not None:

@@ -32,6 +32,11 @@ class RoleSettings:
     ref: ForwardConfig = ForwardConfig()
     reward: ForwardConfig = ForwardConfig()
     cost: ForwardConfig = ForwardConfig()
+    ref_in_actor: bool = False  # LoRA: the reference is the actor's base model, served by the actor
+
+    def reference_settings(self) -> dict[str, Any]:
+        """The `ReferenceWorker` settings of the reference policy (a role, or the actor's base)."""
+        return dict(temperature=self.rollout.temperature, forward=self.ref)
 
 
 def role_class(role: str) -> type:
@@ -69,11 +74,12 @@ def _role_options(role: str, placement: Placement, settings: RoleSettings) -> di
             gen_tp=gen_tp,
             gen_rules=placement.rules("actor", "generate") if gen_tp is not None else None,
             strategy=settings.strategy,
+            reference=settings.reference_settings() if settings.ref_in_actor else None,
         )
     if role == "critic":
         return dict(config=settings.critic_config)
     if role == "ref":
-        return dict(temperature=settings.rollout.temperature, forward=settings.ref)
+        return settings.reference_settings()
     output_key = "token_level_cost" if role == "cost" else "token_level_scores"
     return dict(output_key=output_key, forward=getattr(settings, role))  # the reward or the cost model's
 

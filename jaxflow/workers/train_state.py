@@ -42,6 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.algos import global_batch_info
 from jaxflow.mesh import Rules, logical_to_spec, sharding_rules
+from jaxflow.models.lora import lora_dropout
 from jaxflow.workers.forward import named, split_micro
 
 Array = jax.Array
@@ -136,7 +137,9 @@ def make_train_step(
     loss_scale_factor: Any = None,
     presplit: bool = False,
     name: str = "train_step",
-) -> Callable[[TrainState, dict, dict], tuple[TrainState, dict]]:
+    frozen_shardings: Any = None,
+    dropout_seed: int | None = None,
+) -> Callable[..., tuple[TrainState, dict]]:
     """The jitted ``step(state, batch, scalars) -> (state, metrics)`` (see the module doc).
 
     ``batch_ndims`` names the batch columns (and their ranks) the step takes; ``scalars``
@@ -146,18 +149,30 @@ def make_train_step(
     micro-batches (packed batches, `jaxflow.workers.packing`; ``num_micro`` is then unused),
     dimension 1 split over the data-parallel axes. ``name``: the program's (`jax.jit` names it
     after the function: profiles, compile events).
+
+    ``frozen_shardings``: the step takes a fourth argument, ``frozen`` (parameters that are
+    part of the model but not trained, e.g. the base weights under LoRA adapters, placed by
+    these shardings): the model is ``nnx.merge(graphdef, frozen, state.params)``, gradients
+    and optimizer state exist for ``state.params`` only, and ``frozen`` is neither donated
+    nor returned. ``dropout_seed``: the loss runs inside `jaxflow.models.lora.lora_dropout`
+    with the key ``fold_in(fold_in(key(seed), state.step), micro-batch index)``.
     """
     batch_axes = _batch_axes(rules, mesh)
     batch_shardings = {k: batch_sharding(mesh, batch_axes, n, leading=int(presplit)) for k, n in batch_ndims.items()}
     replicated = NamedSharding(mesh, PartitionSpec())
     param_shardings = state_shardings.params
 
-    def step(state: TrainState, batch: dict, scalars: dict):
+    def step(state: TrainState, batch: dict, scalars: dict, frozen: Any = None):
         with sharding_rules(rules, mesh):
             gbi = global_batch_info(batch["response_mask"], dp_size=1, loss_scale_factor=loss_scale_factor)
+            step_key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
 
-            def micro_loss(params, micro):
-                return loss_fn(nnx.merge(graphdef, params), micro, gbi, scalars)
+            def micro_loss(params, micro, index):
+                model = nnx.merge(graphdef, params) if frozen is None else nnx.merge(graphdef, frozen, params)
+                if step_key is None:
+                    return loss_fn(model, micro, gbi, scalars)
+                with lora_dropout(jax.random.fold_in(step_key, index)):
+                    return loss_fn(model, micro, gbi, scalars)
 
             grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
             micros = batch if presplit else split_micro(batch, num_micro, mesh, batch_axes) if num_micro > 1 else None
@@ -172,11 +187,13 @@ def make_train_step(
             )
             return new_state, metrics
 
+    in_shardings = (state_shardings, batch_shardings, {k: replicated for k in scalar_names})
+    if frozen_shardings is None:
+        fn = named(lambda state, batch, scalars: step(state, batch, scalars), name)
+    else:
+        fn, in_shardings = named(step, name), (*in_shardings, frozen_shardings)
     return jax.jit(
-        named(step, name),
-        in_shardings=(state_shardings, batch_shardings, {k: replicated for k in scalar_names}),
-        out_shardings=(state_shardings, replicated),
-        donate_argnames=("state",),
+        fn, in_shardings=in_shardings, out_shardings=(state_shardings, replicated), donate_argnames=("state",)
     )
 
 
@@ -185,20 +202,23 @@ def accumulate_grads(
 ) -> tuple[Array, Any, Any]:
     """``(loss, aux, grads)`` summed over the micro-batches ``micros`` (``[k, ...]`` columns;
     None: ``batch`` in one pass) in a ``lax.scan``; one micro-batch takes no loop and no
-    accumulators. ``grad_fn``: ``value_and_grad`` of the loss, with its aux."""
+    accumulators. ``grad_fn(params, micro, index)``: ``value_and_grad`` of the loss, with its
+    aux (``index``: the micro-batch's, which keys its dropout)."""
     if micros is None or micros["response_mask"].shape[0] == 1:
-        (loss, aux), grads = grad_fn(params, batch if micros is None else jax.tree.map(lambda x: x[0], micros))
+        (loss, aux), grads = grad_fn(params, batch if micros is None else jax.tree.map(lambda x: x[0], micros), 0)
         return loss, aux, grads
 
-    def body(acc, micro):
-        (l, a), g = grad_fn(params, micro)
+    def body(acc, micro_index):
+        micro, index = micro_index
+        (l, a), g = grad_fn(params, micro, index)
         g = jax.lax.with_sharding_constraint(g, param_shardings)
         return jax.tree.map(jnp.add, acc, (l, a, g)), None
 
     first = jax.tree.map(lambda x: x[0], micros)
-    (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, params, first)
+    (loss_s, aux_s), grads_s = jax.eval_shape(grad_fn, params, first, 0)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss_s, aux_s, grads_s))
-    (loss, aux, grads), _ = jax.lax.scan(body, zeros, micros)
+    k = micros["response_mask"].shape[0]
+    (loss, aux, grads), _ = jax.lax.scan(body, zeros, (micros, jnp.arange(k)))
     return loss, aux, grads
 
 

@@ -25,7 +25,9 @@ import numpy as np
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import state_shardings
+from jaxflow.models import peft_io, save_pretrained
 from jaxflow.models.hf_io import host_array
+from jaxflow.models.lora import LoRAConfig, join, split_adapters
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches
 from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
 from jaxflow.workers.optim import make_optimizer
@@ -52,7 +54,12 @@ class UpdateLoopConfig:
       ppo_micro_batch_size_per_device: gradient-accumulation micro-batch, per data-parallel
         device (None: the whole mini-batch at once).
       ppo_epochs: passes over the rollout; ``shuffle``: a fresh permutation per pass.
-      seed: with the training step, seeds the permutations.
+      seed: with the training step, seeds the permutations (and fresh LoRA adapters, and
+        their dropout).
+      lora: train LoRA adapters (`jaxflow.models.lora`) instead of the weights, which stay
+        frozen; None: train every weight.
+      lora_adapter_path: a PEFT adapter directory the adapters start from (its config must
+        be ``lora``); empty: fresh adapters.
     """
 
     ppo_mini_batch_size: int = 16
@@ -60,6 +67,8 @@ class UpdateLoopConfig:
     ppo_epochs: int = 1
     shuffle: bool = True
     seed: int = 0
+    lora: LoRAConfig | None = None
+    lora_adapter_path: str = ""
 
 
 def train_columns(keys: tuple[str, ...], packed: bool) -> dict[str, int]:
@@ -83,12 +92,15 @@ def train_step_program(
     columns: tuple[str, ...],
     scalar_names: tuple[str, ...] = (),
     name: str,
+    frozen_shardings: Any = None,
 ):
     """A training role's jitted optimizer step (`make_train_step` with ``loss_fn``) on a
     mini-batch of the row columns ``columns``: padded rows in ``num_micro`` micro-batches, or
     (``config.use_remove_padding``) packed micro-batches. ``config``: an `ActorConfig` or
-    `CriticConfig` (``use_remove_padding``, ``loss_scale_factor``)."""
+    `CriticConfig` (``use_remove_padding``, ``loss_scale_factor``, ``lora``).
+    ``frozen_shardings``: with LoRA, the base weights' (the step's fourth argument)."""
     packed = config.use_remove_padding
+    lora = config.lora
     return make_train_step(
         layout.graphdef,
         tx,
@@ -103,6 +115,8 @@ def train_step_program(
         loss_scale_factor=config.loss_scale_factor,
         presplit=packed,
         name=name,
+        frozen_shardings=frozen_shardings,
+        dropout_seed=config.seed if lora is not None and lora.dropout > 0 else None,
     )
 
 
@@ -115,22 +129,54 @@ class TrainableWorker(RoleWorker):
     loop's settings (`UpdateLoopConfig`; ``use_remove_padding``, ``use_dynamic_bsz``,
     ``ppo_max_token_len_per_device``) and ``loss_key()`` (what the compiled step depends on).
     Subclasses name their ``role`` (the metrics' prefix) and build their step
-    (`build_train_step`)."""
+    (`build_train_step`).
+
+    With ``config.lora`` the model gets adapters (`jaxflow.models.peft_io.add_adapters`, or
+    those of ``config.lora_adapter_path``): the `TrainState` holds the adapters and their
+    optimizer state only (so do checkpoints), the base weights stay in ``frozen`` (never
+    copied, never changed, in the dtype they were loaded in), ``params`` is both."""
 
     def __init__(self, model: ModelLike, mesh: Any, rules: Any, config: Any):
         self.config = config
         self.tx, self.schedule = make_optimizer(config.optim)
+        self.frozen: Any = None  # the base weights under LoRA adapters, else None
         super().__init__(model, mesh, rules)
         self._num_updates = 0
 
     def _set_params(self, params: Any) -> None:
+        lora = self.config.lora
+        if lora is not None:
+            self.graphdef, params = peft_io.add_adapters(
+                self.graphdef, params, lora, self.config.seed, self.mesh, self.rules
+            )
+            if self.config.lora_adapter_path:
+                params = peft_io.load_adapter(
+                    self.config.lora_adapter_path, self.graphdef, params, self.mesh, self.rules
+                )
+            self.base_graphdef = peft_io.base_graphdef(self.graphdef, params)
+            self.frozen, params = split_adapters(params)
+            self.frozen_shardings = state_shardings(self.frozen, self.rules, self.mesh)
         self.state, self.state_shardings = create_train_state(
             params, state_shardings(params, self.rules, self.mesh), self.tx, self.mesh
         )
 
     @property
     def params(self) -> Any:
-        return self.state.params
+        """The parameters: the trained ones, with LoRA joined to the frozen base (no copy)."""
+        return self.state.params if self.frozen is None else join(self.frozen, self.state.params)
+
+    @property
+    def frozen_args(self) -> tuple[Any, ...]:
+        """The train step's arguments after ``(state, batch, scalars)``: the frozen base under
+        LoRA adapters, else none."""
+        return () if self.frozen is None else (self.frozen,)
+
+    def replace_params(self, params: Any) -> None:
+        """Replaces the parameters (the whole model's, adapters included) in place, keeping the
+        optimizer state (e.g. weights given back by the hybrid engine after a rollout)."""
+        if self.frozen is not None:
+            self.frozen, params = split_adapters(params)
+        self.state = dataclasses.replace(self.state, params=params)
 
     # ------------------------------------------------------------------ the update loop
     def metric_name(self, name: str) -> str:
@@ -198,7 +244,7 @@ class TrainableWorker(RoleWorker):
         per_step, layouts = [], []
         for idx in minibatch_indices(rows, cfg.ppo_mini_batch_size, cfg.ppo_epochs, cfg.shuffle, rng):
             inputs, layout = self.place_minibatch(host, idx)
-            self.state, metrics = train_step(self.state, inputs, scalars)
+            self.state, metrics = train_step(self.state, inputs, scalars, *self.frozen_args)
             per_step.append(metrics)
             layouts.append(layout)
         per_step = jax.device_get(per_step)
@@ -213,7 +259,7 @@ class TrainableWorker(RoleWorker):
         rows = np.shape(minibatch["response_mask"])[0]
         step = self.train_program(rows)
         inputs, _ = self.place_minibatch(self.host_columns(minibatch, keys), np.arange(rows))
-        self.state, metrics = step(self.state, inputs, scalars)
+        self.state, metrics = step(self.state, inputs, scalars, *self.frozen_args)
         return {self.metric_name(n): float(v) for n, v in jax.device_get(metrics).items()}
 
     # ------------------------------------------------------------------ its state
@@ -234,6 +280,20 @@ class TrainableWorker(RoleWorker):
     def abstract_train_state(self) -> TrainState:
         """The `TrainState`'s shapes and dtypes (no data): what a checkpoint is checked against."""
         return abstract_tree(self.state)
+
+    @register(ONE_TO_ALL)
+    def export_hf(self, path: str) -> None:
+        """Writes the model as the HF directory ``path`` (`RoleWorker.export_hf`); with LoRA the
+        merged model (weights ``W + s A B``, `jaxflow.models.peft_io.merged_model`)."""
+        if self.frozen is None:
+            return super().export_hf(path)
+        save_pretrained(peft_io.merged_model(self.graphdef, self.params), path)
+
+    @register(ONE_TO_ALL)
+    def export_adapter(self, path: str, base_model: str = "") -> None:
+        """Writes the LoRA adapters as the PEFT directory ``path`` (``base_model``: where the
+        base model lives, `jaxflow.models.peft_io.save_adapter`)."""
+        peft_io.save_adapter(self.model_config, self.state.params, path, base_model)
 
     @register(ONE_TO_ALL)
     def params_finite(self) -> bool:

@@ -84,7 +84,9 @@ class RayBackend:
                     processes, role, role_class(role), processes.build(role, ROLE_FROM_PLACEMENT, kwargs, blocks)
                 )
         rule = None if rule_reward is None else LocalWorkerGroup(rule_reward, name="rule_reward")
-        return workers_from_groups(groups, rule_reward=rule, reward_weights=reward_weights)
+        return workers_from_groups(
+            groups, rule_reward=rule, reward_weights=reward_weights, ref_in_actor=settings.ref_in_actor
+        )
 
     def shutdown(self) -> None:
         """Stops every group this backend started (the cluster stays: a restart starts new ones)."""
