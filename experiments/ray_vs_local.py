@@ -57,10 +57,12 @@ EPS32 = float(np.finfo(np.float32).eps)
 GRADIENT_NORMS = ("actor/grad_norm", "critic/grad_norm")
 GRADIENT_RTOL = 1e-4
 # The train-rollout agreement metrics (training/rollout_*) measure float32 rounding themselves:
-# the engine's and the trainer's log-probs of one token differ by 0 to 2 float32 spacings,
-# depending on the mesh each ran on (measured: ppo_tiny split vs colocated, max 4.8e-7 vs
-# 9.5e-7). They are compared in absolute terms, to the agreement mode's bound.
-ROUNDING_PREFIX, ROUNDING_ATOL = "training/rollout_", 1e-6
+# the engine's and the trainer's log-probs of one token differ by a few float32 spacings (one
+# spacing is 9.5e-7 at |log p| in [8, 16)), depending on the mesh and process each ran on
+# (measured, ppo_tiny 5 steps: rollout_log_probs_diff_max local 2.38e-6 vs Ray 9.5e-7 at
+# step 3; split vs colocated 4.8e-7 vs 9.5e-7). A relative comparison of rounding is
+# meaningless: they are compared in absolute terms, at the 1e-5.
+ROUNDING_PREFIX, ROUNDING_ATOL = "training/rollout_", 1e-5
 CANCELLING = {
     "actor/ppo_kl": "actor/entropy",
     "actor/reward_kl_penalty": "actor/entropy",

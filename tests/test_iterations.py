@@ -134,6 +134,9 @@ class StubActor:
         self.rng = np.random.default_rng(seed)
         self.updates = []
 
+    def rollout_probe(self):
+        return [{}]  # no probe (one rank's metrics)
+
     def generate(self, prompts, sampling="train", step=None, prompt_offset=0):
         if "uid" not in prompts:
             prompts = prompts.update(non_tensors={"uid": [f"p{i}" for i in range(len(prompts))]})
