@@ -598,3 +598,33 @@ def test_user_registered_loss():
             assert "test_reinforce" in algos.policy_loss_names()
     finally:
         algos.POLICY_LOSS_REGISTRY.unregister("test_reinforce")
+
+
+def test_user_token_policy_loss_gets_the_shared_keywords_and_aggregation():
+    @algos.register_policy_loss("test_token_reinforce")
+    @algos.token_policy_loss("seq-mean-token-sum")
+    def token_reinforce(old_log_prob, log_prob, advantages, response_mask, *, baseline=0.0):
+        return -(advantages - baseline) * log_prob, dict(
+            ppo_kl=algos.masked_mean(old_log_prob - log_prob, response_mask)
+        )
+
+    try:
+        with jax.enable_x64(True):
+            inp = make_inputs()
+            args = [inp[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")]
+            m = inp["response_mask"]
+            per_token = -(inp["advantages"] - 0.5) * inp["log_prob"]
+            # the clip ratios it does not declare are dropped; the IS weights multiply the loss
+            loss, metrics = algos.compute_policy_loss(
+                *args, loss_mode="test_token_reinforce", baseline=0.5, rollout_is_weights=inp["w"], **COMMON
+            )
+            np.testing.assert_allclose(float(loss), r_agg(per_token * inp["w"], m, "token-mean"), atol=1e-12)
+            np.testing.assert_allclose(float(metrics["ppo_kl"]), r_mean(inp["old_log_prob"] - inp["log_prob"], m))
+            assert float(metrics["pg_clipfrac"]) == 0.0 and float(metrics["pg_clipfrac_lower"]) == 0.0
+            # called directly: its own default aggregation (compute_policy_loss passes token-mean)
+            loss, _ = token_reinforce(*args, baseline=0.5)
+            np.testing.assert_allclose(float(loss), r_agg(per_token, m, "seq-mean-token-sum"), atol=1e-12)
+            with pytest.raises(TypeError):
+                token_reinforce(*args, basline=0.5)
+    finally:
+        algos.POLICY_LOSS_REGISTRY.unregister("test_token_reinforce")

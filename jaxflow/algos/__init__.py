@@ -63,6 +63,7 @@ from jaxflow.algos.policy_losses import (
     global_batch_info,
     policy_loss_names,
     register_policy_loss,
+    token_policy_loss,
 )
 from jaxflow.algos.registry import Registry, UnknownNameError, accepts_keywords
 from jaxflow.algos.rollout_correction import (
@@ -177,5 +178,6 @@ __all__ = [
     "register_adv_est",
     "register_kl_estimator",
     "register_policy_loss",
+    "token_policy_loss",
     "update_lagrange_multiplier",
 ]

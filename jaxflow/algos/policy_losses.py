@@ -5,7 +5,8 @@ All losses share the signature of :func:`compute_policy_loss`'s positional colum
 ``(loss, metrics)`` where ``metrics`` always holds the scalars ``pg_clipfrac``,
 ``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), plus any metric
 of the loss's own under its verl name (``bypass_mode``'s ``rollout_corr/*``). Gradients flow
-through ``log_prob`` only. verl 0.9.1's newer losses live beside this module:
+through ``log_prob`` only. A loss that aggregates a per-token loss is written as its per-token
+maths under :func:`token_policy_loss`, which adds the shared keywords and the aggregation. verl 0.9.1's newer losses live beside this module:
 `jaxflow.algos.trust_region_losses` (``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``) and
 `jaxflow.algos.rollout_correction` (``bypass_mode``).
 
@@ -21,6 +22,8 @@ the gradients). :func:`global_batch_info` computes the totals.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -129,6 +132,8 @@ POLICY_LOSS_REGISTRY = Registry("policy loss")
 # it. (``rollout_is_weights`` and ``global_batch_info`` are passed only when given, and a loss
 # that cannot honour them then raises instead of silently ignoring them.)
 COMMON_POLICY_LOSS_KEYWORDS = ("loss_agg_mode", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+# The columns every policy loss takes first, ``[B, T]`` each.
+POLICY_LOSS_COLUMNS = ("old_log_prob", "log_prob", "advantages", "response_mask")
 
 
 def register_policy_loss(name: str, *, override: bool = False):
@@ -138,7 +143,8 @@ def register_policy_loss(name: str, *, override: bool = False):
     ``(loss, metrics)``. It may declare any of the common keywords ``loss_agg_mode,
     clip_ratio_low, clip_ratio_high, clip_ratio_c`` (those it omits are not passed),
     ``rollout_is_weights`` and ``global_batch_info`` (passed when the caller gives them), plus
-    its own mode-specific keywords.
+    its own mode-specific keywords. Stack it on :func:`token_policy_loss` to write only the
+    per-token maths.
     """
     return POLICY_LOSS_REGISTRY.register(name, override=override)
 
@@ -216,12 +222,54 @@ def _surrogates(advantages: Array, ratio: Array, clip_ratio_low: Any, clip_ratio
     return -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
 
 
-def _agg(loss_mat, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info):
-    """`agg_loss` of the per-token loss times the IS weights (when given), with the global
-    normalisers of ``global_batch_info``."""
-    if rollout_is_weights is not None:
-        loss_mat = loss_mat * rollout_is_weights
-    return agg_loss(loss_mat, response_mask, loss_agg_mode, **dict(global_batch_info or {}))
+def token_policy_loss(loss_agg_mode: str = "token-mean", *, agg_mode_fixed: bool = False):
+    """Decorator turning a policy loss's per-token maths into the verl-compatible loss.
+
+    The decorated ``token_loss(old_log_prob, log_prob, advantages, response_mask, *,
+    <its options>)`` returns ``(pg_losses [B, T], metrics)``, ``metrics`` holding any of
+    ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (the others are reported as 0). The
+    loss it becomes takes the same columns and options plus ``loss_agg_mode`` (default
+    ``loss_agg_mode``; not a parameter when ``agg_mode_fixed``), ``rollout_is_weights`` ``w``
+    and ``global_batch_info``, and returns::
+
+        (agg_loss(pg_losses w, response_mask, loss_agg_mode, **global_batch_info), metrics)
+    """
+
+    def decorator(token_loss: Callable[..., tuple[Array, dict]]) -> Callable[..., tuple[Array, dict]]:
+        def loss(
+            old_log_prob: Array,
+            log_prob: Array,
+            advantages: Array,
+            response_mask: Array,
+            *,
+            rollout_is_weights: Array | None = None,
+            global_batch_info: Mapping[str, Any] | None = None,
+            **options: Any,
+        ) -> tuple[Array, dict]:
+            agg_mode = loss_agg_mode if agg_mode_fixed else options.pop("loss_agg_mode", loss_agg_mode)
+            pg_losses, metrics = token_loss(old_log_prob, log_prob, advantages, response_mask, **options)
+            if rollout_is_weights is not None:
+                pg_losses = pg_losses * rollout_is_weights
+            total = agg_loss(pg_losses, response_mask, agg_mode, **dict(global_batch_info or {}))
+            return total, _metrics(**metrics, like=total)
+
+        functools.update_wrapper(loss, token_loss)
+        loss.__signature__ = _public_signature(token_loss, None if agg_mode_fixed else loss_agg_mode)
+        return loss
+
+    return decorator
+
+
+def _public_signature(token_loss: Callable[..., Any], loss_agg_mode: str | None) -> inspect.Signature:
+    """``token_loss``'s signature plus the keywords `token_policy_loss` adds, so that
+    `get_policy_loss_fn` sees which common hyper-parameters the loss declares."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    added = [] if loss_agg_mode is None else [inspect.Parameter("loss_agg_mode", keyword, default=loss_agg_mode)]
+    added += [inspect.Parameter(name, keyword, default=None) for name in ("rollout_is_weights", "global_batch_info")]
+    sig = inspect.signature(token_loss)
+    if tuple(sig.parameters)[:4] != POLICY_LOSS_COLUMNS:
+        raise TypeError(f"a per-token policy loss takes {POLICY_LOSS_COLUMNS} first, got {tuple(sig.parameters)[:4]}")
+    return sig.replace(parameters=[*sig.parameters.values(), *added])
 
 
 def _metrics(pg_clipfrac=None, pg_clipfrac_lower=None, ppo_kl=None, *, like: Array) -> dict:
@@ -247,18 +295,16 @@ def _frac(cond: Array, mask: Array, dtype) -> Array:
 
 
 @register_policy_loss("vanilla")
+@token_policy_loss()
 def compute_policy_loss_vanilla(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
     *,
-    loss_agg_mode: str = "token-mean",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
     """PPO clipped surrogate with dual clip (Schulman et al. 2017; Ye et al. 2019, arXiv:1912.09729).
 
@@ -283,27 +329,23 @@ def compute_policy_loss_vanilla(
     l3 = -advantages * clip_ratio_c
     neg = advantages < 0
     pg_losses = jnp.where(neg, jnp.minimum(l3, lclip), lclip)
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(
-        _frac(l2 > l1, response_mask, dtype),
-        _frac((lclip > l3) & neg, response_mask, dtype),
-        ppo_kl,
-        like=loss,
+    return pg_losses, dict(
+        pg_clipfrac=_frac(l2 > l1, response_mask, dtype),
+        pg_clipfrac_lower=_frac((lclip > l3) & neg, response_mask, dtype),
+        ppo_kl=ppo_kl,
     )
 
 
 @register_policy_loss("gspo")
+@token_policy_loss("seq-mean-token-mean")
 def compute_policy_loss_gspo(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
     *,
-    loss_agg_mode: str = "seq-mean-token-mean",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
     """Group Sequence Policy Optimisation (Zheng et al. 2025, arXiv:2507.18071), verl's form.
 
@@ -324,39 +366,31 @@ def compute_policy_loss_gspo(
     log_s = log_prob - lax.stop_gradient(log_prob) + lax.stop_gradient(seq_log_ratio)[:, None]
     l1, l2 = _surrogates(advantages, jnp.exp(jnp.minimum(log_s, 10.0)), clip_ratio_low, clip_ratio_high)
     pg_losses = jnp.maximum(l1, l2)
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(_frac(l2 > l1, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss)
+    return pg_losses, dict(pg_clipfrac=_frac(l2 > l1, response_mask, dtype), ppo_kl=masked_mean(-neg_kl, response_mask))
 
 
 @register_policy_loss("gpg")
+@token_policy_loss()
 def compute_policy_loss_gpg(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
-    *,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
     """Group Policy Gradient (arXiv:2504.02546): plain REINFORCE, ``L = -log_prob A``."""
-    pg_losses = -log_prob * advantages
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(like=loss)
+    return -log_prob * advantages, {}
 
 
 @register_policy_loss("cispo")
+@token_policy_loss()
 def compute_policy_loss_cispo(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
     *,
-    loss_agg_mode: str = "token-mean",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
     """Clipped IS-weight Policy Optimisation (MiniMax-M1, arXiv:2506.13585).
 
@@ -372,9 +406,8 @@ def compute_policy_loss_cispo(
     neg_kl, ratio = _ratio(old_log_prob, log_prob)
     clipped = jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
     pg_losses = -lax.stop_gradient(clipped) * advantages * log_prob
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(
-        _frac(ratio != clipped, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss
+    return pg_losses, dict(
+        pg_clipfrac=_frac(ratio != clipped, response_mask, dtype), ppo_kl=masked_mean(-neg_kl, response_mask)
     )
 
 
@@ -396,17 +429,15 @@ def _random_subset(candidates: Array, k: Array, key: Array | None) -> Array:
 
 
 @register_policy_loss("clip_cov")
+@token_policy_loss()
 def compute_policy_loss_clip_cov(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
     *,
-    loss_agg_mode: str = "token-mean",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
@@ -439,20 +470,19 @@ def compute_policy_loss_clip_cov(
     detached = _random_subset(candidates, k, key)
     corr = 1 - detached.astype(dtype)
     pg_losses = jnp.maximum(l1, l2) * corr
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(_frac(detached, response_mask, dtype), None, masked_mean(-neg_kl, response_mask), like=loss)
+    return pg_losses, dict(
+        pg_clipfrac=_frac(detached, response_mask, dtype), ppo_kl=masked_mean(-neg_kl, response_mask)
+    )
 
 
 @register_policy_loss("kl_cov")
+@token_policy_loss()
 def compute_policy_loss_kl_cov(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
     *,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
     kl_cov_ratio: float = 0.0002,
     ppo_kl_coef: float = 1.0,
 ) -> tuple[Array, dict]:
@@ -484,8 +514,7 @@ def compute_policy_loss_kl_cov(
     rank = jnp.argsort(jnp.argsort(order_key, stable=True), stable=True).reshape(valid.shape)
     top = valid & (rank < k)
     pg_losses = -advantages * ratio + jnp.where(top, ppo_kl_coef * abs_kl, 0)
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(None, None, masked_mean(abs_kl, response_mask), like=loss)
+    return pg_losses, dict(ppo_kl=masked_mean(abs_kl, response_mask))
 
 
 @register_policy_loss("geo_mean")

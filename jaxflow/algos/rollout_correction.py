@@ -39,10 +39,9 @@ from jax import lax
 from jaxflow.algos.advantages import masked_mean, masked_sum
 from jaxflow.algos.policy_losses import (
     SAFETY_BOUND,
-    _agg,
-    _metrics,
     compute_policy_loss_vanilla,
     register_policy_loss,
+    token_policy_loss,
 )
 from jaxflow.algos.settings import RolloutCorrectionConfig
 
@@ -425,20 +424,14 @@ def compute_rollout_correction_and_rejection_mask(
 # ----------------------------------------------------------------------------- losses
 
 
+@token_policy_loss("seq-mean-token-sum")
 def compute_policy_loss_reinforce(
-    rollout_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    loss_agg_mode: str = "seq-mean-token-sum",
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
+    old_log_prob: Array, log_prob: Array, advantages: Array, response_mask: Array
 ) -> tuple[Array, dict]:
-    """REINFORCE with optional (detached) IS weights ``w``: ``L = -A log_prob w``. Metrics:
-    ``ppo_kl = mean_m(rollout_log_prob - log_prob)``; the clip fractions are 0."""
-    loss = _agg(-advantages * log_prob, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(None, None, masked_mean(rollout_log_prob - log_prob, response_mask), like=loss)
+    """REINFORCE with optional (detached) IS weights ``w``: ``L = -A log_prob w``, where
+    ``old_log_prob`` are the rollout's log-probs (bypass mode). Metrics: ``ppo_kl =
+    mean_m(old_log_prob - log_prob)``; the clip fractions are 0."""
+    return -advantages * log_prob, dict(ppo_kl=masked_mean(old_log_prob - log_prob, response_mask))
 
 
 def _as_rollout_correction(value: RolloutCorrectionConfig | Mapping[str, Any] | None) -> RolloutCorrectionConfig:

@@ -11,7 +11,7 @@ lp_old, -20, 20))``, ``sg`` stop-gradient, ``mean_m`` verl's masked mean.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflow.algos.advantages import masked_mean
-from jaxflow.algos.policy_losses import _agg, _metrics, _ratio, register_policy_loss
+from jaxflow.algos.policy_losses import _ratio, register_policy_loss, token_policy_loss
 
 Array = jax.Array
 
@@ -37,36 +37,30 @@ def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., t
     (truncated IS ratios), ``ppo_kl``.
     """
 
-    def loss(
+    def token_loss(
         old_log_prob: Array,
         log_prob: Array,
         advantages: Array,
         response_mask: Array,
         *,
-        loss_agg_mode: str = "token-mean",
         clip_ratio_low: float = 0.2,
         clip_ratio_high: float = 0.2,
         clip_ratio_c: float = 20.0,
-        rollout_is_weights: Array | None = None,
-        global_batch_info: Mapping[str, Any] | None = None,
     ) -> tuple[Array, dict]:
         dtype = log_prob.dtype
         neg_kl, ratio = _ratio(old_log_prob, log_prob)
         valid = trust_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high)
         valid = lax.stop_gradient(valid.astype(dtype))
         truncated = lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
-        pg_losses = -advantages * truncated * log_prob * valid
-        loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-        return loss, _metrics(
-            masked_mean(1.0 - valid, response_mask),
-            masked_mean((ratio > clip_ratio_c).astype(dtype) * valid, response_mask),
-            masked_mean(-neg_kl, response_mask),
-            like=loss,
+        return -advantages * truncated * log_prob * valid, dict(
+            pg_clipfrac=masked_mean(1.0 - valid, response_mask),
+            pg_clipfrac_lower=masked_mean((ratio > clip_ratio_c).astype(dtype) * valid, response_mask),
+            ppo_kl=masked_mean(-neg_kl, response_mask),
         )
 
-    loss.__name__ = loss.__qualname__ = name
-    loss.__doc__ = f"{trust_region.__doc__}\n\n    The loss: see `_dppo_loss`."
-    return loss
+    token_loss.__name__ = token_loss.__qualname__ = name
+    token_loss.__doc__ = f"{trust_region.__doc__}\n\n    The loss: see `_dppo_loss`."
+    return token_policy_loss()(token_loss)
 
 
 def _binary_tv_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high) -> Array:
@@ -113,6 +107,7 @@ compute_policy_loss_dppo_kl = register_policy_loss("dppo_kl")(
 
 
 @register_policy_loss("sapo")
+@token_policy_loss("seq-mean-token-mean", agg_mode_fixed=True)
 def compute_policy_loss_sapo(
     old_log_prob: Array,
     log_prob: Array,
@@ -121,8 +116,6 @@ def compute_policy_loss_sapo(
     *,
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
     """Soft Adaptive Policy Optimisation, SAPO (arXiv:2511.20347), verl's form.
 
@@ -139,9 +132,7 @@ def compute_policy_loss_sapo(
     dtype = advantages.dtype
     tau = jnp.where(advantages > 0, jnp.asarray(tau_pos, dtype), jnp.asarray(tau_neg, dtype))
     gates = jax.nn.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
-    pg_losses = -gates * advantages
-    loss = _agg(pg_losses, response_mask, "seq-mean-token-mean", rollout_is_weights, global_batch_info)
-    return loss, _metrics(None, None, masked_mean(-neg_kl, response_mask), like=loss)
+    return -gates * advantages, dict(ppo_kl=masked_mean(-neg_kl, response_mask))
 
 
 def _check_dro_beta(dro_beta: Any) -> None:
@@ -150,16 +141,14 @@ def _check_dro_beta(dro_beta: Any) -> None:
 
 
 @register_policy_loss("dro")
+@token_policy_loss()
 def compute_policy_loss_dro(
     old_log_prob: Array,
     log_prob: Array,
     advantages: Array,
     response_mask: Array,
     *,
-    loss_agg_mode: str = "token-mean",
     dro_beta: float | None = None,
-    rollout_is_weights: Array | None = None,
-    global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
     """Policy gradient with a quadratic log-ratio penalty, verl's ``dro`` (the regularised
     objective of Direct Reward Optimisation, Richemond et al. 2024, arXiv:2405.19107, taken
@@ -175,5 +164,4 @@ def compute_policy_loss_dro(
     _check_dro_beta(dro_beta)
     log_ratio = log_prob - old_log_prob
     pg_losses = -(log_prob * advantages - 0.5 * dro_beta * jnp.square(log_ratio))
-    loss = _agg(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, global_batch_info)
-    return loss, _metrics(None, None, masked_mean(-log_ratio, response_mask), like=loss)
+    return pg_losses, dict(ppo_kl=masked_mean(-log_ratio, response_mask))
