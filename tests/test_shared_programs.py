@@ -174,6 +174,7 @@ class Recorder:
             options,
             max_new_tokens=None,
             tokenizer=None,
+            prompt_index=None,
         ):
             assert max_new_tokens is None and tokenizer is None  # no per-row limits or stop strings here
             names = {spec.rollout.train: "actor/generate", spec.rollout.resolve("greedy"): "actor/generate_greedy"}
@@ -186,6 +187,7 @@ class Recorder:
                 mesh=mesh,
                 rules=rules,
                 options=options,
+                prompt_index=prompt_index,
             )
             recorder.add(names[params], lowered.as_text())
             rows, length = len(ids) * params.n, params.max_new_tokens
