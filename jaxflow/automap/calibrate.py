@@ -12,7 +12,7 @@ Measured (medians of timed calls after a warm-up that compiles, on the simulated
 3. the stage programs the workers run, built by their own builders, at a few shapes
    (rows x prompt x response) on the config's actor model with every device in one FSDP
    mesh: the optimizer step (`jaxflow.workers.actor.actor_train_step`), the log-prob
-   forward (`jaxflow.workers.actor.log_probs_program`) and the rollout engine
+   forward (`jaxflow.workers.reference.log_probs_program`) and the rollout engine
    (`jaxflow.sampling.generate_from_state`, in the 3D-HybridEngine's generation layout).
 
 Fitted: the simulators (:mod:`jaxflow.automap.simulate`) predict each measured call from the
@@ -209,9 +209,10 @@ def _stage_samples(actor: Any, base: Any, devs: list, rows: int, P: int, R: int,
     from jaxflow.models import init_model
     from jaxflow.reshard import HybridEngine
     from jaxflow.sampling import SamplingParams, generate_from_state
-    from jaxflow.workers.actor import actor_train_step, log_probs_program
+    from jaxflow.workers.actor import actor_train_step
     from jaxflow.workers.base import RoleLayout
     from jaxflow.workers.optim import make_optimizer
+    from jaxflow.workers.reference import log_probs_program
     from jaxflow.workers.train_state import create_train_state
 
     mc = base.models["actor"].config

@@ -53,12 +53,13 @@ from jaxflow.models.lora import split_adapters, without_adapters
 from jaxflow.models.peft_io import graphdef_for
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
-from jaxflow.workers.actor import actor_train_step, generation_dtype, log_probs_fn, log_probs_program
+from jaxflow.workers.actor import actor_train_step, generation_dtype
 from jaxflow.workers.base import RoleLayout, num_micro_batches, packed_program
 from jaxflow.workers.critic import CriticConfig, critic_train_step, values_fn, values_program
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig
 from jaxflow.workers.optim import make_optimizer
 from jaxflow.workers.packing import pack
+from jaxflow.workers.reference import log_probs_fn, log_probs_program
 from jaxflow.workers.reward import scores_fn, scores_program
 from jaxflow.workers.train_state import TrainState, abstract_train_state, batch_sharding
 

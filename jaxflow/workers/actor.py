@@ -40,12 +40,13 @@ from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.models.lora import LoRAConfig, merge_adapters
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
-from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
+from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
+from jaxflow.workers.reference import ReferenceWorker, log_probs_fn, log_probs_program
 from jaxflow.workers.rollout_probe import METRIC as PROBE_METRIC
 from jaxflow.workers.rollout_probe import RolloutProbe
 from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_columns, train_step_program
@@ -245,30 +246,6 @@ def actor_loss(cfg: ActorConfig):
         return loss, aux
 
     return loss_fn
-
-
-def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
-    """``fn(model, tensors, {"temperature": T}) -> {output_key: [B, R]}`` (and ``entropys``):
-    ``log_softmax(logits / T)`` of the responses, 0 on padding, from padded rows or a packed
-    micro-batch."""
-
-    def fn(model, t, scalars):
-        lp, ent = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=with_entropy)
-        m = t["response_mask"] > 0
-        out = {output_key: jnp.where(m, lp, 0.0)}
-        if with_entropy:
-            out["entropys"] = jnp.where(m, ent, 0.0)
-        return out
-
-    return fn
-
-
-def log_probs_program(
-    layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs", with_entropy: bool = False
-):
-    """`log_probs_fn` over padded rows in ``num_micro`` micro-batches (`row_program`): the
-    actor's old log-probs and the reference's ``ref_log_prob``."""
-    return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro, name=output_key)
 
 
 def actor_train_step(
@@ -489,8 +466,6 @@ class ActorWorker(TrainableWorker):
         `ReferenceWorker` over the actor's own base weights, on its mesh: no copy."""
         if self._reference_settings is None:
             raise ValueError("this actor does not serve the reference policy (it needs LoRA and reference settings)")
-        from jaxflow.workers.reference import ReferenceWorker  # which imports this module
-
         if self._reference is None:
             model = (self.base_graphdef, self.frozen)
             self._reference = ReferenceWorker(model, self.mesh, self.rules, **self._reference_settings)

@@ -302,7 +302,7 @@ def row_program(layout: RoleLayout, fn: Callable[[Any, dict, dict], dict], num_m
     over the role's mesh: parameters in their layout, rows of every column and every output
     over the data-parallel axes, ``num_micro`` micro-batches one after the other (to bound
     activation memory). Compiled once per column set and shapes; named ``name``. The role
-    builders (`jaxflow.workers.actor.log_probs_program`, ...) are this with their ``fn``."""
+    builders (`jaxflow.workers.reference.log_probs_program`, ...) are this with their ``fn``."""
     rows = NamedSharding(layout.mesh, PartitionSpec(layout.batch_axes))
     graphdef, mesh, rules, batch_axes = layout.graphdef, layout.mesh, layout.rules, layout.batch_axes
 

@@ -2,15 +2,39 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Role, Rules
-from jaxflow.workers.actor import log_probs_fn, log_probs_program
-from jaxflow.workers.base import ModelLike, RoleWorker, num_micro_batches
-from jaxflow.workers.forward import ForwardConfig
+from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches, row_program
+from jaxflow.workers.forward import ForwardConfig, log_probs_and_entropy
 from jaxflow.workers.protocols import DP_COMPUTE, register
+
+
+def log_probs_fn(output_key: str = "old_log_probs", with_entropy: bool = False):
+    """``fn(model, tensors, {"temperature": T}) -> {output_key: [B, R]}`` (and ``entropys``):
+    ``log_softmax(logits / T)`` of the responses, 0 on padding, from padded rows or a packed
+    micro-batch."""
+
+    def fn(model, t, scalars):
+        lp, ent = log_probs_and_entropy(model, t, scalars["temperature"], with_entropy=with_entropy)
+        m = t["response_mask"] > 0
+        out = {output_key: jnp.where(m, lp, 0.0)}
+        if with_entropy:
+            out["entropys"] = jnp.where(m, ent, 0.0)
+        return out
+
+    return fn
+
+
+def log_probs_program(
+    layout: RoleLayout, num_micro: int, *, output_key: str = "old_log_probs", with_entropy: bool = False
+):
+    """`log_probs_fn` over padded rows in ``num_micro`` micro-batches (`row_program`): the
+    actor's old log-probs and the reference's ``ref_log_prob``."""
+    return row_program(layout, log_probs_fn(output_key, with_entropy), num_micro, name=output_key)
 
 
 class ReferenceWorker(RoleWorker):

@@ -16,6 +16,7 @@ compiled once per micro-batch count and loss settings.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -120,7 +121,7 @@ def train_step_program(
     )
 
 
-class TrainableWorker(RoleWorker):
+class TrainableWorker(RoleWorker, abc.ABC):
     """A role that trains (actor, critic): its parameters live in a `TrainState` (params,
     optimizer state, applied-step count) sharded on its mesh, the optimizer buffers like their
     parameters; `update_epochs` runs the PPO update loop.
@@ -184,9 +185,9 @@ class TrainableWorker(RoleWorker):
         (verl's names)."""
         return name if "/" in name else f"{self.role}/{name}"
 
+    @abc.abstractmethod
     def build_train_step(self, num_micro: int, on_policy: bool) -> Any:
         """The role's jitted optimizer step (`train_step_program` with its loss)."""
-        raise NotImplementedError
 
     def train_program(self, mini_batch_rows: int, on_policy: bool = False):
         """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses

@@ -18,11 +18,12 @@ One concern per module:
 `cluster`      which cluster (`choose_cluster`), joining or starting it, noticing it is gone
 `pools`        a pool's bundles on Ray (placement groups, TPU slices); `Unschedulable` with the fix
 `processes`    `ProcessGroup`: a pool's host processes, their world, builds, shutdown
-`dispatch`     how a call's batch travels to the ranks and comes back; `RayWorkerGroup`
+`dispatch`     how a call's batch travels to the ranks and comes back
 `deadlines`    how long the driver waits for a rank, and the errors when it does not answer
 `errors`       `WorkerGroupError` (`WorkerDied`, `DeadlineExceeded`), `ClusterError`
                (`Unschedulable`, `ClusterLost`)
-`backend`      `RayBackend`: the cluster and a run's worker groups, stopped on exit
+`backend`      `RayBackend`: the cluster and a run's worker groups (`RayWorkerGroup`, the driver's
+               handle on a role), stopped on exit
 =============  ==============================================================================
 
 Process model.
@@ -54,10 +55,10 @@ Ray is imported only when a backend is made: the local path never loads it.
 """
 
 from jaxflow.mesh.devices import HostSlot, host_slots
-from jaxflow.workers.ray.backend import RayBackend
+from jaxflow.workers.ray.backend import RayBackend, RayWorkerGroup
 from jaxflow.workers.ray.cluster import LOST_GRACE_S, ClusterChoice, choose_cluster
-from jaxflow.workers.ray.config import ACCELERATORS, RayConfig
-from jaxflow.workers.ray.dispatch import ROWS_BY_PROCESS, RayWorkerGroup
+from jaxflow.workers.ray.config import ACCELERATORS, PoolReservation, RayConfig
+from jaxflow.workers.ray.dispatch import ROWS_BY_PROCESS
 from jaxflow.workers.ray.errors import (
     ClusterError,
     ClusterLost,
@@ -67,7 +68,7 @@ from jaxflow.workers.ray.errors import (
     WorkerGroupError,
 )
 from jaxflow.workers.ray.hosts import describe_hosts, pool_hosts
-from jaxflow.workers.ray.pools import UNSCHEDULABLE_FIX, PoolReservation, ReservedPool
+from jaxflow.workers.ray.pools import UNSCHEDULABLE_FIX, ReservedPool
 from jaxflow.workers.ray.processes import ProcessGroup
 
 __all__ = [

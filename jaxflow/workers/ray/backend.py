@@ -10,15 +10,33 @@ from typing import Any
 from jaxflow.mesh import Placement
 from jaxflow.mesh.devices import HostSlot, host_slots
 from jaxflow.workers.group import LocalWorkerGroup, WorkerGroup, Workers
+from jaxflow.workers.host_transfer import RowSplit
 from jaxflow.workers.local import workers_from_groups
+from jaxflow.workers.protocols import WorkerGroupInfo, get_protocol, method_protocol
 from jaxflow.workers.ray.cluster import join_cluster, ray_module
 from jaxflow.workers.ray.config import RayConfig
-from jaxflow.workers.ray.dispatch import RayWorkerGroup
 from jaxflow.workers.ray.hosts import pool_hosts
 from jaxflow.workers.ray.processes import ProcessGroup
 from jaxflow.workers.ray_host import ROLE_FROM_PLACEMENT
 from jaxflow.workers.reward import RuleRewardWorker
 from jaxflow.workers.roles import RoleSettings, role_class
+
+
+class RayWorkerGroup(WorkerGroup):
+    """The driver's handle on one role of a `ProcessGroup` (a `WorkerGroup`: its methods are
+    the worker class's registered methods, run in lock step on every process). ``rows``: how
+    the role's batch rows fall on the processes (`ProcessGroup.build` returns it)."""
+
+    def __init__(self, processes: ProcessGroup, role: str, worker_cls: type, rows: RowSplit | None = None):
+        self.processes, self.name, self.worker_cls, self.rows = processes, role, worker_cls, rows
+        self.info = WorkerGroupInfo(world_size=processes.num_hosts, dp_size=1)
+
+    def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        protocol = method_protocol(getattr(self.worker_cls, method, None))
+        if protocol is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{method} is not registered with a protocol")
+        protocol = get_protocol(protocol)
+        return self._finish(protocol, self.processes.call(self.name, method, protocol, args, kwargs, self.rows))
 
 
 class RayBackend:

@@ -4,10 +4,74 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
-from jaxflow.workers.ray.pools import PoolReservation
+from typing import Any
 
 ACCELERATORS = ("cpu", "gpu", "tpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolReservation:
+    """How a pool's hosts are reserved on Ray (`RayConfig.reservation`), one process per host.
+
+    * CPU: one placement group of one ``{CPU}`` bundle per host, ``PACK`` (simulated hosts
+      share a machine).
+    * GPU: as verl's ``RayResourcePool``: one placement group per node, ``STRICT_PACK``, here
+      of one bundle holding the host's GPUs (one process drives them all).
+    * TPU with ``jaxflow.ray.tpu_topology``: whole slices, reserved with Ray's
+      ``ray.util.tpu.slice_placement_group`` (one bundle per TPU VM of the slice, on the VMs of
+      one slice); without it, or on a Ray without ``ray.util.tpu``, one placement group of one
+      bundle per VM, ``STRICT_SPREAD``.
+
+    Attributes:
+      placement_groups: ``(bundles, strategy)`` of each placement group.
+      tpu_slice: keyword arguments of ``ray.util.tpu.slice_placement_group`` (or None).
+      num_hosts: the hosts of a ``tpu_slice`` reservation.
+    """
+
+    placement_groups: tuple[tuple[tuple[dict[str, float], ...], str], ...] = ()
+    tpu_slice: dict[str, Any] | None = None
+    num_hosts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tpu_slice is None:
+            object.__setattr__(self, "num_hosts", sum(len(b) for b, _ in self.placement_groups))
+
+    def shortfall(self, cluster: dict[str, float]) -> str:
+        """What the reservation needs beyond ``cluster``'s total resources (``ray.cluster_resources()``),
+        e.g. ``"CPU 64.0 (the cluster has 8.0)"``; ``""`` when the totals suffice."""
+        need: dict[str, float] = {}
+        for bundles, _ in self.placement_groups:
+            for bundle in bundles:
+                for resource, amount in bundle.items():
+                    need[resource] = need.get(resource, 0.0) + amount
+        return ", ".join(
+            f"{resource} {amount:g} (the cluster has {cluster.get(resource, 0.0):g})"
+            for resource, amount in sorted(need.items())
+            if amount > cluster.get(resource, 0.0)
+        )
+
+    def slot(self, rank: int) -> tuple[int, int]:
+        """``(placement group, bundle index)`` of host ``rank``."""
+        if self.tpu_slice is not None or len(self.placement_groups) == 1:
+            return 0, rank
+        return rank, 0
+
+    def fallback(self) -> PoolReservation:
+        """The reservation without ``ray.util.tpu``: one bundle per VM, ``STRICT_SPREAD``."""
+        bundle = self.tpu_slice["resources_per_bundle"]
+        return PoolReservation(((tuple(dict(bundle) for _ in range(self.num_hosts)), "STRICT_SPREAD"),))
+
+    def describe(self) -> str:
+        if self.tpu_slice is not None:
+            s = self.tpu_slice
+            return (
+                f"{s['num_slices']} TPU slice(s) {s['accelerator_version']} {s['topology']} via ray.util.tpu, "
+                f"{self.num_hosts} x {s['resources_per_bundle']}"
+            )
+        (bundles, strategy), n = self.placement_groups[0], len(self.placement_groups)
+        if n == 1:
+            return f"placement group of {len(bundles)} x {bundles[0]} ({strategy})"
+        return f"{n} placement groups (one per node) of {len(bundles)} x {bundles[0]} ({strategy})"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,21 +7,30 @@ method's first call with given shapes (it compiles), ``step_deadline_s`` after t
 rank, and the group's processes are stopped (the world cannot continue without a rank). A
 rank whose method raised gives the others ``sync_deadline_s`` to finish (or fail alike), then
 its exception is raised with a note naming the group and rank. When the cluster itself went
-away the error says so instead (`ClusterLost`, `ProcessGroup.check_cluster`).
+away the error says so instead (`ClusterLost`, `Group.check_cluster`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from jaxflow.workers.ray.cluster import ray_module
+from jaxflow.workers.ray.config import RayConfig
 from jaxflow.workers.ray.errors import DeadlineExceeded, WorkerDied
 
-if TYPE_CHECKING:
-    from jaxflow.workers.ray.config import RayConfig
-    from jaxflow.workers.ray.processes import ProcessGroup
+
+class Group(Protocol):
+    """What `gather` needs of a worker group (`processes.ProcessGroup`)."""
+
+    name: str
+    pids: list[Any]
+    config: RayConfig
+
+    def shutdown(self, reason: str) -> None: ...
+
+    def check_cluster(self, what: str) -> None: ...
 
 
 def call_deadline(config: RayConfig, compiled: bool) -> float:
@@ -30,7 +39,7 @@ def call_deadline(config: RayConfig, compiled: bool) -> float:
     return config.step_deadline_s if compiled else config.compile_deadline_s
 
 
-def gather(group: ProcessGroup, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
+def gather(group: Group, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
     """Every rank's result of ``refs`` (one per rank of ``group``, in rank order), waiting at
     most ``deadline_s`` (see the module docstring)."""
     ray = ray_module()

@@ -11,28 +11,22 @@ single-program form over the global mesh and returns the shards it holds
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
 from jaxflow.data.batch import Batch
-from jaxflow.workers.group import WorkerGroup
 from jaxflow.workers.host_transfer import RowSplit, assemble, split_rows
 from jaxflow.workers.protocols import (
     DP_COMPUTE,
     DP_COMPUTE_METRIC,
     Protocol,
     WorkerGroupInfo,
-    get_protocol,
-    method_protocol,
     pad_batch_args,
     unpad,
 )
 from jaxflow.workers.ray.cluster import ray_module
-
-if TYPE_CHECKING:
-    from jaxflow.workers.ray.processes import ProcessGroup
 
 # Protocols whose Batch tensors travel by process (each rank gets the rows its devices hold),
 # and how the driver finishes the assembled result given the rows it padded. The others
@@ -96,20 +90,3 @@ def remote_calls(
         return refs, lambda outputs: ROWS_BY_PROCESS[protocol.name](assemble(outputs), pad_size)
     payload = ray.put((args, kwargs))  # put once, read by every rank
     return [a.call.remote(role, method, payload) for a in actors], assemble
-
-
-class RayWorkerGroup(WorkerGroup):
-    """The driver's handle on one role of a `ProcessGroup` (a `WorkerGroup`: its methods are
-    the worker class's registered methods, run in lock step on every process). ``rows``: how
-    the role's batch rows fall on the processes (`ProcessGroup.build` returns it)."""
-
-    def __init__(self, processes: ProcessGroup, role: str, worker_cls: type, rows: RowSplit | None = None):
-        self.processes, self.name, self.worker_cls, self.rows = processes, role, worker_cls, rows
-        self.info = WorkerGroupInfo(world_size=processes.num_hosts, dp_size=1)
-
-    def execute(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
-        protocol = method_protocol(getattr(self.worker_cls, method, None))
-        if protocol is None:
-            raise AttributeError(f"{self.worker_cls.__name__}.{method} is not registered with a protocol")
-        protocol = get_protocol(protocol)
-        return self._finish(protocol, self.processes.call(self.name, method, protocol, args, kwargs, self.rows))
