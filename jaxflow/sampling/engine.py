@@ -318,6 +318,7 @@ class _Call:
     rows: int  # B * n, the rows the caller asked for
     cols: int  # SamplingParams.max_new_tokens
     stats: dict
+    options: EngineOptions
 
 
 def _row_limits(params: SamplingParams, max_new_tokens, B: int) -> np.ndarray:
@@ -542,7 +543,8 @@ def _prepare(
     place: bool = True,
 ) -> _Call:
     """The program and arguments of a `generate_from_state` call (``place=False``: abstract
-    arguments, for lowering)."""
+    arguments, for lowering). The one declaration of the entry points' keywords;
+    `generate_from_state` says what each does."""
     cfg = _config_of(graphdef, state)
     if params.stop and stop_strings is None:
         if tokenizer is None:
@@ -594,7 +596,7 @@ def _prepare(
         kv_pool_bytes=replicas * shape.pool_bytes,
         page_bytes=shape.pool_bytes // shape.pages,
     )
-    return _Call(program, args, len(ids) * params.n, params.max_new_tokens, stats)
+    return _Call(program, args, len(ids) * params.n, params.max_new_tokens, stats, options)
 
 
 KV_MEMORY_FRACTION = 0.5  # of the free device memory, for the default pool on an accelerator
@@ -709,23 +711,13 @@ def engine_shape(
 
 
 def generate_from_state(
-    graphdef: nnx.GraphDef,
-    state: nnx.State,
-    prompt_ids,
-    prompt_mask,
-    params: SamplingParams,
-    *,
-    mesh: Mesh | None = None,
-    rules: Rules = GENERATE_RULES,
-    rng: jax.Array | None = None,
-    max_new_tokens=None,
-    options: EngineOptions = EngineOptions(),
-    tokenizer: Any = None,
-    stop_strings: StopStrings | None = None,
-    prompt_index=None,
+    graphdef: nnx.GraphDef, state: nnx.State, prompt_ids, prompt_mask, params: SamplingParams, **kwargs
 ) -> GenerateOutput:
     """Sample ``params.n`` responses for each of the B left-padded prompts.
 
+    The keywords ``mesh``, ``rules``, ``rng``, ``max_new_tokens``, ``options``, ``tokenizer``,
+    ``stop_strings`` and ``prompt_index`` are declared (types, defaults) once, on `_prepare`,
+    which `lower_generate` shares; an unknown one raises ``TypeError``.
     ``graphdef``/``state`` are ``nnx.split`` of a `CausalLM` (``state`` in any layout, e.g.
     the generation layout of the hybrid engine). ``prompt_ids``/``prompt_mask`` are [B, L]
     (NumPy or jax; every row ends with a real token). ``max_new_tokens`` (an int or an
@@ -741,21 +733,7 @@ def generate_from_state(
     (`batcher.row_keys`), whatever the mesh, the replicas, the slots or the page pool, and as
     if each prompt were repeated ``n`` times with ``n = 1``.
     """
-    call = _prepare(
-        graphdef,
-        state,
-        prompt_ids,
-        prompt_mask,
-        params,
-        mesh=mesh,
-        rules=rules,
-        rng=rng,
-        max_new_tokens=max_new_tokens,
-        options=options,
-        tokenizer=tokenizer,
-        stop_strings=stop_strings,
-        prompt_index=prompt_index,
-    )
+    call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, **kwargs)
     out = call.program(*call.args)
     rows, cols = call.rows, call.cols
 
@@ -772,8 +750,8 @@ def generate_from_state(
         stats=dict(
             call.stats, peak_pages=peak, peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"], waits=out["waits"]
         ),
-        logits=cut(out["logits"]) if options.return_logits else None,
-        cache=(out["k_pages"], out["v_pages"]) if options.return_cache else None,
+        logits=cut(out["logits"]) if call.options.return_logits else None,
+        cache=(out["k_pages"], out["v_pages"]) if call.options.return_cache else None,
     )
 
 
@@ -799,20 +777,9 @@ def _config_of(graphdef: nnx.GraphDef, state: nnx.State) -> ModelConfig:
     return _CONFIGS[graphdef]
 
 
-def generate(
-    model: nnx.Module,
-    prompt_ids,
-    prompt_mask,
-    params: SamplingParams,
-    *,
-    mesh: Mesh | None = None,
-    rules: Rules = GENERATE_RULES,
-    rng: jax.Array | None = None,
-    **kwargs,
-) -> GenerateOutput:
+def generate(model: nnx.Module, prompt_ids, prompt_mask, params: SamplingParams, **kwargs) -> GenerateOutput:
     """`generate_from_state` for a `CausalLM` (e.g. what ``jaxflow.models.from_pretrained``
-    returns); ``kwargs`` as there (``max_new_tokens``, ``options``, ``tokenizer``, ...)."""
+    returns); ``kwargs`` as there (``mesh``, ``rules``, ``rng``, ``max_new_tokens``,
+    ``options``, ``tokenizer``, ...)."""
     graphdef, state = nnx.split(model)
-    return generate_from_state(
-        graphdef, state, prompt_ids, prompt_mask, params, mesh=mesh, rules=rules, rng=rng, **kwargs
-    )
+    return generate_from_state(graphdef, state, prompt_ids, prompt_mask, params, **kwargs)
