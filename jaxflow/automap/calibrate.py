@@ -11,7 +11,7 @@ Measured (medians of timed calls after a warm-up that compiles, on the simulated
    domain) gives its base latency, per-step latency and bandwidth;
 3. the stage programs the workers run, built by their own builders, at a few shapes
    (rows x prompt x response) on the config's actor model with every device in one FSDP
-   mesh: the optimizer step (`jaxflow.workers.actor.actor_train_step`), the log-prob
+   mesh: the optimizer step (`jaxflow.workers.trainable.train_step_program`), the log-prob
    forward (`jaxflow.workers.reference.log_probs_program`) and the rollout engine
    (`jaxflow.sampling.generate_from_state`, in the 3D-HybridEngine's generation layout).
 
@@ -209,11 +209,11 @@ def _stage_samples(actor: Any, base: Any, devs: list, rows: int, P: int, R: int,
     from jaxflow.models import init_model
     from jaxflow.reshard import HybridEngine
     from jaxflow.sampling import SamplingParams, generate_from_state
-    from jaxflow.workers.actor import actor_train_step
     from jaxflow.workers.base import RoleLayout
     from jaxflow.workers.optim import make_optimizer
     from jaxflow.workers.reference import log_probs_program
     from jaxflow.workers.train_state import create_train_state
+    from jaxflow.workers.trainable import train_step_program
 
     mc = base.models["actor"].config
     tx, schedule = make_optimizer(actor.optim)
@@ -232,7 +232,7 @@ def _stage_samples(actor: Any, base: Any, devs: list, rows: int, P: int, R: int,
     cols = {c: (rows, R) for c in actor.train_columns() if c not in ones}
     batch = dict(tensors, **jax.device_put({c: jnp.zeros(s, jnp.float32) for c, s in cols.items()}, batch_rows))
     state, state_sh = create_train_state(placed, shardings, tx, fmesh)
-    step = actor_train_step(layout, tx, schedule, actor, state_sh, 1)
+    step = train_step_program(layout, tx, schedule, actor, state_sh, 1)
     holder = [state]
 
     def train_call():

@@ -2,7 +2,7 @@
 
 Each role's model is built with ``nnx.eval_shape`` (shapes only), given the shardings its
 mesh and rules ask for, and handed to the *same* program builders the workers use
-(`actor_train_step` / `critic_train_step`, the padded forwards' `log_probs_program`,
+(`jaxflow.workers.trainable.train_step_program`, the padded forwards' `log_probs_program`,
 `values_program`, `scores_program`, the packed forwards' `packed_program`, `lower_generate`,
 `HybridEngine.lowered`), with the same settings (the `RunSpec`), as ``jax.ShapeDtypeStruct``
 leaves carrying those shardings. Nothing is allocated: not the weights, not the optimizer
@@ -53,15 +53,16 @@ from jaxflow.models.lora import split_adapters, without_adapters
 from jaxflow.models.peft_io import graphdef_for
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
-from jaxflow.workers.actor import actor_train_step, generation_dtype
+from jaxflow.workers.actor import generation_dtype
 from jaxflow.workers.base import RoleLayout, num_micro_batches, packed_program
-from jaxflow.workers.critic import CriticConfig, critic_train_step, values_fn, values_program
+from jaxflow.workers.critic import values_fn, values_program
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig
 from jaxflow.workers.optim import make_optimizer
 from jaxflow.workers.packing import pack
 from jaxflow.workers.reference import log_probs_fn, log_probs_program
 from jaxflow.workers.reward import scores_fn, scores_program
 from jaxflow.workers.train_state import TrainState, abstract_train_state, batch_sharding
+from jaxflow.workers.trainable import train_step_program as role_train_step
 
 # See the module docstring: cheap machine code (it never runs), and no hoisting of XLA:CPU's
 # whole-weight f32 converts out of loops.
@@ -285,10 +286,10 @@ def train_step_program(
 ) -> tuple[ProgramSpec, int]:
     """The actor's or critic's optimizer step on one PPO mini-batch, micro-batched as
     configured (remove padding: packed micro-batches of the all-full-length worst case,
-    `full_length_rows`), from the workers' own builder (`actor_train_step` /
-    `critic_train_step`); the actor's on-policy step when the run takes it (`actor_on_policy`);
-    with LoRA the adapters' step, the frozen base its fourth argument. Returns the spec and
-    the number of micro-batches."""
+    `full_length_rows`), from the workers' own builder
+    (`jaxflow.workers.trainable.train_step_program`); the actor's on-policy step when the run
+    takes it (`actor_on_policy`); with LoRA the adapters' step, the frozen base its fourth
+    argument. Returns the spec and the number of micro-batches."""
     P, R = spec.prompt_length, spec.response_length
     tx, schedule = optimizer(spec, role)
     rows, k = train_micro_batches(spec, role, rules, mesh)
@@ -296,17 +297,12 @@ def train_step_program(
     abstract_state, shardings = abstract_role_state(trained, rules, mesh, tx)
     frozen_args = () if frozen is None else (abstract_params(frozen, rules, mesh),)
     role_layout = layout(graphdef, state, mesh, rules)
-    if role == "actor":
-        conf, on_policy = spec.actor, actor_on_policy(spec)
-        frozen_shardings = None if frozen is None else state_shardings(frozen, rules, mesh)
-        step = actor_train_step(
-            role_layout, tx, schedule, conf, shardings, k, on_policy=on_policy, frozen_shardings=frozen_shardings
-        )
-        keys, scalar_names = conf.update_keys(on_policy), ("temperature",)
-    else:
-        conf, on_policy = spec.critic, False
-        step = critic_train_step(role_layout, tx, schedule, conf, shardings, k)
-        keys, scalar_names = CriticConfig.UPDATE_KEYS, ()
+    conf, on_policy = (spec.actor, actor_on_policy(spec)) if role == "actor" else (spec.critic, False)
+    frozen_shardings = None if frozen is None else state_shardings(frozen, rules, mesh)
+    step = role_train_step(
+        role_layout, tx, schedule, conf, shardings, k, on_policy=on_policy, frozen_shardings=frozen_shardings
+    )
+    keys, scalar_names = conf.update_keys(on_policy), conf.SCALAR_NAMES
     host = full_length_rows(rows, P, R, tuple(c for c in keys if c not in PROMPT_KEYS))
     if conf.use_remove_padding:
         packed, _ = pack(

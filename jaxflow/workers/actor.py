@@ -40,7 +40,7 @@ from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.models.lora import LoRAConfig, merge_adapters
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
-from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches
+from jaxflow.workers.base import ModelLike, num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
@@ -49,7 +49,7 @@ from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 from jaxflow.workers.reference import ReferenceWorker, log_probs_fn, log_probs_program
 from jaxflow.workers.rollout_probe import METRIC as PROBE_METRIC
 from jaxflow.workers.rollout_probe import RolloutProbe
-from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_columns, train_step_program
+from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_columns
 
 
 def generation_dtype(cfg: Any) -> Any:
@@ -190,6 +190,13 @@ class ActorConfig(UpdateLoopConfig):
             self.log_prob_max_token_len_per_device if self.log_prob_use_dynamic_bsz else None,
         )
 
+    SCALAR_NAMES = ("temperature",)  # the train step's scalars
+    STEP_NAME = "actor_train_step"
+
+    def loss_fn(self):
+        """The train step's loss (`actor_loss`)."""
+        return actor_loss(self)
+
     def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
         """The columns an update reads; ``on_policy``: without ``old_log_probs`` (they come
         from the update's own forward)."""
@@ -246,37 +253,6 @@ def actor_loss(cfg: ActorConfig):
         return loss, aux
 
     return loss_fn
-
-
-def actor_train_step(
-    layout: RoleLayout,
-    tx: Any,
-    schedule: Any,
-    config: ActorConfig,
-    state_shardings: Any,
-    num_micro: int,
-    *,
-    on_policy: bool = False,
-    frozen_shardings: Any = None,
-):
-    """The actor's jitted optimizer step (`train_step_program` with `actor_loss`) on a
-    mini-batch of the columns ``config.update_keys(on_policy)`` and the scalar
-    ``temperature``: padded rows in ``num_micro`` micro-batches, or (remove padding) packed
-    micro-batches. ``frozen_shardings``: with LoRA, the base weights' (the step's fourth
-    argument)."""
-    return train_step_program(
-        layout,
-        tx,
-        schedule,
-        config,
-        state_shardings,
-        num_micro,
-        actor_loss(config),
-        columns=config.update_keys(on_policy),
-        scalar_names=("temperature",),
-        name="actor_train_step",
-        frozen_shardings=frozen_shardings,
-    )
 
 
 class ActorWorker(TrainableWorker):
@@ -473,19 +449,6 @@ class ActorWorker(TrainableWorker):
         return self._reference.log_probs(batch, temperature=temperature)
 
     # ------------------------------------------------------------------ update
-    def build_train_step(self, num_micro: int, on_policy: bool):
-        """`actor_train_step` (``on_policy``: the step's own forward gives the old log-probs)."""
-        return actor_train_step(
-            self.layout,
-            self.tx,
-            self.schedule,
-            self.config,
-            self.state_shardings,
-            num_micro,
-            on_policy=on_policy,
-            frozen_shardings=self.frozen_shardings if self.frozen is not None else None,
-        )
-
     @register(DP_TRAIN)
     def update(
         self, batch: Batch, *, step: int | None = None, temperature: float | None = None

@@ -31,7 +31,7 @@ from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, response_values
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.protocols import DP_COMPUTE, register
-from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig, train_step_program
+from jaxflow.workers.trainable import TrainableWorker, UpdateLoopConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +62,16 @@ class CriticConfig(UpdateLoopConfig):
     optim: OptimConfig = OptimConfig(lr=1e-5)
 
     UPDATE_KEYS = PROMPT_KEYS + ("values", "returns")
+    SCALAR_NAMES = ()  # the train step's scalars
+    STEP_NAME = "critic_train_step"
+
+    def loss_fn(self):
+        """The train step's loss (`critic_loss`)."""
+        return critic_loss(self)
+
+    def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
+        """`UPDATE_KEYS` (the critic reads no old log-probs: ``on_policy`` changes nothing)."""
+        return self.UPDATE_KEYS
 
     def loss_key(self) -> tuple:
         """The fields the compiled train step depends on (besides the micro-batch count)."""
@@ -115,25 +125,6 @@ def values_program(layout: RoleLayout, num_micro: int):
     return row_program(layout, values_fn, num_micro, name="values")
 
 
-def critic_train_step(
-    layout: RoleLayout, tx: Any, schedule: Any, config: CriticConfig, state_shardings: Any, num_micro: int
-):
-    """The critic's jitted optimizer step (`train_step_program` with `critic_loss`) on a
-    mini-batch of the columns ``CriticConfig.UPDATE_KEYS``: padded rows in ``num_micro``
-    micro-batches, or with remove padding packed micro-batches (`jaxflow.workers.packing.pack`)."""
-    return train_step_program(
-        layout,
-        tx,
-        schedule,
-        config,
-        state_shardings,
-        num_micro,
-        critic_loss(config),
-        columns=CriticConfig.UPDATE_KEYS,
-        name="critic_train_step",
-    )
-
-
 class CriticWorker(TrainableWorker):
     """Value model: `values`, `update`.
 
@@ -163,11 +154,6 @@ class CriticWorker(TrainableWorker):
             rows, self.config.values_forward.micro_batch_size_per_device, self.dp_size, "critic values"
         )
         return self._compiled(("values", k), lambda: values_program(self.layout, k))
-
-    def build_train_step(self, num_micro: int, on_policy: bool):
-        """`critic_train_step` (the critic reads no old log-probs: ``on_policy`` changes nothing)."""
-        del on_policy
-        return critic_train_step(self.layout, self.tx, self.schedule, self.config, self.state_shardings, num_micro)
 
     @register(DP_TRAIN)
     def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:

@@ -16,9 +16,8 @@ compiled once per micro-batch count and loss settings.
 
 from __future__ import annotations
 
-import abc
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -88,17 +87,16 @@ def train_step_program(
     config: Any,
     state_shardings: Any,
     num_micro: int,
-    loss_fn: Callable,
     *,
-    columns: tuple[str, ...],
-    scalar_names: tuple[str, ...] = (),
-    name: str,
+    on_policy: bool = False,
     frozen_shardings: Any = None,
 ):
-    """A training role's jitted optimizer step (`make_train_step` with ``loss_fn``) on a
-    mini-batch of the row columns ``columns``: padded rows in ``num_micro`` micro-batches, or
-    (``config.use_remove_padding``) packed micro-batches. ``config``: an `ActorConfig` or
-    `CriticConfig` (``use_remove_padding``, ``loss_scale_factor``, ``lora``).
+    """A training role's jitted optimizer step (`make_train_step`) on a mini-batch: padded
+    rows in ``num_micro`` micro-batches, or (``config.use_remove_padding``) packed
+    micro-batches. ``config`` (an `ActorConfig` or `CriticConfig`) says what differs between
+    the roles: the loss (``loss_fn()``), the row columns (``update_keys(on_policy)``; the
+    actor's ``on_policy`` step reads no ``old_log_probs``), the scalars (``SCALAR_NAMES``)
+    and the program's name (``STEP_NAME``); and ``loss_scale_factor``, ``lora``, ``seed``.
     ``frozen_shardings``: with LoRA, the base weights' (the step's fourth argument)."""
     packed = config.use_remove_padding
     lora = config.lora
@@ -106,31 +104,31 @@ def train_step_program(
         layout.graphdef,
         tx,
         schedule,
-        loss_fn,
+        config.loss_fn(),
         mesh=layout.mesh,
         rules=layout.rules,
         state_shardings=state_shardings,
-        batch_ndims=train_columns(columns, packed),
-        scalar_names=scalar_names,
+        batch_ndims=train_columns(config.update_keys(on_policy), packed),
+        scalar_names=config.SCALAR_NAMES,
         num_micro=1 if packed else num_micro,
         loss_scale_factor=config.loss_scale_factor,
         presplit=packed,
-        name=name,
+        name=config.STEP_NAME,
         frozen_shardings=frozen_shardings,
         dropout_seed=config.seed if lora is not None and lora.dropout > 0 else None,
     )
 
 
-class TrainableWorker(RoleWorker, abc.ABC):
+class TrainableWorker(RoleWorker):
     """A role that trains (actor, critic): its parameters live in a `TrainState` (params,
     optimizer state, applied-step count) sharded on its mesh, the optimizer buffers like their
     parameters; `update_epochs` runs the PPO update loop.
 
     ``config`` (an `ActorConfig` or `CriticConfig`) gives the optimizer (``optim``), the
     loop's settings (`UpdateLoopConfig`; ``use_remove_padding``, ``use_dynamic_bsz``,
-    ``ppo_max_token_len_per_device``) and ``loss_key()`` (what the compiled step depends on).
-    Subclasses name their ``role`` (the metrics' prefix) and build their step
-    (`build_train_step`).
+    ``ppo_max_token_len_per_device``), ``loss_key()`` (what the compiled step depends on) and
+    what the step needs of its role (`train_step_program`). Subclasses name their ``role``
+    (the metrics' prefix).
 
     With ``config.lora`` the model gets adapters (`jaxflow.models.peft_io.add_adapters`, or
     those of ``config.lora_adapter_path``): the `TrainState` holds the adapters and their
@@ -185,9 +183,20 @@ class TrainableWorker(RoleWorker, abc.ABC):
         (verl's names)."""
         return name if "/" in name else f"{self.role}/{name}"
 
-    @abc.abstractmethod
     def build_train_step(self, num_micro: int, on_policy: bool) -> Any:
-        """The role's jitted optimizer step (`train_step_program` with its loss)."""
+        """The role's jitted optimizer step (`train_step_program`; with LoRA the frozen base
+        is its fourth argument)."""
+        frozen_shardings = None if self.frozen is None else self.frozen_shardings
+        return train_step_program(
+            self.layout,
+            self.tx,
+            self.schedule,
+            self.config,
+            self.state_shardings,
+            num_micro,
+            on_policy=on_policy,
+            frozen_shardings=frozen_shardings,
+        )
 
     def train_program(self, mini_batch_rows: int, on_policy: bool = False):
         """The jitted optimizer step on a mini-batch of ``mini_batch_rows`` responses
