@@ -403,6 +403,20 @@ def random_inputs(seed):
     return dict(old_log_prob=old, log_prob=lp, advantages=a, response_mask=m, w=rng.uniform(0.3, 2.0, (b, t)))
 
 
+@functools.partial(jax.jit, static_argnames="with_is")
+def every_loss_and_mode(old, lp, a, m, w, with_is):
+    """Every registered loss x every loss_agg_mode on one input, without IS weights and (with
+    ``with_is``, bypass_mode aside) with them: one compiled program per input shape."""
+    out = {}
+    for name, (options, _) in MATRIX.items():
+        for mode in MODES:
+            for weights in (None, w) if with_is and name != "bypass_mode" else (None,):
+                out[name, mode, weights is not None] = algos.compute_policy_loss(
+                    old, lp, a, m, loss_mode=name, loss_agg_mode=mode, rollout_is_weights=weights, **COMMON, **options
+                )
+    return out
+
+
 def test_every_registered_loss_under_every_agg_mode_matches_verl():
     """Every registered loss (verl 0.9.1's twelve) x every loss_agg_mode (with and without IS
     weights on one of the inputs), on random shapes and masks, against verl's formulas in
@@ -413,19 +427,14 @@ def test_every_registered_loss_under_every_agg_mode_matches_verl():
         for seed in range(3):
             inp = random_inputs(seed)
             args = [inp[k] for k in ("old_log_prob", "log_prob", "advantages", "response_mask")]
-            for name, (options, ref) in MATRIX.items():
-                for mode in MODES:
-                    for w in (None, inp["w"]) if seed == 1 and name != "bypass_mode" else (None,):
-                        loss, metrics = algos.compute_policy_loss(
-                            *args, loss_mode=name, loss_agg_mode=mode, rollout_is_weights=w, **COMMON, **options
-                        )
-                        want, want_metrics = ref(*args, w=w, mode=mode)
-                        what = f"{name} {mode} seed={seed} is={w is not None}"
-                        np.testing.assert_allclose(float(loss), want, rtol=0, atol=1e-10, err_msg=what)
-                        for key, val in want_metrics.items():
-                            np.testing.assert_allclose(
-                                float(metrics[key]), val, rtol=0, atol=1e-10, err_msg=f"{what} {key}"
-                            )
+            out = every_loss_and_mode(*args, inp["w"], with_is=seed == 1)
+            assert len(out) == len(MATRIX) * len(MODES) * (2 if seed == 1 else 1) - (len(MODES) if seed == 1 else 0)
+            for (name, mode, use_w), (loss, metrics) in out.items():
+                want, want_metrics = MATRIX[name][1](*args, w=inp["w"] if use_w else None, mode=mode)
+                what = f"{name} {mode} seed={seed} is={use_w}"
+                np.testing.assert_allclose(float(loss), want, rtol=0, atol=1e-10, err_msg=what)
+                for key, val in want_metrics.items():
+                    np.testing.assert_allclose(float(metrics[key]), val, rtol=0, atol=1e-10, err_msg=f"{what} {key}")
 
 
 def test_dppo_trust_regions_and_gspo_modes_are_exercised():
