@@ -5,6 +5,7 @@ tolerance 1e-10) and float32 (1e-5). Edge cases live in the shared batch: a grou
 a fully masked row, a zero-variance group, a mask with a hole (GAE skips it), ragged lengths.
 """
 
+import functools
 from collections import defaultdict
 
 import jax
@@ -402,26 +403,43 @@ def random_groups_batch(seed, holes=False):
     )
 
 
+GDPO_WEIGHTS = ((1, None), (2, (0.3, 1.7)), (3, (1.0, 0.5, 2.0)))  # (K reward dimensions, their weights)
+
+
+@jax.jit
+def gdpo_all(batch):
+    """GDPO with every (K, weights) of ``GDPO_WEIGHTS`` x norm_adv_by_std_in_grpo, and GDPO
+    without named scores: one compiled program per batch shape."""
+    fn = algos.get_adv_estimator_fn("gdpo")
+    out = {
+        (k, norm): fn(
+            **dict(batch, gdpo_scores=batch["gdpo_scores"][:k]), gdpo_reward_weights=w, norm_adv_by_std_in_grpo=norm
+        )
+        for k, w in GDPO_WEIGHTS
+        for norm in (True, False)
+    }
+    return out, fn(**{k: v for k, v in batch.items() if k != "gdpo_scores"})
+
+
 def test_gdpo_matches_verl():
     """Per-dimension GRPO, weighted sum, masked whitening (verl 0.9.1), with 1-3 named reward
     dimensions, weights or none, with and without the std, and the one-dimension fallback on
     token_level_rewards: float64 on three random batches, float32 on one."""
-    fn = algos.get_adv_estimator_fn("gdpo")
     for seed, dtype in ((0, np.float64), (1, np.float64), (2, np.float64), (3, np.float32)):
         with jax.enable_x64(dtype is np.float64):
             batch = cast(random_groups_batch(seed), dtype)
             ref = batch_as_f64(batch, dtype)
             m, g = ref["response_mask"], ref["group_ids"]
-            for k, weights in ((1, None), (2, (0.3, 1.7)), (3, (1.0, 0.5, 2.0))):
+            out, unnamed = gdpo_all(batch)
+            for k, weights in GDPO_WEIGHTS:
                 for norm in (True, False):
-                    named = dict(batch, gdpo_scores=batch["gdpo_scores"][:k])
-                    adv, ret = fn(**named, gdpo_reward_weights=weights, norm_adv_by_std_in_grpo=norm)
+                    adv, ret = out[k, norm]
                     want, _ = ref_gdpo(ref["gdpo_scores"][:k], weights or (1.0,) * k, m, g, norm=norm)
                     what = f"seed={seed} K={k} norm={norm}"
+                    assert adv.dtype == dtype, what
                     np.testing.assert_allclose(np.asarray(adv), want, atol=TOL[dtype], rtol=0, err_msg=what)
                     np.testing.assert_array_equal(np.asarray(adv), np.asarray(ret))
-            unnamed = {k: v for k, v in batch.items() if k != "gdpo_scores"}
-            adv, _ = fn(**unnamed)  # no named scores: the summed token rewards are the one dimension
+            adv, _ = unnamed  # no named scores: the summed token rewards are the one dimension
             want, _ = ref_gdpo(r_scores(ref["token_level_rewards"], m)[None], (1.0,), m, g)
             np.testing.assert_allclose(np.asarray(adv), want, atol=TOL[dtype], rtol=0)
 
@@ -456,14 +474,27 @@ def test_gdpo_rejects_mismatched_inputs():
         fn(**dict(batch, gdpo_scores=batch["gdpo_scores"][:, :-1]))
 
 
+@functools.partial(jax.jit, static_argnames="name")
+def otb_all(batch, name):
+    """One OTB variant with and without the zero tail x with and without IS weights: one
+    compiled program per batch shape."""
+    fn = algos.get_adv_estimator_fn(name)
+    return {
+        (zero_tail, use_w): fn(
+            **dict(batch, rollout_is_weights=batch["rollout_is_weights"] if use_w else None), handle_zero_tail=zero_tail
+        )
+        for zero_tail in (True, False)
+        for use_w in (False, True)
+    }
+
+
 @pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
 def test_optimal_token_baseline_matches_verl(name):
     """Both OTB variants (verl 0.9.1), with and without the zero tail and IS weights, on
     right-padded masks and on masks with holes (where they differ): float64 on four random
     batches, float32 on one."""
     ref_fn = {"optimal_token_baseline": ref_otb, "tir_optimal_token_baseline": ref_tir_otb}[name]
-    fn = algos.get_adv_estimator_fn(name)
-    zero_tails, results = 0, {}
+    zero_tails = 0
     for seed, dtype in ((0, np.float64), (1, np.float64), (2, np.float64), (3, np.float64), (1, np.float32)):
         with jax.enable_x64(dtype is np.float64):
             batch = cast(random_groups_batch(seed, holes=seed % 2 == 1), dtype)
@@ -471,18 +502,22 @@ def test_optimal_token_baseline_matches_verl(name):
             cols = [
                 ref[k] for k in ("token_level_rewards", "response_mask", "group_ids", "old_log_probs", "sum_pi_squared")
             ]
-            for zero_tail in (True, False):
-                for use_w in (False, True):
-                    w = batch["rollout_is_weights"] if use_w else None
-                    adv, ret = fn(**dict(batch, rollout_is_weights=w), handle_zero_tail=zero_tail)
-                    want_adv, want_ret = ref_fn(*cols, ref["rollout_is_weights"] if use_w else None, zero_tail)
-                    what = f"seed={seed} {dtype.__name__} zero_tail={zero_tail} is={use_w}"
-                    np.testing.assert_allclose(np.asarray(adv), want_adv, atol=TOL[dtype], rtol=0, err_msg=what)
-                    np.testing.assert_allclose(np.asarray(ret), want_ret, atol=TOL[dtype], rtol=0, err_msg=what)
-                    if use_w:
-                        results[zero_tail] = np.asarray(adv)
-            zero_tails += int(np.abs(results[True] - results[False]).max() > 0)
+            out = otb_all(batch, name)
+            for (zero_tail, use_w), (adv, ret) in out.items():
+                want_adv, want_ret = ref_fn(*cols, ref["rollout_is_weights"] if use_w else None, zero_tail)
+                what = f"seed={seed} {dtype.__name__} zero_tail={zero_tail} is={use_w}"
+                assert adv.dtype == dtype, what
+                np.testing.assert_allclose(np.asarray(adv), want_adv, atol=TOL[dtype], rtol=0, err_msg=what)
+                np.testing.assert_allclose(np.asarray(ret), want_ret, atol=TOL[dtype], rtol=0, err_msg=what)
+            zero_tails += int(np.abs(np.asarray(out[True, True][0]) - np.asarray(out[False, True][0])).max() > 0)
     assert zero_tails >= 3  # the zero tail changes the advantages on most of these batches
+
+
+@jax.jit
+def both_otb(batch):
+    return tuple(
+        algos.get_adv_estimator_fn(n)(**batch) for n in ("optimal_token_baseline", "tir_optimal_token_baseline")
+    )
 
 
 def test_tir_otb_is_otb_when_responses_are_contiguous():
@@ -493,8 +528,7 @@ def test_tir_otb_is_otb_when_responses_are_contiguous():
             batch = random_groups_batch(seed)
             keep = batch["response_mask"].sum(-1) > 0
             batch = {k: (v[:, keep] if k == "gdpo_scores" else v[keep]) for k, v in batch.items()}
-            a = algos.get_adv_estimator_fn("optimal_token_baseline")(**batch)
-            b = algos.get_adv_estimator_fn("tir_optimal_token_baseline")(**batch)
+            a, b = both_otb(batch)
             np.testing.assert_allclose(np.asarray(a[0]), np.asarray(b[0]), atol=1e-12)
             np.testing.assert_allclose(np.asarray(a[1]), np.asarray(b[1]), atol=1e-12)
 
