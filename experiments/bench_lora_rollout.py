@@ -35,10 +35,10 @@ MODELS = {
     "default": dict(
         vocab_size=32000, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8, num_kv_heads=2
     ),
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2),
 }
 # --tiny: the tiny model and a few short rollouts, one timed call each (seconds).
-TINY = dict(model="tiny", prompts=4, prompt_len=8, max_new_tokens=8, reps=1)
+TINY = dict(model="tiny", prompts=4, n=2, prompt_len=8, max_new_tokens=8, reps=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

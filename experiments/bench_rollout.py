@@ -62,7 +62,7 @@ WORKLOADS = {
 }
 MODELS = {
     "default": dict(vocab=32000, hidden=512, intermediate=1536, layers=8, heads=8, kv_heads=2),
-    "tiny": dict(vocab=1000, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2),
+    "tiny": dict(vocab=1000, hidden=64, intermediate=128, layers=1, heads=4, kv_heads=2),
 }
 EOS = 2  # the checkpoint's EOS id (transformers forces it at a row's length)
 STATIC_COMMIT = "8a519cb5f058b5c8d821f4675b0dcebbffd5e898"  # the last commit before the paged engine
