@@ -58,9 +58,18 @@ def backend(ray_session):
 
 
 @pytest.fixture(scope="module")
-def toy_groups(backend):
+def four_processes(backend):
+    """4 processes x 2 devices (one jax.distributed world) that the module's toy group and the
+    model-moving tests build their workers in, each its own role: starting the processes is
+    most of such a test's cost."""
     processes = backend.process_group("toy", 4)
-    return {"ray": backend.group(processes, Toy, name="toy", mesh="dp=4,tp=2")}
+    yield processes
+    processes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def toy_groups(backend, four_processes):
+    return {"ray": backend.group(four_processes, Toy, name="toy", mesh="dp=4,tp=2")}
 
 
 def _alive(pid: int) -> bool:
@@ -449,19 +458,21 @@ def tiny_hf(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
+def test_each_process_reads_only_its_shards(four_processes, tiny_hf, scan_layers):
     """4 processes x 2 devices read the HF checkpoint onto an fsdp=4,tp=2 mesh: each process
     reads (measured by the reader) a quarter of every sharded matrix and the replicated norms,
     never more than one device's shard of a matrix at once, and the model they hold is the model."""
     path, expected = tiny_hf
     name = f"reader_{int(scan_layers)}"
-    processes = backend.process_group(name, 4)
-    try:
-        group = backend.group(processes, Loaded, name=name, path=str(path), mesh="fsdp=4,tp=2", scan_layers=scan_layers)
-        stats = group.read_stats([None] * 4)
-        params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
-    finally:
-        processes.shutdown()
+    processes = four_processes
+    group = RayWorkerGroup(
+        processes,
+        name,
+        Loaded,
+        processes.build(name, Loaded, {"path": str(path), "mesh": "fsdp=4,tp=2", "scan_layers": scan_layers}),
+    )
+    stats = group.read_stats([None] * 4)
+    params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
     flat = _flat(expected)
     norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)  # replicated: every process reads them
     total = sum(v.nbytes for v in flat.values())
@@ -483,7 +494,7 @@ def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
             np.testing.assert_array_equal(params[k], v, err_msg=k)
 
 
-def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
+def test_weights_from_the_driver_travel_as_per_process_blocks(backend, four_processes, tiny_hf):
     """A model in the driver's memory (e.g. handed over from the supervised warm start) reaches
     the actor's 4 processes as blocks: each receives (measured at receipt) a quarter of every
     sharded matrix plus the replicated norms, and the actor holds exactly those weights."""
@@ -495,18 +506,16 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
         meshes={"actor": "fsdp=4,tp=2"},
         models={"actor": models.get_preset("tiny_llama")},
     )
-    processes = backend.process_group("ship", 4)
-    try:
-        kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
-        shipped, blocks = processes.ship_params("actor", kwargs, params)
-        kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
-        actor = RayWorkerGroup(
-            processes, "actor", role_class("actor"), processes.build("actor", "placement", kwargs, blocks)
-        )
-        received = [s["param_bytes"] for s in processes.io_stats()]
-        got = _flat(actor.get_train_state()[0].params)
-    finally:
-        processes.shutdown()
+    processes = four_processes
+    before = [s.get("param_bytes", 0) for s in processes.io_stats()]
+    kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
+    shipped, blocks = processes.ship_params("actor", kwargs, params)
+    kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
+    actor = RayWorkerGroup(
+        processes, "actor", role_class("actor"), processes.build("actor", "placement", kwargs, blocks)
+    )
+    received = [s["param_bytes"] - b for s, b in zip(processes.io_stats(), before)]
+    got = _flat(actor.get_train_state()[0].params)
     flat = _flat(params)
     norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)
     total = sum(v.nbytes for v in flat.values())
