@@ -13,8 +13,10 @@ reward model: actor on 2 processes, ref on the other 2).
     python experiments/ray_vs_local.py --config=ppo_tiny --placement=split --steps=5
     python experiments/ray_vs_local.py --all --steps=5 --json=out.json     # the four cases
     python experiments/ray_vs_local.py --tiny       # a smoke test: grpo_tiny, 2 steps, small batches
+    python experiments/ray_vs_local.py --tiny --set trainer.save_freq=1   # a config override, both runs
 
 ``--tiny`` runs the config with 8 prompts x 4 responses, one layer and no supervised warm start.
+The run directories are ``{out}/{config}_{placement}_{backend}``.
 """
 
 from __future__ import annotations
@@ -140,9 +142,14 @@ def run(
     wall = time.perf_counter() - start
     if proc.returncode:
         raise RuntimeError(f"{config} {placement} on {backend} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+    return step_metrics(out_dir), wall
+
+
+def step_metrics(run_dir: str) -> list[dict]:
+    """The per-step rows of a run's ``metrics.jsonl`` (not its validation rows)."""
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if "timing_s/step" in r], wall
+    return [r for r in rows if "timing_s/step" in r]
 
 
 def compare(local: list[dict], ray: list[dict], rtol: float) -> tuple[list[tuple], list[str]]:
@@ -230,6 +237,13 @@ def main() -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--out", default=None, help="run directories go here (default: a new temporary directory)")
     p.add_argument("--tiny", action="store_true", help="grpo_tiny, 2 steps, small batches, one layer: a smoke test")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for both backends' runs, e.g. trainer.save_freq=1 (repeatable)",
+    )
     args = p.parse_args()
     if args.tiny:
         p.set_defaults(config="grpo_tiny", steps=2)
@@ -241,7 +255,8 @@ def main() -> int:
     )
     reports = []
     for config, placement in CASES if args.all else [(args.config, args.placement)]:
-        reports.append(run_case(config, placement, args.steps, args.rtol, out, TINY if args.tiny else ()))
+        extra = [*(TINY if args.tiny else ()), *(f"--config.{kv}" for kv in args.set)]
+        reports.append(run_case(config, placement, args.steps, args.rtol, out, extra))
         print_report(reports[-1], args.rtol)
     if args.json:
         with open(args.json, "w") as f:

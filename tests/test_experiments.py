@@ -1,7 +1,8 @@
 """Every script in experiments/ runs as documented, at its smallest setting (``--tiny`` or the
 smallest documented flags), in a fresh process as a user runs it: the exit status is 0 and the
 JSON it prints holds the parts it promises, consistent with the workload it was given.
-(``bench_accelerator.py`` has its own test; ``colab_tpu.ipynb`` is tests/test_notebook.py.)"""
+(``bench_accelerator.py`` has its own test; ``ray_vs_local.py`` runs in tests/test_ray_backend.py,
+whose Ray restart checks share its runs; ``colab_tpu.ipynb`` is tests/test_notebook.py.)"""
 
 import json
 import subprocess
@@ -15,7 +16,7 @@ from tests.child_env import child_env
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTED_ELSEWHERE = {"bench_accelerator.py"}
+TESTED_ELSEWHERE = {"bench_accelerator.py", "ray_vs_local.py"}
 
 
 def run_script(script: str, *args: str, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
@@ -113,15 +114,6 @@ def test_profile_update():
     assert sum(c["seconds"] for c in categories) == pytest.approx(result["op_seconds_total"])
     assert sum(c["share"] for c in categories) == pytest.approx(1.0)
     assert {"mlp", "attention core", "lm head + log-softmax"} <= {c["category"] for c in categories if c["matmul"]}
-
-
-def test_ray_vs_local(ray_session, tmp_path):
-    out = tmp_path / "report.json"
-    address = ray_session.get_runtime_context().gcs_address
-    run_script("ray_vs_local.py", "--tiny", f"--json={out}", f"--out={tmp_path / 'runs'}", RAY_ADDRESS=address)
-    (report,) = json.loads(out.read_text())
-    assert (report["config"], report["placement"], report["steps"]) == ("grpo_tiny", "colocated", 2)
-    assert report["mismatches"] == [] and report["values_compared"] > 2 * 10  # every metric of both steps
 
 
 def test_reshard_transition():

@@ -8,6 +8,7 @@ the cost is process start-up, not compilation.
 """
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -36,6 +37,7 @@ from jaxflow.workers.ray import (
     WorkerDied,
 )
 from jaxflow.workers.roles import RoleSettings, role_class
+from tests.child_env import child_env
 from tests.cli import TINY, cli_env, complete_steps, dead, one_line, saving, steps_left, still_alive, stop_when
 from tests.ray_toy import Loaded, Toy
 
@@ -56,9 +58,18 @@ def backend(ray_session):
 
 
 @pytest.fixture(scope="module")
-def toy_groups(backend):
+def four_processes(backend):
+    """4 processes x 2 devices (one jax.distributed world) that the module's toy group and the
+    model-moving tests build their workers in, each its own role: starting the processes is
+    most of such a test's cost."""
     processes = backend.process_group("toy", 4)
-    return {"ray": backend.group(processes, Toy, name="toy", mesh="dp=4,tp=2")}
+    yield processes
+    processes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def toy_groups(backend, four_processes):
+    return {"ray": backend.group(four_processes, Toy, name="toy", mesh="dp=4,tp=2")}
 
 
 def _alive(pid: int) -> bool:
@@ -447,19 +458,21 @@ def tiny_hf(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scan_layers", [False, True])
-def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
+def test_each_process_reads_only_its_shards(four_processes, tiny_hf, scan_layers):
     """4 processes x 2 devices read the HF checkpoint onto an fsdp=4,tp=2 mesh: each process
     reads (measured by the reader) a quarter of every sharded matrix and the replicated norms,
     never more than one device's shard of a matrix at once, and the model they hold is the model."""
     path, expected = tiny_hf
     name = f"reader_{int(scan_layers)}"
-    processes = backend.process_group(name, 4)
-    try:
-        group = backend.group(processes, Loaded, name=name, path=str(path), mesh="fsdp=4,tp=2", scan_layers=scan_layers)
-        stats = group.read_stats([None] * 4)
-        params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
-    finally:
-        processes.shutdown()
+    processes = four_processes
+    group = RayWorkerGroup(
+        processes,
+        name,
+        Loaded,
+        processes.build(name, Loaded, {"path": str(path), "mesh": "fsdp=4,tp=2", "scan_layers": scan_layers}),
+    )
+    stats = group.read_stats([None] * 4)
+    params = _flat(group.params()[0])  # ONE_TO_ALL: one value (every rank computed the same)
     flat = _flat(expected)
     norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)  # replicated: every process reads them
     total = sum(v.nbytes for v in flat.values())
@@ -481,7 +494,7 @@ def test_each_process_reads_only_its_shards(backend, tiny_hf, scan_layers):
             np.testing.assert_array_equal(params[k], v, err_msg=k)
 
 
-def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
+def test_weights_from_the_driver_travel_as_per_process_blocks(backend, four_processes, tiny_hf):
     """A model in the driver's memory (e.g. handed over from the supervised warm start) reaches
     the actor's 4 processes as blocks: each receives (measured at receipt) a quarter of every
     sharded matrix plus the replicated norms, and the actor holds exactly those weights."""
@@ -493,18 +506,16 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
         meshes={"actor": "fsdp=4,tp=2"},
         models={"actor": models.get_preset("tiny_llama")},
     )
-    processes = backend.process_group("ship", 4)
-    try:
-        kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
-        shipped, blocks = processes.ship_params("actor", kwargs, params)
-        kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
-        actor = RayWorkerGroup(
-            processes, "actor", role_class("actor"), processes.build("actor", "placement", kwargs, blocks)
-        )
-        received = [s["param_bytes"] for s in processes.io_stats()]
-        got = _flat(actor.get_train_state()[0].params)
-    finally:
-        processes.shutdown()
+    processes = four_processes
+    before = [s.get("param_bytes", 0) for s in processes.io_stats()]
+    kwargs = {"placement": placement, "pool": "ship", "model": None, "settings": RoleSettings()}
+    shipped, blocks = processes.ship_params("actor", kwargs, params)
+    kwargs["model"] = dataclasses.replace(shipped, graphdef=graphdef)
+    actor = RayWorkerGroup(
+        processes, "actor", role_class("actor"), processes.build("actor", "placement", kwargs, blocks)
+    )
+    received = [s["param_bytes"] - b for s, b in zip(processes.io_stats(), before)]
+    got = _flat(actor.get_train_state()[0].params)
     flat = _flat(params)
     norms = sum(v.nbytes for k, v in flat.items() if "norm" in k)
     total = sum(v.nbytes for v in flat.values())
@@ -515,11 +526,14 @@ def test_weights_from_the_driver_travel_as_per_process_blocks(backend, tiny_hf):
 
 
 # ----------------------------------------------------------------------------- real runs
-# grpo_tiny for 2 steps (a short warm start, a checkpoint every step) on 8 devices through the
-# CLI: local in one process; Ray as 4 processes x 2 devices (joining this module's cluster),
-# with one worker SIGKILLed during step 2 and jaxflow.ray.max_restarts=1.
+# `experiments/ray_vs_local.py --tiny` as documented (grpo_tiny, 2 steps, one layer, through the
+# CLI: local in one process of 8 devices; Ray joining this module's cluster) with a checkpoint
+# every step and jaxflow.ray.max_restarts=1, one Ray worker SIGKILLed during step 2: one pair of
+# runs checks the experiment, the restart and (resumed on another process count) the resume. The
+# Ray world is 2 processes x 4 devices: every Ray process compiles every program, so the process
+# count is this part's cost (the experiment's default, 4 x 2, measured 2x the CPU time).
 
-RUN = ["--config.trainer.save_freq=1", "--config.jaxflow.sft.warm_start_steps=10"]
+RUN = ["trainer.save_freq=1", "jaxflow.ray.max_restarts=1", "jaxflow.ray.devices_per_host=4"]
 STARTED = re.compile(r"worker group '(\w+)' started: \d+ processes, pids \[([\d, ]+)\]")
 
 
@@ -538,22 +552,54 @@ def _kill_during_step_2(run_dir: Path, killed: list[int], stop: threading.Event)
 
 @pytest.fixture(scope="module")
 def cli_runs(backend, tmp_path_factory):
-    """``python -m jaxflow.run --config=grpo_tiny`` with the local backend, and with the Ray
-    backend killed mid-step 2 and restarted: per-step metrics, run directories, killed pid."""
+    """The experiment's process, its JSON report, both runs' per-step metrics and directories,
+    and the killed pid."""
     out = tmp_path_factory.mktemp("cli_runs")
-    env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-    local, _ = ray_vs_local.run("local", "grpo_tiny", "colocated", 2, str(out / "local"), RUN)
+    ray_dir, report = out / "grpo_tiny_colocated_ray", out / "report.json"
     killed, stop = [], threading.Event()
-    killer = threading.Thread(target=_kill_during_step_2, args=(out / "ray", killed, stop))
+    killer = threading.Thread(target=_kill_during_step_2, args=(ray_dir, killed, stop))
     killer.start()
     try:
-        ray_rows, _ = ray_vs_local.run(
-            "ray", "grpo_tiny", "colocated", 2, str(out / "ray"), [*RUN, "--config.jaxflow.ray.max_restarts=1"], env=env
+        proc = subprocess.run(
+            [
+                sys.executable,
+                os.path.join(ROOT, "experiments", "ray_vs_local.py"),
+                "--tiny",
+                f"--json={report}",
+                f"--out={out}",
+                *(f"--set={kv}" for kv in RUN),
+            ],
+            cwd=ROOT,
+            env=child_env(PYTHONPATH=ROOT, RAY_ADDRESS=ray.get_runtime_context().gcs_address),
+            capture_output=True,
+            text=True,
+            timeout=900,
         )
     finally:
         stop.set()
         killer.join()
-    return {"local": local, "ray": ray_rows, "ray_dir": out / "ray", "killed": killed}
+    assert report.is_file(), proc.stdout[-2000:] + proc.stderr[-4000:]
+    return {
+        "proc": proc,
+        "report": json.loads(report.read_text()),
+        "local": ray_vs_local.step_metrics(out / "grpo_tiny_colocated_local"),
+        "ray": ray_vs_local.step_metrics(ray_dir),
+        "ray_dir": ray_dir,
+        "killed": killed,
+    }
+
+
+@pytest.mark.slow
+def test_ray_vs_local_tiny_reports_every_metric_equal(cli_runs):
+    """The experiment as documented (``--tiny --json --out --set``): exit status 0, one report
+    for grpo_tiny colocated over 2 steps in which every metric of both steps was compared and
+    none differs, and the printed verdict."""
+    proc, (report,) = cli_runs["proc"], cli_runs["report"]
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert (report["config"], report["placement"], report["steps"]) == ("grpo_tiny", "colocated", 2)
+    assert report["mismatches"] == [] and report["values_compared"] > 2 * 20
+    assert report["ray"]["process_wall_s"] > 0 and report["local"]["process_wall_s"] > 0
+    assert "all metrics agree (rtol 1e-05)" in proc.stdout
 
 
 @pytest.mark.slow
@@ -584,16 +630,18 @@ def test_cli_ray_run_killed_and_restarted_equals_the_local_run(cli_runs):
 
 
 @pytest.mark.slow
-def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, tmp_path):
-    """Saved by 4 processes x 2 devices (actor fsdp=4,tp=2), resumed by 2 processes x 2 devices
-    (fsdp=2,tp=2): step 2 continues with the 4-process run's metrics."""
+def test_a_2_process_checkpoint_resumes_on_1_process(cli_runs, tmp_path):
+    """Saved by 2 processes x 4 devices (actor fsdp=4,tp=2: each process wrote its shards),
+    resumed by 1 process x 4 devices (fsdp=2,tp=2: it reads every process's shards): step 2
+    continues with the 2-process run's metrics."""
     ray_dir = cli_runs["ray_dir"]
     extra = [
-        *RUN,
+        *ray_vs_local.TINY,
+        *(f"--config.{kv}" for kv in RUN),
         "--config.jaxflow.num_devices=4",
+        "--config.jaxflow.ray.devices_per_host=4",
         "--config.trainer.resume_mode=resume_path",
         f"--config.trainer.resume_from_path={ray_dir / 'step_1'}",
-        f"--config.actor_rollout_ref.model.path={ray_dir / 'sft_warm_start'}",
     ]
     env = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     rows, _ = ray_vs_local.run("ray", "grpo_tiny", "colocated", 2, str(tmp_path / "resumed"), extra, env=env)
@@ -602,7 +650,7 @@ def test_a_4_process_checkpoint_resumes_on_2_processes(cli_runs, tmp_path):
     assert not bad, bad
 
 
-def test_sigkill_without_restarts_is_an_error_naming_group_and_rank_and_stops_every_group(cli_runs, tmp_path):
+def test_sigkill_without_restarts_is_an_error_naming_group_and_rank_and_stops_every_group(tmp_path):
     """max_restarts=0, actor and ref on 2 processes each: an actor process SIGKILLed during
     step 1 is a WorkerDied naming the group and rank, raised at the controller within the step
     deadline; the trainer's close path (on any error at the controller) stops the other group
@@ -614,14 +662,13 @@ def test_sigkill_without_restarts_is_an_error_naming_group_and_rank_and_stops_ev
         [
             a.removeprefix("--config.")
             for a in (
-                *RUN,
+                *ray_vs_local.TINY,
                 "--config.jaxflow.backend=ray",
                 "--config.jaxflow.ray.devices_per_host=2",
                 "--config.trainer.total_training_steps=2",
                 "--config.trainer.test_freq=-1",
                 "--config.trainer.val_before_train=false",
                 f"--config.trainer.default_local_dir={tmp_path / 'run'}",
-                f"--config.actor_rollout_ref.model.path={cli_runs['ray_dir'] / 'sft_warm_start'}",
                 "--config.jaxflow.placement.type=custom",
                 "--config.jaxflow.placement.groups=actor;ref",
                 "--config.jaxflow.placement.pool_sizes=4,4",
