@@ -9,6 +9,7 @@ selections of clip_cov / kl_cov) are differentiated by finite differences of the
 """
 
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -612,7 +613,8 @@ def test_user_registered_loss():
 def test_user_token_policy_loss_gets_the_shared_keywords_and_aggregation():
     @algos.register_policy_loss("test_token_reinforce")
     @algos.token_policy_loss("seq-mean-token-sum")
-    def token_reinforce(old_log_prob, log_prob, advantages, response_mask, *, baseline=0.0):
+    def token_reinforce(columns: algos.PolicyLossColumns, *, baseline=0.0):
+        old_log_prob, log_prob, advantages, response_mask = columns
         return -(advantages - baseline) * log_prob, dict(
             ppo_kl=algos.masked_mean(old_log_prob - log_prob, response_mask)
         )
@@ -637,3 +639,38 @@ def test_user_token_policy_loss_gets_the_shared_keywords_and_aggregation():
                 token_reinforce(*args, basline=0.5)
     finally:
         algos.POLICY_LOSS_REGISTRY.unregister("test_token_reinforce")
+
+
+def test_losses_over_columns_keep_verls_signature():
+    """A loss written over `PolicyLossColumns` (and a `ClipRange`) is called as verl calls its
+    losses: the four columns positionally or by name, ``clip_ratio_low/high`` as keywords."""
+    for name in algos.policy_loss_names():
+        params = list(inspect.signature(algos.get_policy_loss_fn(name)).parameters)
+        assert params[:4] == list(algos.PolicyLossColumns._fields), name
+    vanilla = inspect.signature(algos.compute_policy_loss_vanilla).parameters
+    assert {k: vanilla[k].default for k in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")} == {
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.2,
+        "clip_ratio_c": 3.0,
+    }
+    assert "clip" not in vanilla and "clip_ratio_c" not in inspect.signature(algos.compute_policy_loss_gspo).parameters
+    with jax.enable_x64(True):
+        inp = make_inputs()
+        by_name = {k: inp[k] for k in algos.PolicyLossColumns._fields}
+        by_position = list(by_name.values())
+        clip = dict(clip_ratio_low=EPS_LOW, clip_ratio_high=EPS_HIGH)
+        for fn in (algos.compute_policy_loss_vanilla, algos.compute_policy_loss_geo_mean):
+            want, _ = fn(*by_position, **clip)
+            got, _ = fn(**by_name, **clip)
+            assert float(got) == float(want)
+        # the clip range's defaults are verl's: passing them changes nothing
+        default, _ = algos.compute_policy_loss_cispo(*by_position)
+        explicit, _ = algos.compute_policy_loss_cispo(*by_position, clip_ratio_low=0.2, clip_ratio_high=0.2)
+        assert float(default) == float(explicit)
+        with pytest.raises(TypeError):
+            algos.compute_policy_loss_gspo(*by_position, clip_ratio_c=3.0)
+    with pytest.raises(TypeError, match="PolicyLossColumns"):
+
+        @algos.token_policy_loss()
+        def four_columns(old_log_prob, log_prob, advantages, response_mask):
+            return -advantages * log_prob, {}

@@ -5,8 +5,11 @@ All losses share the signature of :func:`compute_policy_loss`'s positional colum
 ``(loss, metrics)`` where ``metrics`` always holds the scalars ``pg_clipfrac``,
 ``pg_clipfrac_lower`` and ``ppo_kl`` (zeros where a loss has no such notion), plus any metric
 of the loss's own under its verl name (``bypass_mode``'s ``rollout_corr/*``). Gradients flow
-through ``log_prob`` only. A loss that aggregates a per-token loss is written as its per-token
-maths under :func:`token_policy_loss`, which adds the shared keywords and the aggregation. verl 0.9.1's newer losses live beside this module:
+through ``log_prob`` only. The built-in losses are written over one `PolicyLossColumns` record
+of the four columns (and one `ClipRange` for ``clip_ratio_low/high``);
+:func:`policy_loss_over_columns` gives such a loss verl's signature. A loss that aggregates a
+per-token loss is written as its per-token maths under :func:`token_policy_loss`, which adds
+that signature, the shared keywords and the aggregation. verl 0.9.1's newer losses live beside this module:
 `jaxflow.algos.trust_region_losses` (``dppo_tv``, ``dppo_kl``, ``sapo``, ``dro``) and
 `jaxflow.algos.rollout_correction` (``bypass_mode``).
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +135,6 @@ POLICY_LOSS_REGISTRY = Registry("policy loss")
 # it. (``rollout_is_weights`` and ``global_batch_info`` are passed only when given, and a loss
 # that cannot honour them then raises instead of silently ignoring them.)
 COMMON_POLICY_LOSS_KEYWORDS = ("loss_agg_mode", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
-# The columns every policy loss takes first, ``[B, T]`` each.
-POLICY_LOSS_COLUMNS = ("old_log_prob", "log_prob", "advantages", "response_mask")
 
 
 def register_policy_loss(name: str, *, override: bool = False):
@@ -144,7 +145,7 @@ def register_policy_loss(name: str, *, override: bool = False):
     clip_ratio_low, clip_ratio_high, clip_ratio_c`` (those it omits are not passed),
     ``rollout_is_weights`` and ``global_batch_info`` (passed when the caller gives them), plus
     its own mode-specific keywords. Stack it on :func:`token_policy_loss` to write only the
-    per-token maths.
+    per-token maths over `PolicyLossColumns`.
     """
     return POLICY_LOSS_REGISTRY.register(name, override=override)
 
@@ -217,18 +218,87 @@ def _ratio(old_log_prob: Array, log_prob: Array) -> tuple[Array, Array]:
     return log_ratio, jnp.exp(log_ratio)
 
 
-def _surrogates(advantages: Array, ratio: Array, clip_ratio_low: Any, clip_ratio_high: Any) -> tuple[Array, Array]:
+def _surrogates(advantages: Array, ratio: Array, clip: ClipRange) -> tuple[Array, Array]:
     """PPO's two surrogate losses ``(L1, L2) = (-A rho, -A clip(rho, 1 - eps_low, 1 + eps_high))``."""
-    return -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    return -advantages * ratio, -advantages * jnp.clip(ratio, 1 - clip.low, 1 + clip.high)
+
+
+class PolicyLossColumns(NamedTuple):
+    """The ``[B, T]`` columns every policy loss takes, in verl's positional order."""
+
+    old_log_prob: Array
+    log_prob: Array
+    advantages: Array
+    response_mask: Array
+
+
+# The columns every policy loss takes first, ``[B, T]`` each.
+POLICY_LOSS_COLUMNS = PolicyLossColumns._fields
+
+
+class ClipRange(NamedTuple):
+    """PPO's ratio clip ``[1 - low, 1 + high]``: verl's ``clip_ratio_low`` and
+    ``clip_ratio_high`` (a loss may read them as other thresholds; its docstring says)."""
+
+    low: Any = 0.2
+    high: Any = 0.2
+
+
+DEFAULT_CLIP_RANGE = ClipRange()  # verl's defaults
+
+
+def policy_loss_over_columns(loss_of_columns: Callable[..., tuple[Array, dict]]) -> Callable[..., tuple[Array, dict]]:
+    """Decorator giving a policy loss written as ``loss(columns: PolicyLossColumns, *,
+    <options>)`` verl's signature ``loss(old_log_prob, log_prob, advantages, response_mask,
+    *, <options>)``.
+
+    An option ``clip: ClipRange`` is taken as verl's keywords ``clip_ratio_low`` and
+    ``clip_ratio_high`` (defaults: the fields of ``clip``'s default).
+    """
+    sig = inspect.signature(loss_of_columns)
+    first, *options = sig.parameters.values()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if first.kind not in positional or any(p.kind in positional for p in options):
+        raise TypeError(f"a policy loss over columns takes (columns: PolicyLossColumns, *, <options>), got {sig}")
+    clip = sig.parameters.get("clip")
+    if clip is not None and not isinstance(clip.default, ClipRange):
+        raise TypeError(f"the option clip of {loss_of_columns.__name__} needs a ClipRange default")
+
+    def loss(old_log_prob: Array, log_prob: Array, advantages: Array, response_mask: Array, **kw: Any):
+        if clip is not None:
+            default = clip.default
+            kw["clip"] = ClipRange(kw.pop("clip_ratio_low", default.low), kw.pop("clip_ratio_high", default.high))
+        return loss_of_columns(PolicyLossColumns(old_log_prob, log_prob, advantages, response_mask), **kw)
+
+    functools.update_wrapper(loss, loss_of_columns)
+    loss.__signature__ = _verl_signature(sig)
+    return loss
+
+
+def _verl_signature(sig: inspect.Signature) -> inspect.Signature:
+    """``sig`` of a loss over columns, with the columns first and ``clip`` as verl's keywords."""
+    columns = [inspect.Parameter(c, inspect.Parameter.POSITIONAL_OR_KEYWORD) for c in POLICY_LOSS_COLUMNS]
+    params = []
+    for p in list(sig.parameters.values())[1:]:
+        if p.name == "clip":
+            keyword = inspect.Parameter.KEYWORD_ONLY
+            params += [
+                inspect.Parameter("clip_ratio_low", keyword, default=p.default.low),
+                inspect.Parameter("clip_ratio_high", keyword, default=p.default.high),
+            ]
+        else:
+            params.append(p)
+    return sig.replace(parameters=columns + params)
 
 
 def token_policy_loss(loss_agg_mode: str = "token-mean", *, agg_mode_fixed: bool = False):
     """Decorator turning a policy loss's per-token maths into the verl-compatible loss.
 
-    The decorated ``token_loss(old_log_prob, log_prob, advantages, response_mask, *,
-    <its options>)`` returns ``(pg_losses [B, T], metrics)``, ``metrics`` holding any of
-    ``pg_clipfrac``, ``pg_clipfrac_lower`` and ``ppo_kl`` (the others are reported as 0). The
-    loss it becomes takes the same columns and options plus ``loss_agg_mode`` (default
+    The decorated ``token_loss(columns: PolicyLossColumns, *, <its options>)`` returns
+    ``(pg_losses [B, T], metrics)``, ``metrics`` holding any of ``pg_clipfrac``,
+    ``pg_clipfrac_lower`` and ``ppo_kl`` (the others are reported as 0); an option ``clip:
+    ClipRange`` becomes ``clip_ratio_low/high`` (`policy_loss_over_columns`). The loss it
+    becomes takes verl's columns and the options plus ``loss_agg_mode`` (default
     ``loss_agg_mode``; not a parameter when ``agg_mode_fixed``), ``rollout_is_weights`` ``w``
     and ``global_batch_info``, and returns::
 
@@ -237,38 +307,33 @@ def token_policy_loss(loss_agg_mode: str = "token-mean", *, agg_mode_fixed: bool
 
     def decorator(token_loss: Callable[..., tuple[Array, dict]]) -> Callable[..., tuple[Array, dict]]:
         def loss(
-            old_log_prob: Array,
-            log_prob: Array,
-            advantages: Array,
-            response_mask: Array,
+            columns: PolicyLossColumns,
             *,
             rollout_is_weights: Array | None = None,
             global_batch_info: Mapping[str, Any] | None = None,
             **options: Any,
         ) -> tuple[Array, dict]:
             agg_mode = loss_agg_mode if agg_mode_fixed else options.pop("loss_agg_mode", loss_agg_mode)
-            pg_losses, metrics = token_loss(old_log_prob, log_prob, advantages, response_mask, **options)
+            pg_losses, metrics = token_loss(columns, **options)
             if rollout_is_weights is not None:
                 pg_losses = pg_losses * rollout_is_weights
-            total = agg_loss(pg_losses, response_mask, agg_mode, **dict(global_batch_info or {}))
+            total = agg_loss(pg_losses, columns.response_mask, agg_mode, **dict(global_batch_info or {}))
             return total, _metrics(**metrics, like=total)
 
         functools.update_wrapper(loss, token_loss)
-        loss.__signature__ = _public_signature(token_loss, None if agg_mode_fixed else loss_agg_mode)
-        return loss
+        loss.__signature__ = _with_shared_keywords(token_loss, None if agg_mode_fixed else loss_agg_mode)
+        return policy_loss_over_columns(loss)
 
     return decorator
 
 
-def _public_signature(token_loss: Callable[..., Any], loss_agg_mode: str | None) -> inspect.Signature:
+def _with_shared_keywords(token_loss: Callable[..., Any], loss_agg_mode: str | None) -> inspect.Signature:
     """``token_loss``'s signature plus the keywords `token_policy_loss` adds, so that
     `get_policy_loss_fn` sees which common hyper-parameters the loss declares."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     added = [] if loss_agg_mode is None else [inspect.Parameter("loss_agg_mode", keyword, default=loss_agg_mode)]
     added += [inspect.Parameter(name, keyword, default=None) for name in ("rollout_is_weights", "global_batch_info")]
     sig = inspect.signature(token_loss)
-    if tuple(sig.parameters)[:4] != POLICY_LOSS_COLUMNS:
-        raise TypeError(f"a per-token policy loss takes {POLICY_LOSS_COLUMNS} first, got {tuple(sig.parameters)[:4]}")
     return sig.replace(parameters=[*sig.parameters.values(), *added])
 
 
@@ -297,14 +362,7 @@ def _frac(cond: Array, mask: Array, dtype) -> Array:
 @register_policy_loss("vanilla")
 @token_policy_loss()
 def compute_policy_loss_vanilla(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-    clip_ratio_c: float = 3.0,
+    columns: PolicyLossColumns, *, clip: ClipRange = DEFAULT_CLIP_RANGE, clip_ratio_c: float = 3.0
 ) -> tuple[Array, dict]:
     """PPO clipped surrogate with dual clip (Schulman et al. 2017; Ye et al. 2019, arXiv:1912.09729).
 
@@ -321,10 +379,11 @@ def compute_policy_loss_vanilla(
     A < 0)``, ``ppo_kl = mean_m(old_log_prob - log_prob)`` (clamped log-ratio).
     """
     _check_dual_clip(clip_ratio_c)
+    old_log_prob, log_prob, advantages, response_mask = columns
     dtype = log_prob.dtype
     neg_kl, ratio = _ratio(old_log_prob, log_prob)
     ppo_kl = masked_mean(-neg_kl, response_mask)
-    l1, l2 = _surrogates(advantages, ratio, clip_ratio_low, clip_ratio_high)
+    l1, l2 = _surrogates(advantages, ratio, clip)
     lclip = jnp.maximum(l1, l2)
     l3 = -advantages * clip_ratio_c
     neg = advantages < 0
@@ -338,15 +397,7 @@ def compute_policy_loss_vanilla(
 
 @register_policy_loss("gspo")
 @token_policy_loss("seq-mean-token-mean")
-def compute_policy_loss_gspo(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
-) -> tuple[Array, dict]:
+def compute_policy_loss_gspo(columns: PolicyLossColumns, *, clip: ClipRange = DEFAULT_CLIP_RANGE) -> tuple[Array, dict]:
     """Group Sequence Policy Optimisation (Zheng et al. 2025, arXiv:2507.18071), verl's form.
 
     Sequence-level ratio with a token-level gradient path::
@@ -359,38 +410,28 @@ def compute_policy_loss_gspo(
     is this function's default; the actor passes its own setting, ``token-mean`` unless set).
     Metrics: ``pg_clipfrac = mean_m(L2 > L1)``, ``ppo_kl = mean_m(old_log_prob - log_prob)``.
     """
+    old_log_prob, log_prob, advantages, response_mask = columns
     dtype = log_prob.dtype
     neg_kl = log_prob - old_log_prob
     lengths = jnp.maximum(jnp.sum(jnp.asarray(response_mask).astype(dtype), axis=-1), 1)
     seq_log_ratio = masked_sum(neg_kl, response_mask, axis=-1) / lengths
     log_s = log_prob - lax.stop_gradient(log_prob) + lax.stop_gradient(seq_log_ratio)[:, None]
-    l1, l2 = _surrogates(advantages, jnp.exp(jnp.minimum(log_s, 10.0)), clip_ratio_low, clip_ratio_high)
+    l1, l2 = _surrogates(advantages, jnp.exp(jnp.minimum(log_s, 10.0)), clip)
     pg_losses = jnp.maximum(l1, l2)
     return pg_losses, dict(pg_clipfrac=_frac(l2 > l1, response_mask, dtype), ppo_kl=masked_mean(-neg_kl, response_mask))
 
 
 @register_policy_loss("gpg")
 @token_policy_loss()
-def compute_policy_loss_gpg(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-) -> tuple[Array, dict]:
+def compute_policy_loss_gpg(columns: PolicyLossColumns) -> tuple[Array, dict]:
     """Group Policy Gradient (arXiv:2504.02546): plain REINFORCE, ``L = -log_prob A``."""
-    return -log_prob * advantages, {}
+    return -columns.log_prob * columns.advantages, {}
 
 
 @register_policy_loss("cispo")
 @token_policy_loss()
 def compute_policy_loss_cispo(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    columns: PolicyLossColumns, *, clip: ClipRange = DEFAULT_CLIP_RANGE
 ) -> tuple[Array, dict]:
     """Clipped IS-weight Policy Optimisation (MiniMax-M1, arXiv:2506.13585).
 
@@ -402,9 +443,10 @@ def compute_policy_loss_cispo(
     Every token keeps a gradient (through ``log_prob``). Metrics: ``pg_clipfrac =
     mean_m(rho != clip(rho))``, ``ppo_kl``.
     """
+    old_log_prob, log_prob, advantages, response_mask = columns
     dtype = log_prob.dtype
     neg_kl, ratio = _ratio(old_log_prob, log_prob)
-    clipped = jnp.clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+    clipped = jnp.clip(ratio, 1 - clip.low, 1 + clip.high)
     pg_losses = -lax.stop_gradient(clipped) * advantages * log_prob
     return pg_losses, dict(
         pg_clipfrac=_frac(ratio != clipped, response_mask, dtype), ppo_kl=masked_mean(-neg_kl, response_mask)
@@ -431,13 +473,9 @@ def _random_subset(candidates: Array, k: Array, key: Array | None) -> Array:
 @register_policy_loss("clip_cov")
 @token_policy_loss()
 def compute_policy_loss_clip_cov(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
+    columns: PolicyLossColumns,
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip: ClipRange = DEFAULT_CLIP_RANGE,
     clip_cov_ratio: float = 0.0002,
     clip_cov_lb: float = 1.0,
     clip_cov_ub: float = 5.0,
@@ -457,10 +495,11 @@ def compute_policy_loss_clip_cov(
     ``key`` (a ``jax.random`` key) draws ``D``; without one the first candidates in row-major
     order are taken (deterministic). Metrics: ``pg_clipfrac = mean_m(t in D)``, ``ppo_kl``.
     """
+    old_log_prob, log_prob, advantages, response_mask = columns
     dtype = log_prob.dtype
     valid = jnp.asarray(response_mask) != 0
     neg_kl = log_prob - old_log_prob
-    l1, l2 = _surrogates(advantages, jnp.exp(neg_kl), clip_ratio_low, clip_ratio_high)
+    l1, l2 = _surrogates(advantages, jnp.exp(neg_kl), clip)
     lp = lax.stop_gradient(log_prob)
     adv = lax.stop_gradient(advantages)
     cov = (adv - masked_mean(adv, response_mask)) * (lp - masked_mean(lp, response_mask))
@@ -478,13 +517,7 @@ def compute_policy_loss_clip_cov(
 @register_policy_loss("kl_cov")
 @token_policy_loss()
 def compute_policy_loss_kl_cov(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    kl_cov_ratio: float = 0.0002,
-    ppo_kl_coef: float = 1.0,
+    columns: PolicyLossColumns, *, kl_cov_ratio: float = 0.0002, ppo_kl_coef: float = 1.0
 ) -> tuple[Array, dict]:
     """KL-Cov (Cui et al. 2025, arXiv:2505.22617).
 
@@ -497,6 +530,7 @@ def compute_policy_loss_kl_cov(
 
     Metrics: ``ppo_kl = mean_m(|log_prob - old_log_prob|)`` (as verl); clip fractions 0.
     """
+    old_log_prob, log_prob, advantages, response_mask = columns
     dtype = log_prob.dtype
     valid = jnp.asarray(response_mask) != 0
     neg_kl = log_prob - old_log_prob
@@ -518,14 +552,11 @@ def compute_policy_loss_kl_cov(
 
 
 @register_policy_loss("geo_mean")
+@policy_loss_over_columns
 def compute_policy_loss_geo_mean(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
+    columns: PolicyLossColumns,
     *,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip: ClipRange = DEFAULT_CLIP_RANGE,
     rollout_is_weights: Array | None = None,
     global_batch_info: Mapping[str, Any] | None = None,
 ) -> tuple[Array, dict]:
@@ -544,11 +575,12 @@ def compute_policy_loss_geo_mean(
     ``global_batch_info`` with ``global_batch_size`` is given. Metrics: ``pg_clipfrac =
     mean_m(d != clip(d) and A > 0)``, ``pg_clipfrac_lower`` the same with ``A < 0``, ``ppo_kl``.
     """
+    old_log_prob, log_prob, advantages, response_mask = columns
     dtype = log_prob.dtype
     m = jnp.asarray(response_mask).astype(dtype)
     d = log_prob - old_log_prob
     sgn = jnp.sign(advantages)
-    d_clip = jnp.clip(d, -clip_ratio_low, clip_ratio_high)
+    d_clip = jnp.clip(d, -clip.low, clip.high)
     d_min = sgn * jnp.minimum(sgn * d, sgn * d_clip)
     m_sum = jnp.sum(m, axis=-1) + 1e-8
     ratio = jnp.exp(masked_sum(d_min, response_mask, axis=-1) / m_sum)

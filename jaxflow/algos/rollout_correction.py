@@ -38,8 +38,12 @@ from jax import lax
 
 from jaxflow.algos.advantages import masked_mean, masked_sum
 from jaxflow.algos.policy_losses import (
+    DEFAULT_CLIP_RANGE,
     SAFETY_BOUND,
+    ClipRange,
+    PolicyLossColumns,
     compute_policy_loss_vanilla,
+    policy_loss_over_columns,
     register_policy_loss,
     token_policy_loss,
 )
@@ -425,12 +429,11 @@ def compute_rollout_correction_and_rejection_mask(
 
 
 @token_policy_loss("seq-mean-token-sum")
-def compute_policy_loss_reinforce(
-    old_log_prob: Array, log_prob: Array, advantages: Array, response_mask: Array
-) -> tuple[Array, dict]:
+def compute_policy_loss_reinforce(columns: PolicyLossColumns) -> tuple[Array, dict]:
     """REINFORCE with optional (detached) IS weights ``w``: ``L = -A log_prob w``, where
     ``old_log_prob`` are the rollout's log-probs (bypass mode). Metrics: ``ppo_kl =
     mean_m(old_log_prob - log_prob)``; the clip fractions are 0."""
+    old_log_prob, log_prob, advantages, response_mask = columns
     return -advantages * log_prob, dict(ppo_kl=masked_mean(old_log_prob - log_prob, response_mask))
 
 
@@ -449,15 +452,12 @@ def _as_rollout_correction(value: RolloutCorrectionConfig | Mapping[str, Any] | 
 
 
 @register_policy_loss("bypass_mode")
+@policy_loss_over_columns
 def compute_policy_loss_bypass_mode(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
+    columns: PolicyLossColumns,
     *,
     loss_agg_mode: str = "token-mean",
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.2,
+    clip: ClipRange = DEFAULT_CLIP_RANGE,
     clip_ratio_c: float = 3.0,
     global_batch_info: Mapping[str, Any] | None = None,
     rollout_correction: RolloutCorrectionConfig | Mapping[str, Any] | None = None,
@@ -480,6 +480,7 @@ def compute_policy_loss_bypass_mode(
         raise ValueError(
             f"invalid rollout_correction.loss_type {rc.loss_type!r}; valid: {', '.join(BYPASS_LOSS_TYPES)}"
         )
+    old_log_prob, log_prob, _, response_mask = columns
     weights, mask, corr_metrics = compute_rollout_correction_and_rejection_mask(
         lax.stop_gradient(log_prob),
         old_log_prob,
@@ -490,26 +491,12 @@ def compute_policy_loss_bypass_mode(
         rollout_rs=rc.rollout_rs,
         rollout_rs_threshold=rc.rollout_rs_threshold,
     )
+    kept = columns._replace(response_mask=mask)
+    shared = dict(loss_agg_mode=loss_agg_mode, global_batch_info=global_batch_info)
     if rc.loss_type == "reinforce":
-        loss, metrics = compute_policy_loss_reinforce(
-            old_log_prob,
-            log_prob,
-            advantages,
-            mask,
-            loss_agg_mode=loss_agg_mode,
-            rollout_is_weights=weights,
-            global_batch_info=global_batch_info,
-        )
+        loss, metrics = compute_policy_loss_reinforce(*kept, rollout_is_weights=weights, **shared)
     else:
         loss, metrics = compute_policy_loss_vanilla(
-            old_log_prob,
-            log_prob,
-            advantages,
-            mask,
-            loss_agg_mode=loss_agg_mode,
-            clip_ratio_low=clip_ratio_low,
-            clip_ratio_high=clip_ratio_high,
-            clip_ratio_c=clip_ratio_c,
-            global_batch_info=global_batch_info,
+            *kept, clip_ratio_low=clip.low, clip_ratio_high=clip.high, clip_ratio_c=clip_ratio_c, **shared
         )
     return loss, metrics | corr_metrics

@@ -19,14 +19,21 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxflow.algos.advantages import masked_mean
-from jaxflow.algos.policy_losses import _ratio, register_policy_loss, token_policy_loss
+from jaxflow.algos.policy_losses import (
+    DEFAULT_CLIP_RANGE,
+    ClipRange,
+    PolicyLossColumns,
+    _ratio,
+    register_policy_loss,
+    token_policy_loss,
+)
 
 Array = jax.Array
 
 
 def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., tuple[Array, dict]]:
-    """The DPPO policy loss ``name`` whose trust region is ``trust_region(old_log_prob,
-    log_prob, advantages, clip_ratio_low, clip_ratio_high) -> valid [B, T]`` (detached)::
+    """The DPPO policy loss ``name`` whose trust region is ``trust_region(columns, clip) ->
+    valid [B, T]`` (detached)::
 
         L = -A sg(min(rho, c)) log_prob valid
 
@@ -38,18 +45,12 @@ def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., t
     """
 
     def token_loss(
-        old_log_prob: Array,
-        log_prob: Array,
-        advantages: Array,
-        response_mask: Array,
-        *,
-        clip_ratio_low: float = 0.2,
-        clip_ratio_high: float = 0.2,
-        clip_ratio_c: float = 20.0,
+        columns: PolicyLossColumns, *, clip: ClipRange = DEFAULT_CLIP_RANGE, clip_ratio_c: float = 20.0
     ) -> tuple[Array, dict]:
+        old_log_prob, log_prob, advantages, response_mask = columns
         dtype = log_prob.dtype
         neg_kl, ratio = _ratio(old_log_prob, log_prob)
-        valid = trust_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high)
+        valid = trust_region(columns, clip)
         valid = lax.stop_gradient(valid.astype(dtype))
         truncated = lax.stop_gradient(jnp.minimum(ratio, clip_ratio_c))
         return -advantages * truncated * log_prob * valid, dict(
@@ -63,7 +64,7 @@ def _dppo_loss(trust_region: Callable[..., Array], name: str) -> Callable[..., t
     return token_policy_loss()(token_loss)
 
 
-def _binary_tv_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high) -> Array:
+def _binary_tv_region(columns: PolicyLossColumns, clip: ClipRange) -> Array:
     """DPPO-Binary-TV (Divergence PPO, arXiv:2602.04879), verl's form.
 
     The trust region bounds the sampled token's probability change ``d = p - p_old`` (``p =
@@ -73,11 +74,11 @@ def _binary_tv_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_r
         valid = (d <= clip_ratio_high)  if A > 0
                 (d >= -clip_ratio_low)  otherwise
     """
-    d = jnp.exp(log_prob) - jnp.exp(old_log_prob)
-    return jnp.where(advantages > 0, d <= clip_ratio_high, d >= -clip_ratio_low)
+    d = jnp.exp(columns.log_prob) - jnp.exp(columns.old_log_prob)
+    return jnp.where(columns.advantages > 0, d <= clip.high, d >= -clip.low)
 
 
-def _binary_kl_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_ratio_high) -> Array:
+def _binary_kl_region(columns: PolicyLossColumns, clip: ClipRange) -> Array:
     """DPPO-Binary-KL (arXiv:2602.04879), verl's form.
 
     The trust region bounds the KL divergence between the old and new Bernoulli distributions
@@ -89,12 +90,13 @@ def _binary_kl_region(old_log_prob, log_prob, advantages, clip_ratio_low, clip_r
 
     (a move that lowers the loss's pull is always allowed).
     """
+    old_log_prob, log_prob, advantages, _ = columns
     p, p_old = jnp.exp(log_prob), jnp.exp(old_log_prob)
     binary_kl = p_old * (old_log_prob - log_prob) + (1 - p_old) * jnp.log((1.0 - p_old + 1e-8) / (1.0 - p + 1e-8))
     return jnp.where(
         advantages > 0,
-        (binary_kl <= clip_ratio_high) | (p <= p_old),
-        (binary_kl <= clip_ratio_low) | (p >= p_old),
+        (binary_kl <= clip.high) | (p <= p_old),
+        (binary_kl <= clip.low) | (p >= p_old),
     )
 
 
@@ -109,13 +111,7 @@ compute_policy_loss_dppo_kl = register_policy_loss("dppo_kl")(
 @register_policy_loss("sapo")
 @token_policy_loss("seq-mean-token-mean", agg_mode_fixed=True)
 def compute_policy_loss_sapo(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    tau_pos: float = 1.0,
-    tau_neg: float = 1.05,
+    columns: PolicyLossColumns, *, tau_pos: float = 1.0, tau_neg: float = 1.05
 ) -> tuple[Array, dict]:
     """Soft Adaptive Policy Optimisation, SAPO (arXiv:2511.20347), verl's form.
 
@@ -128,6 +124,7 @@ def compute_policy_loss_sapo(
     Always aggregated ``seq-mean-token-mean`` (as verl; the actor's ``loss_agg_mode`` is not
     used). Metrics: ``ppo_kl``; the clip fractions are 0.
     """
+    old_log_prob, log_prob, advantages, response_mask = columns
     neg_kl, ratio = _ratio(old_log_prob, log_prob)
     dtype = advantages.dtype
     tau = jnp.where(advantages > 0, jnp.asarray(tau_pos, dtype), jnp.asarray(tau_neg, dtype))
@@ -142,14 +139,7 @@ def _check_dro_beta(dro_beta: Any) -> None:
 
 @register_policy_loss("dro")
 @token_policy_loss()
-def compute_policy_loss_dro(
-    old_log_prob: Array,
-    log_prob: Array,
-    advantages: Array,
-    response_mask: Array,
-    *,
-    dro_beta: float | None = None,
-) -> tuple[Array, dict]:
+def compute_policy_loss_dro(columns: PolicyLossColumns, *, dro_beta: float | None = None) -> tuple[Array, dict]:
     """Policy gradient with a quadratic log-ratio penalty, verl's ``dro`` (the regularised
     objective of Direct Reward Optimisation, Richemond et al. 2024, arXiv:2405.19107, taken
     around the sampling policy; verl cites no paper)::
@@ -162,6 +152,7 @@ def compute_policy_loss_dro(
     log_prob)`` (unclamped); the clip fractions are 0.
     """
     _check_dro_beta(dro_beta)
+    old_log_prob, log_prob, advantages, response_mask = columns
     log_ratio = log_prob - old_log_prob
     pg_losses = -(log_prob * advantages - 0.5 * dro_beta * jnp.square(log_ratio))
     return pg_losses, dict(ppo_kl=masked_mean(-log_ratio, response_mask))
