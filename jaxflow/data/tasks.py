@@ -42,6 +42,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import string
 import zlib
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -57,6 +58,10 @@ _EOS_TEXT = "<eos>"
 class Task(abc.ABC):
     """A generator of (prompt, answer) problems; subclasses define :meth:`sample`.
 
+    A subclass names itself in its class statement, ``class MyTask(Task, name="my",
+    ability="..."):``; its ``data_source`` is ``jaxflow/<name>``. A subclass of a task keeps
+    what it does not name again.
+
     Attributes:
       test_fraction: share of the problem space reserved for the test split.
     """
@@ -65,6 +70,13 @@ class Task(abc.ABC):
     data_source: ClassVar[str] = ""
     ability: ClassVar[str] = ""
     test_fraction: float = 0.1
+
+    def __init_subclass__(cls, *, name: str | None = None, ability: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name, cls.data_source = name, f"jaxflow/{name}"
+        if ability is not None:
+            cls.ability = ability
 
     @abc.abstractmethod
     def sample(self, rng: np.random.Generator) -> tuple[str, str]:
@@ -128,12 +140,9 @@ class Task(abc.ABC):
 
 
 @dataclasses.dataclass(frozen=True)
-class AdditionTask(Task):
+class AdditionTask(Task, name="addition", ability="arithmetic"):
     """``a+b=`` -> ``a+b`` for ``a, b`` uniform in ``[0, 10**digits)``."""
 
-    name: ClassVar[str] = "addition"
-    data_source: ClassVar[str] = "jaxflow/addition"
-    ability: ClassVar[str] = "arithmetic"
     digits: int = 2
 
     def __post_init__(self) -> None:
@@ -148,12 +157,20 @@ class AdditionTask(Task):
 @dataclasses.dataclass(frozen=True)
 class _SequenceTask(Task):
     """``<prefix>:<text>=`` -> ``answer(text)`` for a ``text`` of ``min_len..max_len``
-    characters drawn uniformly from ``alphabet``."""
+    characters drawn uniformly from ``alphabet`` (both named in the class statement, as the
+    task's ``name``)."""
 
     min_len: int = 3
     max_len: int = 5
     alphabet: ClassVar[str] = ""
     prefix: ClassVar[str] = ""
+
+    def __init_subclass__(cls, *, alphabet: str | None = None, prefix: str | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if alphabet is not None:
+            cls.alphabet = alphabet
+        if prefix is not None:
+            cls.prefix = prefix
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_len <= self.max_len <= 6:
@@ -171,14 +188,8 @@ class _SequenceTask(Task):
 
 
 @dataclasses.dataclass(frozen=True)
-class SortDigitsTask(_SequenceTask):
+class SortDigitsTask(_SequenceTask, name="sort", ability="sorting", alphabet=string.digits, prefix="sort"):
     """``sort:3140=`` -> ``0134``: the digits in ascending order."""
-
-    name: ClassVar[str] = "sort"
-    data_source: ClassVar[str] = "jaxflow/sort"
-    ability: ClassVar[str] = "sorting"
-    alphabet: ClassVar[str] = "0123456789"
-    prefix: ClassVar[str] = "sort"
 
     @staticmethod
     def answer(text: str) -> str:
@@ -186,14 +197,8 @@ class SortDigitsTask(_SequenceTask):
 
 
 @dataclasses.dataclass(frozen=True)
-class ReverseTask(_SequenceTask):
+class ReverseTask(_SequenceTask, name="reverse", ability="string", alphabet=string.ascii_lowercase, prefix="rev"):
     """``rev:abcd=`` -> ``dcba``: lowercase letters reversed."""
-
-    name: ClassVar[str] = "reverse"
-    data_source: ClassVar[str] = "jaxflow/reverse"
-    ability: ClassVar[str] = "string"
-    alphabet: ClassVar[str] = "abcdefghijklmnopqrstuvwxyz"
-    prefix: ClassVar[str] = "rev"
 
     @staticmethod
     def answer(text: str) -> str:
@@ -201,14 +206,10 @@ class ReverseTask(_SequenceTask):
 
 
 @dataclasses.dataclass(frozen=True)
-class ReverseDigitsTask(ReverseTask):
+class ReverseDigitsTask(ReverseTask, name="reverse_digits", alphabet=string.digits):
     """``rev:314=`` -> ``413``: a digit string reversed. The default task of the tiny configs:
     with three digits, 30% of the 1000 strings (about 300) are held out, and a policy that
     learns to reverse solves those it never trained on."""
-
-    name: ClassVar[str] = "reverse_digits"
-    data_source: ClassVar[str] = "jaxflow/reverse_digits"
-    alphabet: ClassVar[str] = "0123456789"
 
     min_len: int = 3
     max_len: int = 3
