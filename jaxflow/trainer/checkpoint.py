@@ -53,7 +53,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxflow.models.hf_io import CheckpointError
-from jaxflow.trainer.outputs import RunDirLock
+from jaxflow.trainer.outputs import ClosedOnExit, RunDirLock
 from jaxflow.workers.checkpoint_io import as_restore_target, flatten_tree, save_item
 from jaxflow.workers.train_state import tree_all_finite
 
@@ -320,7 +320,7 @@ def _write_json_atomic(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-class CheckpointManager:
+class CheckpointManager(ClosedOnExit):
     """Saves and restores training state under ``directory`` (``step_N`` subdirectories).
 
     ``resume_mode`` follows verl: ``"disable"`` starts fresh (a directory that already holds
@@ -776,9 +776,3 @@ class CheckpointManager:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

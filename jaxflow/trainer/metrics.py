@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from jaxflow.trainer.outputs import write_run_config
+from jaxflow.trainer.outputs import ClosedOnExit, write_run_config
 
 log = logging.getLogger(__name__)
 
@@ -290,7 +290,7 @@ class WandbBackend:
 # ----------------------------------------------------------------------------- logger
 
 
-class MetricsLogger:
+class MetricsLogger(ClosedOnExit):
     """Fans ``log(metrics, step)`` out to the chosen backends (see the module docstring).
 
     ``wandb`` is used only when the package imports; otherwise a warning. ``total_steps``
@@ -355,9 +355,3 @@ class MetricsLogger:
         if self.progress is not None:
             self.progress.close()
             self.progress = None
-
-    def __enter__(self) -> MetricsLogger:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

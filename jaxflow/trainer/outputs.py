@@ -23,6 +23,8 @@
 
 from __future__ import annotations
 
+import abc
+import contextlib
 import errno
 import fcntl
 import json
@@ -69,6 +71,18 @@ class RunDirInUseError(RuntimeError):
 
 class NotOursError(FileExistsError):
     """A path jaxflow would write holds something jaxflow did not write."""
+
+
+class ClosedOnExit(contextlib.AbstractContextManager):
+    """A writer of run outputs that a ``with`` block closes: ``__enter__`` returns it,
+    ``__exit__`` calls its :meth:`close` (whether the block raised or not)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Finishes what the writer has in flight and releases what it holds."""
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class RunDirLock:
