@@ -29,8 +29,6 @@ from ml_collections import ConfigDict
 from jaxflow.algos.settings import (
     AlgorithmConfig,
     AlgorithmSettings,
-    FilterGroupsConfig,
-    KLControlConfig,
     RolloutCorrectionConfig,
     SafeRLHFConfig,
 )
@@ -316,9 +314,17 @@ def start_actor_from(spec: RunSpec, path: str) -> RunSpec:
 
 def from_section(cls: type, section: ConfigDict, **values: Any) -> Any:
     """``cls`` (a dataclass mirroring a config section) from the section's keys of its field
-    names, ``values`` taking precedence."""
-    kwargs = {f.name: section[f.name] for f in dataclasses.fields(cls) if f.name in section}
-    return cls(**{**kwargs, **values})
+    names, ``values`` taking precedence. A field whose default is such a dataclass (verl's
+    ``algorithm.kl_ctrl``) and whose key is a sub-section is read from it the same way."""
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in values or f.name not in section:
+            continue
+        value = section[f.name]
+        if dataclasses.is_dataclass(f.default) and isinstance(value, ConfigDict):
+            value = from_section(type(f.default), value)
+        kwargs[f.name] = value
+    return cls(**kwargs, **values)
 
 
 def build_tokenizer(cfg: ConfigDict) -> Any:
@@ -484,22 +490,11 @@ def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
     """verl's ``algorithm``, ``jaxflow.safe_rlhf`` and ``jaxflow.trainer.rollout_agreement``."""
     a = cfg.algorithm
     return AlgorithmSettings(
-        algorithm=AlgorithmConfig(
-            adv_estimator=a.adv_estimator,
-            gamma=a.gamma,
-            lam=a.lam,
-            norm_adv_by_std_in_grpo=a.norm_adv_by_std_in_grpo,
-            use_kl_in_reward=a.use_kl_in_reward,
-            kl_penalty=a.kl_penalty,
-            kl_ctrl=from_section(KLControlConfig, a.kl_ctrl),
+        algorithm=from_section(
+            AlgorithmConfig,
+            a,
             gdpo_reward_keys=tuple(a.gdpo_reward_keys),
             gdpo_reward_weights=None if a.gdpo_reward_weights is None else tuple(a.gdpo_reward_weights),
-            rollout_correction=rollout_correction(cfg),
-            filter_groups=FilterGroupsConfig(
-                enable=a.filter_groups.enable,
-                metric=a.filter_groups.metric,
-                max_num_gen_batches=a.filter_groups.max_num_gen_batches,
-            ),
         ),
         safe_rlhf=from_section(SafeRLHFConfig, cfg.jaxflow.safe_rlhf),
         rollout_agreement=cfg.jaxflow.trainer.rollout_agreement,
