@@ -49,6 +49,7 @@ ROOT = os.path.dirname(HERE)
 
 FULL = dict(
     preset="qwen2_5_0_5b",
+    layers=None,  # the preset's
     engine=dict(B=256, P=128, R=256),
     train=dict(rows=16, P=128, R=384),
     rl=dict(prompts=32, n=8, R=256, steps=3, micro=32),
@@ -56,6 +57,7 @@ FULL = dict(
 )
 TINY = dict(
     preset="tiny_qwen2",
+    layers=1,  # every phase's claim holds at any depth; each layer compiles on its own
     engine=dict(B=8, P=16, R=16),
     train=dict(rows=4, P=8, R=8),
     rl=dict(prompts=4, n=2, R=8, steps=2, micro=4),
@@ -156,6 +158,8 @@ def worker_checkpoint(a: dict) -> dict:
     from jaxflow.models import PRESETS, init_model, save_pretrained
 
     cfg = PRESETS[a["preset"]].replace(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
+    if a["layers"]:
+        cfg = cfg.replace(num_layers=a["layers"])
     t0 = time.perf_counter()
     save_pretrained(init_model(cfg, "lm", seed=0), a["path"])
     return {"path": a["path"], "seconds": time.perf_counter() - t0}
@@ -277,7 +281,7 @@ def worker_rl(a: dict) -> dict:
 
 def worker_engine(a: dict) -> dict:
     """The engine alone in a fresh process (whose ``XLA_FLAGS`` the caller sets)."""
-    out = engine_run(_bf16_model(a["preset"]), a["B"], a["P"], a["R"], a["reps"])
+    out = engine_run(_bf16_model(a["preset"], a["layers"]), a["B"], a["P"], a["R"], a["reps"])
     return {k: out[k] for k in ("tok_s", "ms_per_step", "first_call_s", "steps")}
 
 
@@ -360,7 +364,7 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
 
 def engine(a, sizes, ceil, rl_rows) -> dict:
     e = sizes["engine"]
-    model = _bf16_model(sizes["preset"])
+    model = _bf16_model(sizes["preset"], sizes["layers"])
     res = {"default": engine_run(model, e["B"], e["P"], e["R"], a.reps)}
     for name in filter(None, a.engine_variants.split(",")):
         res[name] = engine_run(model, e["B"], e["P"], e["R"], a.reps, **ENGINE_VARIANTS[name])
@@ -379,7 +383,7 @@ def profile(sizes) -> dict:
     import jax
 
     e = sizes["engine"]
-    model = _bf16_model(sizes["preset"])
+    model = _bf16_model(sizes["preset"], sizes["layers"])
     R = min(e["R"], 64)
     engine_run(model, e["B"], e["P"], R, 0)
     with tempfile.TemporaryDirectory() as td:
@@ -561,12 +565,17 @@ def main(argv=None) -> int:
             with open(a.json, "w") as f:
                 json.dump(results, f, indent=1, default=str)
 
-    ckpt = os.path.join(tempfile.gettempdir(), f"jaxflow_bench_{sizes['preset']}")
+    ckpt = os.path.join(tempfile.gettempdir(), f"jaxflow_bench_{sizes['preset']}_layers{sizes['layers'] or 'all'}")
     wants_ckpt = {"hf", "torch_train", "rl"} & set(phases)
     if "checkpoint" in phases or (wants_ckpt and not os.path.exists(os.path.join(ckpt, "config.json"))):
         record(
             "checkpoint",
-            lambda: _sub("checkpoint", {"preset": sizes["preset"], "path": ckpt}, 600, {"JAX_PLATFORMS": "cpu"}),
+            lambda: _sub(
+                "checkpoint",
+                {"preset": sizes["preset"], "layers": sizes["layers"], "path": ckpt},
+                600,
+                {"JAX_PLATFORMS": "cpu"},
+            ),
         )
     e, t = sizes["engine"], sizes["train"]
     if "hf" in phases:
@@ -583,7 +592,9 @@ def main(argv=None) -> int:
             env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
             record(
                 f"engine_{name}",
-                lambda env=env: _sub("engine", dict(preset=sizes["preset"], reps=a.reps, **e), 600, env),
+                lambda env=env: _sub(
+                    "engine", dict(preset=sizes["preset"], layers=sizes["layers"], reps=a.reps, **e), 600, env
+                ),
             )
     ceil = None
     if "ceilings" in phases:
@@ -598,11 +609,23 @@ def main(argv=None) -> int:
     if "profile" in phases:
         record("profile", lambda: profile(sizes))
     if "train" in phases:
-        record("train", lambda: train(sizes["preset"], t["rows"], t["P"], t["R"], a.reps, a.peak, ceil))
+        record(
+            "train", lambda: train(sizes["preset"], t["rows"], t["P"], t["R"], a.reps, a.peak, ceil, sizes["layers"])
+        )
         if not a.tiny:
             record(
                 "train_cudnn",
-                lambda: train(sizes["preset"], t["rows"], t["P"], t["R"], a.reps, a.peak, ceil, attention_impl="cudnn"),
+                lambda: train(
+                    sizes["preset"],
+                    t["rows"],
+                    t["P"],
+                    t["R"],
+                    a.reps,
+                    a.peak,
+                    ceil,
+                    sizes["layers"],
+                    attention_impl="cudnn",
+                ),
             )
     if "wide" in phases:
         record("wide", lambda: wide(a, sizes, ceil))

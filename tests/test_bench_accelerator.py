@@ -10,13 +10,15 @@ import sys
 
 import pytest
 
+from tests.child_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_bench_accelerator_tiny(tmp_path):
     out = tmp_path / "bench.json"
-    env = dict(os.environ, XLA_FLAGS="", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)  # conftest's fast compile, one device
     p = subprocess.run(
         [sys.executable, "experiments/bench_accelerator.py", "--tiny", "--reps", "1", "--json", str(out)],
         cwd=ROOT,
