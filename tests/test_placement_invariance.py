@@ -3,9 +3,10 @@
 - ``ppo_tiny`` and ``grpo_tiny`` for 5 steps under the split and the colocated placement log the
   same metrics (`experiments.ray_vs_local.compare`, 1e-5 relative): each sample's randomness is
   drawn from (seed, step, prompt id, sample index, token), not from how rows are laid over
-  generation replicas. (Local vs Ray, and a checkpoint of 4 processes resumed on 2, are
-  `tests/test_ray_backend.py`'s ``test_cli_ray_run_killed_and_restarted_equals_the_local_run``
-  and ``test_a_4_process_checkpoint_resumes_on_2_processes``.)
+  generation replicas. (Local vs Ray, and a checkpoint of 2 processes resumed on 1, are
+  `tests/test_ray_backend.py`'s ``test_ray_vs_local_tiny_reports_every_metric_equal``,
+  ``test_cli_ray_run_killed_and_restarted_equals_the_local_run`` and
+  ``test_a_2_process_checkpoint_resumes_on_1_process``.)
 - The agreement metrics (verl's ``training/rollout_probs_diff_*``) against a NumPy transcription
   of verl's, and the agreement mode (``jaxflow.trainer.rollout_agreement``): every shipped RL
   tiny config logs them, at most 1e-6 apart in log-prob on CPU.
