@@ -1,4 +1,5 @@
-"""Build random-init HF transformers models (the independent reference) for parity tests."""
+"""Build random-init HF transformers models (the independent reference) for parity tests, and
+the compiled jaxflow forward (`forward`) the tests compare with them."""
 
 from __future__ import annotations
 
