@@ -32,7 +32,7 @@ from jaxflow.trainer.checkpoint import MARKER, SKIP, CheckpointManager
 from jaxflow.trainer.hf_export import EXPORT_MARKER, abstract_train_state, run_config
 from jaxflow.trainer.sft import run_sft
 from tests.child_env import child_env
-from tests.hf_reference import hf_logits
+from tests.hf_reference import forward, hf_logits
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -125,7 +125,7 @@ def _assert_lm_matches(hf_dir, model):
     ids, mask = _prompt_batch(hf_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     ref = hf_logits(hf, ids, mask)
-    ours = np.asarray(model(ids, attention_mask=mask))
+    ours = np.asarray(forward(model, ids, mask))
     on = mask.astype(bool)
     assert np.abs(ours - ref)[on].max() <= 1e-4
 
@@ -209,7 +209,7 @@ def test_export_cli_from_another_directory_converts_any_step_and_role(run_dir, t
     ).eval()
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits[..., 0].numpy()
-    ours = np.asarray(critic(ids, attention_mask=mask))
+    ours = np.asarray(forward(critic, ids, mask))
     assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-4
     assert np.abs(ours).max() > 0  # the critic trained for two steps: its head is not the zero init
 

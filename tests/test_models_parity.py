@@ -11,7 +11,7 @@ import torch
 import transformers
 
 import jaxflow.models as models
-from tests.hf_reference import hf_logits, padded_batch, random_hf_model
+from tests.hf_reference import forward, hf_logits, padded_batch, random_hf_model
 
 LLAMA3_ROPE = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
@@ -44,7 +44,7 @@ def test_logits_match_transformers_with_mixed_left_padding(saved_hf, case):
     hf_model, path = saved_hf[case]
     model = models.from_pretrained(path)
     ids, mask = padded_batch(hf_model.config.vocab_size, [11, 7, 3, 11], total=11, seed=1)
-    ours = np.asarray(jax.jit(lambda m, i, a: m(i, attention_mask=a))(model, ids, mask))
+    ours = np.asarray(forward(model, ids, mask))
     ref = hf_logits(hf_model, ids, mask)
     real = mask.astype(bool)
     assert np.abs(ours - ref)[real].max() <= 1e-4
@@ -59,11 +59,13 @@ def test_padded_row_equals_unpadded_row(saved_hf):
     _, path = saved_hf["llama3_rope_scaling"]
     model = models.from_pretrained(path)
     ids, mask = padded_batch(model.cfg.vocab_size, [6], total=6, seed=3)
-    lone = np.asarray(model(ids, attention_mask=mask))[0]
-    left = np.concatenate([np.zeros((1, 4), ids.dtype), ids], 1)
-    right = np.concatenate([ids, np.zeros((1, 3), ids.dtype)], 1)
-    left_out = np.asarray(model(left, attention_mask=(left > 0) | (np.arange(10) >= 4)))[0, 4:]
-    right_out = np.asarray(model(right, attention_mask=np.arange(9)[None] < 6))[0, :6]
+    lone = np.asarray(forward(model, ids, mask))[0]
+    # One batch [2, 9]: the row left-padded by 3, then right-padded by 3.
+    pad = np.zeros((1, 3), ids.dtype)
+    padded = np.concatenate([np.concatenate([pad, ids], 1), np.concatenate([ids, pad], 1)])
+    padded_mask = np.concatenate([np.concatenate([pad, mask], 1), np.concatenate([mask, pad], 1)])
+    out = np.asarray(forward(model, padded, padded_mask))
+    left_out, right_out = out[0, 3:], out[1, :6]
     np.testing.assert_allclose(left_out, lone, atol=1e-5)
     np.testing.assert_allclose(right_out, lone, atol=1e-5)
 
@@ -76,7 +78,7 @@ def test_transformers_reads_what_jaxflow_writes(tmp_path):
         models.save_pretrained(model, path)
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         ids, mask = padded_batch(model.cfg.vocab_size, [9, 4], total=9, seed=2)
-        ours = np.asarray(model(ids, attention_mask=mask))
+        ours = np.asarray(forward(model, ids, mask))
         ref = hf_logits(hf_model, ids, mask)
         assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-5, preset
 
@@ -90,10 +92,11 @@ def test_sharded_checkpoint_with_index_round_trips(tmp_path):
     assert set(index["weight_map"].values()) == set(files)
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     again = models.from_pretrained(tmp_path)
-    ids, mask = padded_batch(model.cfg.vocab_size, [5, 8], total=8, seed=5)
-    ours = np.asarray(model(ids, attention_mask=mask))
+    # [2, 9]: the shape test_transformers_reads_what_jaxflow_writes compiles tiny_llama's forward for.
+    ids, mask = padded_batch(model.cfg.vocab_size, [5, 9], total=9, seed=5)
+    ours = np.asarray(forward(model, ids, mask))
     assert np.abs(ours - hf_logits(hf_model, ids, mask))[mask.astype(bool)].max() <= 1e-5
-    np.testing.assert_array_equal(np.asarray(again(ids, attention_mask=mask)), ours)
+    np.testing.assert_array_equal(np.asarray(forward(again, ids, mask)), ours)
 
 
 def test_value_head_round_trips_as_token_classification(tmp_path):
@@ -102,7 +105,7 @@ def test_value_head_round_trips_as_token_classification(tmp_path):
     # A critic initialised from an actor checkpoint: same trunk, zero value head.
     critic = models.from_pretrained(tmp_path / "actor", head="value")
     ids, mask = padded_batch(actor.cfg.vocab_size, [7, 3], total=7, seed=6)
-    np.testing.assert_array_equal(np.asarray(critic(ids, attention_mask=mask)), 0.0)
+    np.testing.assert_array_equal(np.asarray(forward(critic, ids, mask)), 0.0)
     np.testing.assert_array_equal(
         np.asarray(critic.model.embed_tokens.get_value()), np.asarray(actor.model.embed_tokens.get_value())
     )
@@ -114,7 +117,7 @@ def test_value_head_round_trips_as_token_classification(tmp_path):
         tmp_path / "critic", attn_implementation="eager"
     ).eval()
     ref = hf_logits(hf, ids, mask)[..., 0]
-    ours = np.asarray(critic(ids, attention_mask=mask))
+    ours = np.asarray(forward(critic, ids, mask))
     assert np.abs(ours - ref)[mask.astype(bool)].max() <= 1e-5
 
 
@@ -126,7 +129,7 @@ def test_reward_model_matches_sequence_classification(tmp_path):
     ids, mask = padded_batch(hf.config.vocab_size, [8, 5, 2], total=8, seed=7, left=False)
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask)).logits[:, 0].numpy()
-    ours = np.asarray(rm(ids, attention_mask=mask))
+    ours = np.asarray(forward(rm, ids, mask))
     np.testing.assert_allclose(ours, ref, atol=1e-5)
 
 
@@ -135,7 +138,7 @@ def test_bf16_parameters_and_compute(saved_hf):
     model = models.from_pretrained(path, dtype=jnp.bfloat16)
     assert {v.dtype for v in jax.tree.leaves(jax.tree.map(lambda x: x, model))} <= {jnp.dtype(jnp.bfloat16)}
     ids, mask = padded_batch(hf_model.config.vocab_size, [8, 5], total=8, seed=8)
-    ours = np.asarray(model(ids, attention_mask=mask))
+    ours = np.asarray(forward(model, ids, mask))
     assert ours.dtype == np.float32
     ref = hf_logits(hf_model, ids, mask)
     # bf16 has ~3 significant digits: compare against fp32 at bf16 precision.
