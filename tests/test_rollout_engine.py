@@ -132,10 +132,9 @@ def test_paged_attention_matches_dense():
     table = (1 + rng.permutation(B * M)).reshape(B, M).astype(np.int32)
     q = rng.normal(size=(B, L, N * G, K)).astype(np.float32)
     positions = np.array([[3, 4, 5, 6, 7], [20, 21, 22, 23, -1], [0, 1, -1, -1, -1]], np.int32)
+    attend = jax.jit(paged_attention, static_argnames=("sliding_window", "pages_per_block"))  # not op by op
     for window in (None, 5):
-        got = np.asarray(
-            paged_attention(q, k_pages, v_pages, table, positions, sliding_window=window, pages_per_block=2)
-        )
+        got = np.asarray(attend(q, k_pages, v_pages, table, positions, sliding_window=window, pages_per_block=2))
         for b in range(B):
             keys = k_pages[:, table[b]].reshape(N, M * T, K)
             values = v_pages[:, table[b]].reshape(N, M * T, K)
@@ -170,15 +169,17 @@ def test_kernel_paths_equal_pure_jax():
         L = positions.shape[1]
         q = rng.normal(size=(B, L, N * G, K)).astype(np.float32)
         k_new, v_new = (rng.normal(size=(B, L, N, K)).astype(np.float32) for _ in range(2))
-        page, offset = slot_address(table, positions, T)
-        pool = PoolLayout("jax").write((k_pages, v_pages), page, offset, k_new, v_new)
+        page, offset = jax.jit(slot_address, static_argnums=2)(table, positions, T)
+        pool = jax.jit(PoolLayout("jax").write)((k_pages, v_pages), page, offset, k_new, v_new)
         want = np.asarray(jax.jit(paged_attention)(q, *pool, table, positions))
         real = positions >= 0
         tpu = PoolLayout("tpu")
-        kv_pool = tpu.write(tpu.from_heads_major(k_pages, v_pages), page, offset, k_new, v_new)
-        for got_pool, want_pool in zip(tpu.to_heads_major(kv_pool), pool):
+        kv_pool = jax.jit(lambda k, v, *new: tpu.write(tpu.from_heads_major(k, v), *new))(
+            k_pages, v_pages, page, offset, k_new, v_new
+        )
+        for got_pool, want_pool in zip(jax.jit(tpu.to_heads_major)(kv_pool), pool):
             np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
-        args = [np.asarray(a) for a in ragged_arguments(table, positions)]
+        args = [np.asarray(a) for a in jax.jit(ragged_arguments)(table, positions)]
         flat_q = q.reshape(B * L, N * G, K)
         dynamic_validate_inputs(flat_q, kv_pool, *args, sm_scale=K**-0.5)
         # the reference loops over the sequences in Python: jitted with its int arguments fixed
