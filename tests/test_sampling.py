@@ -37,7 +37,7 @@ NEW = 32
 PROMPT_LENGTHS = (3, 9, 14, 6)
 
 
-def _hf_model(kind: str, seed: int):
+def _hf_model(kind: str, seed: int, num_layers: int = 2):
     """A random-init tiny HF model (every parameter random, biases and norm scales included)
     with large weights (std 0.3), so that logits are far from flat."""
     return random_hf_model(
@@ -47,6 +47,7 @@ def _hf_model(kind: str, seed: int):
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
+        num_hidden_layers=num_layers,
         tie_word_embeddings=kind == "qwen2",
         bos_token_id=None,
         eos_token_id=None,
@@ -90,12 +91,19 @@ def models(request, tmp_path_factory):
     return request.param, hf, from_pretrained(path, dtype=jnp.float32)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    hf = _hf_model("llama", seed=1)
-    path = tmp_path_factory.mktemp("llama_engine")
+def _loaded_llama(tmp_path_factory, num_layers: int):
+    """The random HF llama of ``num_layers`` layers and its jaxflow twin."""
+    hf = _hf_model("llama", seed=1, num_layers=num_layers)
+    path = tmp_path_factory.mktemp(f"llama_engine_{num_layers}")
     hf.save_pretrained(path)
     return hf, from_pretrained(path, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One layer: the engine's claims below hold at any depth (the HF parity at two layers:
+    `test_greedy_matches_hf`), and each layer of the rollout program compiles separately."""
+    return _loaded_llama(tmp_path_factory, num_layers=1)
 
 
 GREEDY = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
@@ -153,7 +161,13 @@ def sampled(llama):
     return ids, mask, generate(model, ids, mask, SAMPLED, options=LOGITS)
 
 
-def _teacher_forced_logits(model, ids, mask, out, n):
+@pytest.fixture(scope="module")
+def teacher_forced_logits(llama, sampled):
+    """The logits [B * n, response length, V] that predict each response token of the
+    `sampled` rollout, from one uncached forward over prompt + response (one compile)."""
+    _, model = llama
+    ids, mask, out = sampled
+    n = SAMPLED.n
     seq = np.concatenate([np.repeat(ids, n, axis=0), np.asarray(out.responses)], axis=1)
     seq_mask = np.concatenate([np.repeat(mask, n, axis=0), np.asarray(out.response_mask)], axis=1)
     logits = jax.jit(lambda s, x, m: nnx.merge(*s)(x, attention_mask=m))(nnx.split(model), seq, seq_mask)
@@ -161,20 +175,17 @@ def _teacher_forced_logits(model, ids, mask, out, n):
     return np.asarray(logits)[:, L - 1 : L - 1 + out.responses.shape[1]]  # logits that predict response j
 
 
-def test_cached_logits_equal_full_forward(llama, sampled):
-    _, model = llama
-    ids, mask, out = sampled
-    full = _teacher_forced_logits(model, ids, mask, out, SAMPLED.n)
+def test_cached_logits_equal_full_forward(sampled, teacher_forced_logits):
+    _, _, out = sampled
+    full = teacher_forced_logits
     m = np.asarray(out.response_mask).astype(bool)
     assert m.sum() > 40
     np.testing.assert_allclose(np.asarray(out.logits)[m], full[m], atol=1e-4, rtol=0)
 
 
-def test_log_probs_equal_teacher_forcing(llama, sampled):
-    _, model = llama
-    ids, mask, out = sampled
-    full = _teacher_forced_logits(model, ids, mask, out, SAMPLED.n)
-    logp = jax.nn.log_softmax(full / SAMPLED.temperature, axis=-1)
+def test_log_probs_equal_teacher_forcing(sampled, teacher_forced_logits):
+    _, _, out = sampled
+    logp = jax.nn.log_softmax(teacher_forced_logits / SAMPLED.temperature, axis=-1)
     want = np.take_along_axis(np.asarray(logp), np.asarray(out.responses)[..., None], -1)[..., 0]
     m = np.asarray(out.response_mask).astype(bool)
     np.testing.assert_allclose(np.asarray(out.log_probs)[m], want[m], atol=1e-4, rtol=0)
@@ -279,8 +290,10 @@ def test_sharded_equals_unsharded(llama):
     assert all(set(lead.strip(",").split(",")) <= {"1", str(cfg.num_layers), ""} for lead, _ in heads)
 
 
-def test_scan_layers_matches_unrolled(llama, tmp_path):
-    hf, model = llama
+def test_scan_layers_matches_unrolled(tmp_path_factory, tmp_path):
+    """Two layers, so that the scan runs over several: the unrolled program is the one
+    `test_greedy_matches_hf[llama]` compiled (the same model)."""
+    hf, model = _loaded_llama(tmp_path_factory, num_layers=2)
     hf.save_pretrained(tmp_path)
     scanned = from_pretrained(tmp_path, dtype=jnp.float32, scan_layers=True)
     ids, mask = _prompts()
