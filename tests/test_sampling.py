@@ -37,7 +37,7 @@ NEW = 32
 PROMPT_LENGTHS = (3, 9, 14, 6)
 
 
-def _hf_model(kind: str, seed: int, num_layers: int = 2):
+def _hf_model(kind: str, seed: int):
     """A random-init tiny HF model (every parameter random, biases and norm scales included)
     with large weights (std 0.3), so that logits are far from flat."""
     return random_hf_model(
@@ -47,7 +47,6 @@ def _hf_model(kind: str, seed: int, num_layers: int = 2):
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=num_layers,
         tie_word_embeddings=kind == "qwen2",
         bos_token_id=None,
         eos_token_id=None,
@@ -91,19 +90,12 @@ def models(request, tmp_path_factory):
     return request.param, hf, from_pretrained(path, dtype=jnp.float32)
 
 
-def _loaded_llama(tmp_path_factory, num_layers: int):
-    """The random HF llama of ``num_layers`` layers and its jaxflow twin."""
-    hf = _hf_model("llama", seed=1, num_layers=num_layers)
-    path = tmp_path_factory.mktemp(f"llama_engine_{num_layers}")
-    hf.save_pretrained(path)
-    return hf, from_pretrained(path, dtype=jnp.float32)
-
-
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """One layer: the engine's claims below hold at any depth (the HF parity at two layers:
-    `test_greedy_matches_hf`), and each layer of the rollout program compiles separately."""
-    return _loaded_llama(tmp_path_factory, num_layers=1)
+    hf = _hf_model("llama", seed=1)
+    path = tmp_path_factory.mktemp("llama_engine")
+    hf.save_pretrained(path)
+    return hf, from_pretrained(path, dtype=jnp.float32)
 
 
 GREEDY = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
@@ -290,10 +282,8 @@ def test_sharded_equals_unsharded(llama):
     assert all(set(lead.strip(",").split(",")) <= {"1", str(cfg.num_layers), ""} for lead, _ in heads)
 
 
-def test_scan_layers_matches_unrolled(tmp_path_factory, tmp_path):
-    """Two layers, so that the scan runs over several: the unrolled program is the one
-    `test_greedy_matches_hf[llama]` compiled (the same model)."""
-    hf, model = _loaded_llama(tmp_path_factory, num_layers=2)
+def test_scan_layers_matches_unrolled(llama, tmp_path):
+    hf, model = llama
     hf.save_pretrained(tmp_path)
     scanned = from_pretrained(tmp_path, dtype=jnp.float32, scan_layers=True)
     ids, mask = _prompts()
