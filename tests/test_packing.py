@@ -214,9 +214,7 @@ def test_packed_logits_equal_padded(model):
 def loss_and_grads(model, dtype, budget, agg):
     """Padded (one micro-batch) and packed (one, or several under a token budget) losses,
     metrics and gradients of the actor loss with the mini-batch's normalisers, computed in
-    ``dtype`` (a float64 model is float64 end to end): ``sum_k loss(micro_k)`` and its
-    gradient, the micro-batches stacked on a leading axis ``K`` and mapped (``lax.map``: the
-    model is compiled once, not once per micro-batch)."""
+    ``dtype`` (a float64 model is float64 end to end)."""
     b = host(make_batch(3, rows=8))
     b = {k: v.astype(dtype) if v.dtype == np.float32 else v for k, v in b.items()}
     cfg = ActorConfig(use_kl_loss=True, entropy_coeff=0.01, loss_agg_mode=agg)
@@ -228,18 +226,17 @@ def loss_and_grads(model, dtype, budget, agg):
     scalars = {"temperature": jnp.asarray(0.7, dtype)}
     keys = cfg.update_keys()
 
-    def total(params, micros_K):
+    def total(params, micros):
         gbi = global_batch_info(jnp.asarray(b["response_mask"]))
-        losses_K, metrics_K = jax.lax.map(lambda m: loss_fn(nnx.merge(graphdef, params), m, gbi, scalars), micros_K)
-        return losses_K.sum(), jax.tree.map(lambda x: x.sum(0), metrics_K)
+        out = [loss_fn(nnx.merge(graphdef, params), m, gbi, scalars) for m in micros]
+        return sum(o[0] for o in out), jax.tree.map(lambda *x: sum(x), *[o[1] for o in out])
 
-    padded_1 = {k: jnp.asarray(b[k][None]) for k in keys}
+    padded = [{k: jnp.asarray(b[k]) for k in keys}]
     packed_np, layout = pack({k: b[k] for k in keys}, ranks=1, max_token_len=budget, rows_per_micro=None)
     assert (layout.num_micro > 1) == (budget is not None)
-    packed_K = {n: jnp.asarray(v) for n, v in packed_np.items()}
-    assert {v.shape[0] for v in packed_K.values()} == {layout.num_micro}
+    packed = [{n: jnp.asarray(v[j]) for n, v in packed_np.items()} for j in range(layout.num_micro)]
     grad = jax.jit(jax.value_and_grad(total, has_aux=True))
-    return jax.device_get((grad(params, padded_1), grad(params, packed_K)))
+    return jax.device_get((grad(params, padded), grad(params, packed)))
 
 
 @pytest.mark.parametrize("budget,agg", [(32, "token-mean"), (None, "seq-mean-token-mean")])
