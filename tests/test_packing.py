@@ -311,10 +311,12 @@ def test_on_policy_shortcut_runs_no_log_prob_program(model, monkeypatch):
         "packed_forward",
         lambda worker, name, *a, **k: (calls.append(name), packed_forward(worker, name, *a, **k))[1],
     )
-    batch = make_batch(5).select(
+    # the batch and mesh of `test_actor_packed_dynamic_update_equals_padded`'s packed actor: its
+    # log-prob and update programs, already in the persistent cache, are loaded, not compiled
+    batch = make_batch(4).select(
         ["prompt_ids", "prompt_mask", "responses", "response_mask", "advantages", "ref_log_prob"]
     )
-    actor = ActorWorker(model, mesh("dp=2"), "train", DYNAMIC, RolloutConfig())
+    actor = ActorWorker(model, mesh("dp=2,fsdp=2"), "train", DYNAMIC, RolloutConfig())
     start = jax.device_get(actor.state)
     lp = actor.log_probs(batch)
     assert calls == ["old_log_probs"]

@@ -50,8 +50,9 @@ NEW = 24
 LENGTHS = (3, 9, 14, 6, 5, 1)
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
+def _random_llama(tmp_path_factory, num_layers: int):
+    """A random HF llama (std 0.3: logits far from flat) of ``num_layers`` layers and its
+    jaxflow twin."""
     hf = random_hf_model(
         "llama",
         seed=3,
@@ -59,13 +60,28 @@ def llama(tmp_path_factory):
         vocab_size=VOCAB,
         hidden_size=64,
         intermediate_size=128,
+        num_hidden_layers=num_layers,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=PAD,
     )
-    path = tmp_path_factory.mktemp("llama_paged")
+    path = tmp_path_factory.mktemp(f"llama_paged_{num_layers}")
     hf.save_pretrained(path)
     return hf, from_pretrained(path, dtype=jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """One layer: every engine claim here holds at any depth, and each layer compiles separately."""
+    return _random_llama(tmp_path_factory, num_layers=1)
+
+
+@pytest.fixture(scope="module")
+def llama_two_layers(tmp_path_factory):
+    """Two layers, for the worker test whose stop strings and ids are read off this model's
+    free-running rows (the one-layer model's row 1 decodes to at most 4 characters, too few
+    for the stop string read off its characters 4:6)."""
+    return _random_llama(tmp_path_factory, num_layers=2)
 
 
 def _prompts(lengths=LENGTHS, seed=0):
@@ -79,8 +95,15 @@ def _prompts(lengths=LENGTHS, seed=0):
     return ids, mask
 
 
-def _hf_greedy(hf, ids, mask, log_probs=False):
-    """HF's greedy tokens [B, NEW] (and with ``log_probs`` their log-softmax)."""
+@pytest.fixture(scope="module")
+def hf_greedy(llama):
+    """HF's greedy tokens [B, NEW] and their log-probs for `_prompts()`, computed once."""
+    hf, _ = llama
+    return _hf_greedy(hf, *_prompts())
+
+
+def _hf_greedy(hf, ids, mask):
+    """HF's greedy tokens [B, NEW] and their log-softmax."""
     out = hf.generate(
         torch.tensor(ids, dtype=torch.long),
         attention_mask=torch.tensor(mask, dtype=torch.long),
@@ -93,8 +116,6 @@ def _hf_greedy(hf, ids, mask, log_probs=False):
         return_dict_in_generate=True,
     )
     tokens = out.sequences[:, ids.shape[1] :].numpy()
-    if not log_probs:
-        return tokens
     logp = torch.log_softmax(torch.stack(out.scores, dim=1), -1).numpy()
     return tokens, np.take_along_axis(logp, tokens[..., None], -1)[..., 0]
 
@@ -111,10 +132,9 @@ def test_paged_attention_matches_dense():
     table = (1 + rng.permutation(B * M)).reshape(B, M).astype(np.int32)
     q = rng.normal(size=(B, L, N * G, K)).astype(np.float32)
     positions = np.array([[3, 4, 5, 6, 7], [20, 21, 22, 23, -1], [0, 1, -1, -1, -1]], np.int32)
+    attend = jax.jit(paged_attention, static_argnames=("sliding_window", "pages_per_block"))  # not op by op
     for window in (None, 5):
-        got = np.asarray(
-            paged_attention(q, k_pages, v_pages, table, positions, sliding_window=window, pages_per_block=2)
-        )
+        got = np.asarray(attend(q, k_pages, v_pages, table, positions, sliding_window=window, pages_per_block=2))
         for b in range(B):
             keys = k_pages[:, table[b]].reshape(N, M * T, K)
             values = v_pages[:, table[b]].reshape(N, M * T, K)
@@ -149,15 +169,17 @@ def test_kernel_paths_equal_pure_jax():
         L = positions.shape[1]
         q = rng.normal(size=(B, L, N * G, K)).astype(np.float32)
         k_new, v_new = (rng.normal(size=(B, L, N, K)).astype(np.float32) for _ in range(2))
-        page, offset = slot_address(table, positions, T)
-        pool = PoolLayout("jax").write((k_pages, v_pages), page, offset, k_new, v_new)
+        page, offset = jax.jit(slot_address, static_argnums=2)(table, positions, T)
+        pool = jax.jit(PoolLayout("jax").write)((k_pages, v_pages), page, offset, k_new, v_new)
         want = np.asarray(jax.jit(paged_attention)(q, *pool, table, positions))
         real = positions >= 0
         tpu = PoolLayout("tpu")
-        kv_pool = tpu.write(tpu.from_heads_major(k_pages, v_pages), page, offset, k_new, v_new)
-        for got_pool, want_pool in zip(tpu.to_heads_major(kv_pool), pool):
+        kv_pool = jax.jit(lambda k, v, *new: tpu.write(tpu.from_heads_major(k, v), *new))(
+            k_pages, v_pages, page, offset, k_new, v_new
+        )
+        for got_pool, want_pool in zip(jax.jit(tpu.to_heads_major)(kv_pool), pool):
             np.testing.assert_array_equal(np.asarray(got_pool), np.asarray(want_pool))
-        args = [np.asarray(a) for a in ragged_arguments(table, positions)]
+        args = [np.asarray(a) for a in jax.jit(ragged_arguments)(table, positions)]
         flat_q = q.reshape(B * L, N * G, K)
         dynamic_validate_inputs(flat_q, kv_pool, *args, sm_scale=K**-0.5)
         # the reference loops over the sequences in Python: jitted with its int arguments fixed
@@ -187,14 +209,14 @@ def test_argmax_matches_numpy():
     np.testing.assert_array_equal(np.asarray(sample_tokens(keys, jnp.asarray(x), greedy=True)), np.argmax(x, -1))
 
 
-def test_slot_reuse_matches_hf(llama):
+def test_slot_reuse_matches_hf(llama, hf_greedy):
     """6 rows with their own limits through 2 decode slots: every row that takes a freed slot
     produces HF's greedy tokens, cut at its limit; the same with a slot per row, and with a
     slot per row in a page pool far below the worst case, where rows wait for pages
     (measured waits > 0)."""
-    hf, model = llama
+    _, model = llama
     ids, mask = _prompts()
-    want = _hf_greedy(hf, ids, mask)
+    want, _ = hf_greedy
     limits = np.array([5, NEW, 9, 17, 3, 11])
     params = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
     worst = engine_shape(model.cfg, len(ids), ids.shape[1], NEW, slots=6, page_size=4).worst_case_pages
@@ -222,15 +244,15 @@ def test_slot_reuse_matches_hf(llama):
             assert pages == 45 < worst and waits > 0
 
 
-def test_gpu_kernel_in_the_engine(llama):
+def test_gpu_kernel_in_the_engine(llama, hf_greedy):
     """The engine with the GPU pallas kernel (interpret mode on CPU) on a (dp=4, tp=2) mesh,
     the kernel run per kv-head shard under shard_map: HF's greedy tokens and log-probs. The
     6 prompts leave the last replica without rows, so the replicas' decode loops run
     different step counts: nothing inside the loop may need devices of another replica
     (XLA:CPU would hang on a collective-permute, which rendezvouses every device)."""
-    hf, model = llama
+    _, model = llama
     ids, mask = _prompts()
-    want, want_logp = _hf_greedy(hf, ids, mask, log_probs=True)
+    want, want_logp = hf_greedy
     params = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
     graphdef, state = nnx.split(model)
@@ -243,19 +265,19 @@ def test_gpu_kernel_in_the_engine(llama):
         generate(model, ids, mask, params, options=EngineOptions(attention="tpu"))
 
 
-def test_head_dim_split_over_tp_stays_inside_each_replica(llama):
+def test_head_dim_split_over_tp_stays_inside_each_replica(llama, hf_greedy):
     """The k/v feature dimension split over tp (the *_KV_HEAD_DIM rules, for GQA models whose
     kv-head count does not divide the weight-parallel degree) puts RoPE's pairs (i, i + K/2)
     on two devices. The compiled rollout has no collective-permute: XLA:CPU rendezvouses
     every device of the program for one, so replicas whose decode loops run different step
     counts hang (seen: `ppo_tiny`, colocated, 8 devices, at step 3). On a (dp=4, tp=2) mesh
     whose replicas run different step counts, HF's greedy tokens."""
-    hf, model = llama
+    _, model = llama
     rules = tuple(
         (name, None if name == "kv_heads" else "tp" if name == "head_dim" else axes) for name, axes in GENERATE_RULES
     )
     ids, mask = _prompts()
-    want = _hf_greedy(hf, ids, mask)
+    want, _ = hf_greedy
     limits = np.array([5, NEW, 9, 17, 3, 11])
     params = SamplingParams(max_new_tokens=NEW, greedy=True, eos_token_ids=())
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("dp", "tp"))
@@ -391,12 +413,12 @@ def test_stop_strings(llama):
         generate(model, ids, mask, SamplingParams(max_new_tokens=4, stop=("a",)))
 
 
-def test_worker_generate_with_configured_stops_and_limits(llama):
+def test_worker_generate_with_configured_stops_and_limits(llama_two_layers):
     """Through the run description and the actor worker: ``rollout.stop`` strings,
     ``rollout.stop_token_ids`` and a per-prompt ``max_new_tokens`` column end each row where
     a scan of the free-running row (the same keys, no stops) says: the first of its limit,
     EOS / stop id, or stop string (decoded prefixes)."""
-    _, model = llama
+    _, model = llama_two_layers
     tok = CharTokenizer()
     keys = [
         "data.max_response_length=24",

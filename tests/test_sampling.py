@@ -153,7 +153,13 @@ def sampled(llama):
     return ids, mask, generate(model, ids, mask, SAMPLED, options=LOGITS)
 
 
-def _teacher_forced_logits(model, ids, mask, out, n):
+@pytest.fixture(scope="module")
+def teacher_forced_logits(llama, sampled):
+    """The logits [B * n, response length, V] that predict each response token of the
+    `sampled` rollout, from one uncached forward over prompt + response (one compile)."""
+    _, model = llama
+    ids, mask, out = sampled
+    n = SAMPLED.n
     seq = np.concatenate([np.repeat(ids, n, axis=0), np.asarray(out.responses)], axis=1)
     seq_mask = np.concatenate([np.repeat(mask, n, axis=0), np.asarray(out.response_mask)], axis=1)
     logits = jax.jit(lambda s, x, m: nnx.merge(*s)(x, attention_mask=m))(nnx.split(model), seq, seq_mask)
@@ -161,20 +167,17 @@ def _teacher_forced_logits(model, ids, mask, out, n):
     return np.asarray(logits)[:, L - 1 : L - 1 + out.responses.shape[1]]  # logits that predict response j
 
 
-def test_cached_logits_equal_full_forward(llama, sampled):
-    _, model = llama
-    ids, mask, out = sampled
-    full = _teacher_forced_logits(model, ids, mask, out, SAMPLED.n)
+def test_cached_logits_equal_full_forward(sampled, teacher_forced_logits):
+    _, _, out = sampled
+    full = teacher_forced_logits
     m = np.asarray(out.response_mask).astype(bool)
     assert m.sum() > 40
     np.testing.assert_allclose(np.asarray(out.logits)[m], full[m], atol=1e-4, rtol=0)
 
 
-def test_log_probs_equal_teacher_forcing(llama, sampled):
-    _, model = llama
-    ids, mask, out = sampled
-    full = _teacher_forced_logits(model, ids, mask, out, SAMPLED.n)
-    logp = jax.nn.log_softmax(full / SAMPLED.temperature, axis=-1)
+def test_log_probs_equal_teacher_forcing(sampled, teacher_forced_logits):
+    _, _, out = sampled
+    logp = jax.nn.log_softmax(teacher_forced_logits / SAMPLED.temperature, axis=-1)
     want = np.take_along_axis(np.asarray(logp), np.asarray(out.responses)[..., None], -1)[..., 0]
     m = np.asarray(out.response_mask).astype(bool)
     np.testing.assert_allclose(np.asarray(out.log_probs)[m], want[m], atol=1e-4, rtol=0)

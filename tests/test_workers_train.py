@@ -29,7 +29,7 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import TRAIN_RULES, logical_axes_tree, logical_to_spec
 from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, make_schedule
 
-CFG = models.get_preset("tiny_llama", vocab_size=128)
+CFG = models.get_preset("tiny_llama", vocab_size=128, num_layers=1)  # layers compile separately; one suffices
 B, P, R = 8, 6, 8
 ACTOR = ActorConfig(
     ppo_mini_batch_size=B,
@@ -243,20 +243,24 @@ def test_bypass_mode_step_reports_verls_rollout_corr_metrics(minibatch):
         policy_loss_kwargs=(("rollout_correction", rc),),
         optim=OptimConfig(lr=1e-3, eps=1e-4),
     )
-    one_layer = models.get_preset("tiny_llama", vocab_size=128, num_layers=1)  # half the compile
-    worker = ActorWorker(models.init_model(one_layer, seed=3), _mesh((1, 1, 1)), TRAIN_RULES, config)
+    worker = ActorWorker(models.init_model(CFG, seed=3), _mesh((1, 1, 1)), TRAIN_RULES, config)
     log_prob = np.asarray(worker.log_probs(Batch.from_dict(dict(minibatch)))["old_log_probs"])
     metrics = worker.train_step(minibatch)
     mask = minibatch["response_mask"]
-    want, want_metrics = algos.compute_policy_loss(
-        minibatch["old_log_probs"],
-        log_prob,
-        minibatch["advantages"],
-        mask,
-        loss_mode="bypass_mode",
-        rollout_correction=rc,
-        global_batch_info=algos.global_batch_info(mask),
-    )
+
+    @jax.jit  # one program, not ~80 eager ops each compiled on its own
+    def reference(old_log_probs, log_prob, advantages, mask):
+        return algos.compute_policy_loss(
+            old_log_probs,
+            log_prob,
+            advantages,
+            mask,
+            loss_mode="bypass_mode",
+            rollout_correction=rc,
+            global_batch_info=algos.global_batch_info(mask),
+        )
+
+    want, want_metrics = reference(minibatch["old_log_probs"], log_prob, minibatch["advantages"], mask)
     np.testing.assert_allclose(metrics["actor/pg_loss"], float(want), rtol=1e-5)
     np.testing.assert_allclose(metrics["actor/ppo_kl"], float(want_metrics["ppo_kl"]), rtol=1e-4, atol=1e-7)
     corr = {k for k in want_metrics if k.startswith("rollout_corr/")}
