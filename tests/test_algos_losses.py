@@ -669,6 +669,8 @@ def test_losses_over_columns_keep_verls_signature():
         assert float(default) == float(explicit)
         with pytest.raises(TypeError):
             algos.compute_policy_loss_gspo(*by_position, clip_ratio_c=3.0)
+        with pytest.raises(TypeError, match="clip_ratio_low/clip_ratio_high, not clip"):
+            algos.compute_policy_loss_cispo(*by_position, clip=algos.ClipRange(0.1, 0.1))
     with pytest.raises(TypeError, match="PolicyLossColumns"):
 
         @algos.token_policy_loss()

@@ -265,6 +265,8 @@ def policy_loss_over_columns(loss_of_columns: Callable[..., tuple[Array, dict]])
         raise TypeError(f"the option clip of {loss_of_columns.__name__} needs a ClipRange default")
 
     def loss(old_log_prob: Array, log_prob: Array, advantages: Array, response_mask: Array, **kw: Any):
+        if "clip" in kw:  # the public form takes verl's keywords only; a ClipRange would be overwritten
+            raise TypeError(f"{loss_of_columns.__name__} takes clip_ratio_low/clip_ratio_high, not clip")
         if clip is not None:
             default = clip.default
             kw["clip"] = ClipRange(kw.pop("clip_ratio_low", default.low), kw.pop("clip_ratio_high", default.high))
