@@ -436,14 +436,14 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxflow.configs.resolve import with_platform_attention
+    from jaxflow.configs.resolve import with_attention
     from jaxflow.models import PRESETS, init_model
     from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, RolloutConfig
 
     cfg = PRESETS[preset].replace(param_dtype=jnp.float32, dtype=jnp.bfloat16)
     if num_layers:
         cfg = cfg.replace(num_layers=num_layers)
-    cfg = with_platform_attention(cfg, jax.default_backend())  # what a run resolves
+    cfg = with_attention(cfg, jax.default_backend())  # what a run resolves
     if attention_impl:
         cfg = cfg.replace(attention_impl=attention_impl)
     model = init_model(cfg, "lm", seed=0)

@@ -289,13 +289,13 @@ def test_fused_attention_layout_and_mask():
 
 
 def test_cudnn_attention_where_it_applies():
-    from jaxflow.configs.resolve import with_platform_attention
+    from jaxflow.configs.resolve import with_attention
 
     bf16 = CFG.replace(dtype=jnp.bfloat16)
-    assert with_platform_attention(bf16, "gpu").attention_impl == "cudnn"
-    assert with_platform_attention(bf16, "cpu").attention_impl == "xla"
-    assert with_platform_attention(bf16, "tpu").attention_impl == "xla"
-    assert with_platform_attention(CFG, "gpu").attention_impl == "xla"  # float32 compute
+    assert with_attention(bf16, "gpu").attention_impl == "cudnn"
+    assert with_attention(bf16, "cpu").attention_impl == "xla"
+    assert with_attention(bf16, "tpu").attention_impl == "xla"
+    assert with_attention(CFG, "gpu").attention_impl == "xla"  # float32 compute
     with pytest.raises(ValueError, match="cudnn"):
         CFG.replace(attention_impl="cudnn")
 

@@ -8,8 +8,9 @@
   ``test_cli_ray_run_killed_and_restarted_equals_the_local_run`` and
   ``test_a_2_process_checkpoint_resumes_on_1_process``.)
 - The agreement metrics (verl's ``training/rollout_probs_diff_*``) against a NumPy transcription
-  of verl's, and the agreement mode (``jaxflow.trainer.rollout_agreement``): every shipped RL
-  tiny config logs them, at most 1e-6 apart in log-prob on CPU.
+  of verl's, and the agreement mode (``jaxflow.trainer.rollout_agreement``: a batch-invariant
+  actor, `jaxflow.models.ordered`): every shipped RL tiny config logs them, and the rollout's
+  log-probs are the trainer's bit for bit.
 """
 
 import numpy as np
@@ -77,8 +78,8 @@ def test_split_and_colocated_placements_log_the_same_metrics(config, tmp_path):
         for p in ("colocated", "split")
     }
     assert any(r["critic/score/mean"] > 0 for r in runs["colocated"])  # the reward has signal
-    # the agreement mode, under both placements: the engine's log-probs are the trainer's to float32 rounding
-    assert max(r["training/rollout_log_probs_diff_max"] for rows in runs.values() for r in rows) <= 1e-6
+    # the agreement mode, under both placements: the engine's log-probs are the trainer's bit for bit
+    assert max(r["training/rollout_log_probs_diff_max"] for rows in runs.values() for r in rows) == 0.0
     diffs, bad = ray_vs_local.compare(runs["colocated"], runs["split"], 1e-5)
     assert not bad, bad
     assert len(diffs) > 5 * 20  # every metric of every step was compared
@@ -131,20 +132,20 @@ OTHER_RL_TINY = ["dapo_tiny", "remax_tiny"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", OTHER_RL_TINY)
-def test_agreement_mode_logs_log_probs_equal_to_float32_rounding(config, tmp_path):
+def test_agreement_mode_logs_log_probs_equal_bit_for_bit(config, tmp_path):
     """One step of each config (one small layer; dapo_tiny's dynamic sampling with the digit
     reward, which has signal for an untrained policy) with ``jaxflow.trainer.rollout_agreement``:
-    the trainer's log-probs of the sampled tokens are the rollout engine's to float32 rounding
-    (<= 1e-6; a log-prob of magnitude 8 to 16 has a float32 spacing of 9.5e-7)."""
+    the trainer's log-probs of the sampled tokens are the rollout engine's bit for bit (the
+    acceptance asks <= 1e-6)."""
     reward = tmp_path / "digits.py"
     reward.write_text(DIGITS)
     overrides = [*SMALL, "jaxflow.trainer.rollout_agreement=True"]
     if config == "dapo_tiny":
         overrides.append(f"custom_reward_function.path={reward}")
     (row,) = run_steps(config, overrides, 1, tmp_path / "run")
-    assert row["training/rollout_log_probs_diff_max"] <= 1e-6, row["training/rollout_log_probs_diff_max"]
-    assert abs(row["training/rollout_kl"]) <= 1e-6
-    assert row["training/rollout_probs_diff_max"] <= 1e-6
+    assert row["training/rollout_log_probs_diff_max"] == 0.0, row["training/rollout_log_probs_diff_max"]
+    assert row["training/rollout_kl"] == 0.0
+    assert row["training/rollout_probs_diff_max"] == 0.0
 
 
 def test_agreement_mode_scores_the_trainers_log_probs_where_an_on_policy_update_would_not():

@@ -28,6 +28,7 @@ from jaxflow.sampling import (
     lower_generate,
 )
 from jaxflow.sampling.engine import DEFAULT_PAGE_SIZE
+from jaxflow.workers.forward import log_probs_and_entropy
 from tests.compile_events import CompileEvents
 from tests.hf_reference import random_hf_model
 
@@ -182,6 +183,38 @@ def test_log_probs_equal_teacher_forcing(sampled, teacher_forced_logits):
     m = np.asarray(out.response_mask).astype(bool)
     np.testing.assert_allclose(np.asarray(out.log_probs)[m], want[m], atol=1e-4, rtol=0)
     np.testing.assert_array_equal(np.asarray(out.log_probs)[~m], 0.0)
+
+
+def test_batch_invariant_rollout_log_probs_are_the_trainers_bit_for_bit(
+    llama, sampled, teacher_forced_logits, tmp_path
+):
+    """The train-rollout agreement mode's model (``batch_invariant``): its forward is the
+    default model's to rounding, and the engine, which decodes it with the same order-stable
+    sums (`paged.ordered_paged_attention`), reports log-probs of the sampled tokens equal bit
+    for bit to the trainer's (`log_probs_and_entropy`: one forward over prompt + response, as
+    the actor scores old log-probs) with 8 rows per decode step; the default model's differ
+    there by a few float32 spacings."""
+    hf, _ = llama
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path, dtype=jnp.float32, batch_invariant=True)
+    ids, mask = _prompts(lengths=(5, 2, 11, 8), seed=1)
+    out = generate(model, ids, mask, SAMPLED)
+    n = SAMPLED.n
+    rows = dict(prompt_ids=np.repeat(ids, n, axis=0), prompt_mask=np.repeat(mask, n, axis=0))
+    rows |= dict(responses=np.asarray(out.responses), response_mask=np.asarray(out.response_mask))
+    m = rows["response_mask"] > 0
+    assert m.sum() > 40
+    # the same model: the same tokens as the default attention's rollout, the same logits to rounding
+    np.testing.assert_array_equal(rows["responses"], np.asarray(sampled[2].responses))
+    L = ids.shape[1]
+    forward = jax.jit(lambda s, x, a: nnx.merge(*s)(x, attention_mask=a))
+    seq = np.concatenate([rows["prompt_ids"], rows["responses"]], axis=1)
+    seq_mask = np.concatenate([rows["prompt_mask"], rows["response_mask"]], axis=1)
+    logits = np.asarray(forward(nnx.split(model), seq, seq_mask))[:, L - 1 : L - 1 + rows["responses"].shape[1]]
+    np.testing.assert_allclose(logits[m], teacher_forced_logits[m], atol=1e-4, rtol=0)
+    trainer = jax.jit(lambda s, t: log_probs_and_entropy(nnx.merge(*s), t, SAMPLED.temperature, False)[0])
+    want = np.asarray(trainer(nnx.split(model), rows))
+    np.testing.assert_array_equal(np.asarray(out.log_probs)[m], want[m])
 
 
 def test_sampled_stopping_and_interleaving(sampled):

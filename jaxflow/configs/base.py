@@ -809,9 +809,12 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "jaxflow.trainer.rollout_agreement",
             False,
-            "Train-rollout agreement mode: every step the trainer re-scores the sampled tokens (old_log_probs), also "
-            "where an on-policy update would reuse its own forward, and logs training/rollout_* (the difference to the "
-            "rollout engine's log-probs). Cost: one log-prob forward over the batch per step.",
+            "Train-rollout agreement mode: the actor's model is batch-invariant (every sum in index order, exp and "
+            "log from exact elementwise arithmetic: jaxflow.models.ordered), so the rollout's log-probs equal the "
+            "trainer's bit for bit; every step the trainer re-scores the sampled tokens (old_log_probs), also where an "
+            "on-policy update would reuse its own forward, and logs training/rollout_* (the difference to the rollout "
+            "engine's log-probs). Cost: that forward, and slower compiled programs (sums as sequential loops): for "
+            "checking, not for speed.",
         ),
         # --- jaxflow: SFT warm start -------------------------------------------------------------
         ("jaxflow.sft.steps", 300, "sft job: optimizer steps on the built-in task's demonstrations."),

@@ -253,13 +253,15 @@ def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
     (empty path: ``jaxflow.model.preset``; ``preset:NAME``) with the ``jaxflow.model`` shape
     overrides, or a checkpoint directory's ``config.json``; else None. Dtypes (`resolve_dtypes`),
     layer scanning and remat come from ``jaxflow.model`` either way; the actor's LoRA adapters
-    (`lora_config`) are part of its config."""
+    (`lora_config`) and, in the train-rollout agreement mode, its batch-invariant sums
+    (`with_attention`) are part of its config."""
     import jax.numpy as jnp
 
     from jaxflow.models import PRESETS, ModelConfig
 
     m = cfg.jaxflow.model
     lora = lora_config(cfg) if role == "actor" else None
+    invariant = role == "actor" and cfg.jaxflow.trainer.rollout_agreement
     param_dtype, compute_dtype = resolve_dtypes(m.dtype, m.compute_dtype, role, platform(cfg), lora is not None)
     options = dict(
         param_dtype=getattr(jnp, param_dtype),
@@ -273,19 +275,25 @@ def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
         config_json = os.path.join(os.path.expanduser(path), "config.json")
         if not os.path.isfile(config_json):
             return None
-        return with_platform_attention(ModelConfig.from_json_file(config_json, **options), platform(cfg))
+        return with_attention(ModelConfig.from_json_file(config_json, **options), platform(cfg), invariant)
     preset = path[len(PRESET_PREFIX) :] if path else m.preset
     base = PRESETS[preset]
     shape = {k: m[k] for k in SHAPE_KEYS if m[k]}
     if "hidden_size" in shape or "num_heads" in shape:
         shape["head_dim"] = shape.get("hidden_size", base.hidden_size) // shape.get("num_heads", base.num_heads)
-    return with_platform_attention(base.replace(**shape, **options), platform(cfg))
+    return with_attention(base.replace(**shape, **options), platform(cfg), invariant)
 
 
-def with_platform_attention(model: Any, platform: str) -> Any:
+def with_attention(model: Any, platform: str, batch_invariant: bool = False) -> Any:
     """The model config with cuDNN's fused attention for its forwards without a KV cache on
     GPU where cuDNN takes it (`ModelConfig.cudnn_attention_ok`; measured on an H100: the
-    0.5B actor's train step 0.113 -> 0.101 s), jaxflow's own attention elsewhere."""
+    0.5B actor's train step 0.113 -> 0.101 s), jaxflow's own attention elsewhere; with
+    ``batch_invariant`` (the actor in the train-rollout agreement mode,
+    ``jaxflow.trainer.rollout_agreement``) jaxflow's, with every sum in index order
+    (`ModelConfig.batch_invariant`): its forwards and the rollout's decode steps agree bit for
+    bit."""
+    if batch_invariant:
+        return model.replace(attention_impl="xla", batch_invariant=True)
     return model.replace(attention_impl="cudnn" if platform == "gpu" and model.cudnn_attention_ok else "xla")
 
 

@@ -47,7 +47,12 @@ class ModelConfig:
     ``param_dtype`` is what parameters are stored in; ``dtype`` what matmuls compute in
     (softmax, norms and the final log-softmax always run in float32). ``attention_impl``: the
     attention of forwards without a KV cache: ``xla`` (jaxflow's, any backend) or ``cudnn``
-    (cuDNN's fused attention through ``jax.nn.dot_product_attention``, GPU only). ``lora``:
+    (cuDNN's fused attention through ``jax.nn.dot_product_attention``, GPU only).
+    ``batch_invariant``: every sum of the projections, heads and attention taken in index
+    order, one term at a time (`jaxflow.models.decoder.ordered_einsum`, `ordered_attention`;
+    the rollout engine then attends with the same function), so a token's outputs do not depend
+    on how many tokens a call holds or where they sit: the rollout's decode steps and a full
+    forward give the same bits (the train-rollout agreement mode; slow, for checking). ``lora``:
     LoRA adapters on the projections (`jaxflow.models.lora`; not part of the HF config).
     """
 
@@ -76,6 +81,7 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     dtype: Any = jnp.float32
     attention_impl: str = "xla"  # xla | cudnn: attention without a KV cache (training, scoring forwards)
+    batch_invariant: bool = False  # sums in index order: decode steps == a full forward, bit for bit
     lora: LoRAConfig | None = None  # adapters on the projections (`jaxflow.models.lora`); None: none
 
     def __post_init__(self):

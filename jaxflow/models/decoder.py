@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxflow.mesh import constrain
-from jaxflow.models import lora
+from jaxflow.models import lora, ordered
 from jaxflow.models.config import ModelConfig
 from jaxflow.models.rope import apply_rope, inverse_frequencies
 
@@ -45,20 +45,22 @@ _zeros = jax.nn.initializers.zeros
 _ones = jax.nn.initializers.ones
 
 
-def token_einsum(spec: str, x, w) -> jax.Array:
+def token_einsum(spec: str, x, w, batch_invariant: bool = False) -> jax.Array:
     """``jnp.einsum(spec, x, w)`` for a ``spec`` starting ``"BL"`` (x's two leading dims are
     tokens) as one product over the B * L tokens: XLA:CPU then runs plain matrix products in
     both directions, where the weight gradients of ``BL``-batched einsums (contracting B and L)
-    went through slow transposing fusions (measured on the actor's train step: 11.6 -> 10.0 s)."""
+    went through slow transposing fusions (measured on the actor's train step: 11.6 -> 10.0 s).
+    ``batch_invariant``: `jaxflow.models.ordered.einsum`."""
     B, L = x.shape[:2]
-    y = jnp.einsum(spec.replace("BL", "T"), x.reshape(B * L, *x.shape[2:]), w)
+    einsum = ordered.einsum if batch_invariant else jnp.einsum
+    y = einsum(spec.replace("BL", "T"), x.reshape(B * L, *x.shape[2:]), w)
     return y.reshape(B, L, *y.shape[1:])
 
 
 def project(module: nnx.Module, name: str, spec: str, x, dtype) -> jax.Array:
     """``x W`` for ``module``'s projection ``name`` (`token_einsum` with ``spec``) in
     ``dtype``, plus its LoRA update when it has an adapter (`jaxflow.models.lora`)."""
-    y = token_einsum(spec, x, getattr(module, name)[...].astype(dtype))
+    y = token_einsum(spec, x, getattr(module, name)[...].astype(dtype), module.cfg.batch_invariant)
     adapter = lora.adapter_of(module, name)
     return y if adapter is None else y + adapter(x).astype(y.dtype)
 
@@ -69,17 +71,27 @@ def positions_from_mask(attention_mask_BxL: jax.Array) -> jax.Array:
 
 
 class RMSNorm(nnx.Module):
-    """y = x / sqrt(mean(x^2) + eps) * scale, computed in at least float32."""
+    """y = x / sqrt(mean(x^2) + eps) * scale, computed in at least float32 (``batch_invariant``:
+    the mean's sum in index order, `jaxflow.models.ordered`)."""
 
-    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs, axes=("norm",)):
-        self.eps = eps
+    def __init__(self, dim: int, eps: float, param_dtype, rngs: nnx.Rngs, axes=("norm",), batch_invariant=False):
+        self.eps, self.batch_invariant = eps, batch_invariant
         self.weight = _param(rngs, _ones, (dim,), axes, param_dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(wide(x.dtype))
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.batch_invariant:
+            mean_sq = ordered.sum_in_index_order(lambda i: x32[..., i] ** 2, x.shape[-1])[..., None] / x.shape[-1]
+        else:
+            mean_sq = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        y = x32 * jax.lax.rsqrt(mean_sq + self.eps)
         scale = self.weight[...].astype(x32.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
         return (y * scale).astype(x.dtype)
+
+
+def _norm(cfg: ModelConfig, rngs: nnx.Rngs) -> RMSNorm:
+    """A hidden-size RMSNorm of ``cfg``."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs, batch_invariant=cfg.batch_invariant)
 
 
 class Attention(nnx.Module):
@@ -97,8 +109,8 @@ class Attention(nnx.Module):
             self.k_bias = _param(rngs, _zeros, (N, K), ("kv_heads", "head_dim"), pd)
             self.v_bias = _param(rngs, _zeros, (N, K), ("kv_heads", "head_dim"), pd)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, axes=("head_dim",))
-            self.k_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, axes=("head_dim",))
+            self.q_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, ("head_dim",), cfg.batch_invariant)
+            self.k_norm = RMSNorm(K, cfg.rms_norm_eps, pd, rngs, ("head_dim",), cfg.batch_invariant)
         lora.attach(self, cfg.lora, rngs)
 
     def __call__(self, x_BxLxD, positions_BxL, mask_BxLxS, cache: Any = None, pool: Any = None):
@@ -136,7 +148,8 @@ class Attention(nnx.Module):
         elif cfg.attention_impl == "cudnn":
             out = fused_attention(q, k, v, mask_BxLxS, "cudnn")
         else:
-            out = dot_product_attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_BxLxS)
+            attention = ordered_attention if cfg.batch_invariant else dot_product_attention
+            out = attention(q, k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3), mask_BxLxS)
         out = constrain(out, ("batch", "length", "heads", "head_dim"))
         return project(self, "o_proj", "BLHK,HKD->BLD", out, dt), pool
 
@@ -157,6 +170,30 @@ def dot_product_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Ar
     probs = masked_softmax(scores.reshape(B, N, G, L, S), mask_BxLxS[:, None, None, :, :])
     probs = probs.astype(v_BxNxSxK.dtype).reshape(B, N, G * L, S)
     out_BxNxMxK = jnp.einsum("BNMS,BNSK->BNMK", probs, v_BxNxSxK)
+    return out_BxNxMxK.reshape(B, N, G, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
+
+
+def ordered_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, mask_BxLxS) -> jax.Array:
+    """`dot_product_attention` (same arguments and result) with its sums over head_dim and over
+    keys taken in index order and a batch-invariant exponential (`jaxflow.models.ordered`), in
+    at least float32: masked keys add exact zeros, so a query's output depends on its visible
+    keys alone, bit for bit, whether it is one of a whole sequence's queries (a training or
+    scoring forward) or a decode step's query over a KV cache (the rollout engine attends with
+    this function too, for a ``batch_invariant`` model). The train-rollout agreement mode; its
+    cost is ``K + 2 S`` sequential steps per attention instead of two matrix products."""
+    B, L, H, K = q_BxLxHxK.shape
+    N, S = k_BxNxKxS.shape[1], k_BxNxKxS.shape[-1]
+    G = H // N
+    sdt = wide(q_BxLxHxK.dtype)
+    q_BxNxMxK = q_BxLxHxK.reshape(B, L, N, G, K).transpose(0, 2, 3, 1, 4).reshape(B, N, G * L, K).astype(sdt)
+    k_BxNxKxS, v_BxNxSxK = k_BxNxKxS.astype(sdt), v_BxNxSxK.astype(sdt)
+    scores_BxNxMxS = ordered.sum_in_index_order(lambda i: q_BxNxMxK[..., i, None] * k_BxNxKxS[:, :, None, i, :], K)
+    mask = mask_BxLxS[:, None, None, :, :]
+    s = jnp.where(mask, (scores_BxNxMxS * (K**-0.5)).reshape(B, N, G, L, S), jnp.finfo(sdt).min)
+    e = ordered.exp(s - jnp.max(s, axis=-1, keepdims=True))  # a max is the same in any order
+    probs = (e / ordered.sum_in_index_order(lambda j: e[..., j], S)[..., None]).reshape(B, N, G * L, S)
+    out_BxNxMxK = ordered.sum_in_index_order(lambda j: probs[..., j, None] * v_BxNxSxK[:, :, None, j, :], S)
+    out_BxNxMxK = out_BxNxMxK.astype(q_BxLxHxK.dtype)
     return out_BxNxMxK.reshape(B, N, G, L, K).transpose(0, 3, 1, 2, 4).reshape(B, L, H, K)
 
 
@@ -220,9 +257,9 @@ class Block(nnx.Module):
     """Pre-norm residual block: h = x + attn(norm(x)); y = h + mlp(norm(h))."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
+        self.input_layernorm = _norm(cfg, rngs)
         self.self_attn = Attention(cfg, rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
+        self.post_attention_layernorm = _norm(cfg, rngs)
         self.mlp = MLP(cfg, rngs)
 
     def __call__(self, x, positions, mask, cache=None, pool=None):
@@ -257,7 +294,7 @@ class Decoder(nnx.Module):
             self.layers = _stacked_blocks(cfg, rngs)
         else:
             self.layers = nnx.List([Block(cfg, rngs) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.param_dtype, rngs)
+        self.norm = _norm(cfg, rngs)
 
     def __call__(
         self,
@@ -361,9 +398,10 @@ class CausalLM(nnx.Module):
     def logits(self, hidden_BxLxD: jax.Array) -> jax.Array:
         dt = self.cfg.dtype
         if self.cfg.tie_word_embeddings:
-            logits = token_einsum("BLD,VD->BLV", hidden_BxLxD.astype(dt), self.model.embed_tokens[...].astype(dt))
+            head, spec = self.model.embed_tokens[...], "BLD,VD->BLV"
         else:
-            logits = token_einsum("BLD,DV->BLV", hidden_BxLxD.astype(dt), self.lm_head[...].astype(dt))
+            head, spec = self.lm_head[...], "BLD,DV->BLV"
+        logits = token_einsum(spec, hidden_BxLxD.astype(dt), head.astype(dt), self.cfg.batch_invariant)
         return constrain(logits.astype(wide(dt)), ("batch", "length", "vocab"))
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:

@@ -421,7 +421,7 @@ def sample_step(ro: Rollout, c: Carry, run_S: jax.Array):
             vocab_shards=ro.vocab_shards,
         )
     with jax.named_scope("log_prob"):
-        logp_S = token_log_probs(logits_SxV, tok_S, temperature)
+        logp_S = token_log_probs(logits_SxV, tok_S, temperature, ro.model.cfg.batch_invariant)
     return tok_S, logp_S, logits_SxV, _pool_constraint(ro.pool_layout)(kv.pools)
 
 

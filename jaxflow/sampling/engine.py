@@ -347,9 +347,12 @@ def _row_limits(params: SamplingParams, max_new_tokens, B: int) -> np.ndarray:
 
 
 def _kernel(cfg: ModelConfig, mesh: Mesh | None, rules: Rules, attention: str | None) -> str:
-    """The attention kernel: ``attention`` when given, else `paged.choose_kernel` for the
-    platform (the pure-JAX attention when the mesh splits head_dim)."""
+    """The attention kernel: ``attention`` when given, else ``"ordered"`` for a
+    ``batch_invariant`` model, else `paged.choose_kernel` for the platform (the pure-JAX attention when
+    the mesh splits head_dim)."""
     platform = _platform(mesh)
+    if attention is None and cfg.batch_invariant:
+        return "ordered"  # the model's own order-stable attention: decode steps equal a forward bit for bit
     if attention is None:
         split = (
             mesh is not None
@@ -368,9 +371,10 @@ class EngineOptions:
     ``slots``: decode slots per replica (None: the replica's rows, at most `DEFAULT_SLOTS`);
     ``page_size``: tokens per KV page; ``kv_tokens``: the page pool's budget of cached tokens
     per replica (None: the default, `_default_kv_tokens`; too small a budget for one prompt
-    group and one response is an error); ``attention``: ``"jax"``, ``"gpu"`` or ``"tpu"``
-    (None: by platform, `paged.choose_kernel`; ``"gpu"`` off a GPU runs the kernel in
-    interpret mode); ``steps_per_sync``: decode steps per trip of the rollout loop (None:
+    group and one response is an error); ``attention``: ``"jax"``, ``"gpu"``, ``"tpu"`` or
+    ``"ordered"`` (`paged.ordered_paged_attention`) (None: ``"ordered"`` for a
+    ``batch_invariant`` model, else by platform, `paged.choose_kernel`; ``"gpu"`` off a GPU
+    runs the kernel in interpret mode); ``steps_per_sync``: decode steps per trip of the rollout loop (None:
     `default_steps_per_sync` of the platform); ``return_logits`` / ``return_cache``: debug
     outputs (separate programs; for tests)."""
 

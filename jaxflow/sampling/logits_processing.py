@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxflow.mesh import constrain
+from jaxflow.models import ordered
 
 NEG_INF = -jnp.inf
 
@@ -229,8 +230,13 @@ def _categorical(keys_B: jax.Array, logits_BxC: jax.Array, shards: int = 1) -> j
     return (block_B * width + pick(in_block_BxW, u_Bx2[:, 1])).astype(jnp.int32)
 
 
-def token_log_probs(logits_BxV: jax.Array, tokens_B: jax.Array, temperature=1.0) -> jax.Array:
-    """``log_softmax(logits / T)[token]`` per row, float32 [B] (no top-k / top-p)."""
-    z = apply_temperature(logits_BxV, temperature)
+def token_log_probs(logits_BxV: jax.Array, tokens_B: jax.Array, temperature=1.0, batch_invariant=False) -> jax.Array:
+    """``log_softmax(logits / T)[token]`` per row, float32 [B] (no top-k / top-p);
+    ``batch_invariant``: computed as the trainer computes a batch-invariant model's log-probs
+    (`jaxflow.models.ordered`: the temperature as a product, the normaliser's sum in index order)."""
+    if batch_invariant:
+        z = ordered.divide(logits_BxV.astype(jnp.float32), _as_column(temperature, logits_BxV.ndim))
+    else:
+        z = apply_temperature(logits_BxV, temperature)
     picked = jnp.take_along_axis(z, tokens_B[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(z, axis=-1)
+    return picked - ordered.logsumexp(z, batch_invariant)

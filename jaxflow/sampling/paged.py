@@ -30,6 +30,10 @@ included). With kv heads split over mesh axes (tp), the kernel runs per shard un
 pages in blocks of ``pages_per_block`` with an online softmax, for as many blocks as the
 longest query position needs (a dynamic trip count): the work follows the tokens alive, not
 the table's capacity.
+
+``"ordered"`` (a ``batch_invariant`` model's: the train-rollout agreement mode) keeps the ``"jax"`` layout and attends with `ordered_paged_attention`: the trainer's own
+order-stable attention over every slot of each row's page table, so the rollout's logits are a
+full forward's bit for bit.
 """
 
 from __future__ import annotations
@@ -44,9 +48,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from jaxflow.models import ModelConfig
+from jaxflow.models.decoder import ordered_attention
 
 TRASH_PAGE = 0
-KERNELS = ("jax", "gpu", "tpu")
+KERNELS = ("jax", "gpu", "tpu", "ordered")
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -143,6 +148,10 @@ class PoolLayout:
         elif self.kernel == "gpu" and q_BxLxHxK.shape[1] == 1 and sliding_window is None:
             fn, args = _gpu_decode_attention, pool
             specs = (PartitionSpec(self.kv_axes or None, None, None, None),) * 2
+        elif self.kernel == "ordered":
+            return ordered_paged_attention(
+                q_BxLxHxK, *pool, page_table_BxM, positions_BxL, sliding_window=sliding_window
+            )
         else:
             return paged_attention(
                 q_BxLxHxK,
@@ -358,12 +367,36 @@ def paged_attention(
     return out.reshape(N, B, G, L, K).transpose(1, 3, 0, 2, 4).reshape(B, L, H, K).astype(q_BxLxHxK.dtype)
 
 
+def ordered_paged_attention(
+    q_BxLxHxK, k_pages_NxPxTxK, v_pages_NxPxTxK, page_table_BxM, positions_BxL, *, sliding_window: int | None = None
+) -> jax.Array:
+    """`paged_attention`'s result computed as a ``batch_invariant`` model computes attention in
+    a forward: each row's pages gathered into keys and values over all
+    ``S = M * page_size`` slots of its table, then `jaxflow.models.decoder.ordered_attention`
+    under the mask slot <= position (and position - slot < sliding_window). Its sums run in
+    index order and masked slots add exact zeros, so a decode step's logits are the full
+    forward's bit for bit (where `paged_attention`'s online softmax and XLA's tiled products
+    differ by a few float32 spacings). Cost: every query reads every slot of the table, and
+    the attention's sums are sequential."""
+    N, _, T, K = k_pages_NxPxTxK.shape
+    B, M = page_table_BxM.shape
+    k_BxNxKxS = k_pages_NxPxTxK[:, page_table_BxM].reshape(N, B, M * T, K).transpose(1, 0, 3, 2)
+    v_BxNxSxK = v_pages_NxPxTxK[:, page_table_BxM].reshape(N, B, M * T, K).transpose(1, 0, 2, 3)
+    slot_S = jnp.arange(M * T, dtype=jnp.int32)
+    visible_BxLxS = slot_S[None, None, :] <= positions_BxL[:, :, None]
+    if sliding_window is not None:
+        visible_BxLxS &= positions_BxL[:, :, None] - slot_S[None, None, :] < sliding_window
+    out = ordered_attention(q_BxLxHxK, k_BxNxKxS, v_BxNxSxK, visible_BxLxS)
+    return jnp.where((positions_BxL >= 0)[:, :, None, None], out, 0).astype(q_BxLxHxK.dtype)
+
+
 __all__ = [
     "KERNELS",
     "TRASH_PAGE",
     "PagedKVCache",
     "PoolLayout",
     "choose_kernel",
+    "ordered_paged_attention",
     "paged_attention",
     "ragged_arguments",
     "dropped",

@@ -109,6 +109,7 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
                 scan_layers=c.scan_layers,
                 remat_policy=c.remat_policy,
                 attention_impl=c.attention_impl,
+                batch_invariant=c.batch_invariant,
             )
         )
         model = models.from_pretrained(os.path.expanduser(spec.path), mesh=mesh, rules=rules, head=spec.head, **options)

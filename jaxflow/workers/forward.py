@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.algos import compute_entropy_from_logits
+from jaxflow.models import ordered
 
 Array = jax.Array
 
@@ -76,9 +77,10 @@ def response_hidden(model: Any, tensors: Mapping[str, Array]) -> Array:
     return jax.lax.slice_in_dim(hidden_BxLxD, P - 1, P - 1 + R, axis=1)
 
 
-def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array) -> Array:
-    """``log_softmax(logits)[token]`` per position: ``[B, R]``."""
-    lse_BxR = jax.nn.logsumexp(logits_BxRxV, axis=-1)
+def token_log_probs(logits_BxRxV: Array, tokens_BxR: Array, batch_invariant: bool = False) -> Array:
+    """``log_softmax(logits)[token]`` per position: ``[B, R]`` (``batch_invariant``: the
+    normaliser's sum in index order, `jaxflow.models.ordered.logsumexp`)."""
+    lse_BxR = ordered.logsumexp(logits_BxRxV, batch_invariant)
     picked_BxR = jnp.take_along_axis(logits_BxRxV, tokens_BxR.astype(jnp.int32)[..., None], axis=-1)[..., 0]
     return picked_BxR - lse_BxR
 
@@ -108,8 +110,11 @@ def head_log_probs(
     def chunk(h_BxCxD, t_BxC):
         logits = model.logits(h_BxCxD)
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
-        logits = logits / jnp.asarray(temperature, logits.dtype)
-        lp = token_log_probs(logits, t_BxC)
+        if model.cfg.batch_invariant:  # as the engine computes it (`jaxflow.models.ordered`)
+            logits = ordered.divide(logits, temperature)
+        else:
+            logits = logits / jnp.asarray(temperature, logits.dtype)
+        lp = token_log_probs(logits, t_BxC, model.cfg.batch_invariant)
         return lp, (compute_entropy_from_logits(logits) if with_entropy else jnp.zeros_like(lp))
 
     k = position_chunks(B, L, model.cfg.vocab_size, LOGITS_CHUNK_BYTES)
