@@ -93,6 +93,9 @@ def cut_prompts_warning(split: str, dataset: PromptDataset) -> str | None:
     )
 
 
+RUN_OPTIONS = ("scan_layers", "remat_policy", "attention_impl", "batch_invariant")
+
+
 def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef, Any]:
     """``(graphdef, params)`` of a role's model, in its layout on ``mesh``: a checkpoint
     directory read straight into it (shard by shard), or a preset initialised from
@@ -100,18 +103,9 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
     checkpoint starts at zero."""
     if not spec.is_preset:
         c = spec.config
-        options = (
-            {}
-            if c is None
-            else dict(
-                dtype=c.param_dtype,
-                compute_dtype=c.dtype,
-                scan_layers=c.scan_layers,
-                remat_policy=c.remat_policy,
-                attention_impl=c.attention_impl,
-                batch_invariant=c.batch_invariant,
-            )
-        )
+        options = {}
+        if c is not None:  # the run's options, which the checkpoint's config.json does not hold
+            options = dict(dtype=c.param_dtype, compute_dtype=c.dtype, **{k: getattr(c, k) for k in RUN_OPTIONS})
         model = models.from_pretrained(os.path.expanduser(spec.path), mesh=mesh, rules=rules, head=spec.head, **options)
         return nnx.split(model)
     return init_sharded(spec.config, spec.head, spec.seed, mesh, rules)
