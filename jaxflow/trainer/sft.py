@@ -25,6 +25,7 @@ from jaxflow.configs.prepare import PreparedRun, builtin_task
 from jaxflow.configs.run_spec import RunSpec, SFTSpec, start_actor_from
 from jaxflow.data.dataset import tokenize_sft_examples
 from jaxflow.mesh import data_parallel_size, state_shardings
+from jaxflow.models import init_model
 from jaxflow.sampling import SamplingParams, generate_from_state
 from jaxflow.trainer.builders import load_model
 from jaxflow.trainer.checkpoint import all_finite
@@ -214,10 +215,16 @@ def warm_start(
         print(f"jaxflow: resuming; the reference policy is the supervised warm start in {out}", flush=True)
         return rl_spec, None
     sft = dataclasses.replace(spec.sft, steps=steps, output_dir=out)
-    actor = spec.models["actor"]  # every weight trains (RL's LoRA adapters, if any, start on top of them)
-    models = {**spec.models, "actor": dataclasses.replace(actor, config=actor.config.replace(lora=None))}
+    actor = spec.models["actor"]
+    # Every weight trains (RL's LoRA adapters, if any, start on top of them), in the plain
+    # arithmetic: the agreement mode's batch-invariant sums concern the RL actor and its rollout.
+    sft_model = actor.config.replace(lora=None, batch_invariant=False)
+    models = {**spec.models, "actor": dataclasses.replace(actor, config=sft_model)}
     print(f"jaxflow: supervised warm start ({steps} steps on {spec.data.builtin_task}) -> {out}", flush=True)
     _, graphdef, params = run_sft(
         dataclasses.replace(prepared, spec=dataclasses.replace(spec, sft=sft, models=models)), record
     )
+    if actor.config.batch_invariant:  # the same parameters in the RL actor's (batch-invariant) graph
+        rl_model = actor.config.replace(lora=None)
+        graphdef = nnx.graphdef(nnx.eval_shape(lambda: init_model(rl_model, head=actor.head, seed=actor.seed)))
     return rl_spec, (graphdef, params)
