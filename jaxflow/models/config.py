@@ -49,7 +49,7 @@ class ModelConfig:
     attention of forwards without a KV cache: ``xla`` (jaxflow's, any backend) or ``cudnn``
     (cuDNN's fused attention through ``jax.nn.dot_product_attention``, GPU only).
     ``batch_invariant``: every sum of the projections, heads and attention taken in index
-    order, one term at a time (`jaxflow.models.decoder.ordered_einsum`, `ordered_attention`;
+    order, one term at a time (`jaxflow.models.ordered`, `decoder.ordered_attention`;
     the rollout engine then attends with the same function), so a token's outputs do not depend
     on how many tokens a call holds or where they sit: the rollout's decode steps and a full
     forward give the same bits (the train-rollout agreement mode; slow, for checking). ``lora``:

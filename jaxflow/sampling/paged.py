@@ -31,9 +31,10 @@ pages in blocks of ``pages_per_block`` with an online softmax, for as many block
 longest query position needs (a dynamic trip count): the work follows the tokens alive, not
 the table's capacity.
 
-``"ordered"`` (a ``batch_invariant`` model's: the train-rollout agreement mode) keeps the ``"jax"`` layout and attends with `ordered_paged_attention`: the trainer's own
-order-stable attention over every slot of each row's page table, so the rollout's logits are a
-full forward's bit for bit.
+``"ordered"`` (a ``batch_invariant`` model's: the train-rollout agreement mode) keeps the
+``"jax"`` layout and attends with `ordered_paged_attention`: the trainer's own order-stable
+attention over every slot of each row's page table, so the rollout's logits are a full
+forward's bit for bit.
 """
 
 from __future__ import annotations
