@@ -65,7 +65,13 @@ TINY = dict(
 )
 PHASES = ("checkpoint", "hf", "torch_train", "rl", "xla_flags", "ceilings", "engine", "profile", "train", "wide")
 TINY_SKIPS = ("xla_flags", "wide")  # GPU flags; the wide model is the train and engine phases again
-ENGINE_VARIANTS = {"steps_per_sync_1": dict(steps_per_sync=1), "attention_jax": dict(attention="jax")}  # EngineOptions
+ENGINE_VARIANTS = {  # EngineOptions
+    "steps_per_sync_1": dict(steps_per_sync=1),
+    "attention_jax": dict(attention="jax"),
+    "pages_per_block_2": dict(pages_per_block=2),
+    "pages_per_block_4": dict(pages_per_block=4),
+    "pages_per_block_16": dict(pages_per_block=16),
+}
 # XLA:GPU command buffers (CUDA graphs): off, and with loops and conditionals inside them
 XLA_FLAG_VARIANTS = {
     "command_buffers_off": "--xla_gpu_enable_command_buffer=",
@@ -329,8 +335,9 @@ def _bf16_model(preset: str, num_layers: int | None = None):
     return init_model(cfg, "lm", seed=0)
 
 
-def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
-    """`generate` of B prompts x n samples, P prompt tokens -> R new (every row to R: no EOS)."""
+def engine_call(model, B, P, R, n=1, **kw):
+    """A function that runs `generate` of B prompts x n samples, P prompt tokens -> R new
+    (every row to R: no EOS), a new seed per call, and returns its output when done."""
     import numpy as np
 
     from jaxflow.sampling import EngineOptions, SamplingParams, generate
@@ -346,6 +353,12 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
         out.responses.block_until_ready()
         return out
 
+    return call
+
+
+def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
+    """``engine_call``'s first call and ``reps`` timed calls (medians over those)."""
+    call = engine_call(model, B, P, R, n, **kw)
     first, times = _timed(call, reps)
     out = call()
     steps = int(out.num_steps)
@@ -378,18 +391,15 @@ def engine(a, sizes, ceil, rl_rows) -> dict:
     return res
 
 
-def profile(sizes) -> dict:
-    """One traced engine call: device kernels per decode step, busy share, top kernels."""
+def device_trace(call, top: int = 25) -> dict:
+    """``call()`` traced by `jax.profiler`: wall seconds, device kernels, the share of the wall
+    time some kernel ran (busy), and the ``top`` kernels by summed device seconds."""
     import jax
 
-    e = sizes["engine"]
-    model = _bf16_model(sizes["preset"], sizes["layers"])
-    R = min(e["R"], 64)
-    engine_run(model, e["B"], e["P"], R, 0)
     with tempfile.TemporaryDirectory() as td:
         jax.profiler.start_trace(td, create_perfetto_trace=True)
         t0 = time.perf_counter()
-        out = engine_run(model, e["B"], e["P"], R, 0)
+        call()
         wall = time.perf_counter() - t0
         jax.profiler.stop_trace()
         paths = sorted(glob.glob(os.path.join(td, "**", "perfetto_trace.json.gz"), recursive=True))
@@ -402,11 +412,13 @@ def profile(sizes) -> dict:
         if e.get("ph") == "M" and e.get("name") == "process_name"
     }
     device = {p for p, n in names.items() if any(s in n.lower() for s in ("gpu", "tpu", "/device:"))}
-    spans, by_name = [], {}
+    spans, by_name, counts, args = [], {}, {}, {}
     for ev in events:
         if ev.get("ph") == "X" and ev.get("pid") in device and ev.get("dur"):
             spans.append((ev["ts"], ev["ts"] + ev["dur"]))
             by_name[ev["name"]] = by_name.get(ev["name"], 0.0) + ev["dur"] / 1e6
+            counts[ev["name"]] = counts.get(ev["name"], 0) + 1
+            args.setdefault(ev["name"], ev.get("args", {}))
     spans.sort()
     busy, start, end = 0.0, None, None
     for s, t in spans:
@@ -416,20 +428,49 @@ def profile(sizes) -> dict:
         else:
             end = max(end, t)
     busy += 0 if end is None else end - start
-    steps = out["steps"] + 1  # the profiled call, first call excluded
-    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:15]
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1])[:top]
     return {
-        "R": R,
         "wall_s": wall,
         "device_events": len(spans),
-        "kernels_per_step": len(spans) / max(steps, 1),
+        "device_s": sum(by_name.values()),
         "busy_share": busy / 1e6 / wall if spans else None,
-        "top_kernels_s": [(k[:80], round(v, 5)) for k, v in top],
+        "top_kernels_s": [(k[:100], counts[k], round(v, 5)) for k, v in ranked],
+        "top_kernel_args": {k[:100]: {a: str(x)[:200] for a, x in args[k].items()} for k, _ in ranked[:12]},
         "processes": sorted(set(names.values()))[:10],
     }
 
 
-def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=None) -> dict:
+def _dump(text: str, path: str | None) -> None:
+    if path:
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+
+
+def profile(sizes, dump_dir: str | None = None) -> dict:
+    """One traced engine call: device kernels per decode step, busy share, top kernels (and
+    the compiled program's HLO into ``dump_dir``, whose fusion names the kernels carry)."""
+    import numpy as np
+    from flax import nnx
+
+    from jaxflow.sampling import SamplingParams, lower_generate
+
+    e = sizes["engine"]
+    model = _bf16_model(sizes["preset"], sizes["layers"])
+    R = min(e["R"], 64)
+    call = engine_call(model, e["B"], e["P"], R)
+    call()
+    if dump_dir:
+        ids = np.ones((e["B"], e["P"]), np.int32)
+        params = SamplingParams(max_new_tokens=R, temperature=1.0, eos_token_ids=())
+        hlo = lower_generate(*nnx.split(model), ids, ids, params).compile().as_text()
+        _dump(hlo, os.path.join(dump_dir, "engine_hlo.txt.gz"))
+    out = []
+    trace = device_trace(lambda: out.append(call()))
+    steps = int(out[0].num_steps)  # decode steps; the prefill's kernels count in too
+    return dict(trace, R=R, steps=steps, kernels_per_step=trace["device_events"] / steps)
+
+
+def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=None, profiled=False, dump_dir=None) -> dict:
     """The actor's train step: float32 masters, bf16 compute (the accelerator default), GRPO
     loss with the KL loss, one mini-batch of ``rows``."""
     import jax
@@ -472,6 +513,10 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=
 
     first, times = _timed(call, reps)
     flops = train_flops(cfg, rows, P, R)
+    trace = device_trace(call) if profiled else None
+    if profiled and dump_dir:
+        with contextlib.suppress(Exception):
+            _dump(step.lower(actor.state, inputs, scalars).compile().as_text(), os.path.join(dump_dir, "train_hlo.txt.gz"))
     res = {
         "attention_impl": cfg.attention_impl,
         "rows": rows,
@@ -485,6 +530,8 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=
     }
     if ceil:
         res["mfu_vs_measured_matmul"] = flops / _median(times) / ceil["matmul_flop_per_s"]
+    if trace:
+        res["profile"] = trace
     with contextlib.suppress(Exception):
         res["peak_bytes_in_use"] = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
     res["first_step_metrics"] = {k: float(v) for k, v in jax.device_get(first_metrics(actor, step, inputs)).items()}
@@ -527,12 +574,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--engine_variants",
         default=None,
-        help=f"comma list of {sorted(ENGINE_VARIANTS)} (default: all; none with --tiny)",
+        help=f"comma list of {sorted(ENGINE_VARIANTS)} (default: pages_per_block_2,pages_per_block_16; none with --tiny)",
     )
     ap.add_argument(
         "--train_variants", default=None, help="attention implementations besides the run's default (default: xla)"
     )
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dump_hlo", default=None, help="folder for the profiled programs' compiled HLO (gzip)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--payload", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -543,7 +591,7 @@ def main(argv=None) -> int:
     if a.phases is None:
         a.phases = ",".join(p for p in PHASES if not (a.tiny and p in TINY_SKIPS))
     if a.engine_variants is None:
-        a.engine_variants = "" if a.tiny else ",".join(ENGINE_VARIANTS)
+        a.engine_variants = "" if a.tiny else "pages_per_block_2,pages_per_block_16"
     if a.train_variants is None:
         a.train_variants = "" if a.tiny else "xla"
     phases = [p for p in a.phases.split(",") if p]
@@ -607,26 +655,13 @@ def main(argv=None) -> int:
         )  # the RL run's rows (its prompts: 9-10 tokens)
         record("engine", lambda: engine(a, sizes, ceil, rl_rows))
     if "profile" in phases:
-        record("profile", lambda: profile(sizes))
+        record("profile", lambda: profile(sizes, a.dump_hlo))
     if "train" in phases:
-        record(
-            "train", lambda: train(sizes["preset"], t["rows"], t["P"], t["R"], a.reps, a.peak, ceil, sizes["layers"])
-        )
-        if not a.tiny:
-            record(
-                "train_cudnn",
-                lambda: train(
-                    sizes["preset"],
-                    t["rows"],
-                    t["P"],
-                    t["R"],
-                    a.reps,
-                    a.peak,
-                    ceil,
-                    sizes["layers"],
-                    attention_impl="cudnn",
-                ),
-            )
+        train_at = dict(preset=sizes["preset"], rows=t["rows"], P=t["P"], R=t["R"], reps=a.reps, peak=a.peak)
+        train_at.update(ceil=ceil, num_layers=sizes["layers"])
+        record("train", lambda: train(**train_at, profiled=True, dump_dir=a.dump_hlo))
+        for impl in filter(None, a.train_variants.split(",")):
+            record(f"train_{impl}", lambda impl=impl: train(**train_at, attention_impl=impl))
     if "wide" in phases:
         record("wide", lambda: wide(a, sizes, ceil))
     results["total_wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -659,8 +694,9 @@ def summary_table(r: dict) -> str:
     add("engine ms per decode step", _get(r, "engine", "default", "ms_per_step"))
     add("engine HBM bound ms per step (analytic)", _get(r, "engine", "hbm_bound_ms_per_step_analytic"))
     add("engine share of the HBM bound", _get(r, "engine", "fraction_of_hbm_bound"), "{:.1%}")
-    add("engine tok/s, one decode step per loop trip", _get(r, "engine", "steps_per_sync_1", "tok_s"), "{:,.0f}")
-    add("engine tok/s, pure-JAX attention", _get(r, "engine", "attention_jax", "tok_s"), "{:,.0f}")
+    for name in ENGINE_VARIANTS:
+        if _get(r, "engine", name):
+            add(f"engine tok/s, {name}", _get(r, "engine", name, "tok_s"), "{:,.0f}")
     for name in XLA_FLAG_VARIANTS:
         add(f"engine tok/s, {name}", _get(r, f"engine_{name}", "tok_s"), "{:,.0f}")
     add("transformers generate tok/s", _get(r, "hf", "tok_s"), "{:,.0f}")

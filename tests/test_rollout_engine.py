@@ -39,7 +39,7 @@ from jaxflow.sampling import (
     sample_tokens,
 )
 from jaxflow.sampling.logits_processing import argmax
-from jaxflow.sampling.paged import ragged_arguments, slot_address
+from jaxflow.sampling.paged import GPU_THREAD_BLOCKS, gpu_partition, ragged_arguments, slot_address
 from jaxflow.workers import ActorWorker
 from tests.compile_events import CompileEvents
 from tests.hf_reference import random_hf_model
@@ -187,13 +187,27 @@ def test_kernel_paths_equal_pure_jax():
             flat_q, kv_pool
         )
         np.testing.assert_allclose(np.asarray(got).reshape(q.shape)[real], want[real], atol=1e-5)
-        if L == 1:
+        for pages_per_block in (8, 1) if L == 1 else ():  # the table padded from 6 to 8 pages in 4 splits
             gpu = jax.jit(
-                lambda q, pool, positions: PoolLayout("gpu", interpret=True).attend(
-                    q, pool, table, positions, sliding_window=None, pages_per_block=8
+                lambda q, pool, positions, pb=pages_per_block: PoolLayout("gpu", interpret=True).attend(
+                    q, pool, table, positions, sliding_window=None, pages_per_block=pb
                 )
             )(q, pool, positions)
             np.testing.assert_allclose(np.asarray(gpu), want, atol=1e-5)
+
+
+def test_gpu_partition_fills_the_gpu_with_the_widest_blocks():
+    """The GPU kernel's table split: one split when rows x kv heads fill `GPU_THREAD_BLOCKS`
+    (256 rows x 2 heads: each block reads 8 pages per iteration), more splits for few rows;
+    the padded table holds the splits' whole compute blocks and every page of the table."""
+    assert gpu_partition(24, 256, 2, 8) == (1, 8, 24)
+    assert gpu_partition(25, 256, 2, 8) == (1, 8, 32)
+    assert gpu_partition(24, 8, 2, 8) == (16, 2, 32)  # 8 x 2 x 16 = 256 blocks: no split of under one page
+    for pages in range(1, 40):
+        for rows in (1, 3, 64, 300):
+            splits, per_block, padded = gpu_partition(pages, rows, 2, 4)
+            assert padded >= pages and padded % (splits * per_block) == 0 and 1 <= per_block <= 4
+            assert splits <= pages and (rows * 2 * splits >= GPU_THREAD_BLOCKS or 2 * splits > pages)
 
 
 def test_argmax_matches_numpy():

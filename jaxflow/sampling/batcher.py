@@ -79,6 +79,7 @@ class Static:
     return_cache: bool = False
     use_stops: bool = False  # match stop strings (`stops.StopStrings` tables are arguments)
     kernel: str = "jax"  # the attention kernel (`paged.choose_kernel`)
+    pages_per_block: int = 8  # KV pages per block of the attention kernel
     steps_per_sync: int = 1  # decode steps per trip of the rollout loop (`iteration`)
 
 
@@ -250,7 +251,12 @@ class Rollout:
 
     def cache(self, pools, table, positions) -> PagedKVCache:
         return PagedKVCache(
-            pools, table, positions, layout=self.pool_layout, sliding_window=self.model.cfg.sliding_window
+            pools,
+            table,
+            positions,
+            layout=self.pool_layout,
+            sliding_window=self.model.cfg.sliding_window,
+            pages_per_block=self.static.pages_per_block,
         )
 
 

@@ -374,7 +374,9 @@ class EngineOptions:
     group and one response is an error); ``attention``: ``"jax"``, ``"gpu"``, ``"tpu"`` or
     ``"ordered"`` (`paged.ordered_paged_attention`) (None: ``"ordered"`` for a
     ``batch_invariant`` model, else by platform, `paged.choose_kernel`; ``"gpu"`` off a GPU
-    runs the kernel in interpret mode); ``steps_per_sync``: decode steps per trip of the rollout loop (None:
+    runs the kernel in interpret mode); ``pages_per_block``: KV pages the attention reads per
+    block (the pure-JAX kernel's online-softmax blocks, the GPU kernel's compute blocks,
+    `paged.gpu_partition`); ``steps_per_sync``: decode steps per trip of the rollout loop (None:
     `default_steps_per_sync` of the platform); ``return_logits`` / ``return_cache``: debug
     outputs (separate programs; for tests)."""
 
@@ -382,12 +384,13 @@ class EngineOptions:
     page_size: int = DEFAULT_PAGE_SIZE
     kv_tokens: int | None = None
     attention: str | None = None
+    pages_per_block: int = 8
     steps_per_sync: int | None = None
     return_logits: bool = False
     return_cache: bool = False
 
     def __post_init__(self):
-        for name, least in (("slots", 1), ("kv_tokens", 1), ("steps_per_sync", 1)):
+        for name, least in (("slots", 1), ("kv_tokens", 1), ("steps_per_sync", 1), ("pages_per_block", 1)):
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ValueError(f"{name} must be >= {least} (or None: the default), got {value}")
@@ -584,6 +587,7 @@ def _prepare(
         return_cache=options.return_cache,
         use_stops=bool(params.stop),
         kernel=_kernel(cfg, mesh, rules, options.attention),
+        pages_per_block=options.pages_per_block,
         steps_per_sync=options.steps_per_sync or default_steps_per_sync(_platform(mesh)),
     )
     program = _compiled_program(graphdef, static, mesh, tuple(rules))

@@ -53,6 +53,10 @@ from jaxflow.models.decoder import ordered_attention
 
 TRASH_PAGE = 0
 KERNELS = ("jax", "gpu", "tpu", "ordered")
+# Thread blocks the GPU decode kernel aims for: 4 per SM of an H100/H200 (132 SMs). Fewer leave
+# SMs idle; more only shrink the key blocks each one reads (measured on an H200, 256 rows x 24
+# pages: 12 splits of 2 pages 36 us per layer, see docs/PERFORMANCE.md).
+GPU_THREAD_BLOCKS = 512
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
 
@@ -163,6 +167,8 @@ class PoolLayout:
                 pages_per_block=pages_per_block,
             )
         fn = functools.partial(fn, sliding_window=sliding_window, interpret=self.interpret)
+        if self.kernel == "gpu":
+            fn = functools.partial(fn, pages_per_block=pages_per_block)
         if not self.kv_axes:
             return fn(q_BxLxHxK, *args, page_table_BxM, positions_BxL)
         heads = PartitionSpec(None, None, self.kv_axes, None)
@@ -176,25 +182,44 @@ class PoolLayout:
         )(q_BxLxHxK, *args, page_table_BxM, positions_BxL)
 
 
-def _gpu_decode_attention(q_BxLxHxK, k_pages, v_pages, page_table_BxM, positions_BxL, *, sliding_window, interpret):
+def gpu_partition(pages: int, rows: int, kv_heads: int, pages_per_block: int) -> tuple[int, int, int]:
+    """``(k_splits, pages_per_compute_block, table_pages)`` of the GPU decode kernel for page
+    tables of ``pages`` columns: the kernel runs a thread block per (row, kv head, split), each
+    reading its split's pages ``pages_per_compute_block`` at a time with an online softmax.
+    Splits double until the blocks reach `GPU_THREAD_BLOCKS` (or one page per split), so each
+    block reads as many pages per iteration as it may (up to ``pages_per_block``); the table
+    is padded to ``table_pages`` = splits x a multiple of the compute block (the kernel reads
+    no page past a row's length)."""
+    k_splits = 1
+    while rows * kv_heads * k_splits < GPU_THREAD_BLOCKS and 2 * k_splits <= pages:
+        k_splits *= 2
+    per_split = -(-pages // k_splits)
+    per_block = max(1, min(pages_per_block, per_split))
+    per_split = -(-per_split // per_block) * per_block
+    return k_splits, per_block, k_splits * per_split
+
+
+def _gpu_decode_attention(
+    q_BxLxHxK, k_pages, v_pages, page_table_BxM, positions_BxL, *, sliding_window, pages_per_block, interpret
+):
     """One query per sequence through ``pallas.ops.gpu.paged_attention``: the kernel does not
     scale the scores, so q carries 1/sqrt(K); it attends to slots [0, length) with length =
-    position + 1 (0 for idle rows, whose output is 0). Its page table is split in
-    ``k_splits`` partitions of ``pages_per_compute_block`` blocks, both dividing M."""
+    position + 1 (0 for idle rows, whose output is 0). Its table is split and blocked as
+    `gpu_partition` says."""
     from jax.experimental.pallas.ops.gpu import paged_attention as gpu_kernel
 
     del sliding_window  # not supported by the kernel; `PoolLayout.attend` routes those models elsewhere
-    K = q_BxLxHxK.shape[-1]
+    B, _, _, K = q_BxLxHxK.shape
     M = page_table_BxM.shape[1]
-    k_splits = max(d for d in range(1, 17) if M % d == 0)
-    per_block = max(d for d in range(1, 9) if (M // k_splits) % d == 0)
+    k_splits, per_block, table_pages = gpu_partition(M, B, k_pages.shape[0], pages_per_block)
+    table = jnp.pad(page_table_BxM.astype(jnp.int32), ((0, 0), (0, table_pages - M)), constant_values=TRASH_PAGE)
     q_BxHxK = (q_BxLxHxK[:, 0].astype(jnp.float32) * K**-0.5).astype(k_pages.dtype)
     lengths_B = (positions_BxL[:, 0] + 1).astype(jnp.int32)
     out = gpu_kernel.paged_attention(
         q_BxHxK,
         k_pages,
         v_pages,
-        page_table_BxM.astype(jnp.int32),
+        table,
         lengths_B,
         k_splits=k_splits,
         pages_per_compute_block=per_block,
