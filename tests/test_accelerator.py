@@ -22,6 +22,7 @@ from jaxflow.models import PRESETS, init_model
 from jaxflow.sampling import EngineOptions, SamplingParams, engine_shape, generate, generate_from_state, lower_generate
 from jaxflow.sampling.engine import memory_kv_tokens
 from jaxflow.workers import ActorWorker, RolloutConfig
+from tests.compile_events import CompileEvents
 
 CFG = PRESETS["tiny_llama"]
 ONE_LAYER = CFG.replace(num_layers=1)  # for claims that hold at any depth: layers compile separately
@@ -304,10 +305,12 @@ def test_cudnn_attention_where_it_applies():
 
 
 @pytest.mark.slow
-def test_programs_compiled_ahead_are_what_step_one_loads(tmp_path):
+def test_programs_compiled_ahead_are_what_step_one_runs(tmp_path):
     """``jaxflow.trainer.compile_ahead=on`` through the CLI, with an empty persistent cache:
-    the step's programs compile concurrently before step 1, and step 1 then loads each of them
-    from the cache (the cache keys match: the same programs) instead of compiling it."""
+    the step's programs compile concurrently before step 1, and step 1 runs those executables
+    (`jaxflow.mesh.executables`): JAX lowers each of the step's programs once in the whole run,
+    and nothing is loaded back from the persistent cache (without the hand-over step 1 lowered
+    each again and loaded it from the cache)."""
     import os
     import subprocess
     import sys
@@ -319,6 +322,7 @@ def test_programs_compiled_ahead_are_what_step_one_loads(tmp_path):
         JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"),
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         PYTHONPATH=root,
+        JAX_LOG_COMPILES="1",
     )
     cmd = [
         sys.executable,
@@ -340,11 +344,45 @@ def test_programs_compiled_ahead_are_what_step_one_loads(tmp_path):
     p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     ahead = re.search(r"compiled ahead: (\d+) programs in [^:]*: (.*)", p.stdout)
-    loaded = re.search(r"\((\d+) loaded from the persistent cache\)", p.stdout)
-    assert ahead and loaded, p.stdout[-2000:]
+    assert ahead, p.stdout[-2000:]
     names = [part.rsplit(" ", 2)[0] for part in ahead.group(2).split(", ")]
     assert {"actor/generate", "actor/train_step", "ref/log_probs"} <= set(names)
-    # The engine's jitted rollout is one object per configuration (`sampling.engine`), so the
-    # program compiled ahead is reused from memory; every other one is loaded from the cache.
-    in_memory = sum(name.startswith("actor/generate") for name in names)
-    assert int(loaded.group(1)) >= len(names) - in_memory == int(ahead.group(1)) - in_memory
+    assert "actor/log_probs" not in names  # on-policy: the step never computes old log-probs
+    lowered = re.findall(r"Compiling (jit\([\w<>]+\))", p.stderr)
+    for program in ("jit(actor_train_step)", "jit(ref_log_prob)", "jit(_generate_program)"):
+        assert lowered.count(program) == 1, (program, lowered)
+    assert "loaded from the persistent cache" not in p.stdout, p.stdout[-2000:]
+
+
+def test_a_program_runs_the_executable_compiled_ahead_for_its_arguments():
+    """`mesh.executables`: a program takes the pooled executable that accepts its arguments
+    (compiled from another jit of the same function: nothing compiles at the call, the result
+    is the jit's bit for bit, and the donated input is consumed as the jit would), keeps it,
+    and calls its own jit for arguments the executable does not take (another shape)."""
+    from jaxflow.mesh import executables
+
+    def fn(x, y):
+        return x @ y + 1.0
+
+    rng = np.random.default_rng(0)
+    x, y = (jnp.asarray(rng.normal(size=(8, 8)), jnp.float32) for _ in range(2))
+    want = np.asarray(jax.jit(fn)(x, y))  # the same program: equal bit for bit
+    np.testing.assert_allclose(want, np.asarray(x, np.float64) @ np.asarray(y, np.float64) + 1.0, rtol=1e-5)
+    executables.clear()
+    executables.offer([jax.jit(fn, donate_argnums=0).lower(x, y).compile()])
+    program = executables.ahead_of_time(jax.jit(fn, donate_argnums=0))
+    x1, x2, x_top = jnp.array(x), jnp.array(x), x[:4]  # donated copies; a smaller input
+    want_top = np.asarray(jax.jit(fn)(x_top, y))
+    try:
+        with CompileEvents() as events:
+            np.testing.assert_array_equal(np.asarray(program(x1, y)), want)
+            np.testing.assert_array_equal(np.asarray(program(x2, y)), want)
+        assert events.compiles == 0 and executables.pooled() == 0 and len(program.executables) == 1
+        assert x1.is_deleted() and x2.is_deleted()  # donated, as to the jit
+        np.testing.assert_array_equal(np.asarray(program(x_top, y)), want_top)  # its own jit
+        assert len(program.executables) == 1
+        other = executables.ahead_of_time(jax.jit(fn))  # an empty pool: its own jit
+        np.testing.assert_array_equal(np.asarray(other(x, y)), want)
+        assert other.executables == []
+    finally:
+        executables.clear()

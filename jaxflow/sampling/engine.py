@@ -62,6 +62,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxflow.mesh import GENERATE_RULES, Rules, logical_to_spec, sharding_rules
+from jaxflow.mesh.executables import ahead_of_time
 from jaxflow.models import ModelConfig
 from jaxflow.sampling.batcher import (
     Static,
@@ -263,7 +264,7 @@ def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules)
     compilations per input shapes and shardings."""
     fn = functools.partial(_generate_program, graphdef=graphdef, static=static, mesh=mesh, rules=rules)
     if mesh is None:
-        return jax.jit(fn)
+        return ahead_of_time(jax.jit(fn))
     rows2 = NamedSharding(mesh, _batch_spec(rules, mesh, None))
     rows1 = NamedSharding(mesh, _batch_spec(rules, mesh))
     out_shardings: dict[str, Any] = dict(
@@ -279,7 +280,7 @@ def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules)
         out_shardings["logits"] = NamedSharding(mesh, _batch_spec(rules, mesh, None, None))
     if static.return_cache:
         out_shardings["k_pages"] = out_shardings["v_pages"] = None
-    return jax.jit(fn, out_shardings=out_shardings)
+    return ahead_of_time(jax.jit(fn, out_shardings=out_shardings))
 
 
 def _left_padded_on_host(prompt_ids, prompt_mask) -> tuple[np.ndarray, np.ndarray]:

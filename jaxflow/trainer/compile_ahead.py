@@ -1,5 +1,6 @@
 """The programs of a training step compiled before step 1, concurrently, into JAX's persistent
-compilation cache: the first step then loads them instead of compiling them one after another.
+compilation cache and into the pool of `jaxflow.mesh.executables`, from which the step's own
+programs take them: step 1 neither compiles nor loads them again.
 
 Which programs: the dry run's plan of the run (`jaxflow.plan.dry_run.plan`), lowered through
 the workers' own builders on the run's meshes; ``tests/test_shared_programs.py`` checks, for
@@ -16,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import jax
 
 from jaxflow.configs.run_spec import RunSpec
+from jaxflow.mesh import executables
 
 
 def cache_enabled() -> bool:
@@ -23,13 +25,25 @@ def cache_enabled() -> bool:
     return bool(jax.config.jax_compilation_cache_dir)
 
 
+def step_programs(spec: RunSpec) -> tuple[str, ...]:
+    """The plan's programs that a step of ``spec`` calls: the default ones (those of roles the
+    run lacks are left out by the plan), the critic's value forward with a critic, and the
+    actor's old-log-prob forward unless its update runs on-policy (`actor_on_policy`)."""
+    from jaxflow.plan.dry_run import DEFAULT_PROGRAMS
+    from jaxflow.plan.lowering import actor_on_policy
+
+    optional = ("critic/values",) + (() if actor_on_policy(spec) else ("actor/log_probs",))
+    return DEFAULT_PROGRAMS + optional
+
+
 def compile_ahead(spec: RunSpec, workers: int | None = None) -> dict[str, float]:
     """Compile the step's programs of ``spec`` (a placed RL run) in ``workers`` threads
     (default: one per program, at most the CPU count). Returns the MEASURED wall seconds of
-    each program's compile, by the plan's program name."""
+    each program's compile, by the plan's program name. The executables go to the pool of
+    `jaxflow.mesh.executables`."""
     from jaxflow.plan.dry_run import plan
 
-    _, specs = plan(spec)
+    _, specs = plan(spec, step_programs(spec))
     jobs = [
         (spec.name if i == 0 else f"{spec.name}#{i}", low) for spec in specs for i, low in enumerate(spec.lowered())
     ]
@@ -39,11 +53,13 @@ def compile_ahead(spec: RunSpec, workers: int | None = None) -> dict[str, float]
     def run(job):
         name, lowered = job
         t0 = time.perf_counter()
-        lowered.compile()
-        return name, time.perf_counter() - t0
+        compiled = lowered.compile()
+        return name, time.perf_counter() - t0, compiled
 
     with ThreadPoolExecutor(max_workers=min(len(jobs), workers or os.cpu_count() or 1)) as pool:
-        return dict(pool.map(run, jobs))
+        done = list(pool.map(run, jobs))
+    executables.offer([compiled for _, _, compiled in done])
+    return {name: seconds for name, seconds, _ in done}
 
 
 def describe(seconds: dict[str, float], wall_s: float) -> str:

@@ -41,6 +41,7 @@ from jaxflow.mesh import (
     sharding_rules,
     state_shardings,
 )
+from jaxflow.mesh.executables import ahead_of_time
 from jaxflow.models import HEADS, from_pretrained, save_pretrained
 from jaxflow.models.hf_io import host_array
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, map_micro, named
@@ -232,9 +233,10 @@ class RoleWorker:
         return Batch(padded_program(len(batch))(self.params, self.put(batch, PROMPT_KEYS), dict(scalars)))
 
     def _compiled(self, key: Any, build) -> Any:
-        """A jitted program built once per key (e.g. the set of input columns)."""
+        """A jitted program built once per key (e.g. the set of input columns); it calls the
+        executable compiled ahead for it when there is one (`mesh.executables`)."""
         if key not in self._programs:
-            self._programs[key] = build()
+            self._programs[key] = ahead_of_time(build())
         return self._programs[key]
 
 
