@@ -147,6 +147,7 @@ FG, OB = "algorithm.filter_groups", "reward_model.overlong_buffer"
 FILTER = [f"{FG}.enable=True", f"{FG}.metric=acc"]
 OVERLONG = [f"{OB}.enable=True", f"{OB}.len=2"]
 LORA = ["actor_rollout_ref.model.lora_rank=8"]
+CRITIC_LORA = ["critic.model.lora_rank=8"]
 FILES = "@files"  # replaced by the test's data files (train with a long prompt, val)
 
 
@@ -289,6 +290,10 @@ CHECKS = {
     "critic.model.path": ("preset:tiny_qwen2", CRITIC, model("critic")),
     **_optim(C, "critic", CRITIC, "cosine"),
     "critic.model.use_remove_padding": (True, CRITIC, spec("critic.use_remove_padding")),
+    "critic.model.lora_rank": (8, CRITIC, spec("critic.lora")),
+    "critic.model.lora_alpha": (32.0, CRITIC + CRITIC_LORA, spec("critic.lora")),
+    "critic.model.target_modules": ("q_proj,v_proj", CRITIC + CRITIC_LORA, spec("critic.lora")),
+    "critic.model.lora_dropout": (0.1, CRITIC + CRITIC_LORA, spec("critic.lora")),
     "critic.use_dynamic_bsz": (True, CRITIC + ["critic.model.use_remove_padding=True"], spec("critic.use_dynamic_bsz")),
     "critic.ppo_max_token_len_per_device": (
         64,

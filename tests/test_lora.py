@@ -366,6 +366,48 @@ def test_the_run_has_no_reference_role_and_the_actor_serves_it():
     )  # the same forward, as a role of its own and full.rollout.probe_tolerance == 0
 
 
+def test_a_lora_critic_trains_its_adapters_and_value_head_only():
+    """``critic.model.lora_rank``: the critic's train state holds its adapters and its value
+    head (which starts at zero and has no pretrained weights to keep) and Adam's moments of
+    those alone; after three updates the base is bit-identical, every adapter and the head
+    moved, and the critic's values are the merged full-weight value model's."""
+    from jaxflow.workers import CriticConfig, CriticWorker
+
+    config = CriticConfig(ppo_mini_batch_size=B, optim=OptimConfig(lr=3e-2, eps=1e-4), lora=LORA)
+    graphdef = nnx.split(nnx.eval_shape(lambda: models.init_model(CFG, "value", seed=5)))[0]
+    params = jax.jit(lambda: nnx.state(models.init_model(CFG, "value", seed=5)))()
+    w = CriticWorker((graphdef, params), _mesh((2, 2, 2)), HYBRID_TRAIN_RULES, config)
+    base0, state0 = jax.device_get(w.frozen), jax.device_get(w.state)
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        batch = Batch(_batch(step))
+        values = rng.normal(size=(B, R)).astype(np.float32)
+        w.update(batch | Batch({"values": values, "returns": values + rng.normal(size=(B, R)).astype(np.float32)}))
+    for a, b in zip(jax.tree.leaves(base0), jax.tree.leaves(jax.device_get(w.frozen))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    trained = dict(nnx.to_flat_state(w.state.params))
+    heads = {path for path in trained if path[0] in ("score", "score_bias")}
+    assert {path[0] for path in heads} == {"score", "score_bias"}
+    assert len(trained) - len(heads) == 2 * len(LORA_TARGETS) * CFG.num_layers  # A and B of every projection
+    before = dict(nnx.to_flat_state(state0.params))
+    assert all(
+        np.abs(np.asarray(trained[p].get_value()) - np.asarray(before[p].get_value())).max() > 0 for p in trained
+    )
+    floats = [x for x in jax.tree.leaves(w.state.opt_state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    assert sum(x.size for x in floats) == 2 * sum(x.size for x in jax.tree.leaves(w.state.params))  # mu, nu
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(w.state.params) + floats)
+    batch = Batch(_batch(7))
+    merged = peft_io.merged_model(w.graphdef, jax.device_get(w.params))
+    want = merged(
+        jnp.asarray(np.concatenate([batch["prompt_ids"], batch["responses"]], 1)),
+        jnp.asarray(np.concatenate([batch["prompt_mask"], batch["response_mask"]], 1)),
+    )
+    got = np.asarray(w.values(batch)["values"])
+    mask = batch["response_mask"] > 0
+    assert np.abs(got[mask]).max() > 1e-3  # the trained head reads something
+    np.testing.assert_allclose(got[mask], np.asarray(want)[:, P - 1 : -1][mask], rtol=1e-5, atol=1e-5)
+
+
 def test_dry_run_plans_the_adapters_and_the_reference_on_the_actor():
     from jaxflow.plan.dry_run import compile_program, plan
 
@@ -395,3 +437,30 @@ def test_dry_run_plans_the_adapters_and_the_reference_on_the_actor():
     train = programs["actor/train_step"]  # state (adapters, moments) + the frozen base + the batch
     assert train.argument_bytes == pytest.approx(train.analytic_argument_bytes, rel=0.03)
     assert train.alias_bytes == pytest.approx(adapters * 3 + 8, rel=0.05)  # only the train state is donated
+
+
+def test_dry_run_plans_a_lora_critic():
+    """``critic.model.lora_rank``: the plan's critic holds optimizer state for its adapters and
+    value head only, and its compiled train step takes those (donated) and the frozen base as
+    planned."""
+    from jaxflow.plan.dry_run import compile_program, plan
+
+    overrides = ["jaxflow.placement.type=colocated"]
+    report, specs = plan(
+        prepare_run(load_config("ppo_tiny", overrides + ["critic.model.lora_rank=8"])).spec, ["critic/train_step"]
+    )
+    full, _ = plan(prepare_run(load_config("ppo_tiny", overrides)).spec, [])
+    critic, base = report.role("critic"), full.role("critic")
+    m = critic.model
+    per_layer = 2 * (m["hidden_size"] + m["num_heads"] * m["head_dim"])  # q, o
+    per_layer += 2 * (m["hidden_size"] + m["num_kv_heads"] * m["head_dim"]) + 3 * (
+        m["hidden_size"] + m["intermediate_size"]
+    )
+    n_adapters = 8 * m["num_layers"] * per_layer
+    assert critic.num_params - base.num_params == n_adapters
+    assert critic.optimizer_bytes < base.optimizer_bytes  # moments of the adapters and the head alone
+    trained = (critic.optimizer_bytes - 2 * 4) // 2  # two moments, two int32 counts
+    assert 4 * (n_adapters + m["hidden_size"] + 1) / 8 <= trained < 4 * (n_adapters + m["hidden_size"] + 1)
+    train = compile_program(report, specs[0])
+    assert train.argument_bytes == pytest.approx(train.analytic_argument_bytes, rel=0.03)
+    assert train.alias_bytes == pytest.approx(trained * 3 + 8, rel=0.05)  # only the train state is donated

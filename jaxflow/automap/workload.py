@@ -32,6 +32,7 @@ from flax import nnx
 from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
+from jaxflow.models.lora import TRAINED_HEADS
 from jaxflow.plan.lowering import forward_of, run_algorithm
 
 # Each role's forward program over the rollout (the dry run's names; `forward_of` gives its
@@ -49,7 +50,7 @@ FORWARD_PROGRAM = {
 class Leaf:
     shape: tuple[int, ...]
     logical_axes: tuple[str | None, ...]
-    adapter: bool = False  # a LoRA adapter (trained; the other leaves of an adapted model are frozen)
+    adapter: bool = False  # trained under LoRA: an adapter or a value head (`lora.split_trained`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,9 +105,11 @@ def role_model(role: str, head: str, mc: ModelConfig) -> RoleModel:
     axes = logical_axes_tree(state)
     shapes = [tuple(v.shape) for v in jax.tree.leaves(state)]
     names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    adapters = jax.tree.leaves(
-        jax.tree.map(lambda v: isinstance(v, nnx.LoRAParam), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    )
+    heads = TRAINED_HEADS if mc.lora is not None else ()  # trained beside the adapters (`lora.split_trained`)
+    adapters = [
+        isinstance(v, nnx.LoRAParam) or getattr(path[0], "key", None) in heads
+        for path, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    ]
     leaves = tuple(Leaf(s, tuple(a), lora) for s, a, lora in zip(shapes, names, adapters))
     total = sum(math.prod(s) for s in shapes)
     embed = mc.vocab_size * mc.hidden_size

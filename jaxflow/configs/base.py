@@ -370,6 +370,20 @@ FIELDS: tuple[Field, ...] = tuple(
         *_optim_fields("critic.optim", 1e-3, when="critic"),
         ("critic.model.use_remove_padding", False, "Critic value / update forwards over packed real tokens."),
         (
+            "critic.model.lora_rank",
+            0,
+            "LoRA on the critic: train rank-r adapters on its projections and its value head (PEFT's "
+            "modules_to_save) instead of every weight; the base stays frozen (bf16 on GPU/TPU with "
+            "jaxflow.model.dtype=auto); 0 = full fine-tuning.",
+        ),
+        ("critic.model.lora_alpha", 16.0, "Critic LoRA: the adapters' update is scaled by lora_alpha / lora_rank."),
+        (
+            "critic.model.target_modules",
+            "all-linear",
+            "Critic LoRA: the projections that get adapters (as actor_rollout_ref.model.target_modules).",
+        ),
+        ("critic.model.lora_dropout", 0.0, "Critic LoRA: dropout on the adapters' input in training, in [0, 1)."),
+        (
             "critic.use_dynamic_bsz",
             False,
             "With critic.model.use_remove_padding: critic micro-batches by token budgets, not rows.",

@@ -48,15 +48,21 @@ def ref_in_actor(cfg: ConfigDict) -> bool:
     return uses_reference(cfg) and uses_lora(cfg)
 
 
-def lora_config(cfg: ConfigDict) -> Any:
-    """The actor's `jaxflow.models.lora.LoRAConfig` (``actor_rollout_ref.model.lora_*``), or None
-    without LoRA. With ``lora_adapter_path`` the adapter's ``adapter_config.json`` gives rank,
-    alpha, targets and dropout."""
+def lora_config(cfg: ConfigDict, role: str = "actor") -> Any:
+    """The `jaxflow.models.lora.LoRAConfig` of the actor (``actor_rollout_ref.model.lora_*``) or
+    of the critic (``critic.model.lora_*``), or None without LoRA. With the actor's
+    ``lora_adapter_path`` the adapter's ``adapter_config.json`` gives rank, alpha, targets and
+    dropout."""
     from jaxflow.models.lora import LoRAConfig
     from jaxflow.models.peft_io import read_adapter_config
 
+    if role == "critic":
+        c = cfg.critic.model
+        if cfg.jaxflow.job != "rl" or c.lora_rank <= 0:
+            return None
+        return LoRAConfig(rank=c.lora_rank, alpha=float(c.lora_alpha), targets=c.target_modules, dropout=c.lora_dropout)
     m = cfg.actor_rollout_ref.model
-    if not uses_lora(cfg):
+    if role != "actor" or not uses_lora(cfg):
         return None
     if m.lora_adapter_path:
         return read_adapter_config(os.path.expanduser(m.lora_adapter_path))[0]
@@ -253,14 +259,14 @@ def model_config(cfg: ConfigDict, role: str = "actor") -> Any:
     (empty path: ``jaxflow.model.preset``; ``preset:NAME``) with the ``jaxflow.model`` shape
     overrides, or a checkpoint directory's ``config.json``; else None. Dtypes (`resolve_dtypes`),
     layer scanning and remat come from ``jaxflow.model`` either way; the actor's LoRA adapters
-    (`lora_config`) and, in the train-rollout agreement mode, its batch-invariant sums
-    (`with_attention`) are part of its config."""
+    and the critic's (`lora_config`) and, in the train-rollout agreement mode, the actor's
+    batch-invariant sums (`with_attention`) are part of its config."""
     import jax.numpy as jnp
 
     from jaxflow.models import PRESETS, ModelConfig
 
     m = cfg.jaxflow.model
-    lora = lora_config(cfg) if role == "actor" else None
+    lora = lora_config(cfg, role)
     invariant = role == "actor" and cfg.jaxflow.trainer.rollout_agreement
     param_dtype, compute_dtype = resolve_dtypes(m.dtype, m.compute_dtype, role, platform(cfg), lora is not None)
     options = dict(

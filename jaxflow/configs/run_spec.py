@@ -440,9 +440,11 @@ def actor_config(cfg: ConfigDict, steps: int, n: int) -> ActorConfig:
 
 
 def critic_config(cfg: ConfigDict, steps: int, n: int) -> CriticConfig:
-    """verl's ``critic``; ``n``: the training rollouts' responses per prompt."""
+    """verl's ``critic``; ``n``: the training rollouts' responses per prompt; ``critic.model.
+    lora_*``: LoRA adapters (and the value head) trained instead of every weight."""
     c = cfg.critic
-    return from_section(CriticConfig, c, **update_settings(cfg, c, steps, n, packed=c.model.use_remove_padding))
+    settings = update_settings(cfg, c, steps, n, packed=c.model.use_remove_padding)
+    return from_section(CriticConfig, c, **settings, lora=lora_config(cfg, "critic"))
 
 
 def sampling_params(

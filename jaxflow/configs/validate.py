@@ -492,10 +492,33 @@ def _check_sft(c: _Checker) -> None:
     )
 
 
+def _check_adapter_settings(c: _Checker, key: str) -> None:
+    """``{key}.lora_alpha``, ``lora_dropout`` and ``target_modules`` of a role with LoRA."""
+    from jaxflow.models.lora import parse_target_modules
+
+    c.positive(f"{key}.lora_alpha")
+    c.bounded(f"{key}.lora_dropout", Bound(0.0, 1.0, "[)"))
+    try:
+        parse_target_modules(get_value(c.cfg, f"{key}.target_modules"))
+    except ValueError as e:
+        c.add(f"{key}.target_modules", str(e))
+
+
+def _check_critic_lora(c: _Checker) -> None:
+    """The critic's LoRA keys: an RL job's critic."""
+    m, key = c.cfg.critic.model, "critic.model"
+    if m.lora_rank <= 0:
+        c.at_least(f"{key}.lora_rank", 0)
+        return
+    if c.cfg.jaxflow.job != "rl" or not critic_enabled(c.cfg):
+        c.add(f"{key}.lora_rank", "LoRA adapters train an rl job's critic, and this run has no critic")
+        return
+    _check_adapter_settings(c, key)
+
+
 def _check_lora(c: _Checker) -> None:
     """The actor's LoRA keys (an RL job's; an sft job trains every weight) and the rollout probe."""
     from jaxflow.models.hf_io import CheckpointError
-    from jaxflow.models.lora import parse_target_modules
     from jaxflow.models.peft_io import read_adapter_config
 
     cfg, m, key = c.cfg, c.cfg.actor_rollout_ref.model, "actor_rollout_ref.model"
@@ -507,12 +530,7 @@ def _check_lora(c: _Checker) -> None:
     if cfg.jaxflow.job != "rl":
         c.add(f"{key}.lora_rank", "LoRA adapters train an rl job's actor; an sft job trains every weight")
         return
-    c.positive(f"{key}.lora_alpha")
-    c.bounded(f"{key}.lora_dropout", Bound(0.0, 1.0, "[)"))
-    try:
-        parse_target_modules(m.target_modules)
-    except ValueError as e:
-        c.add(f"{key}.target_modules", str(e))
+    _check_adapter_settings(c, key)
     if m.lora_adapter_path:
         try:
             lora, _ = read_adapter_config(os.path.expanduser(m.lora_adapter_path))
@@ -822,6 +840,7 @@ def validate(cfg: ConfigDict) -> None:
         _check_algorithm,
         _check_sft,
         _check_lora,
+        _check_critic_lora,
         _check_paths,
         _check_model_shape,
     ):

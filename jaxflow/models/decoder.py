@@ -419,8 +419,10 @@ class ValueModel(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.model = Decoder(cfg, rngs)
-        self.score = _param(rngs, _zeros, (cfg.hidden_size, 1), ("embed", None), cfg.param_dtype)
-        self.score_bias = _param(rngs, _zeros, (1,), (None,), cfg.param_dtype)
+        # Under LoRA the head trains beside the adapters (`lora.TRAINED_HEADS`), in their dtype.
+        dtype = cfg.param_dtype if cfg.lora is None else cfg.lora.param_dtype
+        self.score = _param(rngs, _zeros, (cfg.hidden_size, 1), ("embed", None), dtype)
+        self.score_bias = _param(rngs, _zeros, (1,), (None,), dtype)
 
     def __call__(self, input_ids_BxL, attention_mask=None, positions=None, segment_ids=None) -> jax.Array:
         hidden, _ = self.model(input_ids_BxL, attention_mask, positions, segment_ids_BxL=segment_ids)

@@ -168,6 +168,18 @@ def split_adapters(state: nnx.State) -> tuple[nnx.State, nnx.State]:
     return nnx.split_state(state, nnx.Not(nnx.LoRAParam), nnx.LoRAParam)
 
 
+# Heads that train beside the adapters (PEFT's ``modules_to_save``): a value model's, which
+# starts at zero and has no pretrained weights to keep.
+TRAINED_HEADS = ("score", "score_bias")
+_TRAINED = nnx.Any(nnx.LoRAParam, *(nnx.PathContains(name) for name in TRAINED_HEADS))
+
+
+def split_trained(state: nnx.State) -> tuple[nnx.State, nnx.State]:
+    """``(frozen, trained)`` of an adapted model that trains: the base weights, and the
+    adapters with a value model's head (`TRAINED_HEADS`; a language model has none)."""
+    return nnx.split_state(state, nnx.Not(_TRAINED), _TRAINED)
+
+
 def has_adapters(state: nnx.State) -> bool:
     return bool(jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
 

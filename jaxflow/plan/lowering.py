@@ -49,7 +49,7 @@ from jaxflow.configs.run_spec import RunSpec
 from jaxflow.iterations import Algorithm, algorithm_for, algorithm_names, get_algorithm, rollout_scores_old_log_probs
 from jaxflow.mesh import Rules, data_parallel_size, logical_to_spec, state_shardings
 from jaxflow.models import ModelConfig, init_model
-from jaxflow.models.lora import split_adapters, without_adapters
+from jaxflow.models.lora import has_adapters, split_adapters, split_trained, without_adapters
 from jaxflow.models.peft_io import graphdef_for
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
@@ -275,10 +275,12 @@ def actor_on_policy(spec: RunSpec) -> bool:
 
 def trained_and_frozen(state: Any) -> tuple[Any, Any]:
     """``(trained, frozen)`` parts of a training role's model state: with LoRA adapters the
-    adapters and the base weights (`jaxflow.models.lora.split_adapters`), else everything and
-    None."""
-    trained = split_adapters(state)
-    return (trained[1], trained[0]) if jax.tree.leaves(trained[1]) else (state, None)
+    adapters (and a value head) and the base weights (`jaxflow.models.lora.split_trained`),
+    else everything and None."""
+    if not has_adapters(state):
+        return state, None
+    frozen, trained = split_trained(state)
+    return trained, frozen
 
 
 def train_step_program(

@@ -119,6 +119,11 @@ def experiment_record(spec: RunSpec) -> dict[str, str]:
     if lora is not None:  # the checkpoints hold adapters: they mean something on their base only
         record["actor LoRA"] = f"rank={lora.rank} alpha={lora.alpha:g} targets={','.join(lora.targets)}"
         record["actor base"] = base_pointer(spec)
+    critic_lora = spec.critic.lora if spec.critic is not None else None
+    if critic_lora is not None:  # its checkpoints hold the adapters and the value head
+        record["critic LoRA"] = (
+            f"rank={critic_lora.rank} alpha={critic_lora.alpha:g} targets={','.join(critic_lora.targets)}"
+        )
     return record
 
 

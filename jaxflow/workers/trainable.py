@@ -27,7 +27,7 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import state_shardings
 from jaxflow.models import peft_io, save_pretrained
 from jaxflow.models.hf_io import host_array
-from jaxflow.models.lora import LoRAConfig, join, split_adapters
+from jaxflow.models.lora import LoRAConfig, join, split_trained
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches
 from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
 from jaxflow.workers.optim import make_optimizer
@@ -153,7 +153,7 @@ class TrainableWorker(RoleWorker):
                     self.config.lora_adapter_path, self.graphdef, params, self.mesh, self.rules
                 )
             self.base_graphdef = peft_io.base_graphdef(self.graphdef, params)
-            self.frozen, params = split_adapters(params)
+            self.frozen, params = split_trained(params)
             self.frozen_shardings = state_shardings(self.frozen, self.rules, self.mesh)
         self.state, self.state_shardings = create_train_state(
             params, state_shardings(params, self.rules, self.mesh), self.tx, self.mesh
@@ -174,7 +174,7 @@ class TrainableWorker(RoleWorker):
         """Replaces the parameters (the whole model's, adapters included) in place, keeping the
         optimizer state (e.g. weights given back by the hybrid engine after a rollout)."""
         if self.frozen is not None:
-            self.frozen, params = split_adapters(params)
+            self.frozen, params = split_trained(params)
         self.state = dataclasses.replace(self.state, params=params)
 
     # ------------------------------------------------------------------ the update loop
