@@ -8,9 +8,12 @@
   :class:`RewardFunctionError`. :func:`token_level_scores` puts scores on the last response token;
   :func:`extra_columns` makes the other named values a function returns batch columns.
 - :class:`OverlongBuffer` (:mod:`~jaxflow.rewards.shaping`): DAPO's overlong reward shaping.
+- :func:`score_code` (:mod:`~jaxflow.rewards.sandbox`, data source ``jaxflow/code``): the
+  fraction of a sample's tests that the response's code passes, run in a sandbox (namespaces,
+  resource limits, a timeout) that leaves nothing behind; :func:`score_code_batch` runs many.
 """
 
-from jaxflow.rewards import gsm8k, math  # noqa: F401  (registers their data sources)
+from jaxflow.rewards import gsm8k, math, sandbox  # noqa: F401  (registers their data sources)
 from jaxflow.rewards.registry import (
     UnknownDataSourceError,
     default_compute_score,
@@ -20,6 +23,7 @@ from jaxflow.rewards.registry import (
     register_reward,
     unregister_reward,
 )
+from jaxflow.rewards.sandbox import SandboxLimits, SandboxUnavailable, score_code, score_code_batch
 from jaxflow.rewards.scorer import (
     EXTRA_COLUMN_PREFIX,
     RewardFunctionError,
@@ -37,6 +41,8 @@ __all__ = [
     "RewardFunctionError",
     "RewardResult",
     "RewardScorer",
+    "SandboxLimits",
+    "SandboxUnavailable",
     "UnknownDataSourceError",
     "default_compute_score",
     "extra_columns",
@@ -47,6 +53,9 @@ __all__ = [
     "math",
     "normalize_reward",
     "register_reward",
+    "sandbox",
+    "score_code",
+    "score_code_batch",
     "token_level_scores",
     "unregister_reward",
 ]
