@@ -470,7 +470,9 @@ def profile(sizes, dump_dir: str | None = None) -> dict:
     return dict(trace, R=R, steps=steps, kernels_per_step=trace["device_events"] / steps)
 
 
-def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=None, profiled=False, dump_dir=None) -> dict:
+def train(
+    preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=None, profiled=False, dump_dir=None
+) -> dict:
     """The actor's train step: float32 masters, bf16 compute (the accelerator default), GRPO
     loss with the KL loss, one mini-batch of ``rows``."""
     import jax
@@ -516,7 +518,9 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=
     trace = device_trace(call) if profiled else None
     if profiled and dump_dir:
         with contextlib.suppress(Exception):
-            _dump(step.lower(actor.state, inputs, scalars).compile().as_text(), os.path.join(dump_dir, "train_hlo.txt.gz"))
+            _dump(
+                step.lower(actor.state, inputs, scalars).compile().as_text(), os.path.join(dump_dir, "train_hlo.txt.gz")
+            )
     res = {
         "attention_impl": cfg.attention_impl,
         "rows": rows,
