@@ -484,3 +484,63 @@ def test_every_rank_gets_balanced_tokens_in_log_prob_and_update(model, monkeypat
     np.testing.assert_array_equal(metrics["global_seqlen/balanced_max"], [max(t) for t in fed[1:]])
     np.testing.assert_array_equal(metrics["global_seqlen/balanced_min"], [min(t) for t in fed[1:]])
     np.testing.assert_allclose(metrics["global_seqlen/mean"], [np.mean(t) for t in fed[1:]])
+
+
+def _tool_span(batch: Batch) -> np.ndarray:
+    """A ``loss_mask`` with tokens 2..4 of every response of 7 or more tokens masked (as a
+    multi-turn rollout masks a tool's answer between two model turns)."""
+    rm = np.asarray(batch["response_mask"])
+    lm = rm.copy()
+    long_rows = rm.sum(1) >= 7
+    lm[np.ix_(long_rows, np.arange(2, 5))] = 0
+    assert lm.sum() < rm.sum()
+    return lm
+
+
+def test_tool_tokens_train_nothing_and_leave_the_token_mean(model):
+    """``use_loss_mask``: the tokens a ``loss_mask`` masks (inside responses, as tool answers)
+    give no gradient (advantages and old log-probs changed there: the same parameters bit for
+    bit, actor and critic) and leave the token-mean (the policy loss equals NumPy's mean over
+    the trained tokens alone), padded and packed alike."""
+    batch = make_batch(3, rows=8)
+    lm = _tool_span(batch)
+    rng = np.random.default_rng(5)
+    noise = (rng.normal(size=lm.shape) * (1 - lm) * np.asarray(batch["response_mask"])).astype(np.float32)
+    changed = batch.update(
+        tensors={k: np.asarray(batch[k]) + noise for k in ("advantages", "old_log_probs", "values", "returns")}
+    )
+    # (Adam's first step is about lr x sign(g): a small lr keeps rounding-level differences of
+    # the packed and padded gradients at rounding level in the parameters.)
+    padded = ActorConfig(ppo_mini_batch_size=8, use_loss_mask=True, optim=OptimConfig(lr=1e-3))
+    configs = {"padded": padded, "packed": dataclasses.replace(padded, use_remove_padding=True)}
+    losses, params = {}, {}
+    for name, config in configs.items():
+        actor = ActorWorker(model, mesh("dp=2"), "train", config, RolloutConfig())
+        start = jax.tree.map(jnp.copy, actor.state)
+        old = actor.log_probs(batch)["old_log_probs"]  # the step's own policy: every ratio is 1
+        runs = []
+        for b in (batch, changed):
+            actor.state = jax.tree.map(jnp.copy, start)
+            b = b.update(tensors={"old_log_probs": np.asarray(old), "loss_mask": lm})
+            runs.append((actor.train_step(b)["actor/pg_loss"], jax.device_get(actor.state.params)))
+        for x, y in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
+            np.testing.assert_array_equal(x, y)
+        losses[name], params[name] = runs[0]
+    trained = np.asarray(batch["response_mask"]) * lm
+    adv = np.asarray(batch["advantages"])
+    want = -np.sum(adv * trained) / trained.sum()
+    assert abs(want - (-np.sum(adv * batch["response_mask"]) / np.sum(batch["response_mask"]))) > 1e-3
+    np.testing.assert_allclose(losses["padded"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses["packed"], want, rtol=1e-5, atol=1e-6)
+    for x, y in zip(jax.tree.leaves(params["packed"]), jax.tree.leaves(params["padded"])):
+        np.testing.assert_allclose(x, y, atol=1e-5)
+    critic_config = CriticConfig(ppo_mini_batch_size=8, use_loss_mask=True, optim=OptimConfig(lr=1e-2))
+    critic = CriticWorker(models.init_model(CFG, "value", seed=1), mesh("dp=2"), "train", critic_config)
+    start = jax.tree.map(jnp.copy, critic.state)
+    after = []
+    for b in (batch, changed):
+        critic.state = jax.tree.map(jnp.copy, start)
+        critic.train_step(b.update(tensors={"loss_mask": lm}))
+        after.append(jax.device_get(critic.state.params))
+    for x, y in zip(jax.tree.leaves(after[0]), jax.tree.leaves(after[1])):
+        np.testing.assert_array_equal(x, y)

@@ -41,7 +41,7 @@ from jaxflow.models.lora import LoRAConfig, merge_adapters
 from jaxflow.reshard import HybridEngine
 from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
 from jaxflow.workers.base import ModelLike, num_micro_batches
-from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy, trained_tokens
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
@@ -200,7 +200,7 @@ class ActorConfig(UpdateLoopConfig):
     def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
         """The columns an update reads; ``on_policy``: without ``old_log_probs`` (they come
         from the update's own forward)."""
-        keys = PROMPT_KEYS + (() if on_policy else ("old_log_probs",)) + ("advantages",)
+        keys = PROMPT_KEYS + self.loss_mask_keys() + (() if on_policy else ("old_log_probs",)) + ("advantages",)
         return keys + ("ref_log_prob",) if self.use_kl_loss else keys
 
     def is_on_policy(self, rows: int) -> bool:
@@ -218,7 +218,7 @@ def actor_loss(cfg: ActorConfig):
     (see the module docstring); ``aux`` values add up over micro-batches."""
 
     def loss_fn(model, micro, gbi, scalars):
-        mask = micro["response_mask"]
+        mask = trained_tokens(micro)
         log_prob, entropy = log_probs_and_entropy(model, micro, scalars["temperature"])
         # On-policy (no old_log_probs column): the sampling policy is this one, detached.
         old_log_prob = micro["old_log_probs"] if "old_log_probs" in micro else lax.stop_gradient(log_prob)

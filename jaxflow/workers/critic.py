@@ -27,7 +27,7 @@ from jaxflow.algos import compute_value_loss, masked_sum
 from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.workers.base import ModelLike, RoleLayout, num_micro_batches, row_program
-from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, response_values
+from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, response_values, trained_tokens
 from jaxflow.workers.group import DP_TRAIN
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.protocols import DP_COMPUTE, register
@@ -70,8 +70,9 @@ class CriticConfig(UpdateLoopConfig):
         return critic_loss(self)
 
     def update_keys(self, on_policy: bool = False) -> tuple[str, ...]:
-        """`UPDATE_KEYS` (the critic reads no old log-probs: ``on_policy`` changes nothing)."""
-        return self.UPDATE_KEYS
+        """`UPDATE_KEYS` and the loss mask when it has one (the critic reads no old log-probs:
+        ``on_policy`` changes nothing)."""
+        return self.UPDATE_KEYS + self.loss_mask_keys()
 
     def loss_key(self) -> tuple:
         """The fields the compiled train step depends on (besides the micro-batch count)."""
@@ -92,7 +93,7 @@ def critic_loss(cfg: CriticConfig):
     `make_train_step`; ``aux`` values add up over micro-batches."""
 
     def loss_fn(model, micro, gbi, scalars):
-        mask = micro["response_mask"]
+        mask = trained_tokens(micro)
         vpreds = response_values(model, micro)
         vf_loss, vf_clipfrac = compute_value_loss(
             vpreds,
@@ -159,9 +160,9 @@ class CriticWorker(TrainableWorker):
     def update(self, batch: Batch, *, step: int | None = None) -> dict[str, np.ndarray]:
         """PPO epochs of value updates; needs ``values`` (rollout-time) and ``returns``.
         ``step``: the training step, which seeds the shuffle (None: this worker's call count)."""
-        host = self.host_columns(batch, CriticConfig.UPDATE_KEYS)
+        host = self.host_columns(batch, self.config.update_keys())
         return self.update_epochs(host, {}, step=step)[0]
 
     def train_step(self, minibatch: Mapping[str, Any]) -> dict[str, float]:
         """One optimizer step on one mini-batch (all rows, in order)."""
-        return self.step_on(minibatch, CriticConfig.UPDATE_KEYS, {})
+        return self.step_on(minibatch, self.config.update_keys(), {})

@@ -36,6 +36,15 @@ from jaxflow.models import ordered
 Array = jax.Array
 
 PROMPT_KEYS = ("prompt_ids", "prompt_mask", "responses", "response_mask")
+LOSS_MASK = "loss_mask"  # [B, R]: 1 on the response tokens that train (agentic rollouts: the model's own)
+
+
+def trained_tokens(tensors: Mapping[str, Array]) -> Array:
+    """The response tokens the losses (and their token counts) cover: ``response_mask``, times
+    ``loss_mask`` where the batch has one (tool and environment tokens of a multi-turn rollout
+    are attended to, but not trained)."""
+    mask = tensors["response_mask"]
+    return mask * tensors[LOSS_MASK].astype(mask.dtype) if LOSS_MASK in tensors else mask
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxflow.algos import global_batch_info
 from jaxflow.mesh import Rules, logical_to_spec, sharding_rules
 from jaxflow.models.lora import lora_dropout
-from jaxflow.workers.forward import named, split_micro
+from jaxflow.workers.forward import named, split_micro, trained_tokens
 
 Array = jax.Array
 LossFn = Callable[[Any, dict, dict, dict], tuple[Array, dict]]
@@ -164,7 +164,7 @@ def make_train_step(
 
     def step(state: TrainState, batch: dict, scalars: dict, frozen: Any = None):
         with sharding_rules(rules, mesh):
-            gbi = global_batch_info(batch["response_mask"], dp_size=1, loss_scale_factor=loss_scale_factor)
+            gbi = global_batch_info(trained_tokens(batch), dp_size=1, loss_scale_factor=loss_scale_factor)
             step_key = None if dropout_seed is None else jax.random.fold_in(jax.random.key(dropout_seed), state.step)
 
             def micro_loss(params, micro, index):

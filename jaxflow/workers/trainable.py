@@ -30,6 +30,7 @@ from jaxflow.models.hf_io import host_array
 from jaxflow.models.lora import LoRAConfig, join, split_trained
 from jaxflow.workers.base import ModelLike, RoleLayout, RoleWorker, num_micro_batches
 from jaxflow.workers.checkpoint_io import abstract_tree, restore_item, save_item
+from jaxflow.workers.forward import LOSS_MASK
 from jaxflow.workers.optim import make_optimizer
 from jaxflow.workers.packing import PackedLayout, pack, packed_columns
 from jaxflow.workers.protocols import ONE_TO_ALL, register
@@ -60,6 +61,9 @@ class UpdateLoopConfig:
         frozen; None: train every weight.
       lora_adapter_path: a PEFT adapter directory the adapters start from (its config must
         be ``lora``); empty: fresh adapters.
+      use_loss_mask: updates read a ``loss_mask`` column [B, R] and train only where it is 1
+        (`jaxflow.workers.forward.trained_tokens`: multi-turn rollouts mask tool and
+        environment tokens out of the losses, the KL, the entropy and the token counts).
     """
 
     ppo_mini_batch_size: int = 16
@@ -69,6 +73,11 @@ class UpdateLoopConfig:
     seed: int = 0
     lora: LoRAConfig | None = None
     lora_adapter_path: str = ""
+    use_loss_mask: bool = False
+
+    def loss_mask_keys(self) -> tuple[str, ...]:
+        """``("loss_mask",)`` when updates read one (`use_loss_mask`), else ``()``."""
+        return (LOSS_MASK,) if self.use_loss_mask else ()
 
 
 def train_columns(keys: tuple[str, ...], packed: bool) -> dict[str, int]:
