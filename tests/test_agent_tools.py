@@ -1,13 +1,27 @@
 """Tool calls (`jaxflow.agents.tools`): parsed from the Qwen (hermes) and Llama 3 formats, run
-under time limits, every failure answered to the model as an error, never raised."""
+under time limits, every failure answered to the model as an error, never raised; and the
+multi-turn loop (`jaxflow.agents.loop`): token in, token out, tool turns masked out of the
+loss."""
 
 import json
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from jaxflow.agents import CALCULATOR, Tool, ToolExecutor, calculate, parse_tool_calls
+from jaxflow.agents import (
+    CALCULATOR,
+    AgentConfig,
+    Tool,
+    ToolExecutor,
+    ToolResult,
+    calculate,
+    engine_turns,
+    hermes_tool_turn,
+    parse_tool_calls,
+    run_agent,
+)
 
 
 def _slow(seconds: float) -> str:
@@ -112,3 +126,81 @@ def test_the_calculator_is_exact_and_refuses_everything_else():
     assert CALCULATOR.schema()["function"]["parameters"]["required"] == ["expression"]
     with pytest.raises(ValueError, match="tool name"):
         Tool("no spaces", "", {}, calculate)
+
+
+# --- the multi-turn loop ---------------------------------------------------------------------
+
+TWO_CHARS = 1000  # a token whose text is two characters: re-encoding it would give 2 tokens
+
+
+def _encode(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def _decode(ids) -> str:
+    return "".join("ab" if i == TWO_CHARS else chr(i) for i in ids)
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+def _scripted(conversations, budgets):
+    """Prompt "A": a tool call, then after the answer "ab" + "=42"; "B": answers at once;
+    "C": calls the tool every turn; each turn's log-probs are -(its index + 1) / 10."""
+    out = []
+    for conv, budget in zip(conversations, budgets):
+        text = _decode(conv)
+        if text.startswith("A"):
+            new = [TWO_CHARS] + _encode("=42") if "<tool_response>" in text else _encode(CALL)
+        elif text.startswith("B"):
+            new = _encode("no tools needed")
+        else:
+            new = _encode(CALL)
+        out.append((new[:budget], [-(k + 1) / 10 for k in range(len(new[:budget]))]))
+    return out
+
+
+def test_the_loop_keeps_the_model_tokens_and_masks_the_tool_turns():
+    executor = ToolExecutor([CALCULATOR])
+    config = AgentConfig(max_assistant_turns=3, max_response_tokens=400)
+    out = run_agent([_encode("A?"), _encode("B?"), _encode("C?")], _scripted, _encode, _decode, executor, config)
+    tool_turn = _encode(hermes_tool_turn([ToolResult("calculator", "42", ok=True)]))
+    want_a = _encode(CALL) + tool_turn + [TWO_CHARS] + _encode("=42")
+    n = len(want_a)
+    assert out.responses[0, :n].tolist() == want_a  # the two-character token stays one token
+    assert out.response_mask[0].sum() == n and out.responses[0, n:].tolist() == [0] * (400 - n)
+    assert out.loss_mask[0, :n].tolist() == [1] * len(CALL) + [0] * len(tool_turn) + [1] * 4
+    model_logp = [-(k + 1) / 10 for k in range(len(CALL))] + [0.0] * len(tool_turn) + [-0.1, -0.2, -0.3, -0.4]
+    np.testing.assert_allclose(out.rollout_log_probs[0, :n], model_logp, rtol=1e-6)
+    assert out.turns.tolist() == [2, 1, 3] and out.tool_calls.tolist() == [1, 0, 2]  # "C" stops at 3 turns
+    assert out.loss_mask[1].sum() == out.response_mask[1].sum() == len("no tools needed")
+    assert out.tokens_by_source["tool"].tolist() == [len(tool_turn), 0, 2 * len(tool_turn)]
+    assert out.metrics()["agent/tool_calls/mean"] == 1.0 and executor.counts["calls"] == 3
+    # A budget that a tool turn does not fit ends the conversation, cut at the budget.
+    short = run_agent([_encode("C?")], _scripted, _encode, _decode, executor, AgentConfig(max_response_tokens=100))
+    assert short.response_mask.sum() == 100 and short.turns.tolist() == [1]
+    assert short.loss_mask[0].tolist() == [1] * len(CALL) + [0] * (100 - len(CALL))
+    executor.close()
+
+
+def test_engine_turns_are_the_engines_samples():
+    """`engine_turns` over `jaxflow.sampling.generate`: a conversation without tool calls is
+    one turn whose tokens and log-probs are the engine's own for that prompt."""
+    import jaxflow.models as models
+    from jaxflow.sampling import SamplingParams, generate
+
+    model = models.init_model(models.get_preset("tiny_llama", vocab_size=64, num_layers=1), "lm", seed=0)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, eos_token_ids=(), seed=3)
+    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    out = run_agent(
+        prompts,
+        engine_turns(model, params),
+        lambda text: [],
+        lambda ids: "",  # nothing parses as a tool call
+        ToolExecutor([]),
+        AgentConfig(max_response_tokens=8),
+    )
+    want = generate(model, np.asarray(prompts, np.int32), np.ones((2, 4), np.int32), params)
+    np.testing.assert_array_equal(out.responses, np.asarray(want.responses))
+    np.testing.assert_array_equal(out.rollout_log_probs, np.asarray(want.log_probs))
+    assert out.loss_mask.tolist() == out.response_mask.tolist() == [[1] * 8] * 2

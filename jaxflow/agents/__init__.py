@@ -1,6 +1,8 @@
 """Agentic rollouts: tools the model calls (`tools`: schemas, tool-call parsing for the Qwen
-(hermes) and Llama 3 chat formats, calls under time limits)."""
+(hermes) and Llama 3 chat formats, calls under time limits) and multi-turn conversations over
+the engine (`loop`: token in, token out, a loss mask on the model's own tokens)."""
 
+from jaxflow.agents.loop import AgentConfig, AgentRollout, engine_turns, hermes_tool_turn, run_agent
 from jaxflow.agents.tools import (
     CALCULATOR,
     FORMATS,
@@ -12,4 +14,18 @@ from jaxflow.agents.tools import (
     parse_tool_calls,
 )
 
-__all__ = ["CALCULATOR", "FORMATS", "Tool", "ToolCall", "ToolExecutor", "ToolResult", "calculate", "parse_tool_calls"]
+__all__ = [
+    "CALCULATOR",
+    "FORMATS",
+    "AgentConfig",
+    "AgentRollout",
+    "Tool",
+    "ToolCall",
+    "ToolExecutor",
+    "ToolResult",
+    "calculate",
+    "engine_turns",
+    "hermes_tool_turn",
+    "parse_tool_calls",
+    "run_agent",
+]

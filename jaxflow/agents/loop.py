@@ -1,0 +1,180 @@
+"""Multi-turn rollouts with tools: a conversation alternates model turns and tool turns until
+the model answers without a tool call, a turn limit, or the response's token budget.
+
+Token in, token out: the model's tokens are kept exactly as sampled (never decoded and
+encoded again); a tool turn is rendered once (``AgentConfig.tool_turn``: the chat template's
+tool role around the answers) and encoded once, then appended. Every turn of every
+conversation that is still going is sampled in one engine call (`generate_turns`: the
+caller's engine, e.g. `engine_turns` over `jaxflow.sampling.generate`); the tool calls of all
+conversations of a turn run concurrently (`jaxflow.agents.tools.ToolExecutor`), so one slow
+tool does not add up over conversations. Each model turn is prefilled again from the whole
+conversation (the engine keeps no KV pages between calls yet).
+
+The result (`AgentRollout`) has the single-turn rollout's columns, ``[B, R]`` after the prompt:
+``responses`` (model and tool tokens in order), ``response_mask`` (every real token),
+``loss_mask`` (1 on the model's own tokens only: `UpdateLoopConfig.use_loss_mask` trains on
+those) and ``rollout_log_probs`` (the sampled tokens' log-probs, 0 on tool tokens), plus
+per-conversation counts for the metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxflow.agents.tools import FORMATS, ToolExecutor, ToolResult, parse_tool_calls
+
+
+def hermes_tool_turn(results: Sequence[ToolResult]) -> str:
+    """The tool turn of the Qwen2.5 / Qwen3 chat templates (ChatML with the ``tool`` answers
+    wrapped in ``<tool_response>``), ending where the next assistant turn starts."""
+    body = "\n".join(f"<tool_response>\n{r.content}\n</tool_response>" for r in results)
+    return f"<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """``fmt``: the tool-call format (`jaxflow.agents.tools.FORMATS`); ``max_assistant_turns``:
+    model turns per conversation; ``max_response_tokens``: the response's budget (model and
+    tool tokens; a tool turn that does not fit ends the conversation, cut); ``tool_turn``:
+    renders a turn's tool answers (default: `hermes_tool_turn`)."""
+
+    fmt: str = "hermes"
+    max_assistant_turns: int = 4
+    max_response_tokens: int = 256
+    tool_turn: Callable[[Sequence[ToolResult]], str] = hermes_tool_turn
+
+    def __post_init__(self):
+        if self.fmt not in FORMATS:
+            raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
+        if self.max_assistant_turns < 1 or self.max_response_tokens < 1:
+            raise ValueError("max_assistant_turns and max_response_tokens must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentRollout:
+    """``[B, R]`` columns after each prompt (see the module docstring) and per conversation:
+    ``turns`` (model turns), ``tool_calls``, ``tool_errors``, ``tool_timeouts``, and
+    ``tokens_by_source`` (``{"model": [B], "tool": [B]}``)."""
+
+    responses: np.ndarray
+    response_mask: np.ndarray
+    loss_mask: np.ndarray
+    rollout_log_probs: np.ndarray
+    turns: np.ndarray
+    tool_calls: np.ndarray
+    tool_errors: np.ndarray
+    tool_timeouts: np.ndarray
+    tokens_by_source: dict[str, np.ndarray]
+
+    def metrics(self) -> dict[str, float]:
+        """Means over the conversations (verl-style names)."""
+        return {
+            "agent/turns/mean": float(self.turns.mean()),
+            "agent/tool_calls/mean": float(self.tool_calls.mean()),
+            "agent/tool_errors/sum": float(self.tool_errors.sum()),
+            "agent/tool_timeouts/sum": float(self.tool_timeouts.sum()),
+            "agent/model_tokens/mean": float(self.tokens_by_source["model"].mean()),
+            "agent/tool_tokens/mean": float(self.tokens_by_source["tool"].mean()),
+        }
+
+
+# A model turn sampler: token-id lists (each the whole conversation so far) and each one's
+# token budget -> per conversation the new tokens and their log-probs.
+TurnSampler = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]
+
+
+def run_agent(
+    prompts: Sequence[Sequence[int]],
+    generate_turns: TurnSampler,
+    encode: Callable[[str], list[int]],
+    decode: Callable[[Sequence[int]], str],
+    executor: ToolExecutor,
+    config: AgentConfig = AgentConfig(),
+    pad_token_id: int = 0,
+) -> AgentRollout:
+    """Run one conversation per prompt (token ids) to its end and return the rollout."""
+    B, R = len(prompts), config.max_response_tokens
+    tokens: list[list[int]] = [[] for _ in range(B)]  # after the prompt
+    logp: list[list[float]] = [[] for _ in range(B)]
+    trained: list[list[int]] = [[] for _ in range(B)]
+    turns, calls, errors, timeouts = (np.zeros(B, np.int32) for _ in range(4))
+    active = list(range(B))
+    while active:
+        budgets = [R - len(tokens[i]) for i in active]
+        outs = generate_turns([list(prompts[i]) + tokens[i] for i in active], budgets)
+        tool_calls, still = {}, []
+        for i, budget, (new, new_logp) in zip(active, budgets, outs):
+            new, new_logp = list(new)[:budget], list(new_logp)[:budget]
+            tokens[i] += new
+            logp[i] += new_logp
+            trained[i] += [1] * len(new)
+            turns[i] += 1
+            parsed = parse_tool_calls(decode(new), config.fmt)
+            if parsed and turns[i] < config.max_assistant_turns and len(tokens[i]) < R:
+                tool_calls[i] = parsed
+        answers = executor.run([c for i in tool_calls for c in tool_calls[i]])  # all conversations at once
+        at = 0
+        for i, parsed in tool_calls.items():
+            results = answers[at : at + len(parsed)]
+            at += len(parsed)
+            calls[i] += len(parsed)
+            errors[i] += sum(not r.ok and not r.timed_out for r in results)
+            timeouts[i] += sum(r.timed_out for r in results)
+            turn = encode(config.tool_turn(results))
+            room = R - len(tokens[i])
+            tokens[i] += turn[:room]
+            logp[i] += [0.0] * len(turn[:room])
+            trained[i] += [0] * len(turn[:room])
+            if len(turn) < room:  # the next model turn has room
+                still.append(i)
+        active = still
+    responses = np.full((B, R), pad_token_id, np.int32)
+    response_mask, loss_mask = np.zeros((B, R), np.int32), np.zeros((B, R), np.int32)
+    log_probs = np.zeros((B, R), np.float32)
+    for i in range(B):
+        n = len(tokens[i])
+        responses[i, :n] = tokens[i]
+        response_mask[i, :n] = 1
+        loss_mask[i, :n] = trained[i]
+        log_probs[i, :n] = logp[i]
+    model = loss_mask.sum(1)
+    return AgentRollout(
+        responses=responses,
+        response_mask=response_mask,
+        loss_mask=loss_mask,
+        rollout_log_probs=log_probs,
+        turns=turns,
+        tool_calls=calls,
+        tool_errors=errors,
+        tool_timeouts=timeouts,
+        tokens_by_source={"model": model, "tool": response_mask.sum(1) - model},
+    )
+
+
+def engine_turns(model: Any, params: Any, **generate_kwargs) -> TurnSampler:
+    """A `TurnSampler` over `jaxflow.sampling.generate` for ``model`` (a `CausalLM`) with
+    ``params`` (`SamplingParams`; ``max_new_tokens`` is the most one turn samples, each
+    conversation's budget cuts it further): the conversations left-padded into one batch,
+    each turn ending at an EOS id (``params.eos_token_ids``, e.g. ``<|im_end|>``)."""
+    from jaxflow.sampling import generate
+
+    def sample(conversations: list[list[int]], budgets: list[int]) -> list[tuple[list[int], list[float]]]:
+        L = max(len(c) for c in conversations)
+        ids = np.zeros((len(conversations), L), np.int32)
+        mask = np.zeros_like(ids)
+        for row, c in enumerate(conversations):
+            ids[row, L - len(c) :] = c
+            mask[row, L - len(c) :] = 1
+        limits = np.minimum(np.asarray(budgets), params.max_new_tokens).astype(np.int32)
+        out = generate(model, ids, mask, params, max_new_tokens=limits, **generate_kwargs)
+        lengths = np.asarray(out.lengths)
+        responses, log_probs = np.asarray(out.responses), np.asarray(out.log_probs)
+        return [
+            (responses[r, : lengths[r]].tolist(), log_probs[r, : lengths[r]].tolist())
+            for r in range(len(conversations))
+        ]
+
+    return sample
