@@ -17,6 +17,7 @@ from jaxflow.agents import (
     ToolExecutor,
     ToolResult,
     calculate,
+    chatml_user_turn,
     engine_turns,
     hermes_tool_turn,
     parse_tool_calls,
@@ -204,3 +205,76 @@ def test_engine_turns_are_the_engines_samples():
     np.testing.assert_array_equal(out.responses, np.asarray(want.responses))
     np.testing.assert_array_equal(out.rollout_log_probs, np.asarray(want.log_probs))
     assert out.loss_mask.tolist() == out.response_mask.tolist() == [[1] * 8] * 2
+
+
+class _Guess:
+    """Guess a digit: "higher" / "lower" and -0.1 per miss, 1.0 and done on a hit."""
+
+    def reset(self, sample):
+        self.secret = sample["secret"]
+        return "Guess a digit."
+
+    def step(self, action):
+        guess = int(action.strip()[-1])
+        if guess == self.secret:
+            return None, 1.0, True
+        return ("higher" if guess < self.secret else "lower"), -0.1, False
+
+
+def _guesser(conversations, budgets):
+    """Guesses 3, then 5, then 7, ... (one more per answer it got)."""
+    out = []
+    for conv in conversations:
+        text = _decode(conv)
+        guess = 3 + 2 * (text.count("higher") + text.count("lower"))
+        new = _encode(f"I guess {guess}")
+        out.append((new, [-0.5] * len(new)))
+    return out
+
+
+def test_environment_rewards_land_on_their_turns_and_reach_the_estimators():
+    """Two conversations with a guessing environment (secrets 7 and 9, three model turns at
+    most): each reward sits on the last token of the turn it answered, observations are
+    untrained, and the advantage estimators read them as token-level rewards (GRPO: the
+    group-normalised sums; GAE with gamma = lam = 1 and zero values over the trained tokens:
+    the reward-to-go), checked against NumPy."""
+    import jax.numpy as jnp
+
+    from jaxflow.algos import compute_gae_advantage_return, compute_grpo_outcome_advantage
+
+    envs = [_Guess(), _Guess()]
+    config = AgentConfig(max_assistant_turns=3, max_response_tokens=300)
+    prompts = [_encode("P:"), _encode("P:")]
+    out = run_agent(
+        prompts,
+        _guesser,
+        _encode,
+        _decode,
+        ToolExecutor([]),
+        config,
+        environments=envs,
+        samples=[{"secret": 7}, {"secret": 9}],
+    )
+    turn = len("I guess 3")
+    first, higher = len(_encode(chatml_user_turn("Guess a digit."))), len(_encode(chatml_user_turn("higher")))
+    want_mask = [0] * first + [1] * turn + [0] * higher + [1] * turn + [0] * higher + [1] * turn
+    assert out.turns.tolist() == [3, 3]
+    for row in (0, 1):
+        assert out.loss_mask[row, : len(want_mask)].tolist() == want_mask
+        assert out.response_mask[row].sum() == len(want_mask)
+    ends = [first + turn - 1, first + 2 * turn + higher - 1, first + 3 * turn + 2 * higher - 1]
+    want_rewards = np.zeros((2, 300), np.float32)
+    want_rewards[0, ends] = [-0.1, -0.1, 1.0]
+    want_rewards[1, ends] = [-0.1, -0.1, -0.1]  # no hit within three turns
+    np.testing.assert_allclose(out.token_rewards, want_rewards, rtol=1e-6)
+    assert _decode(out.responses[0, : len(want_mask)]).endswith("I guess 7")
+    m = out.loss_mask
+    grpo, _ = compute_grpo_outcome_advantage(jnp.asarray(out.token_rewards), jnp.asarray(m), jnp.asarray([0, 0]))
+    scores = want_rewards.sum(1)
+    z = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
+    np.testing.assert_allclose(np.asarray(grpo), z[:, None] * m, rtol=1e-5, atol=1e-6)
+    _, returns = compute_gae_advantage_return(
+        jnp.asarray(out.token_rewards), jnp.zeros((2, 300)), jnp.asarray(m), gamma=1.0, lam=1.0
+    )
+    to_go = np.cumsum(want_rewards[:, ::-1], axis=1)[:, ::-1]  # rewards sit on trained tokens only
+    np.testing.assert_allclose(np.asarray(returns) * m, to_go * m, rtol=1e-5, atol=1e-6)

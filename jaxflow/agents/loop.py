@@ -1,5 +1,11 @@
-"""Multi-turn rollouts with tools: a conversation alternates model turns and tool turns until
-the model answers without a tool call, a turn limit, or the response's token budget.
+"""Multi-turn rollouts with tools and environments: a conversation alternates model turns and
+tool or environment turns until the model answers without a tool call (and its environment,
+if any, says done), a turn limit, or the response's token budget.
+
+An `Environment` (one per conversation) is told each model turn that calls no tool
+(``step(action) -> (observation, reward, done)``); its reward lands on that turn's last token
+(``token_rewards``: turn-level rewards, and the final one at the end, where the advantage
+estimators read ``token_level_rewards``), its observation is appended as an untrained turn.
 
 Token in, token out: the model's tokens are kept exactly as sampled (never decoded and
 encoded again); a tool turn is rendered once (``AgentConfig.tool_turn``: the chat template's
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -34,17 +40,35 @@ def hermes_tool_turn(results: Sequence[ToolResult]) -> str:
     return f"<|im_end|>\n<|im_start|>user\n{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
+def chatml_user_turn(observation: str) -> str:
+    """An environment's observation as the next user turn of a ChatML template."""
+    return f"<|im_end|>\n<|im_start|>user\n{observation}<|im_end|>\n<|im_start|>assistant\n"
+
+
+class Environment(Protocol):
+    """A multi-step task: ``reset(sample)`` starts it for a dataset sample and returns the
+    first observation (text appended after the prompt, untrained; None or "" for none);
+    ``step(action)`` takes the text of a model turn and returns ``(observation, reward,
+    done)``."""
+
+    def reset(self, sample: Any) -> str | None: ...
+
+    def step(self, action: str) -> tuple[str | None, float, bool]: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     """``fmt``: the tool-call format (`jaxflow.agents.tools.FORMATS`); ``max_assistant_turns``:
     model turns per conversation; ``max_response_tokens``: the response's budget (model and
     tool tokens; a tool turn that does not fit ends the conversation, cut); ``tool_turn``:
-    renders a turn's tool answers (default: `hermes_tool_turn`)."""
+    renders a turn's tool answers (default: `hermes_tool_turn`); ``observation_turn``: an
+    environment's observation (default: `chatml_user_turn`)."""
 
     fmt: str = "hermes"
     max_assistant_turns: int = 4
     max_response_tokens: int = 256
     tool_turn: Callable[[Sequence[ToolResult]], str] = hermes_tool_turn
+    observation_turn: Callable[[str], str] = chatml_user_turn
 
     def __post_init__(self):
         if self.fmt not in FORMATS:
@@ -57,12 +81,15 @@ class AgentConfig:
 class AgentRollout:
     """``[B, R]`` columns after each prompt (see the module docstring) and per conversation:
     ``turns`` (model turns), ``tool_calls``, ``tool_errors``, ``tool_timeouts``, and
-    ``tokens_by_source`` (``{"model": [B], "tool": [B]}``)."""
+    ``tokens_by_source`` (``{"model": [B], "tool": [B]}``: the tool count holds environment
+    observations too); ``token_rewards`` [B, R]: each environment reward on the last token of
+    the model turn it answered (zeros without environments)."""
 
     responses: np.ndarray
     response_mask: np.ndarray
     loss_mask: np.ndarray
     rollout_log_probs: np.ndarray
+    token_rewards: np.ndarray
     turns: np.ndarray
     tool_calls: np.ndarray
     tool_errors: np.ndarray
@@ -94,14 +121,36 @@ def run_agent(
     executor: ToolExecutor,
     config: AgentConfig = AgentConfig(),
     pad_token_id: int = 0,
+    environments: Sequence[Environment] | None = None,
+    samples: Sequence[Any] | None = None,
 ) -> AgentRollout:
-    """Run one conversation per prompt (token ids) to its end and return the rollout."""
+    """Run one conversation per prompt (token ids) to its end and return the rollout; with
+    ``environments`` (one per prompt, started with ``samples``), the model turns without a
+    tool call go to them."""
     B, R = len(prompts), config.max_response_tokens
+    if environments is not None and len(environments) != B:
+        raise ValueError(f"{len(environments)} environments for {B} prompts")
     tokens: list[list[int]] = [[] for _ in range(B)]  # after the prompt
     logp: list[list[float]] = [[] for _ in range(B)]
     trained: list[list[int]] = [[] for _ in range(B)]
+    rewards: list[dict[int, float]] = [{} for _ in range(B)]  # token index -> reward
     turns, calls, errors, timeouts = (np.zeros(B, np.int32) for _ in range(4))
+
+    def append_untrained(i: int, text: str) -> bool:
+        """A tool or observation turn; whether the next model turn still has room."""
+        turn = encode(text)
+        room = R - len(tokens[i])
+        tokens[i] += turn[:room]
+        logp[i] += [0.0] * len(turn[:room])
+        trained[i] += [0] * len(turn[:room])
+        return len(turn) < room
+
     active = list(range(B))
+    if environments is not None:
+        for i, env in enumerate(environments):
+            first = env.reset(None if samples is None else samples[i])
+            if first and not append_untrained(i, config.observation_turn(first)):
+                active.remove(i)
     while active:
         budgets = [R - len(tokens[i]) for i in active]
         outs = generate_turns([list(prompts[i]) + tokens[i] for i in active], budgets)
@@ -112,9 +161,16 @@ def run_agent(
             logp[i] += new_logp
             trained[i] += [1] * len(new)
             turns[i] += 1
-            parsed = parse_tool_calls(decode(new), config.fmt)
-            if parsed and turns[i] < config.max_assistant_turns and len(tokens[i]) < R:
+            text = decode(new)
+            parsed = parse_tool_calls(text, config.fmt)
+            more = turns[i] < config.max_assistant_turns and len(tokens[i]) < R
+            if parsed and more:
                 tool_calls[i] = parsed
+            elif environments is not None:
+                observation, reward, done = environments[i].step(text)
+                rewards[i][len(tokens[i]) - 1] = rewards[i].get(len(tokens[i]) - 1, 0.0) + float(reward)
+                if not done and more and append_untrained(i, config.observation_turn(observation or "")):
+                    still.append(i)
         answers = executor.run([c for i in tool_calls for c in tool_calls[i]])  # all conversations at once
         at = 0
         for i, parsed in tool_calls.items():
@@ -123,29 +179,27 @@ def run_agent(
             calls[i] += len(parsed)
             errors[i] += sum(not r.ok and not r.timed_out for r in results)
             timeouts[i] += sum(r.timed_out for r in results)
-            turn = encode(config.tool_turn(results))
-            room = R - len(tokens[i])
-            tokens[i] += turn[:room]
-            logp[i] += [0.0] * len(turn[:room])
-            trained[i] += [0] * len(turn[:room])
-            if len(turn) < room:  # the next model turn has room
+            if append_untrained(i, config.tool_turn(results)):
                 still.append(i)
-        active = still
+        active = sorted(still)
     responses = np.full((B, R), pad_token_id, np.int32)
     response_mask, loss_mask = np.zeros((B, R), np.int32), np.zeros((B, R), np.int32)
-    log_probs = np.zeros((B, R), np.float32)
+    log_probs, token_rewards = np.zeros((B, R), np.float32), np.zeros((B, R), np.float32)
     for i in range(B):
         n = len(tokens[i])
         responses[i, :n] = tokens[i]
         response_mask[i, :n] = 1
         loss_mask[i, :n] = trained[i]
         log_probs[i, :n] = logp[i]
+        for t, r in rewards[i].items():
+            token_rewards[i, t] = r
     model = loss_mask.sum(1)
     return AgentRollout(
         responses=responses,
         response_mask=response_mask,
         loss_mask=loss_mask,
         rollout_log_probs=log_probs,
+        token_rewards=token_rewards,
         turns=turns,
         tool_calls=calls,
         tool_errors=errors,
