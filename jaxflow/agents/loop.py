@@ -105,6 +105,8 @@ class AgentRollout:
             "agent/tool_timeouts/sum": float(self.tool_timeouts.sum()),
             "agent/model_tokens/mean": float(self.tokens_by_source["model"].mean()),
             "agent/tool_tokens/mean": float(self.tokens_by_source["tool"].mean()),
+            "agent/conversation_length/mean": float(self.response_mask.sum(1).mean()),
+            "agent/conversation_length/max": float(self.response_mask.sum(1).max()),
         }
 
 
