@@ -52,7 +52,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxflow.mesh.executables import ahead_of_time
 from jaxflow.mesh.rules import Rules, get_rules, state_shardings
 from jaxflow.mesh.specs import generation_mesh, weight_axes
 from jaxflow.reshard import hlo
@@ -286,7 +285,7 @@ class HybridEngine:
     def _get(self, key: tuple):
         """The jitted program for a cache key (built on first use)."""
         if key not in self._programs:
-            self._programs[key] = ahead_of_time(self._build(key))
+            self._programs[key] = self._build(key)
         return self._programs[key]
 
     @staticmethod

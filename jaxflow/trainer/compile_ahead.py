@@ -54,11 +54,11 @@ def compile_ahead(spec: RunSpec, workers: int | None = None) -> dict[str, float]
         name, lowered = job
         t0 = time.perf_counter()
         compiled = lowered.compile()
-        return name, time.perf_counter() - t0, compiled
+        return name, time.perf_counter() - t0, (executables.lowered_name(lowered), compiled)
 
     with ThreadPoolExecutor(max_workers=min(len(jobs), workers or os.cpu_count() or 1)) as pool:
         done = list(pool.map(run, jobs))
-    executables.offer([compiled for _, _, compiled in done])
+    executables.offer([named for _, _, named in done])
     return {name: seconds for name, seconds, _ in done}
 
 
