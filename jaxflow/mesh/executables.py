@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 _POOL: list[tuple[str, jax.stages.Compiled]] = []  # (program name, executable)
+_ANONYMOUS = ("", "lambda")  # programs of lambdas: a name says nothing about what they compute
 _LOCK = threading.Lock()
 _MISMATCH = (TypeError, ValueError)  # what `jax.stages.Compiled.__call__` raises for other inputs
 
@@ -43,9 +44,10 @@ def lowered_name(lowered: Any) -> str:
 
 def offer(executables: list[tuple[str, jax.stages.Compiled]]) -> None:
     """Add ``(program name, executable)`` pairs compiled ahead to the pool the `Program`
-    objects draw from."""
+    objects draw from (those of anonymous programs are dropped)."""
+    named = [(program_name(name), exe) for name, exe in executables]
     with _LOCK:
-        _POOL.extend((program_name(name), exe) for name, exe in executables)
+        _POOL.extend((name, exe) for name, exe in named if name not in _ANONYMOUS)
 
 
 def clear() -> None:
@@ -77,7 +79,7 @@ class Program:
             except _MISMATCH:
                 continue
         first, self._called = not self._called, True
-        if first and _POOL:
+        if first and _POOL and self.name not in _ANONYMOUS:
             with _LOCK:
                 candidates = [entry for entry in _POOL if entry[0] == self.name]
             for entry in candidates:
