@@ -19,6 +19,7 @@ FLOORS = {
     "reshard": 2,
     "algos": 2,
     "workers": 3,
+    "agents": 3,
     "iterations": 4,
     "configs": 4,
     "plan": 5,

@@ -115,6 +115,48 @@ class AgentRollout:
 TurnSampler = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]
 
 
+@dataclasses.dataclass
+class _Conversation:
+    """One conversation's response so far (after its prompt), token by token."""
+
+    budget: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    trained: list[int] = dataclasses.field(default_factory=list)
+    rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # token index -> reward
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    timeouts: int = 0
+
+    @property
+    def room(self) -> int:
+        return self.budget - len(self.tokens)
+
+    def model_turn(self, new: Sequence[int], log_probs: Sequence[float]) -> list[int]:
+        """The sampled tokens (cut at the budget) appended as they are; returns them."""
+        kept = list(new)[: self.room]
+        self.tokens += kept
+        self.log_probs += list(log_probs)[: len(kept)]
+        self.trained += [1] * len(kept)
+        self.turns += 1
+        return kept
+
+    def untrained_turn(self, turn: list[int]) -> bool:
+        """A tool or observation turn (cut at the budget); whether a model turn still fits."""
+        fits = len(turn) < self.room
+        turn = turn[: self.room]
+        self.tokens += turn
+        self.log_probs += [0.0] * len(turn)
+        self.trained += [0] * len(turn)
+        return fits
+
+    def reward(self, value: float) -> None:
+        """An environment's reward for the model turn just taken (on its last token)."""
+        last = len(self.tokens) - 1
+        self.rewards[last] = self.rewards.get(last, 0.0) + float(value)
+
+
 def run_agent(
     prompts: Sequence[Sequence[int]],
     generate_turns: TurnSampler,
@@ -129,83 +171,71 @@ def run_agent(
     """Run one conversation per prompt (token ids) to its end and return the rollout; with
     ``environments`` (one per prompt, started with ``samples``), the model turns without a
     tool call go to them."""
-    B, R = len(prompts), config.max_response_tokens
-    if environments is not None and len(environments) != B:
-        raise ValueError(f"{len(environments)} environments for {B} prompts")
-    tokens: list[list[int]] = [[] for _ in range(B)]  # after the prompt
-    logp: list[list[float]] = [[] for _ in range(B)]
-    trained: list[list[int]] = [[] for _ in range(B)]
-    rewards: list[dict[int, float]] = [{} for _ in range(B)]  # token index -> reward
-    turns, calls, errors, timeouts = (np.zeros(B, np.int32) for _ in range(4))
-
-    def append_untrained(i: int, text: str) -> bool:
-        """A tool or observation turn; whether the next model turn still has room."""
-        turn = encode(text)
-        room = R - len(tokens[i])
-        tokens[i] += turn[:room]
-        logp[i] += [0.0] * len(turn[:room])
-        trained[i] += [0] * len(turn[:room])
-        return len(turn) < room
-
-    active = list(range(B))
-    if environments is not None:
-        for i, env in enumerate(environments):
-            first = env.reset(None if samples is None else samples[i])
-            if first and not append_untrained(i, config.observation_turn(first)):
-                active.remove(i)
+    if environments is not None and len(environments) != len(prompts):
+        raise ValueError(f"{len(environments)} environments for {len(prompts)} prompts")
+    convs = [_Conversation(config.max_response_tokens) for _ in prompts]
+    active = list(range(len(prompts)))
+    for i, env in enumerate(environments or ()):
+        first = env.reset(None if samples is None else samples[i])
+        if first and not convs[i].untrained_turn(encode(config.observation_turn(first))):
+            active.remove(i)
     while active:
-        budgets = [R - len(tokens[i]) for i in active]
-        outs = generate_turns([list(prompts[i]) + tokens[i] for i in active], budgets)
+        outs = generate_turns([list(prompts[i]) + convs[i].tokens for i in active], [convs[i].room for i in active])
         tool_calls, still = {}, []
-        for i, budget, (new, new_logp) in zip(active, budgets, outs):
-            new, new_logp = list(new)[:budget], list(new_logp)[:budget]
-            tokens[i] += new
-            logp[i] += new_logp
-            trained[i] += [1] * len(new)
-            turns[i] += 1
-            text = decode(new)
+        for i, (new, log_probs) in zip(active, outs):
+            c = convs[i]
+            text = decode(c.model_turn(new, log_probs))
             parsed = parse_tool_calls(text, config.fmt)
-            more = turns[i] < config.max_assistant_turns and len(tokens[i]) < R
+            more = c.turns < config.max_assistant_turns and c.room > 0
             if parsed and more:
                 tool_calls[i] = parsed
             elif environments is not None:
                 observation, reward, done = environments[i].step(text)
-                rewards[i][len(tokens[i]) - 1] = rewards[i].get(len(tokens[i]) - 1, 0.0) + float(reward)
-                if not done and more and append_untrained(i, config.observation_turn(observation or "")):
+                c.reward(reward)
+                if not done and more and c.untrained_turn(encode(config.observation_turn(observation or ""))):
                     still.append(i)
-        answers = executor.run([c for i in tool_calls for c in tool_calls[i]])  # all conversations at once
-        at = 0
+        answers = iter(executor.run([call for i in tool_calls for call in tool_calls[i]]))  # all at once
         for i, parsed in tool_calls.items():
-            results = answers[at : at + len(parsed)]
-            at += len(parsed)
-            calls[i] += len(parsed)
-            errors[i] += sum(not r.ok and not r.timed_out for r in results)
-            timeouts[i] += sum(r.timed_out for r in results)
-            if append_untrained(i, config.tool_turn(results)):
+            results = [next(answers) for _ in parsed]
+            c = convs[i]
+            c.calls += len(parsed)
+            c.errors += sum(not r.ok and not r.timed_out for r in results)
+            c.timeouts += sum(r.timed_out for r in results)
+            if c.untrained_turn(encode(config.tool_turn(results))):
                 still.append(i)
         active = sorted(still)
+    return _rollout(convs, config.max_response_tokens, pad_token_id)
+
+
+def _rollout(convs: Sequence[_Conversation], R: int, pad_token_id: int) -> AgentRollout:
+    """The conversations as ``[B, R]`` columns (right-padded) and counts."""
+    B = len(convs)
     responses = np.full((B, R), pad_token_id, np.int32)
     response_mask, loss_mask = np.zeros((B, R), np.int32), np.zeros((B, R), np.int32)
     log_probs, token_rewards = np.zeros((B, R), np.float32), np.zeros((B, R), np.float32)
-    for i in range(B):
-        n = len(tokens[i])
-        responses[i, :n] = tokens[i]
+    for i, c in enumerate(convs):
+        n = len(c.tokens)
+        responses[i, :n] = c.tokens
         response_mask[i, :n] = 1
-        loss_mask[i, :n] = trained[i]
-        log_probs[i, :n] = logp[i]
-        for t, r in rewards[i].items():
+        loss_mask[i, :n] = c.trained
+        log_probs[i, :n] = c.log_probs
+        for t, r in c.rewards.items():
             token_rewards[i, t] = r
     model = loss_mask.sum(1)
+    counts = {
+        name: np.asarray([getattr(c, name) for c in convs], np.int32)
+        for name in ("turns", "calls", "errors", "timeouts")
+    }
     return AgentRollout(
         responses=responses,
         response_mask=response_mask,
         loss_mask=loss_mask,
         rollout_log_probs=log_probs,
         token_rewards=token_rewards,
-        turns=turns,
-        tool_calls=calls,
-        tool_errors=errors,
-        tool_timeouts=timeouts,
+        turns=counts["turns"],
+        tool_calls=counts["calls"],
+        tool_errors=counts["errors"],
+        tool_timeouts=counts["timeouts"],
         tokens_by_source={"model": model, "tool": response_mask.sum(1) - model},
     )
 
