@@ -32,7 +32,7 @@ from flax import nnx
 from jaxflow.configs.run_spec import RunSpec
 from jaxflow.mesh import TRAINING_ROLES, Role, logical_axes_tree
 from jaxflow.models import ModelConfig, init_model
-from jaxflow.models.lora import TRAINED_HEADS
+from jaxflow.models.lora import trained_mask
 from jaxflow.plan.lowering import forward_of, run_algorithm
 
 # Each role's forward program over the rollout (the dry run's names; `forward_of` gives its
@@ -105,11 +105,7 @@ def role_model(role: str, head: str, mc: ModelConfig) -> RoleModel:
     axes = logical_axes_tree(state)
     shapes = [tuple(v.shape) for v in jax.tree.leaves(state)]
     names = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, tuple))
-    heads = TRAINED_HEADS if mc.lora is not None else ()  # trained beside the adapters (`lora.split_trained`)
-    adapters = [
-        isinstance(v, nnx.LoRAParam) or getattr(path[0], "key", None) in heads
-        for path, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
-    ]
+    adapters = trained_mask(state)
     leaves = tuple(Leaf(s, tuple(a), lora) for s, a, lora in zip(shapes, names, adapters))
     total = sum(math.prod(s) for s in shapes)
     embed = mc.vocab_size * mc.hidden_size

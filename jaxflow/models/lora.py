@@ -180,6 +180,15 @@ def split_trained(state: nnx.State) -> tuple[nnx.State, nnx.State]:
     return nnx.split_state(state, nnx.Not(_TRAINED), _TRAINED)
 
 
+def trained_mask(state: nnx.State) -> list[bool]:
+    """Per leaf of ``state`` (in ``jax.tree.leaves`` order), whether an adapted model trains it
+    (`split_trained`'s split); all False for a model without adapters."""
+    flat = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    if not any(isinstance(v, nnx.LoRAParam) for _, v in flat):
+        return [False] * len(flat)
+    return [isinstance(v, nnx.LoRAParam) or getattr(path[0], "key", None) in TRAINED_HEADS for path, v in flat]
+
+
 def has_adapters(state: nnx.State) -> bool:
     return bool(jax.tree.leaves(nnx.filter_state(state, nnx.LoRAParam)))
 

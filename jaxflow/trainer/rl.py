@@ -115,15 +115,13 @@ def experiment_record(spec: RunSpec) -> dict[str, str]:
         if role != "ref":  # the actor's model
             shape = "unknown" if m.config is None else " ".join(f"{k}={getattr(m.config, k)}" for k in MODEL_SHAPE)
             record[f"{role} model"] = shape
-    lora = spec.actor.lora
-    if lora is not None:  # the checkpoints hold adapters: they mean something on their base only
-        record["actor LoRA"] = f"rank={lora.rank} alpha={lora.alpha:g} targets={','.join(lora.targets)}"
+    # Checkpoints of adapters (and a critic's value head) mean something on their base only.
+    for role, conf in (("actor", spec.actor), ("critic", spec.critic)):
+        lora = None if conf is None else conf.lora
+        if lora is not None:
+            record[f"{role} LoRA"] = f"rank={lora.rank} alpha={lora.alpha:g} targets={','.join(lora.targets)}"
+    if spec.actor.lora is not None:
         record["actor base"] = base_pointer(spec)
-    critic_lora = spec.critic.lora if spec.critic is not None else None
-    if critic_lora is not None:  # its checkpoints hold the adapters and the value head
-        record["critic LoRA"] = (
-            f"rank={critic_lora.rank} alpha={critic_lora.alpha:g} targets={','.join(critic_lora.targets)}"
-        )
     return record
 
 
