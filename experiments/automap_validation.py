@@ -173,7 +173,12 @@ def time_plans(cfg0, plans: dict, args: argparse.Namespace, tmp: str, say) -> tu
 def main(argv=None) -> int:
     args = parse_args(argv)
     prof = get_profile(args.profile)
-    tmp = tempfile.mkdtemp(prefix="automap_validation_")
+    with tempfile.TemporaryDirectory(prefix="automap_validation_") as tmp:
+        return _validate(args, prof, tmp)
+
+
+def _validate(args: argparse.Namespace, prof, tmp: str) -> int:
+    """Plans, timing and the report; the trainers' run directories are under ``tmp``."""
     cfg0 = base_config(args.config, tmp, args.tiny)
     w = workload_from_spec(prepare_run(cfg0, with_placement=False, with_datasets=False).spec)
     chosen = Mapper(w, 8, prof).search(top=1)[0]

@@ -248,7 +248,12 @@ def worker_torch_train(a: dict) -> dict:
 def worker_rl(a: dict) -> dict:
     """GRPO through the CLI; per-phase seconds from metrics.jsonl, compile seconds from the
     summary."""
-    run_dir = tempfile.mkdtemp(prefix="jaxflow_rl_")
+    with tempfile.TemporaryDirectory(prefix="jaxflow_rl_") as run_dir:
+        return _rl_run(a, run_dir)
+
+
+def _rl_run(a: dict, run_dir: str) -> dict:
+    """`worker_rl` in the run directory ``run_dir`` (removed afterwards)."""
     r = a["rl"]
     cmd = [
         sys.executable,
@@ -635,10 +640,10 @@ def main(argv=None) -> int:
     if "torch_train" in phases:
         record("torch_train", lambda: _sub("torch_train", dict(path=ckpt, reps=a.reps, **t), 900))
     if "rl" in phases:
-        cache = tempfile.mkdtemp(prefix="jaxflow_cache_")
-        env = {"JAX_COMPILATION_CACHE_DIR": cache}
-        record("rl_cold", lambda: _sub("rl", dict(path=ckpt, rl=sizes["rl"]), 1800, env))
-        record("rl_warm", lambda: _sub("rl", dict(path=ckpt, rl=sizes["rl"]), 1800, env))
+        with tempfile.TemporaryDirectory(prefix="jaxflow_cache_") as cache:  # cold, then warm
+            env = {"JAX_COMPILATION_CACHE_DIR": cache}
+            record("rl_cold", lambda: _sub("rl", dict(path=ckpt, rl=sizes["rl"]), 1800, env))
+            record("rl_warm", lambda: _sub("rl", dict(path=ckpt, rl=sizes["rl"]), 1800, env))
     if "xla_flags" in phases:
         for name, flags in XLA_FLAG_VARIANTS.items():
             env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}

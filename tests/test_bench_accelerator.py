@@ -17,8 +17,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.mark.slow
 def test_bench_accelerator_tiny(tmp_path):
-    out = tmp_path / "bench.json"
-    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)  # conftest's fast compile, one device
+    out, scratch = tmp_path / "bench.json", tmp_path / "tmp"
+    scratch.mkdir()
+    # conftest's fast compile, one device; the run's scratch directories in `scratch`
+    env = child_env(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, TMPDIR=str(scratch))
     p = subprocess.run(
         [sys.executable, "experiments/bench_accelerator.py", "--tiny", "--reps", "1", "--json", str(out)],
         cwd=ROOT,
@@ -44,3 +46,8 @@ def test_bench_accelerator_tiny(tmp_path):
         assert 0 < parts <= steps[-1]["timing_s/gen"]  # the parts of gen, measured inside it
         assert r[run]["compile"].startswith("first step done")
     assert "bench_accelerator:" in p.stdout and "engine tok/s" in p.stdout
+    # the RL runs' directories and their compilation cache are removed (the checkpoint, named
+    # by its model, stays for the next run, as torch's inductor cache does)
+    left = sorted(p.name for p in scratch.iterdir())
+    assert os.path.basename(r["checkpoint"]["path"]) in left
+    assert not [name for name in left if name.startswith(("jaxflow_rl_", "jaxflow_cache_"))], left

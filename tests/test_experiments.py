@@ -53,8 +53,9 @@ def test_automap_qwen():
     assert len(run["steps"]) == 1 and run["steps"][0].lstrip().startswith("step 1 ")
 
 
-def test_automap_validation():
-    result = run_json("automap_validation.py", "--tiny")
+def test_automap_validation(tmp_path):
+    result = run_json("automap_validation.py", "--tiny", TMPDIR=str(tmp_path))
+    assert list(tmp_path.iterdir()) == []  # the trainers' run directories are removed
     plans = [row["plan"] for row in result["rows"]]
     assert plans[0] == "colocated fsdp8" and result["chosen"] in plans and len(plans) <= 2
     for row in result["rows"]:
