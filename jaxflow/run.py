@@ -16,7 +16,9 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxflow.mesh.devices import enable_compilation_cache, simulate_devices
+# Nothing heavy at import time: a reward function's worker processes (``spawn``) import the
+# driver's ``__main__``, this module, each time one starts (and one replaces every worker whose
+# sample runs out of time); JAX, Flax and orbax are imported by the functions that use them.
 
 LOG_FILE = "jaxflow.log"
 INTERRUPTED = 130  # the exit code of a run stopped by Ctrl-C (128 + SIGINT)
@@ -283,6 +285,7 @@ def _load(name: str, overrides: list[str], dry_run: bool) -> Any:
     """The config with its overrides (``dry_run``: ``jaxflow.dry_run.enable``), its devices
     simulated (before JAX starts), validated."""
     from jaxflow import configs
+    from jaxflow.mesh.devices import simulate_devices
 
     cfg = configs.apply_overrides(configs.get_config(name), overrides)
     if dry_run:
@@ -324,9 +327,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = _log_unraisable
     # A log file on a full disk must not print a traceback per record ("--- Logging error ---").
     raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
-    enable_compilation_cache()
+    from jaxflow.mesh.devices import enable_compilation_cache
     from jaxflow.trainer import interrupt
 
+    enable_compilation_cache()
     interrupt.install()  # a Ctrl-C (or SIGTERM) swallowed by library code still stops the run within a step
     try:
         return _train(cfg, json_path)

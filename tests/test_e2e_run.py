@@ -126,6 +126,17 @@ def test_a_reward_function_that_raises_or_hangs_does_not_stop_training(tmp_path)
     assert all(np.isfinite(r["critic/score/mean"]) for r in records)
 
 
+def test_the_cli_module_imports_nothing_heavy():
+    """A reward function's worker processes (``spawn``) import the driver's ``__main__``,
+    ``jaxflow.run``, whenever one starts or replaces a worker that ran out of time: importing
+    it must not import JAX (about 2 s of CPU each time)."""
+    script = "import sys, jaxflow.run; print(sorted({'jax', 'flax', 'optax', 'orbax'} & set(sys.modules)))"
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
