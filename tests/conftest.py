@@ -40,10 +40,12 @@ import pytest
 @pytest.fixture(scope="session")
 def ray_session():
     """One local Ray instance for every test that needs one (started on first use; each test
-    module starts and stops its own worker groups on it)."""
+    module starts and stops its own worker groups on it), without idle workers, as a run's own."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    from jaxflow.workers.ray.cluster import NO_IDLE_WORKERS
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, _system_config=NO_IDLE_WORKERS)
     yield ray
     ray.shutdown()
 

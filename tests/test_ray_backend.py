@@ -36,6 +36,7 @@ from jaxflow.workers.ray import (
     Unschedulable,
     WorkerDied,
 )
+from jaxflow.workers.ray.cluster import NO_IDLE_WORKERS
 from jaxflow.workers.roles import RoleSettings, role_class
 from tests.child_env import child_env
 from tests.cli import TINY, cli_env, complete_steps, dead, one_line, saving, steps_left, still_alive, stop_when
@@ -273,9 +274,9 @@ def test_a_run_starts_its_own_ray_beside_anothers_and_sigterm_stops_it_all(backe
     assert "WARNING ray._private.authentication.authentication_token_setup: Token authentication is enabled" in log_text
 
 
-OWNER = """
+OWNER = f"""
 import sys, ray
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _system_config={NO_IDLE_WORKERS!r})
 print(ray.get_runtime_context().gcs_address, flush=True)
 sys.stdin.readline()  # then exits: ray.shutdown() stops its instance
 """
