@@ -72,6 +72,16 @@ ENGINE_VARIANTS = {  # EngineOptions
     "pages_per_block_4": dict(pages_per_block=4),
     "pages_per_block_16": dict(pages_per_block=16),
 }
+TRAIN_VARIANTS = {  # ModelConfig fields besides the run's defaults
+    "xla": dict(attention_impl="xla"),
+    "scan_layers": dict(scan_layers=True),
+}
+SCAN = "--config.jaxflow.model.scan_layers=true"
+RL_VARIANTS = {  # the ``rl`` phase's CLI run again: (more flags, more XLA_FLAGS)
+    "scan_layers": ([SCAN], ""),
+    "scan_layers_cublas": ([SCAN], "--xla_gpu_enable_triton_gemm=false"),
+    "cublas": ([], "--xla_gpu_enable_triton_gemm=false"),
+}
 # XLA:GPU command buffers (CUDA graphs): off, and with loops and conditionals inside them
 XLA_FLAG_VARIANTS = {
     "command_buffers_off": "--xla_gpu_enable_command_buffer=",
@@ -274,6 +284,7 @@ def _rl_run(a: dict, run_dir: str) -> dict:
         "--config.trainer.val_before_train=False",
         "--config.trainer.test_freq=-1",
         f"--config.trainer.default_local_dir={run_dir}",
+        *a.get("flags", []),
     ]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=run_dir)
@@ -308,6 +319,27 @@ WORKERS = {
 # ---------------------------------------------------------------------- in-process phases
 
 
+def _torch_copy_rate(n: int) -> float | None:
+    """Measured: torch's device-to-device copy of ``n`` bf16 elements (bytes read + written),
+    a second reading of the bandwidth; None without torch or a CUDA device."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    buffers = [torch.ones(n, dtype=torch.bfloat16, device="cuda"), torch.empty(n, dtype=torch.bfloat16, device="cuda")]
+
+    def copy():
+        buffers[1].copy_(buffers[0])
+        torch.cuda.synchronize()
+
+    _, t = _timed(copy, 10)
+    buffers.clear()
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / _median(t)
+
+
 def ceilings(tiny: bool) -> dict:
     """Measured: device-to-device copy bandwidth (bytes read + written) and bf16 matmul rate."""
     import jax
@@ -323,6 +355,7 @@ def ceilings(tiny: bool) -> dict:
     _, tm = _timed(lambda: mm(a).block_until_ready(), 10)
     return {
         "copy_bytes_per_s": 2 * n * 2 / _median(t),
+        "torch_copy_bytes_per_s": _torch_copy_rate(n),
         "matmul_flop_per_s": 2 * m**3 / _median(tm),
         "device": str(jax.devices()[0].device_kind),
         "platform": jax.default_backend(),
@@ -475,11 +508,10 @@ def profile(sizes, dump_dir: str | None = None) -> dict:
     return dict(trace, R=R, steps=steps, kernels_per_step=trace["device_events"] / steps)
 
 
-def train(
-    preset, rows, P, R, reps, peak, ceil, num_layers=None, attention_impl=None, profiled=False, dump_dir=None
-) -> dict:
+def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, variant=None, profiled=False, dump_dir=None) -> dict:
     """The actor's train step: float32 masters, bf16 compute (the accelerator default), GRPO
-    loss with the KL loss, one mini-batch of ``rows``."""
+    loss with the KL loss, one mini-batch of ``rows``; ``variant`` names `TRAIN_VARIANTS`' model
+    fields to change."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -492,8 +524,8 @@ def train(
     if num_layers:
         cfg = cfg.replace(num_layers=num_layers)
     cfg = with_attention(cfg, jax.default_backend())  # what a run resolves
-    if attention_impl:
-        cfg = cfg.replace(attention_impl=attention_impl)
+    if variant:
+        cfg = cfg.replace(**TRAIN_VARIANTS[variant])
     model = init_model(cfg, "lm", seed=0)
     V = cfg.vocab_size
     rng = np.random.default_rng(0)
@@ -528,6 +560,7 @@ def train(
             )
     res = {
         "attention_impl": cfg.attention_impl,
+        "scan_layers": cfg.scan_layers,
         "rows": rows,
         "P": P,
         "R": R,
@@ -586,8 +619,11 @@ def main(argv=None) -> int:
         help=f"comma list of {sorted(ENGINE_VARIANTS)} (default: pages_per_block_2,pages_per_block_16; none with --tiny)",
     )
     ap.add_argument(
-        "--train_variants", default=None, help="attention implementations besides the run's default (default: xla)"
+        "--train_variants",
+        default=None,
+        help=f"comma list of {sorted(TRAIN_VARIANTS)} (default: xla; none with --tiny)",
     )
+    ap.add_argument("--rl_variants", default="", help=f"comma list of {sorted(RL_VARIANTS)}: more cold and warm runs")
     ap.add_argument("--json", default=None)
     ap.add_argument("--dump_hlo", default=None, help="folder for the profiled programs' compiled HLO (gzip)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -604,9 +640,14 @@ def main(argv=None) -> int:
     if a.train_variants is None:
         a.train_variants = "" if a.tiny else "xla"
     phases = [p for p in a.phases.split(",") if p]
-    unknown = set(phases) - set(PHASES)
-    if unknown:
-        ap.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    for flag, given, known in (
+        ("--phases", phases, PHASES),
+        ("--train_variants", a.train_variants.split(","), TRAIN_VARIANTS),
+        ("--rl_variants", a.rl_variants.split(","), RL_VARIANTS),
+    ):
+        unknown = set(filter(None, given)) - set(known)
+        if unknown:
+            ap.error(f"unknown {flag} {sorted(unknown)}; choose from {sorted(known)}")
     results: dict = {"sizes": sizes, "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     t_start = time.perf_counter()
 
@@ -640,10 +681,16 @@ def main(argv=None) -> int:
     if "torch_train" in phases:
         record("torch_train", lambda: _sub("torch_train", dict(path=ckpt, reps=a.reps, **t), 900))
     if "rl" in phases:
-        with tempfile.TemporaryDirectory(prefix="jaxflow_cache_") as cache:  # cold, then warm
-            env = {"JAX_COMPILATION_CACHE_DIR": cache}
-            record("rl_cold", lambda: _sub("rl", dict(path=ckpt, rl=sizes["rl"]), 1800, env))
-            record("rl_warm", lambda: _sub("rl", dict(path=ckpt, rl=sizes["rl"]), 1800, env))
+        for variant in ["", *filter(None, a.rl_variants.split(","))]:
+            flags, xla_flags = RL_VARIANTS[variant] if variant else ([], "")
+            rl_at = dict(path=ckpt, rl=sizes["rl"], flags=flags)
+            suffix = f"_{variant}" if variant else ""
+            with tempfile.TemporaryDirectory(prefix="jaxflow_cache_") as cache:  # cold, then warm
+                env = {"JAX_COMPILATION_CACHE_DIR": cache}
+                if xla_flags:
+                    env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags).strip()
+                record("rl_cold" + suffix, lambda: _sub("rl", rl_at, 1800, env))
+                record("rl_warm" + suffix, lambda: _sub("rl", rl_at, 1800, env))
     if "xla_flags" in phases:
         for name, flags in XLA_FLAG_VARIANTS.items():
             env = {"XLA_FLAGS": (os.environ.get("XLA_FLAGS", "") + " " + flags).strip()}
@@ -669,8 +716,8 @@ def main(argv=None) -> int:
         train_at = dict(preset=sizes["preset"], rows=t["rows"], P=t["P"], R=t["R"], reps=a.reps, peak=a.peak)
         train_at.update(ceil=ceil, num_layers=sizes["layers"])
         record("train", lambda: train(**train_at, profiled=True, dump_dir=a.dump_hlo))
-        for impl in filter(None, a.train_variants.split(",")):
-            record(f"train_{impl}", lambda impl=impl: train(**train_at, attention_impl=impl))
+        for variant in filter(None, a.train_variants.split(",")):
+            record(f"train_{variant}", lambda variant=variant: train(**train_at, variant=variant))
     if "wide" in phases:
         record("wide", lambda: wide(a, sizes, ceil))
     results["total_wall_s"] = round(time.perf_counter() - t_start, 1)
@@ -698,6 +745,7 @@ def summary_table(r: dict) -> str:
 
     add("device", _get(r, "ceilings", "device"), "{}")
     add("copy bandwidth GB/s (measured)", (_get(r, "ceilings", "copy_bytes_per_s") or 0) / 1e9 or None)
+    add("copy bandwidth GB/s, torch (measured)", (_get(r, "ceilings", "torch_copy_bytes_per_s") or 0) / 1e9 or None)
     add("bf16 matmul TFLOP/s (measured)", (_get(r, "ceilings", "matmul_flop_per_s") or 0) / 1e12 or None)
     add("engine tok/s", _get(r, "engine", "default", "tok_s"), "{:,.0f}")
     add("engine ms per decode step", _get(r, "engine", "default", "ms_per_step"))
@@ -716,11 +764,17 @@ def summary_table(r: dict) -> str:
     add("train step s", _median(_get(r, "train", "seconds") or []))
     add("train MFU vs peak (analytic FLOPs / measured s)", _get(r, "train", "mfu_vs_peak"), "{:.1%}")
     add("train attention", _get(r, "train", "attention_impl"), "{}")
-    add("train MFU vs peak, jaxflow's XLA attention", _get(r, "train_xla", "mfu_vs_peak"), "{:.1%}")
+    add("train first call s (compile + run)", _get(r, "train", "first_call_s"))
+    for name in TRAIN_VARIANTS:
+        if _get(r, f"train_{name}"):
+            add(f"train step s, {name}", _median(_get(r, f"train_{name}", "seconds") or []))
+            add(f"train MFU vs peak, {name}", _get(r, f"train_{name}", "mfu_vs_peak"), "{:.1%}")
+            add(f"train first call s (compile + run), {name}", _get(r, f"train_{name}", "first_call_s"))
     torch_s = _median(_get(r, "torch_train", "seconds") or [])
     if torch_s == torch_s and _get(r, "train", "seconds"):
         add("torch step s / jaxflow step s", torch_s / _median(r["train"]["seconds"]), "{:.2f}x")
-    for run in ("rl_cold", "rl_warm"):
+    runs = [k for k in r if k.startswith(("rl_cold", "rl_warm")) and not k.endswith("_wall_s")]
+    for run in runs:
         steps = _get(r, run, "steps") or []
         if steps:
             last = steps[-1]
