@@ -265,7 +265,7 @@ def initial_carry(ro: Rollout) -> Carry:
     st, cfg = ro.static, ro.model.cfg
     S, M, N, R = st.slots, ro.table_pages, ro.N, st.response_len
     zeros_S = jnp.zeros(S, jnp.int32)
-    pools = PagedKVCache.zeros(cfg, st.num_pages, st.page_size, not cfg.scan_layers, ro.pool_layout)
+    pools = PagedKVCache.zeros(cfg, st.num_pages, st.page_size, ro.pool_layout)
     return Carry(
         pools=_pool_constraint(ro.pool_layout)(pools),
         active_S=jnp.zeros(S, bool),
@@ -396,8 +396,7 @@ def copy_prompt_tails(ro: Rollout, c: Carry, first_S: jax.Array) -> Carry:
     src_S = jnp.where(has_tail_S, c.prompt_table_BxMp[b_S, jnp.minimum(j0_S, Mp - 1)], TRASH_PAGE)
     dst_S = c.table_SxM[jnp.arange(ro.static.slots), jnp.minimum(j0_S, M - 1)]
     dst_S = jnp.where(has_tail_S, dst_S, dropped(dst_S.shape, ro.static.num_pages))  # the others write nothing
-    axis = ro.pool_layout.page_axis + (1 if ro.model.cfg.scan_layers else 0)
-    index = (slice(None),) * axis
+    index = (slice(None),) * ro.pool_layout.page_axis
 
     def copy(x):
         return scatter_unique(x, index + (dst_S,), x[index + (src_S,)])
@@ -578,18 +577,17 @@ def rollout(
     if static.return_logits:
         out["logits"] = c.out_logits_NxRxV
     if static.return_cache:
-        stacked = c.pools if model.cfg.scan_layers else jax.tree.map(lambda *x: jnp.stack(x), *c.pools)
+        stacked = jax.tree.map(lambda *x: jnp.stack(x), *c.pools)
         out["k_pages"], out["v_pages"] = pool_layout.to_heads_major(stacked)
     return out
 
 
 def _pool_constraint(pool_layout: PoolLayout):
-    """Pins every pool array (per layer, or stacked with a leading ``layers``) by the layout's
-    logical axes."""
+    """Pins every layer's pool arrays by the layout's logical axes."""
     axes = pool_layout.logical_axes
 
     def pin(tree):
-        return jax.tree.map(lambda x: constrain(x, ("layers",) * (x.ndim - len(axes)) + axes), tree)
+        return jax.tree.map(lambda x: constrain(x, axes), tree)
 
     return pin
 

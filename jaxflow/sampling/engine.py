@@ -190,8 +190,10 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
     )
     ctx = sharding_rules(_replica_rules(rules), here) if mesh is not None else contextlib.nullcontext()
     with ctx:
+        model = nnx.merge(graphdef, state)
+        model.model.unstack_layers()  # outside the decode loop
         out = rollout(
-            nnx.merge(graphdef, state),
+            model,
             ids[0],
             plen[0],
             limits[0],

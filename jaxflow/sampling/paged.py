@@ -264,8 +264,7 @@ def _tpu_attention(q_BxLxHxK, kv_pages, page_table_BxM, positions_BxL, *, slidin
 class PagedKVCache:
     """Page pools of every layer plus what one model call needs to write and read them.
 
-    ``pools``: one layer's pool (`PoolLayout`) with a leading ``layers`` dimension on every
-    array (scanned layers), or a tuple of one pool per layer. ``page_table_BxM`` (int32): the
+    ``pools``: a tuple of one pool (`PoolLayout`) per layer. ``page_table_BxM`` (int32): the
     pages of each of the B sequences of this call; ``positions_BxL`` (int32): the position
     (== slot) of each of the L new tokens, -1 for tokens that write nothing and whose output
     is ignored. New keys are written before attending, so token t sees slots [0, t] of its
@@ -280,12 +279,10 @@ class PagedKVCache:
     pages_per_block: int = dataclasses.field(default=8, metadata=dict(static=True))
 
     @staticmethod
-    def zeros(
-        cfg: ModelConfig, num_pages: int, page_size: int, per_layer: bool, layout: PoolLayout = PoolLayout(), dtype=None
-    ):
-        """Zeroed pools of every layer: a tuple of per-layer pools, or one stacked pool."""
-        layers = tuple(layout.zeros(cfg, num_pages, page_size, dtype) for _ in range(cfg.num_layers))
-        return layers if per_layer else jax.tree.map(lambda *x: jnp.stack(x), *layers)
+    def zeros(cfg: ModelConfig, num_pages: int, page_size: int, layout: PoolLayout = PoolLayout(), dtype=None):
+        """Zeroed pools, one per layer (also for a scanned model: `Decoder` runs a cached
+        forward layer by layer, so each layer's pool is its own buffer, written in place)."""
+        return tuple(layout.zeros(cfg, num_pages, page_size, dtype) for _ in range(cfg.num_layers))
 
     def replace_pools(self, pools) -> PagedKVCache:
         return dataclasses.replace(self, pools=pools)
