@@ -111,6 +111,26 @@ def load_model(spec: ModelSpec, mesh: Mesh, rules: Rules) -> tuple[nnx.GraphDef,
     return init_sharded(spec.config, spec.head, spec.seed, mesh, rules)
 
 
+def as_role(model: tuple[nnx.GraphDef, Any], spec: ModelSpec) -> tuple[nnx.GraphDef, Any]:
+    """``model``'s weights as the role of ``spec`` holds them when its parameter dtype differs:
+    its graph (its `ModelConfig`) and the weights cast in one program, in their shardings;
+    else ``model`` itself (no copy). How the reference starts from the actor's weights: on an
+    accelerator in bfloat16 beside the actor's float32 masters (`resolve_dtypes`), the dtype
+    its programs were compiled ahead for."""
+    graphdef, params = model
+    config = spec.config
+    if config is None or nnx.merge(graphdef, params).cfg.param_dtype == config.param_dtype:
+        return model
+    role_graphdef = nnx.split(nnx.eval_shape(lambda: models.init_model(config, head=spec.head)))[0]
+    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.param_dtype), p))
+    return role_graphdef, cast(params)
+
+
+def as_role_recipe(recipe: Callable[[Mesh, Rules], Any], spec: ModelSpec, mesh: Mesh, rules: Rules) -> Any:
+    """`as_role` of what ``recipe`` (a worker process's model recipe) builds on ``mesh``."""
+    return as_role(recipe(mesh, rules), spec)
+
+
 def init_program(
     config: models.ModelConfig, head: str, seed: int, mesh: Mesh, rules: Rules
 ) -> tuple[nnx.GraphDef, Any]:

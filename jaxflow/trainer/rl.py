@@ -40,6 +40,8 @@ from jaxflow.plan.lowering import run_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer import interrupt
 from jaxflow.trainer.builders import (
+    as_role,
+    as_role_recipe,
     cut_prompts_warning,
     describe_source,
     load_model,
@@ -293,11 +295,17 @@ class RLTrainer:
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
+        ref = None
+        if "ref" in spec.roles:  # the actor's weights, in the reference's dtype
+            if callable(actor):
+                ref = functools.partial(as_role_recipe, actor, spec.models["ref"])
+            else:
+                ref = as_role(actor, spec.models["ref"])
         build = build_local_workers if self.backend is None else self.backend.build_workers
         return build(
             p,
             actor=actor,
-            ref=actor if "ref" in spec.roles else None,
+            ref=ref,
             critic=model("critic") if "critic" in spec.roles else None,
             reward_model=model("reward") if "reward" in spec.roles else None,
             cost_model=model("cost") if "cost" in spec.roles else None,
