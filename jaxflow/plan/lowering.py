@@ -53,7 +53,7 @@ from jaxflow.models.lora import has_adapters, split_adapters, split_trained, wit
 from jaxflow.models.peft_io import graphdef_for
 from jaxflow.reshard import HybridEngine, TransitionReport, shard_bytes
 from jaxflow.sampling import EngineOptions, engine_shape, lower_generate
-from jaxflow.workers.actor import generation_dtype
+from jaxflow.workers.actor import cast_program, generation_dtype
 from jaxflow.workers.base import RoleLayout, num_micro_batches, packed_program
 from jaxflow.workers.critic import values_fn, values_program
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig
@@ -475,12 +475,14 @@ class GenerationWeights:
     """What the actor's rollout reads, as `ActorWorker._generation_weights` makes it: the
     graph, the (abstract) state, the dtype its floating weights are cast to (None: their own)
     and whether they are a copy made beside the training weights (``copy``) or the training
-    weights themselves, donated into the generation layout."""
+    weights themselves, donated into the generation layout; ``merged``: the copy has the LoRA
+    adapters merged in (`merge_program`), else it is a cast (`cast_program`)."""
 
     graphdef: nnx.GraphDef
     state: Any
     dtype: Any
     copy: bool
+    merged: bool = False
 
 
 def base_graphdef(mc: ModelConfig) -> nnx.GraphDef:
@@ -510,7 +512,7 @@ def generation_weights(spec: RunSpec, mc: ModelConfig, graphdef: nnx.GraphDef, s
     cast = generation_dtype(mc)
     if mc.lora is not None and spec.rollout.lora_merge:
         base = split_adapters(state)[0]
-        return GenerationWeights(base_graphdef(mc), base, cast, True)
+        return GenerationWeights(base_graphdef(mc), base, cast, True, merged=True)
     return GenerationWeights(graphdef, state, cast, cast is not None)
 
 
@@ -568,6 +570,15 @@ def _mesh_text(mesh: Mesh) -> str:
     return " ".join(f"{a}={n}" for a, n in mesh.shape.items())
 
 
+def _cast_lowered(engine: HybridEngine, gw: GenerationWeights) -> list[Any]:
+    """The actor's cast of its weights into the generation dtype (`cast_program`), lowered on
+    the training layout, when the rollout reads such a cast copy; else nothing."""
+    if gw.dtype is None or gw.merged:
+        return []
+    shardings = engine.train_shardings(gw.state)
+    return [cast_program(gw.dtype, shardings).lower(with_shardings(shardings, gw.state))]
+
+
 def reshard_program(engine: HybridEngine, gw: GenerationWeights) -> ProgramSpec:
     """The actor's train -> generate weight transition (`HybridEngine.report`: its programs
     compiled, their memory summed in the order they run) of what the rollout reads
@@ -619,5 +630,5 @@ def reshard_program(engine: HybridEngine, gw: GenerationWeights) -> ProgramSpec:
         analytic_argument_bytes=train_bytes,
         args_hold=() if gw.copy else ("params",),
         measure=measure,
-        lowered_parts=lambda: engine.lowered(state),
+        lowered_parts=lambda: _cast_lowered(engine, gw) + engine.lowered(state),
     )

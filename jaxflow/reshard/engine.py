@@ -99,6 +99,15 @@ def _flat_shardings(tree: Any) -> list[NamedSharding]:
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def same_layout(leaves: list[Any], src: list[NamedSharding], dst: list[NamedSharding]) -> bool:
+    """Every leaf is laid out alike under ``src`` and ``dst`` (the same shard of it on the same
+    device, e.g. on one device): the transition moves nothing."""
+    return all(
+        s.device_set == d.device_set and s.devices_indices_map(tuple(x.shape)) == d.devices_indices_map(tuple(x.shape))
+        for x, s, d in zip(leaves, src, dst)
+    )
+
+
 def shard_bytes(leaves: list[Any], shardings: list[NamedSharding]) -> int:
     """Bytes one device holds of ``leaves`` under ``shardings`` (the largest device)."""
     per_device: dict[Any, int] = {}
@@ -398,13 +407,20 @@ class HybridEngine:
         deleted as soon as the last program that reads it has run (XLA cannot write a
         generation shard over a smaller training shard in place, so the input is freed rather
         than aliased); the caller must not use ``state`` afterwards."""
-        treedef, steps, _, _ = self._plan(state, reverse)
+        treedef, steps, src, dst = self._plan(state, reverse)
         leaves = jax.tree.leaves(state)
 
         def drop(xs: list[Any]) -> None:
             if donate:
                 for x in xs:
                     x.delete()
+
+        if same_layout(leaves, src, dst):  # e.g. one device: a copy of each leaf, no program to compile
+            out = []
+            for x, d in zip(leaves, dst):
+                out.append(jax.device_put(x, d, may_alias=False))
+                drop([x])
+            return jax.tree.unflatten(treedef, out)
 
         if steps[0].key[0] == "whole":
             out = jax.block_until_ready(self._get(steps[0].key)(leaves))
@@ -545,8 +561,10 @@ class HybridEngine:
     def lowered(self, state: Any, reverse: bool = False) -> list[Any]:
         """Every distinct program of the transition, in the order they first run, lowered on
         abstract arguments (``state`` may be abstract): the programs `to_generation` /
-        `to_training` call."""
-        _, steps, _, _ = self._plan(state, reverse)
+        `to_training` call (none when both layouts are the same)."""
+        _, steps, src, dst = self._plan(state, reverse)
+        if same_layout(jax.tree.leaves(state), src, dst):
+            return []
         keys = list(dict.fromkeys(step.key for step in steps))
         return [self._build(k).lower(*self._abstract_args(k)) for k in keys]
 

@@ -44,20 +44,20 @@ def compile_ahead(spec: RunSpec, workers: int | None = None) -> dict[str, float]
     from jaxflow.plan.dry_run import plan
 
     _, specs = plan(spec, step_programs(spec))
-    jobs = [
-        (spec.name if i == 0 else f"{spec.name}#{i}", low) for spec in specs for i, low in enumerate(spec.lowered())
-    ]
-    if not jobs:
-        return {}
 
-    def run(job):
-        name, lowered = job
+    def run(name, lowered):
         t0 = time.perf_counter()
         compiled = lowered.compile()
         return name, time.perf_counter() - t0, (executables.lowered_name(lowered), compiled)
 
-    with ThreadPoolExecutor(max_workers=min(len(jobs), workers or os.cpu_count() or 1)) as pool:
-        done = list(pool.map(run, jobs))
+    # Lowering holds the GIL, compiling does not: each program compiles while the next lowers.
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        futures = [
+            pool.submit(run, spec.name if i == 0 else f"{spec.name}#{i}", lowered)
+            for spec in specs
+            for i, lowered in enumerate(spec.lowered())
+        ]
+        done = [f.result() for f in futures]
     executables.offer([named for _, _, named in done])
     return {name: seconds for name, seconds, _ in done}
 

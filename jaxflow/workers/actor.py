@@ -62,8 +62,12 @@ def generation_dtype(cfg: Any) -> Any:
 
 def cast_program(dtype: Any, shardings: Any):
     """A jitted copy of the weights in ``dtype`` with their shardings (each device casts its
-    own shard)."""
-    return jax.jit(lambda params: jax.tree.map(lambda x: x.astype(dtype), params), out_shardings=shardings)
+    own shard). Named, so that a copy compiled ahead (`lowering.reshard_program`) is handed to it."""
+
+    def cast_weights(params):
+        return jax.tree.map(lambda x: x.astype(dtype), params)
+
+    return jax.jit(cast_weights, out_shardings=shardings)
 
 
 def merge_program(lora: LoRAConfig, dtype: Any, shardings: Any):
