@@ -327,10 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.unraisablehook = _log_unraisable
     # A log file on a full disk must not print a traceback per record ("--- Logging error ---").
     raise_exceptions, logging.raiseExceptions = logging.raiseExceptions, False
+    from jaxflow.configs.resolve import platform
     from jaxflow.mesh.devices import enable_compilation_cache
     from jaxflow.trainer import interrupt
 
-    enable_compilation_cache()
+    enable_compilation_cache(platform(cfg))
     interrupt.install()  # a Ctrl-C (or SIGTERM) swallowed by library code still stops the run within a step
     try:
         return _train(cfg, json_path)

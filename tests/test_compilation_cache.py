@@ -35,6 +35,32 @@ print("hits", len(hits))
 """
 
 
+PLATFORMS = """
+import jax
+from jaxflow.mesh import enable_compilation_cache
+for platform in ("cpu", "gpu", "tpu"):
+    enable_compilation_cache(platform)
+    print(platform, jax.config.jax_persistent_cache_min_compile_time_secs)
+"""
+
+
+def test_what_is_stored_depends_on_the_platform(tmp_path):
+    """On an accelerator every program is stored (a small one still compiles in ~0.1 s there,
+    and a warm start would compile dozens again); on CPU those under a second are not; the
+    environment variable overrides both. (In a subprocess: a process whose cache was turned
+    on keeps it.)"""
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")
+    env.pop("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", None)
+    outputs = []
+    for override in (None, "2.5"):
+        if override:
+            env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = override
+        run = subprocess.run([sys.executable, "-c", PLATFORMS], env=env, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        outputs.append(dict(line.split() for line in run.stdout.splitlines()))
+    assert outputs == [{"cpu": "1.0", "gpu": "0.0", "tpu": "0.0"}, {"cpu": "2.5", "gpu": "2.5", "tpu": "2.5"}]
+
+
 @pytest.mark.parametrize("setup", [LIBRARY, RAY_WORKER], ids=["library", "ray_worker"])
 def test_second_process_loads_the_compiled_program(tmp_path, setup):
     env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu")

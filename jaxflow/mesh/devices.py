@@ -16,21 +16,29 @@ def simulate_devices(n: int) -> None:
     os.environ["XLA_FLAGS"] = " ".join(flags + [f"--xla_force_host_platform_device_count={n}"])
 
 
-def enable_compilation_cache() -> str:
+# Programs faster to compile than this are not stored (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``
+# overrides): on CPU they compile in milliseconds; on an accelerator a small program (a cast,
+# an advantage estimator, an eager op) takes ~0.1 s to compile and a run calls dozens of them,
+# every one of which a warm start would compile again.
+MIN_CACHED_COMPILE_SECONDS = {"cpu": 1.0, "gpu": 0.0, "tpu": 0.0}
+
+
+def enable_compilation_cache(platform: str = "cpu") -> str:
     """Turn on JAX's persistent compilation cache (``$JAX_COMPILATION_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/jaxflow/jax`` or ``~/.cache/jaxflow/jax``), so a restarted run (or a
     worker process started again) loads its compiled programs instead of compiling them
-    again; programs that compile in under a second (``$JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``)
-    are not stored. The ``jaxflow.run`` CLI
-    and the Ray backend's worker processes call it; a library user calls it once, before
-    the first compilation. Returns the directory."""
+    again; which programs it stores depends on the ``platform`` the run compiles for
+    (`MIN_CACHED_COMPILE_SECONDS`). The ``jaxflow.run`` CLI and the Ray backend's worker
+    processes call it; a library user calls it once, before the first compilation. Returns
+    the directory."""
     import jax
 
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jaxflow", "jax"
     )
     jax.config.update("jax_compilation_cache_dir", path)
-    min_seconds = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1.0))
+    default = MIN_CACHED_COMPILE_SECONDS.get(platform, 1.0)
+    min_seconds = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", default))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
     return path
 

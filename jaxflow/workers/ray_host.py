@@ -96,7 +96,7 @@ class HostProcess:
 
         from jaxflow.mesh import enable_compilation_cache
 
-        enable_compilation_cache()
+        enable_compilation_cache(self.platform)
         if self.platform == "cpu":
             jax.config.update("jax_platforms", "cpu")
             jax.config.update("jax_num_cpu_devices", self.devices_per_process)
