@@ -77,7 +77,8 @@ TRAIN_VARIANTS = {  # ModelConfig fields besides the run's defaults
     "scan_layers": dict(scan_layers=True),
 }
 SCAN = "--config.jaxflow.model.scan_layers=true"
-RL_VARIANTS = {  # the ``rl`` phase's CLI run again: (more flags, more XLA_FLAGS)
+RL_VARIANTS = {  # the ``rl`` phase's CLI runs: (more flags, more XLA_FLAGS)
+    "default": ([], ""),
     "scan_layers": ([SCAN], ""),
     "scan_layers_cublas": ([SCAN], "--xla_gpu_enable_triton_gemm=false"),
     "cublas": ([], "--xla_gpu_enable_triton_gemm=false"),
@@ -623,7 +624,9 @@ def main(argv=None) -> int:
         default=None,
         help=f"comma list of {sorted(TRAIN_VARIANTS)} (default: xla; none with --tiny)",
     )
-    ap.add_argument("--rl_variants", default="", help=f"comma list of {sorted(RL_VARIANTS)}: more cold and warm runs")
+    ap.add_argument(
+        "--rl_variants", default="default", help=f"comma list of {sorted(RL_VARIANTS)}: a cold and a warm run of each"
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--dump_hlo", default=None, help="folder for the profiled programs' compiled HLO (gzip)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -681,10 +684,10 @@ def main(argv=None) -> int:
     if "torch_train" in phases:
         record("torch_train", lambda: _sub("torch_train", dict(path=ckpt, reps=a.reps, **t), 900))
     if "rl" in phases:
-        for variant in ["", *filter(None, a.rl_variants.split(","))]:
-            flags, xla_flags = RL_VARIANTS[variant] if variant else ([], "")
+        for variant in filter(None, a.rl_variants.split(",")):
+            flags, xla_flags = RL_VARIANTS[variant]
             rl_at = dict(path=ckpt, rl=sizes["rl"], flags=flags)
-            suffix = f"_{variant}" if variant else ""
+            suffix = "" if variant == "default" else f"_{variant}"
             with tempfile.TemporaryDirectory(prefix="jaxflow_cache_") as cache:  # cold, then warm
                 env = {"JAX_COMPILATION_CACHE_DIR": cache}
                 if xla_flags:
