@@ -58,7 +58,7 @@ FULL = dict(
 TINY = dict(
     preset="tiny_qwen2",
     layers=1,  # every phase's claim holds at any depth; each layer compiles on its own
-    engine=dict(B=8, P=16, R=16),
+    engine=dict(B=4, n=2, P=10, R=8),  # the RL run's rows: one engine program serves both
     train=dict(rows=4, P=8, R=8),
     rl=dict(prompts=4, n=2, R=8, steps=2, micro=4),
     wide=dict(preset="tiny_llama", B=4, P=8, R=8, rows=2, tP=8, tR=8),
@@ -172,13 +172,13 @@ def worker_checkpoint(a: dict) -> dict:
     """A random model of the preset's shape, saved in bf16 as an HF checkpoint (on CPU)."""
     import jax.numpy as jnp
 
-    from jaxflow.models import PRESETS, init_model, save_pretrained
+    from jaxflow.models import PRESETS, save_pretrained
 
     cfg = PRESETS[a["preset"]].replace(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     if a["layers"]:
         cfg = cfg.replace(num_layers=a["layers"])
     t0 = time.perf_counter()
-    save_pretrained(init_model(cfg, "lm", seed=0), a["path"])
+    save_pretrained(init_random(cfg), a["path"])
     return {"path": a["path"], "seconds": time.perf_counter() - t0}
 
 
@@ -256,6 +256,12 @@ def worker_torch_train(a: dict) -> dict:
     return {"device": dev, "first_s": first, "seconds": times}
 
 
+def worker_torch(a: dict) -> dict:
+    """``hf`` and/or ``torch_train`` (the keys of ``a``: their payloads) in one process: torch
+    and transformers imported once."""
+    return {name: WORKERS[name](payload) for name, payload in a.items()}
+
+
 def worker_rl(a: dict) -> dict:
     """GRPO through the CLI; per-phase seconds from metrics.jsonl, compile seconds from the
     summary."""
@@ -313,6 +319,7 @@ WORKERS = {
     "engine": worker_engine,
     "hf": worker_hf,
     "torch_train": worker_torch_train,
+    "torch": worker_torch,
     "rl": worker_rl,
 }
 
@@ -323,6 +330,10 @@ WORKERS = {
 def _torch_copy_rate(n: int) -> float | None:
     """Measured: torch's device-to-device copy of ``n`` bf16 elements (bytes read + written),
     a second reading of the bandwidth; None without torch or a CUDA device."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
     try:
         import torch
     except ImportError:
@@ -366,12 +377,36 @@ def ceilings(tiny: bool) -> dict:
 def _bf16_model(preset: str, num_layers: int | None = None):
     import jax.numpy as jnp
 
-    from jaxflow.models import PRESETS, init_model
+    from jaxflow.models import PRESETS
 
     cfg = PRESETS[preset].replace(param_dtype=jnp.bfloat16, dtype=jnp.bfloat16)
     if num_layers:
         cfg = cfg.replace(num_layers=num_layers)
-    return init_model(cfg, "lm", seed=0)
+    return init_random(cfg)
+
+
+def init_random(cfg):
+    """A random model of ``cfg`` (HF's init: N(0, 0.02) weights, unit norms): on an
+    accelerator `init_model` as one compiled program; on CPU drawn by NumPy, which compiles
+    nothing (the compiled init takes ~3 s for a one-layer toy model there, eager ~5 s)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jaxflow.models import init_model
+
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: init_model(cfg, "lm", seed=0)))
+    if jax.default_backend() != "cpu":
+        return nnx.merge(graphdef, jax.jit(lambda: nnx.split(init_model(cfg, "lm", seed=0))[1])())
+    rng = np.random.default_rng(0)
+
+    def draw(path, x):
+        if "norm" in jax.tree_util.keystr(path):
+            return jnp.ones(x.shape, x.dtype)
+        return jnp.asarray((0.02 * rng.standard_normal(x.shape, np.float32)).astype(x.dtype))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(draw, abstract))
 
 
 def engine_call(model, B, P, R, n=1, **kw):
@@ -417,14 +452,17 @@ def engine_run(model, B, P, R, reps, n=1, **kw) -> dict:
 def engine(a, sizes, ceil, rl_rows) -> dict:
     e = sizes["engine"]
     model = _bf16_model(sizes["preset"], sizes["layers"])
-    res = {"default": engine_run(model, e["B"], e["P"], e["R"], a.reps)}
+    n = e.get("n", 1)
+    res = {"default": engine_run(model, e["B"], e["P"], e["R"], a.reps, n=n)}
     for name in filter(None, a.engine_variants.split(",")):
-        res[name] = engine_run(model, e["B"], e["P"], e["R"], a.reps, **ENGINE_VARIANTS[name])
-    if rl_rows:
+        res[name] = engine_run(model, e["B"], e["P"], e["R"], a.reps, n=n, **ENGINE_VARIANTS[name])
+    if rl_rows == dict(prompts=e["B"], n=n, P=e["P"], R=e["R"]):
+        res["rl_rows"] = res["default"]
+    elif rl_rows:
         res["rl_rows"] = engine_run(model, rl_rows["prompts"], rl_rows["P"], rl_rows["R"], a.reps, n=rl_rows["n"])
     mean_cached = e["P"] + e["R"] / 2
     if ceil:
-        bound_s = decode_bytes_per_step(model.cfg, e["B"], mean_cached) / ceil["copy_bytes_per_s"]
+        bound_s = decode_bytes_per_step(model.cfg, e["B"] * n, mean_cached) / ceil["copy_bytes_per_s"]
         res["hbm_bound_ms_per_step_analytic"] = bound_s * 1e3
         res["fraction_of_hbm_bound"] = bound_s * 1e3 / res["default"]["ms_per_step"]
     return res
@@ -496,7 +534,7 @@ def profile(sizes, dump_dir: str | None = None) -> dict:
     e = sizes["engine"]
     model = _bf16_model(sizes["preset"], sizes["layers"])
     R = min(e["R"], 64)
-    call = engine_call(model, e["B"], e["P"], R)
+    call = engine_call(model, e["B"], e["P"], R, e.get("n", 1))
     call()
     if dump_dir:
         ids = np.ones((e["B"], e["P"]), np.int32)
@@ -518,7 +556,7 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, variant=None, p
     import numpy as np
 
     from jaxflow.configs.resolve import with_attention
-    from jaxflow.models import PRESETS, init_model
+    from jaxflow.models import PRESETS
     from jaxflow.workers import ActorConfig, ActorWorker, OptimConfig, RolloutConfig
 
     cfg = PRESETS[preset].replace(param_dtype=jnp.float32, dtype=jnp.bfloat16)
@@ -527,7 +565,7 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, variant=None, p
     cfg = with_attention(cfg, jax.default_backend())  # what a run resolves
     if variant:
         cfg = cfg.replace(**TRAIN_VARIANTS[variant])
-    model = init_model(cfg, "lm", seed=0)
+    model = init_random(cfg)
     V = cfg.vocab_size
     rng = np.random.default_rng(0)
     host = {
@@ -577,13 +615,16 @@ def train(preset, rows, P, R, reps, peak, ceil, num_layers=None, variant=None, p
         res["profile"] = trace
     with contextlib.suppress(Exception):
         res["peak_bytes_in_use"] = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
-    res["first_step_metrics"] = {k: float(v) for k, v in jax.device_get(first_metrics(actor, step, inputs)).items()}
+    res["first_step_metrics"] = {
+        k: float(v) for k, v in jax.device_get(first_metrics(actor, step, inputs, scalars)).items()
+    }
     return res
 
 
-def first_metrics(actor, step, inputs):
-    """The step's metrics on the state it has now (for comparing attention implementations)."""
-    _, m = step(actor.state, inputs, {"temperature": 1.0})
+def first_metrics(actor, step, inputs, scalars):
+    """The step's metrics on the state it has now (for comparing attention implementations),
+    with the timed calls' inputs (another scalar type would compile the step again)."""
+    _, m = step(actor.state, inputs, scalars)
     return m
 
 
@@ -611,7 +652,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--phases", default=None, help=f"comma list of {PHASES} (default: all; --tiny: all but {TINY_SKIPS})"
     )
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None, help="timed calls after the warm-up (default: 3; --tiny: 1)")
     ap.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the device (H100/H200 SXM)")
     ap.add_argument("--wide_layers", type=int, default=12)
     ap.add_argument(
@@ -636,6 +677,8 @@ def main(argv=None) -> int:
         print(json.dumps(WORKERS[a.worker](json.loads(a.payload)), default=str))
         return 0
     sizes = TINY if a.tiny else FULL
+    if a.reps is None:
+        a.reps = 1 if a.tiny else 3
     if a.phases is None:
         a.phases = ",".join(p for p in PHASES if not (a.tiny and p in TINY_SKIPS))
     if a.engine_variants is None:
@@ -679,10 +722,14 @@ def main(argv=None) -> int:
             ),
         )
     e, t = sizes["engine"], sizes["train"]
-    if "hf" in phases:
-        record("hf", lambda: _sub("hf", dict(path=ckpt, reps=a.reps, **e), 900))
-    if "torch_train" in phases:
-        record("torch_train", lambda: _sub("torch_train", dict(path=ckpt, reps=a.reps, **t), 900))
+    torch_at = {"hf": dict(path=ckpt, reps=a.reps, **e), "torch_train": dict(path=ckpt, reps=a.reps, **t)}
+    torch_at = {name: payload for name, payload in torch_at.items() if name in phases}
+    if torch_at:
+        t0 = time.perf_counter()
+        both = _sub("torch", torch_at, 1800)
+        results["torch_wall_s"] = round(time.perf_counter() - t0, 1)
+        for name in torch_at:  # a failed process: its error for each phase
+            record(name, lambda name=name: both.get(name, both))
     if "rl" in phases:
         for variant in filter(None, a.rl_variants.split(",")):
             flags, xla_flags = RL_VARIANTS[variant]
