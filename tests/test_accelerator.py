@@ -348,18 +348,22 @@ runpy.run_module("jaxflow.run", run_name="__main__")
 
 @pytest.mark.slow
 def test_programs_compiled_ahead_are_what_step_one_runs(tmp_path):
-    """``jaxflow.trainer.compile_ahead=on`` through the CLI with an accelerator's dtypes and an
-    empty persistent cache: the step's programs compile concurrently before step 1 (the
-    generation copy's cast among them, and no reshard program: one device), and step 1 runs
-    those executables (`jaxflow.mesh.executables`): JAX lowers each of the step's programs
-    once in the whole run and loads none back from the persistent cache. Without the
+    """``jaxflow.trainer.compile_ahead=on`` through the CLI with an accelerator's dtypes, an HF
+    checkpoint and an empty persistent cache: the step's programs compile concurrently before
+    step 1 (the generation copy's cast among them, and no reshard program: one device), and
+    step 1 runs those executables (`jaxflow.mesh.executables`): JAX lowers each of the step's
+    programs once in the whole run and loads none back from the persistent cache. Without the
     hand-over step 1 lowered every program again and loaded it from the cache; with a
-    float32 reference beside a plan for a bfloat16 one, it compiled the reference again."""
+    float32 reference beside a plan for a bfloat16 one (the reference now reads the
+    checkpoint in bfloat16), it compiled the reference again."""
     import os
     import subprocess
     import sys
 
+    from jaxflow.models import save_pretrained
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    save_pretrained(init_model(PRESETS["tiny_qwen2"].replace(num_layers=1), "lm", seed=0), tmp_path / "hf")
     env = dict(
         os.environ,
         XLA_FLAGS="",
@@ -374,6 +378,7 @@ def test_programs_compiled_ahead_are_what_step_one_runs(tmp_path):
         AS_ACCELERATOR,
         "--config=grpo_tiny",
         "--config.jaxflow.num_devices=1",
+        f"--config.actor_rollout_ref.model.path={tmp_path / 'hf'}",
         "--config.jaxflow.sft.warm_start_steps=0",
         "--config.trainer.total_training_steps=1",
         "--config.trainer.val_before_train=False",

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -295,12 +296,7 @@ class RLTrainer:
             return load_model(spec.models[role], p.mesh(role, phase), p.rules(role, phase))
 
         actor = model("actor") if actor_params is None else actor_params
-        ref = None
-        if "ref" in spec.roles:  # the actor's weights, in the reference's dtype
-            if callable(actor):
-                ref = functools.partial(as_role_recipe, actor, spec.models["ref"])
-            else:
-                ref = as_role(actor, spec.models["ref"])
+        ref = self._reference(actor, model, given=actor_params is not None) if "ref" in spec.roles else None
         build = build_local_workers if self.backend is None else self.backend.build_workers
         return build(
             p,
@@ -312,6 +308,21 @@ class RLTrainer:
             rule_reward=RuleRewardWorker(self.tokenizer, self.scorer, overlong=spec.overlong),
             settings=spec.role_settings,
         )
+
+    def _reference(self, actor: Any, model: Callable[[str], Any], given: bool) -> Any:
+        """The reference's weights, those the actor starts from: the actor's own (arrays, or
+        recipe) in the actor's dtype; in another dtype (bfloat16 beside float32 masters on an
+        accelerator) read in that dtype from the actor's checkpoint (``model("ref")``: each
+        process its own shards, no float32 copy), or, for a preset or weights ``given`` to the
+        trainer (a warm start's), the actor's cast (`as_role`)."""
+        ref, mine = self.spec.models["ref"], self.spec.models["actor"]
+        if ref.config is None or mine.config is None or ref.config.param_dtype == mine.config.param_dtype:
+            return actor
+        if not ref.is_preset and not given:
+            return model("ref")
+        if callable(actor):
+            return functools.partial(as_role_recipe, actor, ref)
+        return as_role(actor, ref)
 
     def close(self) -> None:
         """Stops the worker processes of the Ray backend and the Ray instance it started
