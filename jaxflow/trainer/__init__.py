@@ -1,5 +1,6 @@
 """The training loop's plumbing: checkpoints (orbax, verl resume modes), metric sinks and a
-progress bar, end-of-run plots, and the non-finite guard."""
+progress bar, end-of-run plots, the non-finite guard, and the version-keyed rollout buffer of
+the asynchronous schedules."""
 
 from jaxflow.trainer.checkpoint import (
     RESUME_MODES,
@@ -20,11 +21,25 @@ from jaxflow.trainer.metrics import (
     truncate_jsonl,
 )
 from jaxflow.trainer.plot import plot_metrics, plot_run
+from jaxflow.trainer.rollout_buffer import (
+    STALENESS_POLICIES,
+    BufferClosedError,
+    BufferFullError,
+    BufferTimeoutError,
+    RolloutBuffer,
+    RolloutGroup,
+    StaleGroupError,
+    TakeResult,
+)
 
 __all__ = [
     "BACKENDS",
     "DEFAULT_CONSOLE_KEYS",
     "RESUME_MODES",
+    "STALENESS_POLICIES",
+    "BufferClosedError",
+    "BufferFullError",
+    "BufferTimeoutError",
     "CheckpointManager",
     "CheckpointMismatchError",
     "DamagedCheckpointError",
@@ -34,6 +49,10 @@ __all__ = [
     "NonFiniteGuard",
     "ProgressBar",
     "Restored",
+    "RolloutBuffer",
+    "RolloutGroup",
+    "StaleGroupError",
+    "TakeResult",
     "is_complete",
     "non_finite_keys",
     "plot_metrics",
