@@ -45,6 +45,20 @@ def test_automap_paper():
     assert case["concurrent"]["predicted_iteration_s"] > 0
 
 
+def test_bench_async():
+    (case,) = run_json("bench_async.py", "--smoke")["cases"]  # ppo_7b on 16 devices: one split, 8 / 8
+    assert (case["config"], case["devices"], case["device_kind"]) == ("ppo_7b", 16, "a100-80g")
+    assert case["assumptions"][0].startswith("ANALYTIC") and any("rho = 0.351" in a for a in case["assumptions"])
+    modes = case["modes"]
+    assert list(modes) == ["sync", "one_step_off", "async"] and modes["sync"]["speedup_over_sync"] == 1.0
+    for mode in ("one_step_off", "async"):
+        m = modes[mode]
+        assert (m["rollout_devices"], m["training_devices"]) == (8, 8)
+        assert m["speedup_over_sync"] == modes["sync"]["predicted_iteration_s"] / m["predicted_iteration_s"]
+        assert m["weight_sync"]["bytes_per_receiver"] > 0 and m["weight_sync"]["seconds"] > 0
+    assert modes["async"]["predicted_iteration_s"] <= modes["one_step_off"]["predicted_iteration_s"]
+
+
 def test_automap_qwen():
     result = run_json("automap_qwen.py", "--tiny", "--models=qwen2_5_0_5b")
     run = result["qwen2_5_0_5b"]

@@ -235,7 +235,13 @@ class Mapper:
     (:func:`transient_parts`; :meth:`scale_memory`: the compile check sets it when a compiled
     program holds more than the estimate). After :meth:`search`: ``truncated`` (cut short by the time limit),
     ``placements_done`` of ``placements_total``, ``evaluated`` allocations,
-    ``layouts_simulated`` (each (role, pool size, layout) is simulated once)."""
+    ``layouts_simulated`` (each (role, pool size, layout) is simulated once).
+
+    ``phases_elsewhere``: phases whose memory the pools do not hold (none here; a training
+    pool beside a separate rollout pool leaves out ``generate``,
+    :class:`jaxflow.automap.async_schedule.TrainingPoolMapper`)."""
+
+    phases_elsewhere: frozenset[str] = frozenset()
 
     def __init__(
         self, w: Workload, num_devices: int, prof: DeviceProfile, *, concurrent: bool = False, whole_hosts: bool = False
@@ -278,14 +284,16 @@ class Mapper:
         return self._role_cache[key]
 
     def transient_bytes(self, rl: RoleLayout) -> int:
-        """The layout's largest transient over its phases, each phase's working memory (what
-        the analytic model estimates roughly: activations, the KV cache) times its memory
-        scale, plus what it counts exactly (gradients, the generation copy of the weights)."""
+        """The layout's largest transient over its phases (not those in ``phases_elsewhere``),
+        each phase's working memory (what the analytic model estimates roughly: activations,
+        the KV cache) times its memory scale, plus what it counts exactly (gradients, the
+        generation copy of the weights)."""
         return int(
             max(
                 (
                     exact + rough * self.memory_scale.get(phase, 1.0)
                     for phase, (exact, rough) in transient_parts(rl).items()
+                    if phase not in self.phases_elsewhere
                 ),
                 default=0,
             )
