@@ -265,14 +265,6 @@ class ModePlan:
     rollout: RolloutPool | None = None
     sync: WeightSync | None = None
 
-    @property
-    def rollout_devices(self) -> int:
-        return self.rollout.devices if self.rollout is not None else 0
-
-    @property
-    def training_devices(self) -> int:
-        return sum(p.devices for p in self.training.pools)
-
     def to_dict(self, w: Workload, sync_iteration_s: float) -> dict[str, Any]:
         out: dict[str, Any] = {
             "mode": self.mode,
@@ -293,6 +285,14 @@ class ModePlan:
             out["trainer_idle_fraction"] = 1 - self.rest_s / (self.iteration_s - self.sync.seconds)
             out["weight_sync"] = self.sync.to_dict()
         return out
+
+    @property
+    def rollout_devices(self) -> int:
+        return self.rollout.devices if self.rollout is not None else 0
+
+    @property
+    def training_devices(self) -> int:
+        return sum(p.devices for p in self.training.pools)
 
 
 def sync_mode(w: Workload, devices: int, prof: DeviceProfile, a: Assumptions, time_limit_s: float = 60.0) -> ModePlan:

@@ -419,7 +419,6 @@ class RolloutBuffer:
         `BufferTimeoutError` (or `BufferClosedError`) with the reason instead.
         """
         self._check_take(num_groups, current_version)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cond:
             if current_version < self.policy_version:
                 raise ValueError(
@@ -427,20 +426,17 @@ class RolloutBuffer:
                     "already seen; policy versions only grow"
                 )
             self.policy_version = int(current_version)
-            while True:
+
+            def ready() -> bool:
                 if self.policy == DROP:
                     self._drop_stale(current_version)
+                return self._why_not(num_groups, current_version)[0] == "ok"
+
+            if timeout_s is None and not ready():
                 status, reason = self._why_not(num_groups, current_version)
-                if status == "ok":
-                    return self._pop(num_groups, current_version)
-                if deadline is None:
-                    return TakeResult(None, status, reason, self._counts_metrics())
-                if self._closed:
-                    raise BufferClosedError(f"take from a closed rollout buffer: {reason}")
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise BufferTimeoutError(f"waited {timeout_s:g} s for {num_groups} group(s): {reason}")
-                self._cond.wait(left)
+                return TakeResult(None, status, reason, self._counts_metrics())
+            self._wait_for(ready, timeout_s, lambda: self._why_not(num_groups, current_version)[1])
+            return self._pop(num_groups, current_version)
 
     def _check_take(self, num_groups: int, current_version: int) -> None:
         if isinstance(num_groups, bool) or not isinstance(num_groups, (int, np.integer)) or num_groups < 1:
