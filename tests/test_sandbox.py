@@ -140,3 +140,29 @@ def test_the_code_reward_is_registered_for_its_data_source():
     right = _fenced("def add(a, b):\n    return a + b\n")
     out = default_compute_score(sandbox.CODE_DATA_SOURCE, right, json.dumps({"tests": TESTS}))
     assert out["score"] == pytest.approx(2 / 3) and out["tests"] == 3.0
+
+
+def test_the_scorer_runs_code_samples_in_parallel_sandboxes_and_the_opt_out(monkeypatch):
+    """`RewardScorer` scores a batch's ``jaxflow/code`` samples (isolated, several at a time)
+    as `score_code` does one by one, beside another data source's; where the machine cannot
+    isolate, it refuses the batch in one line naming the key that opts out, and with
+    ``sandbox="off"`` it scores the same without isolation."""
+    from jaxflow.rewards import RewardScorer, default_compute_score
+
+    right = _fenced("def add(a, b):\n    return a + b\n")
+    wrong = _fenced("def add(a, b):\n    return a * b\n")
+    code = sandbox.CODE_DATA_SOURCE
+    sources = [code, code, "openai/gsm8k", code]
+    solutions = [right, wrong, "so #### 5", right]
+    truths = [json.dumps({"tests": TESTS}), json.dumps({"tests": TESTS}), "5", json.dumps({"tests": TESTS[:2]})]
+    # a * b passes none of the three; the GSM8K sample is scored by its own function
+    want = [2 / 3, 0.0, default_compute_score("openai/gsm8k", "so #### 5", "5"), 1.0]
+    assert want[2] == 1.0
+    scorer = RewardScorer(sandbox_workers=3)
+    assert list(scorer.score(sources, solutions, truths).scores) == pytest.approx(want)
+    monkeypatch.setattr(sandbox, "_PROBED", [(None, "user namespaces are not available (test)")])
+    with pytest.raises(SandboxUnavailable, match="jaxflow.reward.sandbox=off"):
+        scorer.score(sources, solutions, truths)
+    assert list(RewardScorer(sandbox="off").score(sources, solutions, truths).scores) == pytest.approx(want)
+    with pytest.raises(ValueError, match="sandbox must be one of"):
+        RewardScorer(sandbox="maybe")

@@ -791,6 +791,13 @@ FIELDS: tuple[Field, ...] = tuple(
             Bound(0, 1, "(]"),
         ),
         (
+            "jaxflow.reward.sandbox",
+            "required",
+            "The code reward's (data_source jaxflow/code) untrusted code: required = run it isolated (new user, "
+            "network, mount and PID namespaces, CPU/memory/file/process limits) and refuse it where the OS cannot "
+            "isolate it; off = the limits without isolation (trusted code only). Samples run in parallel.",
+        ),
+        (
             "jaxflow.trainer.max_nonfinite_steps",
             3,
             "Abort after this many consecutive steps with a non-finite loss or gradient (those updates are skipped).",

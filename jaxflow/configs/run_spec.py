@@ -93,8 +93,8 @@ class ModelSpec:
 @dataclasses.dataclass(frozen=True)
 class RewardSpec:
     """The rule scorer (`jaxflow.rewards.RewardScorer`'s settings): the custom function and its
-    time limits per sample, per batch and for loading, and the failure fraction that stops the
-    run."""
+    time limits per sample, per batch and for loading, the failure fraction that stops the
+    run, and whether the code reward's untrusted code must run isolated (``sandbox``)."""
 
     custom_reward_path: str | None
     custom_reward_name: str
@@ -102,6 +102,7 @@ class RewardSpec:
     batch_timeout_s: float
     load_timeout_s: float
     max_failure_fraction: float
+    sandbox: str
 
 
 @dataclasses.dataclass(frozen=True)

@@ -46,6 +46,7 @@ from jaxflow.configs.resolve import (
 )
 from jaxflow.mesh import ROLES
 from jaxflow.mesh.devices import FakeDevice
+from jaxflow.rewards.scorer import SANDBOX_MODES
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -204,6 +205,7 @@ def _check_enums(c: _Checker) -> None:
         ("jaxflow.model.compute_dtype", DTYPES),
         ("jaxflow.model.remat_policy", REMAT_POLICIES),
         ("jaxflow.trainer.compile_ahead", COMPILE_AHEAD),
+        ("jaxflow.reward.sandbox", SANDBOX_MODES),
         ("jaxflow.optim.state_dtype", STATE_DTYPES),
         ("jaxflow.data.builtin_task", TASKS),
         ("jaxflow.safe_rlhf.cost_rule", COST_RULES),

@@ -188,6 +188,11 @@ def isolation_available() -> bool:
     return _probed()[0] is not None
 
 
+def isolation_problem() -> str | None:
+    """What this machine lacks to isolate a run (None when it can)."""
+    return _probed()[1]
+
+
 def _isolated_command(limits: SandboxLimits, interpreter: str) -> list[str]:
     """``unshare`` into fresh namespaces, tmpfs scratch space, then the interpreter (reading
     the program from stdin) with every capability dropped; it is the namespace's PID 1."""
@@ -373,6 +378,6 @@ def score_code_batch(
     """`score_code` of ``(solution_str, ground_truth)`` pairs, ``workers`` sandboxes at a time
     (default: the CPU count)."""
     if isolated and not isolation_available():
-        raise SandboxUnavailable(f"cannot isolate untrusted code on this machine: {_probed()[1]}")
+        raise SandboxUnavailable(f"cannot isolate untrusted code on this machine: {isolation_problem()}")
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(lambda s: score_code(s[0], s[1], limits=limits, isolated=isolated), samples))

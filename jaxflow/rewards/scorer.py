@@ -5,7 +5,9 @@ function stops the run with one line instead of training on zeros.
 extra_info)`` samples with either
 
 - the built-in functions registered per ``data_source`` (GSM8K, MATH, jaxflow's tasks), run
-  in this process; or
+  in this process; the code reward's samples (``jaxflow/code``) each in its own sandbox
+  (`jaxflow.rewards.sandbox`), ``sandbox_workers`` of them at a time, isolated unless the user
+  opted out (``sandbox="off"``); or
 - one user function (verl's ``custom_reward_function.path`` / ``.name``, or a picklable
   callable) run in persistent worker processes, so that a function that never returns can be
   cut off. The user's file is imported only in the workers, under ``load_timeout_s``, when the
@@ -46,15 +48,18 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from jaxflow.rewards import registry
+from jaxflow.rewards import sandbox as code_sandbox
 
 logger = logging.getLogger(__name__)
 
 OK, ERROR, TIMEOUT = 0, 1, 2
+SANDBOX_MODES = ("required", "off")
 _STARTUP_TIMEOUT_S = 300.0  # a worker may have to import the driver's __main__ (jax and all)
 _PARENT_POLL_S = 0.2
 
@@ -106,6 +111,11 @@ class RewardScorer:
         Built-in functions always run inline.
       start_method: multiprocessing start method for workers (``"spawn"`` or
         ``"forkserver"``; ``"fork"`` is unsafe once JAX runs threads).
+      sandbox: the code reward's untrusted code: ``"required"`` runs it isolated (new user,
+        network, mount and PID namespaces) and refuses a batch of it where this machine cannot
+        isolate it; ``"off"`` runs it with the sandbox's limits but without isolation (trusted
+        code only).
+      sandbox_workers: code samples scored at a time (each is a subprocess; None: the CPU count).
     """
 
     def __init__(
@@ -123,11 +133,19 @@ class RewardScorer:
         num_workers: int = 1,
         isolation: str = "process",
         start_method: str = "spawn",
+        sandbox: str = "required",
+        sandbox_workers: int | None = None,
     ):
         if custom_reward_path and compute_score is not None:
             raise ValueError("pass either custom_reward_path or compute_score, not both")
         if isolation not in ("process", "inline"):
             raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
+        if sandbox not in SANDBOX_MODES:
+            raise ValueError(f"sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
+        if sandbox_workers is not None and sandbox_workers < 1:
+            raise ValueError(f"sandbox_workers must be >= 1, got {sandbox_workers}")
+        self.sandbox = sandbox
+        self.sandbox_workers = sandbox_workers
         for name, value in (
             ("timeout_s", timeout_s),
             ("load_timeout_s", load_timeout_s),
@@ -218,7 +236,7 @@ class RewardScorer:
         if self._fn_spec is None:
             for source in sorted(set(data_sources)):
                 registry.get_reward_fn(source)  # unknown source: a config error, raised here
-            outcomes = [_call_builtin(item) for item in items]
+            outcomes = self._score_builtin(items)
         elif self.isolation == "inline":
             outcomes = [_call_user(self._fn, self.reward_kwargs, item) for item in items]
         else:
@@ -228,6 +246,34 @@ class RewardScorer:
         return result
 
     __call__ = score
+
+    def _score_builtin(self, items: list[tuple]) -> list[tuple]:
+        """The built-in functions' outcomes, in order: code samples in parallel sandboxes, the
+        rest one by one here."""
+        code = [item for item in items if item[1] == code_sandbox.CODE_DATA_SOURCE]
+        outcomes = dict(zip([item[0] for item in code], self._score_code(code))) if code else {}
+        return [outcomes[item[0]] if item[0] in outcomes else _call_builtin(item) for item in items]
+
+    def _score_code(self, items: list[tuple]) -> list[tuple]:
+        """Each code sample in its own sandbox (a subprocess: the threads only wait on them)."""
+        isolated = self.sandbox == "required"
+        if isolated and not code_sandbox.isolation_available():
+            raise code_sandbox.SandboxUnavailable(
+                f"cannot isolate the {code_sandbox.CODE_DATA_SOURCE} reward's untrusted code on this machine "
+                f"({code_sandbox.isolation_problem()}); to run it without isolation (trusted code only), "
+                "set jaxflow.reward.sandbox=off"
+            )
+
+        def one(item: tuple) -> tuple:
+            _, _, solution, truth, extra_info = item
+            try:
+                return OK, normalize_reward(code_sandbox.score_code(solution, truth, extra_info, isolated=isolated))
+            except Exception:  # noqa: BLE001 - a failing sample scores 0
+                return ERROR, traceback.format_exc()
+
+        workers = min(len(items), self.sandbox_workers or os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            return list(pool.map(one, items))
 
     def _check_failures(self, status: np.ndarray, outcomes: list[tuple]) -> None:
         n, failed = len(status), int(np.sum(status != OK))
