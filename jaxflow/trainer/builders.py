@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 from ml_collections import ConfigDict
@@ -122,7 +123,8 @@ def as_role(model: tuple[nnx.GraphDef, Any], spec: ModelSpec) -> tuple[nnx.Graph
     if config is None or nnx.merge(graphdef, params).cfg.param_dtype == config.param_dtype:
         return model
     role_graphdef = nnx.split(nnx.eval_shape(lambda: models.init_model(config, head=spec.head)))[0]
-    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.param_dtype), p))
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.param_dtype) if floating(x) else x, p))
     return role_graphdef, cast(params)
 
 
