@@ -123,9 +123,13 @@ def as_role(model: tuple[nnx.GraphDef, Any], spec: ModelSpec) -> tuple[nnx.Graph
     if config is None or nnx.merge(graphdef, params).cfg.param_dtype == config.param_dtype:
         return model
     role_graphdef = nnx.split(nnx.eval_shape(lambda: models.init_model(config, head=spec.head)))[0]
-    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
-    cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(config.param_dtype) if floating(x) else x, p))
-    return role_graphdef, cast(params)
+
+    def cast(tree):
+        return jax.tree.map(
+            lambda x: x.astype(config.param_dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
+        )
+
+    return role_graphdef, jax.jit(cast)(params)
 
 
 def as_role_recipe(recipe: Callable[[Mesh, Rules], Any], spec: ModelSpec, mesh: Mesh, rules: Rules) -> Any:
