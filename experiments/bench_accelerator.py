@@ -13,15 +13,18 @@ accelerator, so each has the device to itself):
 - ``rl``: GRPO through ``python -m jaxflow.run`` (grpo_tiny with that checkpoint, 32 prompts x 8
   samples, 256-token responses, no warm start): seconds per phase of the last steps, the time
   to the first step and the compile seconds per program, from an empty compilation cache
-  (``cold``) and again with the cache the first run left (``warm``).
-- ``ceilings``: the device's measured copy bandwidth (bytes read + written) and bf16 matmul rate.
-- ``engine``: `jaxflow.sampling.generate` alone, 256 prompts x (128 -> 256 new), T=1, bf16;
-  variants with one decode step per loop trip and with the pure-JAX attention; and the RL
-  run's rows (32 x 8, its prompt length, 256 new) for the gen-phase ratio.
+  (``cold``) and again with the cache the first run left (``warm``); ``--rl_variants`` adds
+  runs with other settings (``scan_layers``, cuBLAS-only gemms).
+- ``xla_flags`` (only when named): the engine with XLA:GPU command buffers off / with loops.
+- ``ceilings``: the device's measured copy bandwidth (bytes read + written; through ``jnp``
+  and through torch) and bf16 matmul rate.
+- ``engine``: `jaxflow.sampling.generate` alone, 256 prompts x (128 -> 256 new), T=1, bf16,
+  and the RL run's rows (32 x 8, its prompt length, 256 new) for the gen-phase ratio;
+  ``--engine_variants`` adds runs with other `EngineOptions`.
 - ``profile``: a traced engine call: kernels per decode step, device-busy share, top kernels.
 - ``train``: the actor's train step (float32 masters, bf16 compute, GRPO loss + KL), 16 rows x
   (128 + 384): seconds, analytic TFLOP/s, MFU against the peak (``--peak``) and against the
-  measured matmul rate.
+  measured matmul rate; ``--train_variants`` adds runs with other model settings.
 - ``wide``: the same engine and train step at Qwen2.5-7B width (``--wide_layers`` of its layers).
 
 Every figure is labelled: ``measured`` (wall clock, medians of ``--reps`` after a warm-up call),
@@ -64,6 +67,7 @@ TINY = dict(
     wide=dict(preset="tiny_llama", B=4, P=8, R=8, rows=2, tP=8, tR=8),
 )
 PHASES = ("checkpoint", "hf", "torch_train", "rl", "xla_flags", "ceilings", "engine", "profile", "train", "wide")
+OPT_IN = ("xla_flags",)  # explorations, not in the default run (the whole default: < 5 min on one GPU)
 TINY_SKIPS = ("xla_flags", "wide")  # GPU flags; the wide model is the train and engine phases again
 ENGINE_VARIANTS = {  # EngineOptions
     "steps_per_sync_1": dict(steps_per_sync=1),
@@ -650,20 +654,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="toy sizes (CPU, about a minute)")
     ap.add_argument(
-        "--phases", default=None, help=f"comma list of {PHASES} (default: all; --tiny: all but {TINY_SKIPS})"
+        "--phases",
+        default=None,
+        help=f"comma list of {PHASES} (default: all but {OPT_IN}; --tiny: all but {TINY_SKIPS})",
     )
     ap.add_argument("--reps", type=int, default=None, help="timed calls after the warm-up (default: 3; --tiny: 1)")
     ap.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the device (H100/H200 SXM)")
     ap.add_argument("--wide_layers", type=int, default=12)
     ap.add_argument(
         "--engine_variants",
-        default=None,
-        help=f"comma list of {sorted(ENGINE_VARIANTS)} (default: pages_per_block_2,pages_per_block_16; none with --tiny)",
+        default="",
+        help=f"comma list of {sorted(ENGINE_VARIANTS)}: more engine runs (default: none)",
     )
     ap.add_argument(
         "--train_variants",
-        default=None,
-        help=f"comma list of {sorted(TRAIN_VARIANTS)} (default: xla; none with --tiny)",
+        default="",
+        help=f"comma list of {sorted(TRAIN_VARIANTS)}: more train-step runs (default: none)",
     )
     ap.add_argument(
         "--rl_variants", default="default", help=f"comma list of {sorted(RL_VARIANTS)}: a cold and a warm run of each"
@@ -680,11 +686,7 @@ def main(argv=None) -> int:
     if a.reps is None:
         a.reps = 1 if a.tiny else 3
     if a.phases is None:
-        a.phases = ",".join(p for p in PHASES if not (a.tiny and p in TINY_SKIPS))
-    if a.engine_variants is None:
-        a.engine_variants = "" if a.tiny else "pages_per_block_2,pages_per_block_16"
-    if a.train_variants is None:
-        a.train_variants = "" if a.tiny else "xla"
+        a.phases = ",".join(p for p in PHASES if p not in (TINY_SKIPS if a.tiny else OPT_IN))
     phases = [p for p in a.phases.split(",") if p]
     for flag, given, known in (
         ("--phases", phases, PHASES),
