@@ -42,8 +42,9 @@ Why not the alternatives (read in this JAX version, 0.10):
   mesh; the arrays live on two meshes, so it would need the same device_put first.
 - ``jax.experimental.transfer`` (``TransferServer.await_pull`` / ``TransferConnection.pull``)
   moves arrays between *processes* (its docstring: "DCN cross slice transfer"); inside one
-  process the device copy above is the direct path. It is the candidate for the Ray
-  groups, which are separate ``jax.distributed`` worlds (issue 23, item 2).
+  process the device copy above is the direct path. Between the Ray groups, which are
+  separate ``jax.distributed`` worlds, it is the mechanism (`jaxflow.workers.weight_stream`,
+  same piece plan: `overlap_targets`); it works on CPU in this JAX version.
 - verl's checkpoint engines (``nccl``: all-gather each bucket on the trainer, then broadcast
   it to every rollout rank) move full tensors; here only the overlap of two shards moves, so
   a destination device receives exactly its generation shard and nothing else.
@@ -108,10 +109,10 @@ class SyncReport:
 
 @dataclasses.dataclass(frozen=True)
 class _Copy:
-    """One piece: ``size`` elements from ``src_start`` of a source shard on ``src_device`` to
-    ``dst_start`` of the destination shard on the destination device."""
+    """One piece: ``size`` elements from ``src_start`` of the source shard that ``src`` holds
+    (a device) to ``dst_start`` of the destination shard."""
 
-    src_device: Any
+    src: Any
     src_start: tuple[int, ...]
     dst_start: tuple[int, ...]
     size: tuple[int, ...]
@@ -119,9 +120,9 @@ class _Copy:
 
 @dataclasses.dataclass(frozen=True)
 class _Target:
-    """One destination shard and the pieces it is assembled from."""
+    """One destination shard (held by ``owner``: a device) and the pieces it is assembled from."""
 
-    device: Any
+    owner: Any
     shape: tuple[int, ...]
     copies: tuple[_Copy, ...]
 
@@ -149,37 +150,45 @@ def _blocks(sharding: Any, shape: tuple[int, ...]) -> dict[Box, list[Any]]:
     return out
 
 
-def _plan_leaf(shape: tuple[int, ...], src_dtype, src: Any, dst: NamedSharding, dtype) -> _LeafPlan:
-    """Intersect every destination shard with every distinct source shard."""
-    blocks = _blocks(src, shape)
-    turn = dict.fromkeys(blocks, 0)
+def overlap_targets(src_blocks: dict[Box, list[Any]], dst_boxes: Sequence[tuple[Any, Box]]) -> tuple[_Target, ...]:
+    """Every destination box ``D`` (with its owner) intersected with every distinct source
+    box ``S`` (with the owners of its replicas, used in turn): one `_Copy` per non-empty
+    ``D ∩ S``. Owners are whatever identifies a holder: a device here, a (process, device
+    id) pair between worlds (`jaxflow.workers.weight_stream`)."""
+    turn = dict.fromkeys(src_blocks, 0)
     targets = []
-    for dev, idx in dst.devices_indices_map(shape).items():
-        d_box = _box(idx, shape)
+    for owner, d_box in dst_boxes:
         copies = []
-        for s_box, devs in blocks.items():
+        for s_box, owners in src_blocks.items():
             lo = tuple(max(a[0], b[0]) for a, b in zip(d_box, s_box))
             hi = tuple(min(a[1], b[1]) for a, b in zip(d_box, s_box))
             if any(h <= l_ for l_, h in zip(lo, hi)):
                 continue
-            src_dev = devs[turn[s_box] % len(devs)]  # replicas in turn
+            src = owners[turn[s_box] % len(owners)]  # replicas in turn
             turn[s_box] += 1
             copies.append(
                 _Copy(
-                    src_dev,
+                    src,
                     tuple(l_ - s[0] for l_, s in zip(lo, s_box)),
                     tuple(l_ - d[0] for l_, d in zip(lo, d_box)),
                     tuple(h - l_ for l_, h in zip(lo, hi)),
                 )
             )
-        targets.append(_Target(dev, tuple(b - a for a, b in d_box), tuple(copies)))
+        targets.append(_Target(owner, tuple(b - a for a, b in d_box), tuple(copies)))
+    return tuple(targets)
+
+
+def _plan_leaf(shape: tuple[int, ...], src_dtype, src: Any, dst: NamedSharding, dtype) -> _LeafPlan:
+    """Intersect every destination shard with every distinct source shard."""
+    blocks = _blocks(src, shape)
+    dst_boxes = [(dev, _box(idx, shape)) for dev, idx in dst.devices_indices_map(shape).items()]
     return _LeafPlan(
         shape=shape,
         src_dtype=np.dtype(src_dtype),
         dst_dtype=np.dtype(dtype or src_dtype),
         src_sharding=src,
         dst_sharding=dst,
-        targets=tuple(targets),
+        targets=overlap_targets(blocks, dst_boxes),
         checksum_devices=tuple(devs[0] for devs in blocks.values()),
     )
 
@@ -188,13 +197,13 @@ def _plan_leaf(shape: tuple[int, ...], src_dtype, src: Any, dst: NamedSharding, 
 
 
 @functools.partial(jax.jit, static_argnames=("size", "dtype"))
-def _take(shard: jax.Array, start: jax.Array, *, size: tuple[int, ...], dtype: Any) -> jax.Array:
+def take_piece(shard: jax.Array, start: jax.Array, *, size: tuple[int, ...], dtype: Any) -> jax.Array:
     """``shard[start : start + size]`` cast to ``dtype``, on the shard's device."""
     return lax.dynamic_slice(shard, tuple(start), size).astype(dtype)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _place(buf: jax.Array, piece: jax.Array, start: jax.Array) -> jax.Array:
+def place_piece(buf: jax.Array, piece: jax.Array, start: jax.Array) -> jax.Array:
     """``buf[start : start + piece.shape] = piece``, in place (``buf`` is donated)."""
     return lax.dynamic_update_slice(buf, piece, tuple(start))
 
@@ -374,13 +383,15 @@ class WeightSync:
                 buf = self._piece(plan, target, target.copies[0], shards)
                 moved, largest = moved + buf.nbytes, max(largest, buf.nbytes)
             else:
-                buf = self.ledger.add(jnp.zeros(target.shape, plan.dst_dtype, device=target.device))
+                buf = self.ledger.add(jnp.zeros(target.shape, plan.dst_dtype, device=target.owner))
                 for c in target.copies:
                     piece = self._piece(plan, target, c, shards)
                     moved, largest = moved + piece.nbytes, max(largest, piece.nbytes)
-                    self.ledger.now[target.device] -= buf.nbytes  # donated: rewritten in place
+                    self.ledger.now[target.owner] -= buf.nbytes  # donated: rewritten in place
                     # ready before the next piece is cut: one piece in flight per device
-                    buf = self.ledger.add(_place(buf, piece, np.asarray(c.dst_start, np.int32)).block_until_ready())
+                    buf = self.ledger.add(
+                        place_piece(buf, piece, np.asarray(c.dst_start, np.int32)).block_until_ready()
+                    )
                     self.ledger.free(piece)
             out.append(buf.block_until_ready())  # one destination shard at a time: the bound
         pieces = sum(len(t.copies) for t in plan.targets)
@@ -388,14 +399,16 @@ class WeightSync:
 
     def _piece(self, plan: _LeafPlan, target: _Target, c: _Copy, shards: dict[Any, jax.Array]) -> jax.Array:
         """One piece sliced (and cast) on its source device and copied to the target's."""
-        shard = shards[c.src_device]
+        shard = shards[c.src]
         whole = c.size == tuple(shard.shape) and plan.dst_dtype == plan.src_dtype
         src_piece = (
             shard
             if whole
-            else self.ledger.add(_take(shard, np.asarray(c.src_start, np.int32), size=c.size, dtype=plan.dst_dtype))
+            else self.ledger.add(
+                take_piece(shard, np.asarray(c.src_start, np.int32), size=c.size, dtype=plan.dst_dtype)
+            )
         )
-        piece = self.ledger.add(jax.device_put(src_piece, target.device))
+        piece = self.ledger.add(jax.device_put(src_piece, target.owner))
         if not whole:
             self.ledger.free(src_piece)
         return piece
