@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from jaxflow.mesh import (
     GENERATE_RULES,
@@ -25,6 +24,7 @@ from jaxflow.mesh import (
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.reshard import HybridEngine, containment_violations, derive_generation_rules, hlo, table2
 from jaxflow.sampling import SamplingParams, generate_from_state
+from tests.child_env import child_env
 from tests.compile_events import CompileEvents
 
 CFG = ModelConfig(
@@ -244,24 +244,36 @@ def test_training_dp_separates_naive_from_vanilla():
 # --- the measuring tools themselves ------------------------------------------------------
 
 
+REMAT_PROGRAM = """
+import jax, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxflow.reshard import hlo
+mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
+s1, s2 = NamedSharding(mesh, P("y", None, "x")), NamedSharding(mesh, P(None, ("x", "y"), None))
+f = lambda a, b, c: c + jax.lax.with_sharding_constraint(a + b, s2)
+x = jax.ShapeDtypeStruct((16, 16, 16), np.float32)
+with hlo.capture_stderr() as log:
+    jax.jit(f, in_shardings=(s1, s1, s2), out_shardings=s2).lower(x, x, x).compile()
+print(hlo.REMAT_MARKER in "".join(log))
+"""
+
+
 def test_full_rematerialisation_is_detected():
-    # openxla/xla#15207: a reshard XLA can only do by replicating the whole tensor.
-    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("x", "y"))
-    s1, s2 = NamedSharding(mesh, P("y", None, "x")), NamedSharding(mesh, P(None, ("x", "y"), None))
+    """openxla/xla#15207: a reshard XLA can only do by replicating the whole tensor, and
+    `hlo.capture_stderr` catches XLA's warning. In a fresh process without the persistent cache:
+    XLA warns only while it compiles, and the warning's state is the process's (in a worker that
+    compiled other programs first, or loaded this one from the cache, it did not show)."""
+    import os
+    import subprocess
+    import sys
 
-    def f(a, b, c):
-        return c + jax.lax.with_sharding_constraint(a + b, s2)
-
-    x = jax.ShapeDtypeStruct((16, 16, 16), np.float32)
-    # XLA warns while compiling: not from the persistent cache (a second run of the suite in
-    # one checkout would load the program and see no warning)
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        with hlo.capture_stderr() as log:
-            jax.jit(f, in_shardings=(s1, s1, s2), out_shardings=s2).lower(x, x, x).compile()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-    assert hlo.REMAT_MARKER in "".join(log)
+    env = child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_ENABLE_COMPILATION_CACHE="false")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run(
+        [sys.executable, "-c", REMAT_PROGRAM], env=dict(env, PYTHONPATH=root), capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split()[-1] == "True", run.stdout[-500:]
 
 
 def test_hlo_collective_parsing():
