@@ -24,7 +24,8 @@ from jaxflow.mesh import (
     make_placement,
     split_pools,
 )
-from jaxflow.models import ModelConfig, init_model
+from jaxflow.models import ModelConfig
+from tests.host_states import random_state
 
 # hidden 64, 8 heads of 8, 8 kv heads: every Megatron dimension splits 8 ways.
 CFG = ModelConfig(
@@ -42,21 +43,6 @@ def flat_params(state) -> dict[str, jax.Array]:
         jax.tree_util.keystr(p): v.get_value()
         for p, v in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     }
-
-
-def random_state(cfg: ModelConfig, seed: int = 0):
-    """A model state of host (NumPy) arrays, N(0, 0.02) weights and unit norms, without
-    running the (slow, eager) initialiser; host leaves also device_put without compiling."""
-    rng = np.random.default_rng(seed)
-    _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: (
-            np.ones(x.shape, x.dtype)
-            if "norm" in jax.tree_util.keystr(p)
-            else rng.normal(0, 0.02, x.shape).astype(x.dtype)
-        ),
-        state,
-    )
 
 
 @pytest.fixture(scope="module")

@@ -26,26 +26,13 @@ from jaxflow.reshard import HybridEngine, containment_violations, derive_generat
 from jaxflow.sampling import SamplingParams, generate_from_state
 from tests.child_env import child_env
 from tests.compile_events import CompileEvents
+from tests.host_states import random_state
 
 CFG = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=8
 )
 GQA = CFG.replace(num_kv_heads=2)
 LAYOUTS = [(8, 1), (4, 2), (2, 4)]  # (fsdp, tp) of the training mesh, as in the experiment
-
-
-def random_state(cfg: ModelConfig, seed: int = 0):
-    """Host (NumPy) state: N(0, 0.02) weights and unit norms, no eager initialiser."""
-    rng = np.random.default_rng(seed)
-    _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: (
-            np.ones(x.shape, x.dtype)
-            if "norm" in jax.tree_util.keystr(p)
-            else rng.normal(0, 0.02, x.shape).astype(x.dtype)
-        ),
-        state,
-    )
 
 
 def abstract_state(cfg: ModelConfig):

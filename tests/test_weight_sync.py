@@ -7,30 +7,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 from jax import lax
 
 from jaxflow.mesh import MeshSpec, hybrid_rules, state_shardings
-from jaxflow.models import ModelConfig, init_model
+from jaxflow.models import ModelConfig
 from jaxflow.reshard import WeightSync, derive_generation_rules, generation_shardings
+from tests.host_states import random_state
 
 CFG = ModelConfig(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8, num_kv_heads=8, head_dim=8
 )
-
-
-def random_state(cfg: ModelConfig, seed: int = 0):
-    """Host (NumPy) state: N(0, 0.02) weights and unit norms."""
-    rng = np.random.default_rng(seed)
-    _, state = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
-    return jax.tree_util.tree_map_with_path(
-        lambda p, x: (
-            np.ones(x.shape, x.dtype)
-            if "norm" in jax.tree_util.keystr(p)
-            else rng.normal(0, 0.02, x.shape).astype(x.dtype)
-        ),
-        state,
-    )
 
 
 def bits(x) -> np.ndarray:
