@@ -140,12 +140,7 @@ class RewardScorer:
             raise ValueError("pass either custom_reward_path or compute_score, not both")
         if isolation not in ("process", "inline"):
             raise ValueError(f"isolation must be 'process' or 'inline', got {isolation!r}")
-        if sandbox not in SANDBOX_MODES:
-            raise ValueError(f"sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
-        if sandbox_workers is not None and sandbox_workers < 1:
-            raise ValueError(f"sandbox_workers must be >= 1, got {sandbox_workers}")
-        self.sandbox = sandbox
-        self.sandbox_workers = sandbox_workers
+        self.sandbox, self.sandbox_workers = _sandbox_settings(sandbox, sandbox_workers)
         for name, value in (
             ("timeout_s", timeout_s),
             ("load_timeout_s", load_timeout_s),
@@ -561,6 +556,15 @@ def normalize_reward(value: Any) -> tuple[float, dict[str, float]]:
     if not math.isfinite(score):
         raise ValueError(f"reward function returned a non-finite score {score}")
     return score, extras
+
+
+def _sandbox_settings(sandbox: str, workers: int | None) -> tuple[str, int | None]:
+    """`RewardScorer`'s ``sandbox`` and ``sandbox_workers``, checked."""
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"sandbox must be one of {SANDBOX_MODES}, got {sandbox!r}")
+    if workers is not None and workers < 1:
+        raise ValueError(f"sandbox_workers must be >= 1, got {workers}")
+    return sandbox, workers
 
 
 def _is_real(x: Any) -> bool:
