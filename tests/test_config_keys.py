@@ -457,6 +457,8 @@ CHECKS = {
     "jaxflow.reward.load_timeout_s": (10.0, [], spec("reward.load_timeout_s")),
     "jaxflow.reward.max_failure_fraction": (0.9, [], spec("reward.max_failure_fraction")),
     "jaxflow.reward.sandbox": ("off", [], spec("reward.sandbox")),
+    "trainer.mode": ("one_step_off", [], spec("trainer.mode")),
+    "trainer.max_staleness": (2, [], spec("trainer.max_staleness")),
     "jaxflow.trainer.max_nonfinite_steps": (1, [], spec("trainer.max_nonfinite_steps")),
     "jaxflow.trainer.resume_other_experiment": (True, [], spec("trainer.resume_other_experiment")),
     "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),

@@ -584,6 +584,21 @@ FIELDS: tuple[Field, ...] = tuple(
         ("trainer.val_before_train", True, "Validate once before the first step."),
         ("trainer.critic_warmup", 0, "Steps that train only the critic before the actor starts.", AT_LEAST_0),
         (
+            "trainer.mode",
+            "sync",
+            "sync | one_step_off | async. one_step_off: each update consumes the rollout of the previous weights "
+            "(verl's one-step-off policy); async: rollouts of up to trainer.max_staleness policy versions back. "
+            "Local backend, PPO/GRPO/RLOO/REINFORCE++; on one pool of devices the rollouts run between the "
+            "updates (the off-policy schedule, not its overlap).",
+        ),
+        (
+            "trainer.max_staleness",
+            1,
+            "trainer.mode=async: policy versions between a rollout's weights and the update that consumes it "
+            "(0 = sync, bit for bit).",
+            AT_LEAST_0,
+        ),
+        (
             "trainer.balance_batch",
             False,
             "Log verl's global_seqlen/* metrics: real tokens per actor data-parallel rank in the packed update, as "

@@ -151,6 +151,8 @@ class TrainerSpec:
     backend: str
     max_restarts: int
     compile_ahead: bool  # `jaxflow.trainer.compile_ahead.compile_ahead` before step 1
+    mode: str  # sync | one_step_off | async (`jaxflow.trainer.ahead`)
+    max_staleness: int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -53,6 +53,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 STATE_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("none", "full", "dots", "dots_no_batch")
 COMPILE_AHEAD = ("auto", "on", "off")
+TRAINER_MODES = ("sync", "one_step_off", "async")  # `jaxflow.trainer.ahead`
 PROBE_MODES = ("auto", "on", "off")
 RESUME_MODES = ("disable", "auto", "resume_path")
 JOBS = ("rl", "sft")
@@ -205,6 +206,7 @@ def _check_enums(c: _Checker) -> None:
         ("jaxflow.model.compute_dtype", DTYPES),
         ("jaxflow.model.remat_policy", REMAT_POLICIES),
         ("jaxflow.trainer.compile_ahead", COMPILE_AHEAD),
+        ("trainer.mode", TRAINER_MODES),
         ("jaxflow.reward.sandbox", SANDBOX_MODES),
         ("jaxflow.optim.state_dtype", STATE_DTYPES),
         ("jaxflow.data.builtin_task", TASKS),

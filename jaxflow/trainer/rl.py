@@ -36,10 +36,12 @@ from jaxflow.configs.prepare import PreparedRun, prepare_run
 from jaxflow.configs.resolve import SHAPE_KEYS
 from jaxflow.configs.run_spec import RewardSpec, RunSpec, TrainerSpec
 from jaxflow.iterations import batch_from_prompts, select_algorithm
+from jaxflow.iterations.ppo import PPO_FAMILY
 from jaxflow.mesh import Role
 from jaxflow.plan.lowering import run_algorithm
 from jaxflow.rewards import RewardFunctionError, RewardScorer
 from jaxflow.trainer import interrupt
+from jaxflow.trainer.ahead import GenerateAhead, lookahead
 from jaxflow.trainer.builders import (
     as_role,
     as_role_recipe,
@@ -160,6 +162,7 @@ class RLTrainer:
 
     def _setup(self, cfg: ConfigDict, actor_params: Any) -> None:
         prepared = prepare_run(cfg)  # spec (placed unless auto), tokenizer, prompts
+        self._check_mode(prepared.spec)
         t = prepared.spec.trainer
         self.run_dir = t.run_dir
         os.makedirs(self.run_dir, exist_ok=True)
@@ -203,6 +206,9 @@ class RLTrainer:
         self.algorithm_name = self.algorithm.name
         self.loader = train_loader(spec, self.train_data)
         self.total_steps = spec.training_steps
+        ahead = lookahead(spec.trainer.mode, spec.trainer.max_staleness)  # trainer.mode one_step_off / async
+        self.ahead = None if ahead is None else GenerateAhead(ahead, self.total_steps, self.loader, batch_from_prompts)
+        self.policy_version = 0  # actor updates so far
         self.placement = spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
         self._restart_actor_params = actor_params if self.backend is not None else None
@@ -216,6 +222,23 @@ class RLTrainer:
             print(describe_compile_ahead(seconds, time.perf_counter() - t0), flush=True)
 
     # ------------------------------------------------------------------ construction
+
+    @staticmethod
+    def _check_mode(spec: RunSpec) -> None:
+        """``trainer.mode`` one_step_off / async: refuses, before anything is built, what the
+        rollouts generated ahead (`jaxflow.trainer.ahead`) cannot run yet."""
+        t = spec.trainer
+        if lookahead(t.mode, t.max_staleness) is None:
+            return
+        if t.backend != "local":
+            raise ConfigError("trainer.mode", f"{t.mode} runs on the local backend (jaxflow.backend=local) so far")
+        name = select_algorithm(spec.algorithm)
+        if name not in PPO_FAMILY or spec.algorithm.algorithm.filter_groups.enable:
+            raise ConfigError(
+                "trainer.mode",
+                f"{t.mode} runs the {', '.join(PPO_FAMILY)} iteration without algorithm.filter_groups "
+                f"(this run: {name}): its rollout is one generate call per step",
+            )
 
     def _open_checkpoints(self, t: TrainerSpec, experiment: dict[str, str]) -> CheckpointManager:
         """The run directory's checkpoints, locked for this run; a fresh run in a directory that
@@ -361,9 +384,15 @@ class RLTrainer:
                 f"(latest good checkpoint: step {self.ckpt.latest_step()})"
             )
         host = HostState(
-            data_loader=self.loader.state_dict(),
+            # with rollouts generated ahead: the position before the first one pending (generated again on resume)
+            data_loader=self.loader.state_dict() if self.ahead is None else self.ahead.loader_state(),
             metrics_tail=history[-5:],
-            extra={"step": step, "algo_state": self.algo_state.state_dict(), "guard": self.guard.state_dict()},
+            extra={
+                "step": step,
+                "algo_state": self.algo_state.state_dict(),
+                "guard": self.guard.state_dict(),
+                "policy_version": self.policy_version,
+            },
         )
         self.ckpt.save(step, states, host, force=True)
         if self.spec.trainer.save_hf:
@@ -386,6 +415,7 @@ class RLTrainer:
         self.loader.load_state_dict(restored.host.data_loader)
         self.algo_state.load_state_dict(restored.host.extra["algo_state"])
         self.guard.load_state_dict(restored.host.extra.get("guard", {}))
+        self.policy_version = restored.host.extra.get("policy_version", max(0, restored.step - self.spec.critic_warmup))
         print(f"resumed from {restored.path} at step {restored.step}", flush=True)
         return restored.step
 
@@ -394,21 +424,22 @@ class RLTrainer:
     def train_step(self, step: int) -> dict[str, float]:
         """One iteration of the algorithm on the next prompt batch; verl-named metrics."""
         start = time.perf_counter()
-        prompts = batch_from_prompts(next(self.loader))
+        workers, ahead_metrics = self.workers, {}
+        if self.ahead is None:
+            prompts = batch_from_prompts(next(self.loader))
+        else:  # this step's rollout, generated ahead (now or at an earlier step)
+            prompts, workers, ahead_metrics = self.ahead.step(step, self.workers, self.policy_version)
         more = {}
         if self.spec.algorithm.algorithm.filter_groups.enable:  # DAPO's dynamic sampling reads on
             more["next_prompts"] = lambda: batch_from_prompts(next(self.loader))
+        update_actor = step > self.spec.critic_warmup
         raw = self.algorithm(
-            self.workers,
-            prompts,
-            self.spec.algorithm,
-            self.algo_state,
-            step=step,
-            update_actor=step > self.spec.critic_warmup,
-            **more,
+            workers, prompts, self.spec.algorithm, self.algo_state, step=step, update_actor=update_actor, **more
         )
+        self.policy_version += int(update_actor)
         metrics = {k: _mean(v) for k, v in scalar_metrics(raw).items()} if raw else {}
         metrics.update({k: _mean(v) for k, v in raw.items() if k not in metrics and np.size(v)})
+        metrics.update(ahead_metrics)
         elapsed = time.perf_counter() - start
         metrics["timing_s/step"] = elapsed
         n = self.spec.n

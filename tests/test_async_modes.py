@@ -1,0 +1,133 @@
+"""``trainer.mode`` one_step_off / async (`jaxflow.trainer.ahead`): the rollouts generated ahead
+of their updates, against a hand-worked schedule (fake loader and actor), and through the
+trainer: ``async`` with ``max_staleness=0`` logs the synchronous run's metrics bit for bit
+(PPO and GRPO), ``one_step_off`` consumes the previous weights' rollouts, and what the run
+cannot do yet is refused in one line."""
+
+import pytest
+
+from jaxflow.configs import ConfigError, load_config
+from jaxflow.data.batch import Batch
+from jaxflow.trainer.ahead import AheadActor, GenerateAhead, Rollout, lookahead
+from jaxflow.workers.group import Workers
+from tests.test_placement_invariance import DIGITS, SMALL, run_steps
+
+
+class _Loader:
+    """Prompt batches 0, 1, 2, ... ; its state is the next batch's index."""
+
+    def __init__(self):
+        self.position = 0
+
+    def __next__(self):
+        self.position += 1
+        return self.position - 1
+
+    def state_dict(self):
+        return {"position": self.position}
+
+
+class _Actor:
+    """Records each generate call as (step, prompt batch, policy version at the call)."""
+
+    def __init__(self):
+        self.version = 0
+        self.calls = []
+
+    def generate(self, prompts, *, step=None):
+        self.calls.append((step, int(prompts["batch"][0]), self.version))
+        return prompts.update(non_tensors={"generated": [(step, self.version)] * len(prompts)})
+
+    def generation_seconds(self):
+        return [{"engine": 0.5}]
+
+    def rollout_probe(self):
+        return [{}]
+
+    def update(self):
+        return "the actor's own"
+
+
+def _to_batch(index):
+    return Batch.from_dict({"batch": [index, index]})
+
+
+def test_the_schedule_of_rollouts_generated_ahead():
+    """max_staleness=2 over 5 steps: step 1 generates steps 1-3 with version 0; step k then
+    generates step k+2 with the weights of k-1 updates and consumes step k's rollout (staleness
+    min(k-1, 2)); nothing past the last step; the checkpoint position is the first pending
+    rollout's prompt batch."""
+    loader, actor = _Loader(), _Actor()
+    ahead = GenerateAhead(lookahead("async", 2), 5, loader, _to_batch)
+    workers = Workers(actor=actor)
+    seen = []
+    for step in range(1, 6):
+        prompts, w, metrics = ahead.step(step, workers, actor.version)
+        batch = w.actor.generate(prompts, step=step)
+        assert w.actor.update() == "the actor's own" and w.actor.generation_seconds() == [{"engine": 0.5}]
+        seen.append((int(prompts["batch"][0]), tuple(int(v) for v in batch.non_tensors["generated"][0]), metrics))
+        assert ahead.loader_state() == {"position": step}  # before the next pending batch (or the end)
+        actor.version += 1  # the update
+    assert actor.calls == [(1, 0, 0), (2, 1, 0), (3, 2, 0), (4, 3, 1), (5, 4, 2)]
+    assert [s[0] for s in seen] == [0, 1, 2, 3, 4]  # each step's own prompt batch, in order
+    assert [s[1] for s in seen] == [(1, 0), (2, 0), (3, 0), (4, 1), (5, 2)]
+    staleness = [s[2]["fully_async/staleness/token_max"] for s in seen]
+    assert staleness == [0.0, 1.0, 2.0, 2.0, 2.0]
+    assert [s[2]["fully_async/pending_rollouts"] for s in seen] == [2.0, 2.0, 2.0, 1.0, 0.0]
+    rollout = Rollout(step=6, prompts=_to_batch(9), batch=_to_batch(9), version=0, seconds=0.0, parts={}, probe={})
+    with pytest.raises(ValueError, match="generated ahead for its own prompts"):
+        AheadActor(actor, rollout).generate(_to_batch(9), step=7)
+
+
+def test_modes_and_staleness_are_checked():
+    assert lookahead("sync", 3) is None and lookahead("one_step_off", 0) == 1 and lookahead("async", 0) == 0
+    with pytest.raises(ValueError, match="unknown trainer.mode 'fast'"):
+        lookahead("fast", 1)
+    with pytest.raises(ValueError, match="max_staleness must be >= 0"):
+        lookahead("async", -1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["grpo_tiny", "ppo_tiny"])
+def test_async_with_staleness_0_is_the_synchronous_run_bit_for_bit(config, tmp_path):
+    reward = tmp_path / "digits.py"
+    reward.write_text(DIGITS)
+    common = [*SMALL, f"custom_reward_function.path={reward}"]
+    sync = run_steps(config, common, 3, tmp_path / "sync")
+    asynchronous = run_steps(config, [*common, "trainer.mode=async", "trainer.max_staleness=0"], 3, tmp_path / "a")
+    assert any(r["critic/score/mean"] > 0 for r in sync)  # the reward has signal
+    for a, b in zip(sync, asynchronous, strict=True):
+        keys = [k for k in a if not k.startswith(("timing_s/", "perf/")) and k != "step"]
+        assert len(keys) > 20
+        assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
+        assert b["fully_async/staleness/token_max"] == 0.0
+
+
+@pytest.mark.slow
+def test_one_step_off_consumes_the_previous_weights_rollouts(tmp_path):
+    """Step 1 consumes a rollout of the initial weights (as sync does: the same metrics), steps
+    2 and 3 the rollouts of the weights one update back."""
+    reward = tmp_path / "digits.py"
+    reward.write_text(DIGITS)
+    common = [*SMALL, f"custom_reward_function.path={reward}"]
+    sync = run_steps("grpo_tiny", common, 1, tmp_path / "sync")
+    off = run_steps("grpo_tiny", [*common, "trainer.mode=one_step_off"], 3, tmp_path / "off")
+    assert [r["fully_async/staleness/token_max"] for r in off] == [0.0, 1.0, 1.0]
+    assert [r["fully_async/count/current_param_version"] for r in off] == [0.0, 1.0, 2.0]
+    assert [r["fully_async/pending_rollouts"] for r in off] == [1.0, 1.0, 1.0]  # the run goes on past step 3
+    keys = [k for k in sync[0] if not k.startswith(("timing_s/", "perf/")) and k != "step"]
+    assert {k: sync[0][k] for k in keys} == {k: off[0][k] for k in keys}
+
+
+def test_what_the_modes_cannot_run_yet_is_refused(tmp_path):
+    from jaxflow.trainer.rl import RLTrainer
+
+    for extra, match in (
+        (["jaxflow.backend=ray"], "local backend"),
+        (["algorithm.adv_estimator=remax"], "without algorithm.filter_groups"),
+    ):
+        cfg = load_config(
+            "grpo_tiny", [*SMALL, "trainer.mode=one_step_off", *extra, f"trainer.default_local_dir={tmp_path}"]
+        )
+        with pytest.raises(ConfigError, match=match):
+            RLTrainer(cfg)
