@@ -55,6 +55,7 @@ NAMED: dict[str, str] = {
     for name in (
         "ppo_tiny",
         "grpo_tiny",
+        "grpo_tool_tiny",
         "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",

@@ -66,14 +66,16 @@ def group_ids_from_uid(uid: Any) -> np.ndarray:
 
 def apply_kl_penalty_to_batch(batch: Batch, beta: float, kind: str = "kl") -> tuple[Batch, dict[str, float]]:
     """Adds ``token_level_rewards`` (see the module docstring). Needs ``token_level_scores``,
-    ``old_log_probs``, ``ref_log_prob``, ``response_mask``. Returns the batch and the
-    metrics ``actor/reward_kl_penalty`` (the current KL, to feed a KL controller) and
+    ``old_log_probs``, ``ref_log_prob``, ``response_mask``; where the batch has a ``loss_mask``
+    (multi-turn rollouts) the penalty and the current KL cover only its tokens (the model's
+    own: a tool's tokens are not the policy's to pay for). Returns the batch and the metrics
+    ``actor/reward_kl_penalty`` (the current KL, to feed a KL controller) and
     ``actor/reward_kl_penalty_coeff`` (beta)."""
     rewards, current_kl = apply_kl_penalty(
         _host(batch, "token_level_scores").astype(np.float32),
         _host(batch, "old_log_probs").astype(np.float32),
         _host(batch, "ref_log_prob").astype(np.float32),
-        _host(batch, "response_mask"),
+        _host(batch, "loss_mask" if "loss_mask" in batch else "response_mask"),
         np.float32(beta),
         kind,
     )

@@ -86,7 +86,7 @@ class AheadActor:
     def generation_seconds(self) -> list[dict[str, float]]:
         return [dict(self._rollout.parts)]
 
-    def rollout_probe(self) -> list[dict[str, float]]:
+    def rollout_metrics(self) -> list[dict[str, float]]:
         return [dict(self._rollout.probe)]
 
     def __getattr__(self, name: str) -> Any:
@@ -137,7 +137,7 @@ class GenerateAhead:
         t0 = time.perf_counter()
         batch = ready(workers.actor.generate(prompts, step=step))
         seconds = time.perf_counter() - t0
-        probe = workers.actor.rollout_probe()[0]
+        probe = workers.actor.rollout_metrics()[0]
         return Rollout(step, prompts, batch, version, seconds, gen_parts(workers), probe)
 
     def loader_state(self) -> Any:
