@@ -37,6 +37,7 @@ def test_named_configs_are_the_requested_set():
         "ppo_tiny",
         "grpo_tiny",
         "grpo_tool_tiny",
+        "grpo_code_tiny",
         "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",
@@ -59,7 +60,12 @@ def test_tiny_configs_are_cpu_sized(name):
     assert cfg.jaxflow.num_devices == 8 and cfg.jaxflow.placement.type == "auto"
     # the default run (grpo_tiny, and DAPO on it) learns digit reversal, scored on held-out strings;
     # the tool task calls a calculator
-    tasks = {"grpo_tiny": "reverse_digits", "dapo_tiny": "reverse_digits", "grpo_tool_tiny": "calculator"}
+    tasks = {
+        "grpo_tiny": "reverse_digits",
+        "dapo_tiny": "reverse_digits",
+        "grpo_tool_tiny": "calculator",
+        "grpo_code_tiny": "code",
+    }
     assert cfg.jaxflow.data.builtin_task == tasks.get(name, "addition")
     assert not cfg.data.train_files
     model = configs.model_config(cfg, "actor")
@@ -83,6 +89,7 @@ def test_tiny_configs_select_their_algorithms():
         "ppo_tiny": "gae",
         "grpo_tiny": "grpo",
         "grpo_tool_tiny": "grpo",
+        "grpo_code_tiny": "grpo",
         "dapo_tiny": "grpo",
         "remax_tiny": "remax",
         "rloo_tiny": "rloo",

@@ -56,6 +56,7 @@ NAMED: dict[str, str] = {
         "ppo_tiny",
         "grpo_tiny",
         "grpo_tool_tiny",
+        "grpo_code_tiny",
         "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",

@@ -14,6 +14,7 @@ jaxflow/reverse_ ``rev:314=``           ``413``     ``min_len``/``max_len`` (3..
 digits                                              30% held out (the default task)
 jaxflow/         ``mul:482*937=``       ``451634``  ``digits`` (3), ``tool_fraction``
 calculator                                          (0.25): a tool task (below)
+jaxflow/code     ``code:x*7+2=``        tests       a code task (below)
 ===============  =====================  ==========  ==============================
 
 ``make_examples(n, seed, split)`` returns verl-schema rows::
@@ -41,6 +42,12 @@ demonstrations answer directly (the product) except a ``tool_fraction`` of them,
 whole conversation: the call, the tool's turn (`tool_response_turn`) and the answer; so a
 model warm-started on them mostly answers directly (and wrongly) and sometimes calls the tool,
 which RL can reinforce.
+
+The code task asks for a one-line Python function ``f(x)`` computing an affine expression; its
+ground truth is hidden tests (``assert f(3) == 23``, five of them, JSON), its demonstration the
+function (``def f(x):\n    return x*7+2``). Its reward is the sandboxed code scorer
+(`jaxflow.rewards.score_code`, data_source ``jaxflow/code``: the fraction of tests passed),
+not `task_reward` (``Task.rule_reward`` is False).
 
 Reward (`task_reward`, registered for each data_source by `jaxflow.workers.reward`): 1.0 when the
 response's final answer (after the last tool response, if any), up to an ``<eos>`` and with
@@ -94,6 +101,7 @@ class Task(abc.ABC):
     name: ClassVar[str] = ""
     data_source: ClassVar[str] = ""
     ability: ClassVar[str] = ""
+    rule_reward: ClassVar[bool] = True  # scored by `task_reward` (else by its data_source's own reward)
     test_fraction: float = 0.1
 
     def __init_subclass__(cls, *, name: str | None = None, ability: str | None = None, **kwargs: Any) -> None:
@@ -272,8 +280,31 @@ class CalculatorTask(Task, name="calculator", ability="tool"):
         return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class CodeTask(Task, name="code", ability="code"):
+    """``code:x*7+2=`` -> hidden tests of ``f(x) = x*7+2`` (module docstring): ``a`` in
+    1..9, ``op`` one of ``+ - *``, ``b`` in 0..9; ``tests`` tests at x = -3, 0, 1, 4, 10."""
+
+    rule_reward: ClassVar[bool] = False
+    test_fraction: float = 0.2
+    POINTS: ClassVar[tuple[int, ...]] = (-3, 0, 1, 4, 10)
+
+    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
+        a, b, op = int(rng.integers(1, 10)), int(rng.integers(0, 10)), "+-*"[int(rng.integers(0, 3))]
+        expression = f"x*{a}{op}{b}"
+        f = eval(f"lambda x: {expression}")  # our own arithmetic, not user text
+        return f"code:{expression}=", json.dumps([f"assert f({x}) == {f(x)}" for x in self.POINTS])
+
+    def make_sft_examples(self, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+        rows = self.make_examples(n, seed, split)
+        for row in rows:
+            expression = row["extra_info"]["question"].removeprefix("code:").removesuffix("=")
+            row["response"] = f"def f(x):\n    return {expression}"
+        return rows
+
+
 TASKS: dict[str, type[Task]] = {
-    t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask, ReverseDigitsTask, CalculatorTask)
+    t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask, ReverseDigitsTask, CalculatorTask, CodeTask)
 }
 
 
