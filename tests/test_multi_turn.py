@@ -199,3 +199,30 @@ def test_the_in_reward_kl_penalty_skips_tool_tokens():
     assert metrics["actor/reward_kl_penalty"] == pytest.approx(want, rel=1e-6)
     _, unmasked = apply_kl_penalty_to_batch(batch, beta)  # single-turn: every response token
     assert unmasked["actor/reward_kl_penalty"] != pytest.approx(want)
+
+
+def test_gae_steps_over_tool_tokens():
+    """GAE on a multi-turn batch (``loss_mask`` marks the model's tokens) gives the model's
+    tokens the advantages and returns of the same conversation with the tool tokens cut out."""
+    from jaxflow.iterations.batch_ops import compute_advantage
+
+    rng = np.random.default_rng(1)
+    B, R = 4, 9
+    loss_mask = np.ones((B, R), np.int32)
+    loss_mask[:, 3:6] = 0  # a tool turn in the middle of every conversation
+    loss_mask[1, 8] = 0  # the last token is padding for this one
+    response_mask = np.ones((B, R), np.int32)
+    response_mask[1, 8] = 0
+    rewards = np.zeros((B, R), np.float32)
+    rewards[:, 7] = rng.normal(size=B)
+    values = rng.normal(size=(B, R)).astype(np.float32)
+    columns = {"token_level_rewards": rewards, "values": values, "response_mask": response_mask}
+    multi = compute_advantage(Batch.from_dict(columns | {"loss_mask": loss_mask}), "gae", gamma=0.9, lam=0.8)
+    keep = np.r_[0:3, 6:9]  # the model's positions, the tool turn cut out
+    cut = {k: v[:, keep] for k, v in columns.items()}
+    cut["response_mask"] = loss_mask[:, keep]
+    single = compute_advantage(Batch.from_dict(cut), "gae", gamma=0.9, lam=0.8)
+    model = loss_mask[:, keep] > 0
+    for key in ("advantages", "returns"):
+        got = np.asarray(multi[key])[:, keep][model]
+        np.testing.assert_allclose(got, np.asarray(single[key])[model], rtol=1e-5, atol=1e-6, err_msg=key)

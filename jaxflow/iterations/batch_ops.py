@@ -124,8 +124,12 @@ def compute_advantage(
     ``uid`` non-tensor column; with ``gdpo_reward_keys``, an estimator that takes
     ``gdpo_scores`` gets the reward function's named values (`gdpo_scores`) and their
     ``gdpo_reward_weights``. Extra keyword arguments reach the estimator (those it does not
-    take are ignored)."""
+    take are ignored). A multi-turn batch's ``loss_mask`` is the estimator's ``response_mask``
+    (as verl's agent loop's response mask: the model's own tokens), so GAE steps over tool
+    tokens as if they were not there and whitening and baselines count the model's tokens."""
     columns: dict[str, Any] = {k: _host(batch, k) for k in _ESTIMATOR_COLUMNS if k in batch}
+    if "loss_mask" in batch:
+        columns["response_mask"] = _host(batch, "loss_mask")
     if "token_level_rewards" not in columns:
         columns["token_level_rewards"] = _host(batch, "token_level_scores")
     columns["token_level_rewards"] = columns["token_level_rewards"].astype(np.float32)
