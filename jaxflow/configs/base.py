@@ -806,9 +806,18 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "jaxflow.data.builtin_task",
             "addition",
-            "Built-in task when data files are empty: addition | sort | reverse | reverse_digits.",
+            "Built-in task when data files are empty: addition | sort | reverse | reverse_digits | calculator (a tool "
+            "task: multi-turn rollouts with the calculator tool) | code (one-line functions scored by hidden tests in "
+            "the sandbox).",
         ),
         ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
+        (
+            "jaxflow.data.tool_fraction",
+            0.25,
+            "Built-in calculator task: share of the warm start's demonstrations that call the tool (the others answer "
+            "directly).",
+            Bound(0, 1, "[]"),
+        ),
         ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
         ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split).", AT_LEAST_1),
         ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),

@@ -496,6 +496,16 @@ def rollout_config(
     )
 
 
+def _task_params(task: str, data: ConfigDict) -> tuple[tuple[str, Any], ...]:
+    """The built-in task's parameters from ``jaxflow.data.*``."""
+    name = task.removeprefix("jaxflow/")
+    if name == "addition":
+        return (("digits", data.addition_digits),)
+    if name == "calculator":
+        return (("tool_fraction", data.tool_fraction),)
+    return ()
+
+
 def multi_turn(cfg: ConfigDict) -> MultiTurn | None:
     """``actor_rollout_ref.rollout.multi_turn`` and ``jaxflow.agent.tools`` as the actor's
     conversation loop (None: single-turn rollouts)."""
@@ -577,7 +587,7 @@ def data_spec(cfg: ConfigDict) -> DataSpec:
         train_files=tuple(f for f in d.train_files.split(",") if f),
         val_files=tuple(f for f in d.val_files.split(",") if f),
         builtin_task=task,
-        task_params=(("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else (),
+        task_params=_task_params(task, j),
         num_train_examples=j.num_train_examples,
         num_val_examples=j.num_val_examples,
     )
