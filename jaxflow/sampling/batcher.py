@@ -40,6 +40,14 @@ a ``cond``'s) is read back by the host, which drains the device's queue: the dec
 inside one trip have none, and a step past the end changes nothing, so ``steps_per_sync``
 trades up to ``steps_per_sync - 1`` idle steps for that many fewer round trips. What a row
 samples does not depend on it.
+
+A session's call (`Static.keep_pages`, `session.KVSession`: multi-turn conversations, n = 1)
+starts from a `Resume` instead of an empty pool: the pools of the session's earlier calls,
+each prompt's cached length c_i and the pages that hold slots [0, c_i), and the free stack.
+A prompt's group takes only the pages that its tokens [c_i, p_i - 1) start (`group_pages`)
+and writes only those positions; its row owns all its prompt's pages (no private copy), and
+when it finishes it keeps them (`keep`): its page table is returned for the conversation's
+next call, and the pages stay off the free stack.
 """
 
 from __future__ import annotations
