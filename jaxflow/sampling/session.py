@@ -19,22 +19,26 @@ a conversation that ended (or was left out) gives its pages back at the next cal
 
 What a call prefills. Conversation j with c_j tokens cached and p_j tokens now writes positions
 [c_j, p_j - 1) in prefill chunks and feeds token p_j - 1 to its first decode step, so
-``stats["prefill_tokens"][j] == p_j - c_j``: after a turn that sampled g tokens and a tool
-turn of u tokens appended, 1 + u (the last sampled token and the tool turn), not p_j.
+``stats["prefill_tokens"][j] == p_j - c_j``: after a turn and a tool turn of u tokens, 1 + u
+(the turn's last sampled token and the tool turn), not p_j.
 
 Pages. The pool holds every conversation at its longest: ``1 + conversations * ceil(max_len /
 page_size)`` pages plus the priority row's reserve (`batcher.reserve_pages`), so no row ever
 waits for a page and no call can run short (a call whose conversation and limit pass
-``max_len`` is refused). Page tables are ``ceil(max_len / page_size)`` pages wide whatever the
+``max_len`` is refused). That is the rollout's KV at its longest, more than `engine.generate`'s
+budgeted pool: the price of keeping every conversation between its turns. Page tables are ``ceil(max_len / page_size)`` pages wide whatever the
 call, so the program's shapes follow only the conversations (bucketed to a power of two) and
 the new tokens (a power of two >= 16): a multi-turn rollout compiles once per (batch bucket,
-new-token bucket), and the first call, which prefills whole prompts, usually under its own.
+new-token bucket) (the first call, whose new tokens are whole prompts, may have its own).
 
 Numerics. A resumed conversation's cached keys and values were written by decode steps (one
-token per slot) where a re-prefill writes them in prefill chunks: what a turn samples equals a
-re-prefill's as far as the model's projections give the same floats for a token in either
-shape (bit for bit for a ``batch_invariant`` model, whose sums run in index order; tests show
-which).
+token per slot), where a re-prefill writes them in prefill chunks: a turn samples what a
+re-prefill of the whole conversation samples (same keys per row and token, `batcher.row_keys`)
+as far as the model gives a token's projections the same floats in either shape. A
+``batch_invariant`` model does (its sums run in index order: a decode step is a forward bit
+for bit); otherwise XLA's products may round a row differently by the matrices' shapes, a few
+float32 ulps in the log-probs (tests/test_agent_tools.py: the same tokens, log-probs within 8
+ulps).
 
 Limits: one replica (no mesh; the agent loop falls back to re-prefilling every turn with a
 mesh), ``n = 1`` (one row per conversation), no debug outputs.
