@@ -315,7 +315,7 @@ class EngineTurns:
             s = self.session = KVSession(
                 self.model, self.params, conversations=len(conversations), max_len=need, **setup
             )
-        call = {k: v for k, v in self.kwargs.items() if k not in self.SESSION_KEYS}
+        call = {k: v for k, v in self.kwargs.items() if k not in (*self.SESSION_KEYS, "mesh")}  # mesh: None here
         return s.generate(conversations, limits, **call)
 
     def release(self) -> None:
