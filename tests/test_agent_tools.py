@@ -3,6 +3,7 @@ under time limits, every failure answered to the model as an error, never raised
 multi-turn loop (`jaxflow.agents.loop`): token in, token out, tool turns masked out of the
 loss."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -188,27 +189,136 @@ def test_the_loop_keeps_the_model_tokens_and_masks_the_tool_turns():
     executor.close()
 
 
-def test_engine_turns_are_the_engines_samples():
-    """`engine_turns` over `jaxflow.sampling.generate`: a conversation without tool calls is
-    one turn whose tokens and log-probs are the engine's own for that prompt."""
-    import jaxflow.models as models
-    from jaxflow.sampling import SamplingParams, generate
+# The engine's tests share one model, sampler and shapes (4 conversations of at most 18
+# tokens, pages of 4 tokens, a fixed pool for `generate`), so that they compile two programs
+# between them: the session's and `generate`'s.
+PROMPTS = [[5, 6], [9, 10, 11, 12, 13], [20, 21, 22], [30, 31, 32, 33]]
+BUDGET = 13  # max_response_tokens: the longest conversation is 5 + 13 = 18 tokens
 
-    model = models.init_model(models.get_preset("tiny_llama", vocab_size=64, num_layers=1), "lm", seed=0)
-    params = SamplingParams(max_new_tokens=8, temperature=1.0, eos_token_ids=(), seed=3)
-    prompts = [[5, 6, 7, 8], [9, 10, 11, 12]]
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    """A one-layer random llama of 64 tokens, for the engine's turns."""
+    import jaxflow.models as models
+
+    return models.init_model(models.get_preset("tiny_llama", vocab_size=64, num_layers=1), "lm", seed=0)
+
+
+def _engine_settings():
+    """(`SamplingParams`, `EngineOptions`) of the engine's tests: 3 tokens a turn at
+    temperature 1 (the engine's keys per row and token make a draw the same in every path), no
+    EOS."""
+    from jaxflow.sampling import EngineOptions, SamplingParams
+
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, eos_token_ids=(), seed=3)
+    return params, EngineOptions(page_size=4, kv_tokens=256)
+
+
+def test_engine_turns_are_the_engines_samples(tiny_lm):
+    """`engine_turns` (its KV pages kept between turns, the default) over the rollout engine:
+    a conversation without tool calls is one turn whose tokens and log-probs are
+    `jaxflow.sampling.generate`'s own for that prompt, bit for bit (a first turn prefills the
+    whole prompt, as `generate` does)."""
+    from jaxflow.sampling import generate
+
+    params, options = _engine_settings()
+    sampler = engine_turns(tiny_lm, params, options=options)
     out = run_agent(
-        prompts,
-        engine_turns(model, params),
+        PROMPTS,
+        sampler,
         lambda text: [],
         lambda ids: "",  # nothing parses as a tool call
         ToolExecutor([]),
-        AgentConfig(max_response_tokens=8),
+        AgentConfig(max_response_tokens=BUDGET),
     )
-    want = generate(model, np.asarray(prompts, np.int32), np.ones((2, 4), np.int32), params)
-    np.testing.assert_array_equal(out.responses, np.asarray(want.responses))
-    np.testing.assert_array_equal(out.rollout_log_probs, np.asarray(want.log_probs))
-    assert out.loss_mask.tolist() == out.response_mask.tolist() == [[1] * 8] * 2
+    ids, mask = np.zeros((4, 5), np.int32), np.zeros((4, 5), np.int32)
+    for row, prompt in enumerate(PROMPTS):
+        ids[row, 5 - len(prompt) :], mask[row, 5 - len(prompt) :] = prompt, 1
+    want = generate(tiny_lm, ids, mask, params, options=options)
+    np.testing.assert_array_equal(out.responses[:, :3], np.asarray(want.responses))
+    np.testing.assert_array_equal(out.rollout_log_probs[:, :3], np.asarray(want.log_probs))
+    assert out.loss_mask.tolist() == out.response_mask.tolist() == [[1] * 3 + [0] * (BUDGET - 3)] * 4
+    assert sampler.stats[0]["pages_held"] > 0 and sampler.session is None  # the session's call, its pages given back
+
+
+class _Replies:
+    """An environment that answers every turn with the same ``reply`` and is done after
+    ``turns`` turns."""
+
+    def __init__(self, reply: str, turns: int):
+        self.reply, self.turns, self.taken = reply, turns, 0
+
+    def reset(self, sample):
+        return None
+
+    def step(self, action):
+        self.taken += 1
+        return self.reply, 0.0, self.taken >= self.turns
+
+
+def test_kv_reuse_prefills_only_the_new_tokens_and_samples_what_a_reprefill_samples(tiny_lm):
+    """Four conversations (prompts of 2 to 5 tokens, replies of 1 to 3 tokens, one done after
+    two turns, one cut by its budget in its third) sampled by `engine_turns` with the KV pages
+    kept between turns and with every turn prefilled again: the same tokens, the
+    log-probs within 8 float32 ulps (a resumed conversation's keys and values were computed by
+    decode steps, a re-prefill's by prefill chunks: XLA:CPU's products round a row differently
+    by the matrices' shapes; one ulp was seen). Turn 2 runs the model on the last sampled token
+    and the reply only, turn 3 likewise for the three conversations left; the one that ended
+    holds no pages after turn 3, and `run_agent` gives every page back at the end."""
+    params, options = _engine_settings()
+    replies, turns = ["a", "bc", "def", "g"], [3, 2, 3, 3]
+    config = AgentConfig(max_assistant_turns=3, max_response_tokens=BUDGET, observation_turn=lambda text: text)
+    runs = {}
+    for reuse in (True, False):
+        sampler = engine_turns(tiny_lm, params, reuse_kv=reuse, options=options)
+        envs = [_Replies(r, t) for r, t in zip(replies, turns)]
+        out = run_agent(
+            PROMPTS,
+            sampler,
+            lambda text: [ord(c) - 87 for c in text],
+            lambda ids: "",
+            ToolExecutor([]),
+            config,
+            environments=envs,
+        )
+        runs[reuse] = out, sampler
+    (kept, sampler), (again, _) = runs[True], runs[False]
+    np.testing.assert_array_equal(kept.responses, again.responses)
+    np.testing.assert_allclose(kept.rollout_log_probs, again.rollout_log_probs, rtol=8 * 2.0**-23, atol=0)
+    assert kept.turns.tolist() == [3, 2, 3, 3] and kept.response_mask.sum(1).tolist() == [11, 8, 13, 11]
+    prefilled = [np.asarray(s["prefill_tokens"]).tolist() for s in sampler.stats]
+    assert prefilled == [[2, 5, 3, 4], [1 + 1, 1 + 2, 1 + 3, 1 + 1], [1 + 1, 1 + 3, 1 + 1]]
+    reprefilled = [np.asarray(s["prefill_tokens"]).tolist() for s in runs[False][1].stats]
+    assert reprefilled[2] == [2 + 8, 3 + 12, 4 + 8]  # the whole conversation, every turn
+    # after turn 3: conversations 0, 2, 3 cache their tokens but the last sampled (pages of 4)
+    assert sampler.stats[2]["pages_held"] == -(-(2 + 10) // 4) + -(-(3 + 12) // 4) + -(-(4 + 10) // 4)
+    assert sampler.session is None
+
+
+def test_a_session_resumes_the_conversations_that_continue_and_frees_the_others(tiny_lm):
+    """`KVSession` directly (the shapes of the test above: its program, no compilation): a
+    conversation that diverges inside its cached tokens is prefilled from its first token, one
+    left out of a call gives its pages back, a conversation that would pass ``max_len`` is
+    refused, ``release`` frees every page."""
+    from jaxflow.sampling import KVSession
+
+    params, options = _engine_settings()
+    with pytest.raises(ValueError, match="n = 1"):
+        KVSession(tiny_lm, dataclasses.replace(params, n=2), conversations=4, max_len=18)
+    session = KVSession(tiny_lm, params, conversations=4, max_len=5 + BUDGET, options=options)
+    prompts = PROMPTS
+    first = session.generate(prompts, 3)
+    assert np.asarray(first.stats["prefill_tokens"]).tolist() == [2, 5, 3, 4]
+    assert session.pages_held == sum(-(-(len(p) + 2) // 4) for p in prompts)  # prompt + 2 sampled tokens cached
+    sampled = np.asarray(first.responses).tolist()
+    convs = [prompts[0] + sampled[0] + [40], [9, 10, 11, 12, 14, 1, 2], prompts[2] + sampled[2] + [41, 42]]
+    second = session.generate(convs, 3)  # conversation 3 left out, conversation 1 diverges at its 5th token
+    assert np.asarray(second.stats["prefill_tokens"]).tolist() == [1 + 1, 7, 1 + 2]
+    assert session.pages_held == sum(-(-(len(c) + 2) // 4) for c in convs)
+    with pytest.raises(ValueError, match="max_len=18"):
+        session.generate([list(range(1, 17))], 3)  # 16 tokens and 3 new
+    session.release()
+    assert session.pages_held == 0
 
 
 class _Guess:

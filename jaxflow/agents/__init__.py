@@ -5,6 +5,7 @@ the engine (`loop`: token in, token out, a loss mask on the model's own tokens).
 from jaxflow.agents.loop import (
     AgentConfig,
     AgentRollout,
+    EngineTurns,
     Environment,
     chatml_user_turn,
     engine_turns,
@@ -27,6 +28,7 @@ __all__ = [
     "FORMATS",
     "AgentConfig",
     "AgentRollout",
+    "EngineTurns",
     "Environment",
     "Tool",
     "ToolCall",

@@ -1,7 +1,8 @@
 """The rollout engine: a paged KV cache sized from a token budget (pallas paged-attention kernels
 on GPU and TPU), continuous batching with shared prompt prefixes and per-row limits, EOS and
-stop strings matched on the device, compiled as one program; and the logits processing
-(temperature, top-k, top-p) it samples with."""
+stop strings matched on the device, compiled as one program; conversations whose KV pages stay
+in the engine between turns (`KVSession`); and the logits processing (temperature, top-k,
+top-p) it samples with."""
 
 from jaxflow.sampling.engine import (
     DEFAULT_PAGE_SIZE,
@@ -31,6 +32,7 @@ from jaxflow.sampling.paged import (
     choose_kernel,
     paged_attention,
 )
+from jaxflow.sampling.session import KVSession
 from jaxflow.sampling.stops import StopStrings
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "EngineOptions",
     "EngineShape",
     "GenerateOutput",
+    "KVSession",
     "PagedKVCache",
     "PoolLayout",
     "SamplingParams",

@@ -40,6 +40,14 @@ a ``cond``'s) is read back by the host, which drains the device's queue: the dec
 inside one trip have none, and a step past the end changes nothing, so ``steps_per_sync``
 trades up to ``steps_per_sync - 1`` idle steps for that many fewer round trips. What a row
 samples does not depend on it.
+
+A session's call (`Static.keep_pages`, `session.KVSession`: multi-turn conversations, n = 1)
+starts from a `Resume` instead of an empty pool: the pools of the session's earlier calls,
+each prompt's cached length c_i and the pages that hold slots [0, c_i), and the free stack.
+A prompt's group takes only the pages that its tokens [c_i, p_i - 1) start (`group_pages`)
+and writes only those positions; its row owns all its prompt's pages (no private copy), and
+when it finishes it keeps them (`keep`): its page table is returned for the conversation's
+next call, and the pages stay off the free stack.
 """
 
 from __future__ import annotations
@@ -81,6 +89,7 @@ class Static:
     kernel: str = "jax"  # the attention kernel (`paged.choose_kernel`)
     pages_per_block: int = 8  # KV pages per block of the attention kernel
     steps_per_sync: int = 1  # decode steps per trip of the rollout loop (`iteration`)
+    keep_pages: bool = False  # a session's call: resume from `Resume`, keep the rows' pages
 
 
 def reserve_pages(response_len: int, page_size: int) -> int:
@@ -198,23 +207,42 @@ class Carry(NamedTuple):
     out_tok_NxR: jax.Array
     out_logp_NxR: jax.Array
     lengths_N: jax.Array
+    prefill_tokens_B: jax.Array  # prompt tokens the model ran on (prefill chunks and first inputs)
     out_logits_NxRxV: Any = None  # debug output (`Static.return_logits`)
+    out_table_NxM: Any = None  # each finished row's page table (`Static.keep_pages`)
+
+
+class Resume(NamedTuple):
+    """What a session's call (`Static.keep_pages`) starts from: the page ``pools`` of its earlier
+    calls, each prompt's ``start_B`` tokens already in the cache (slots [0, start)) and the
+    pages ``held_BxMp`` that hold them (table entries [0, ceil(start / page_size)), the trash
+    page after), and the free-page stack ``free_F`` (entries [0, top) free: every page no
+    conversation of the session holds)."""
+
+    pools: Any
+    start_B: jax.Array
+    held_BxMp: jax.Array
+    free_F: jax.Array
+    top: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
     """One replica's rollout inputs, closed over by the loop's steps (all traced in one
-    program): the model, the right-padded prompts (chunk-padded ``ids_BxCP``, row i's tokens in
-    columns [0, prompt_len_B[i])), each row's limit, the sampler's settings and the sizes
-    derived from ``static`` (see `layout`)."""
+    program): the model, the right-padded prompts (chunk-padded ``ids_BxCP``: row i's tokens
+    from position ``start_B[i]`` on, in columns [0, prompt_len_B[i] - start_B[i])), each row's
+    limit, the sampler's settings and the sizes derived from ``static``. ``start_B`` is 0 but
+    in a session's call (``resume``, `Static.keep_pages`), where the tokens before it are in the
+    pages ``resume.held_BxMp`` already."""
 
     model: Any
     static: Static
     pool_layout: PoolLayout
     vocab_shards: int
-    prompt_len: int  # P, the prompt bucket
+    prompt_len: int  # P, the prompt bucket (a session's: the tokens its page tables hold)
     ids_BxCP: jax.Array
     prompt_len_B: jax.Array
+    start_B: jax.Array
     last_token_B: jax.Array
     limits_N: jax.Array
     prompt_index_B: jax.Array
@@ -224,6 +252,7 @@ class Rollout:
     top_p: jax.Array
     eos_E: jax.Array
     stop_tables: tuple
+    resume: Resume | None = None
 
     @property
     def B(self) -> int:
@@ -238,7 +267,9 @@ class Rollout:
         return -(-self.prompt_len // self.static.page_size)
 
     @property
-    def table_pages(self) -> int:  # M
+    def table_pages(self) -> int:  # M (a session's conversations never pass its tables' Mp pages)
+        if self.static.keep_pages:
+            return self.prompt_pages
         return -(-(self.prompt_len + self.static.response_len) // self.static.page_size)
 
     @property
@@ -261,11 +292,16 @@ class Rollout:
 
 
 def initial_carry(ro: Rollout) -> Carry:
-    """Empty slots, every page on the free stack, outputs at the pad id."""
+    """Empty slots, every page on the free stack (a session's call: its pools and the pages no
+    conversation holds), outputs at the pad id."""
     st, cfg = ro.static, ro.model.cfg
     S, M, N, R = st.slots, ro.table_pages, ro.N, st.response_len
     zeros_S = jnp.zeros(S, jnp.int32)
-    pools = PagedKVCache.zeros(cfg, st.num_pages, st.page_size, ro.pool_layout)
+    if ro.resume is None:
+        pools = PagedKVCache.zeros(cfg, st.num_pages, st.page_size, ro.pool_layout)
+        free_F, top = 1 + jnp.arange(ro.free_pages, dtype=jnp.int32), jnp.int32(ro.free_pages)
+    else:
+        pools, free_F, top = ro.resume.pools, ro.resume.free_F, ro.resume.top
     return Carry(
         pools=_pool_constraint(ro.pool_layout)(pools),
         active_S=jnp.zeros(S, bool),
@@ -282,15 +318,17 @@ def initial_carry(ro: Rollout) -> Carry:
         prefilled=jnp.int32(0),
         alive_B=jnp.zeros(ro.B, bool),
         waiting_B=jnp.full(ro.B, st.n, jnp.int32),
-        free_F=1 + jnp.arange(ro.free_pages, dtype=jnp.int32),
-        top=jnp.int32(ro.free_pages),
+        free_F=free_F,
+        top=top,
         steps=jnp.int32(0),
         peak_pages=jnp.int32(0),
         waits=jnp.int32(0),
         out_tok_NxR=jnp.full((N, R), st.pad_token_id, jnp.int32),
         out_logp_NxR=jnp.zeros((N, R), jnp.float32),
         lengths_N=jnp.zeros(N, jnp.int32),
+        prefill_tokens_B=jnp.zeros(ro.B, jnp.int32),
         out_logits_NxRxV=jnp.zeros((N, R, cfg.vocab_size), jnp.float32) if st.return_logits else None,
+        out_table_NxM=jnp.zeros((N, M), jnp.int32) if st.keep_pages else None,
     )
 
 
@@ -303,43 +341,70 @@ def prefill_due(ro: Rollout, c: Carry) -> jax.Array:
     """A new prefill group is due once every row of the prefilled prompts has had a slot, a
     slot is free, rows remain, and its pages leave the priority row's reserve."""
     ready = _ready_rows(ro, c)
-    fits = c.top - ro.static.prefill_rows * ro.prompt_pages >= ro.reserve
+    fits = c.top - group_pages(ro, c)[1] >= ro.reserve
     return jnp.any(~c.active_S) & (c.next_row >= ready) & (ready < ro.num_rows) & fits
 
 
+def group_pages(ro: Rollout, c: Carry) -> tuple[jax.Array, jax.Array]:
+    """The next group's prompt tables [Gr, Mp] and the pages they take off the free stack: Mp
+    each; a session's call (`Resume`) takes only the pages its new tokens start, the prompt
+    keeping the pages it holds (entries j with ceil(start / T) <= j < ceil((p - 1) / T) are
+    new)."""
+    st = ro.static
+    Gr, Mp, T = st.prefill_rows, ro.prompt_pages, st.page_size
+    if ro.resume is None:
+        return jax.lax.dynamic_slice_in_dim(c.free_F, c.top - Gr * Mp, Gr * Mp).reshape(Gr, Mp), Gr * Mp
+    start_G = jax.lax.dynamic_slice_in_dim(ro.start_B, c.prefilled, Gr)
+    plen_G = jax.lax.dynamic_slice_in_dim(ro.prompt_len_B, c.prefilled, Gr)
+    held_GxMp = jax.lax.dynamic_slice_in_dim(ro.resume.held_BxMp, c.prefilled, Gr, axis=0)
+    col_Mp = jnp.arange(Mp)[None, :]
+    new_GxMp = (col_Mp >= -(-start_G // T)[:, None]) & (col_Mp < -(-(plen_G - 1) // T)[:, None])
+    rank_GxMp = (jnp.cumsum(new_GxMp.reshape(-1)) - 1).reshape(Gr, Mp)
+    page_GxMp = c.free_F[jnp.clip(c.top - 1 - rank_GxMp, 0, ro.free_pages - 1)]
+    return jnp.where(new_GxMp, page_GxMp, held_GxMp), jnp.sum(new_GxMp, dtype=jnp.int32)
+
+
 def prefill_group(ro: Rollout, c: Carry) -> Carry:
-    """The next Gr prompts: Mp pages each from the free stack, then their first p_i - 1
-    tokens written in chunks of C tokens."""
+    """The next Gr prompts: their pages (`group_pages`), then their tokens at positions
+    [start, p_i - 1) written in chunks of C tokens (counted in ``prefill_tokens_B``)."""
     st = ro.static
     Gr, C, Mp, M = st.prefill_rows, st.prefill_len, ro.prompt_pages, ro.table_pages
     first = c.prefilled
-    pages_GxMp = jax.lax.dynamic_slice_in_dim(c.free_F, c.top - Gr * Mp, Gr * Mp).reshape(Gr, Mp)
+    pages_GxMp, taken = group_pages(ro, c)
     table_GxM = jnp.pad(pages_GxMp, ((0, 0), (0, M - Mp)))
     rows_GxCP = jax.lax.dynamic_slice_in_dim(ro.ids_BxCP, first, Gr, axis=0)
     plen_G = jax.lax.dynamic_slice_in_dim(ro.prompt_len_B, first, Gr)
+    start_G = jax.lax.dynamic_slice_in_dim(ro.start_B, first, Gr)
+    real_G = (first + jnp.arange(Gr)) * st.n < ro.num_rows  # the caller's prompts, not bucket padding
     pin = _pool_constraint(ro.pool_layout)
 
-    def chunk(i, pools):
+    def chunk(i, carry):
+        pools, written_G = carry
         tok_GxC = jax.lax.dynamic_slice_in_dim(rows_GxCP, i * C, C, axis=1)
-        pos_C = i * C + jnp.arange(C, dtype=jnp.int32)
-        pos_GxC = jnp.where(pos_C[None, :] < plen_G[:, None] - 1, pos_C[None, :], -1)
+        pos_GxC = start_G[:, None] + i * C + jnp.arange(C, dtype=jnp.int32)[None, :]
+        pos_GxC = jnp.where(pos_GxC < plen_G[:, None] - 1, pos_GxC, -1)
         _, out = ro.model.model(tok_GxC, None, pos_GxC, ro.cache(pools, table_GxM, pos_GxC))
-        return pin(out.pools)
+        return pin(out.pools), written_G + jnp.sum(pos_GxC >= 0, axis=1, dtype=jnp.int32)
 
     with jax.named_scope("prefill"):
-        pools = jax.lax.fori_loop(0, ro.ids_BxCP.shape[1] // C, chunk, c.pools)
+        written_G = jnp.zeros(Gr, jnp.int32)
+        pools, written_G = jax.lax.fori_loop(0, ro.ids_BxCP.shape[1] // C, chunk, (c.pools, written_G))
     return c._replace(
         pools=pools,
         prefilled=first + Gr,
-        top=c.top - Gr * Mp,
+        top=c.top - taken,
         prompt_table_BxMp=jax.lax.dynamic_update_slice_in_dim(c.prompt_table_BxMp, pages_GxMp, first, axis=0),
         alive_B=jax.lax.dynamic_update_slice_in_dim(c.alive_B, jnp.ones(Gr, bool), first, axis=0),
+        prefill_tokens_B=jax.lax.dynamic_update_slice_in_dim(
+            c.prefill_tokens_B, jnp.where(real_G, written_G, 0), first, axis=0
+        ),
     )
 
 
 def admit(ro: Rollout, c: Carry) -> Carry:
     """Waiting rows of prefilled prompts into free slots, in row order: each starts at its
-    prompt's last token with the prompt's first j0 pages shared."""
+    prompt's last token with the prompt's first j0 pages shared (a session's row, n = 1, owns
+    all its prompt's pages: no private copy)."""
     st = ro.static
     T, n, M, Mp = st.page_size, st.n, ro.table_pages, ro.prompt_pages
     free_slot_S = ~c.active_S
@@ -351,6 +416,8 @@ def admit(ro: Rollout, c: Carry) -> Carry:
     j0_S = (p_S - 1) // T
     prompt_rows_SxM = jnp.pad(c.prompt_table_BxMp[b_S], ((0, 0), (0, M - Mp)))
     shared_SxM = jnp.where(jnp.arange(M)[None, :] < j0_S[:, None], prompt_rows_SxM, TRASH_PAGE)
+    if st.keep_pages:
+        shared_SxM, j0_S = prompt_rows_SxM, jnp.zeros_like(j0_S)
     return c._replace(
         active_S=c.active_S | new_S,
         row_S=jnp.where(new_S, cand_S, c.row_S),
@@ -496,17 +563,30 @@ def retire(ro: Rollout, c: Carry, done_S: jax.Array) -> Carry:
     )
 
 
+def keep(ro: Rollout, c: Carry, done_S: jax.Array) -> Carry:
+    """`retire` in a session's call (`Static.keep_pages`): finished rows free their slots and
+    leave their page tables in ``out_table_NxM``, their pages held for the conversation's next
+    call."""
+    rows_S = jnp.where(done_S, c.row_S, dropped(done_S.shape, ro.N))
+    return c._replace(
+        out_table_NxM=scatter_unique(c.out_table_NxM, (rows_S,), c.table_SxM),
+        table_SxM=jnp.where(done_S[:, None], TRASH_PAGE, c.table_SxM),
+        active_S=c.active_S & ~done_S,
+    )
+
+
 def decode_step(ro: Rollout, c: Carry) -> Carry:
     """One token for every active row that gets its page: admit, allocate, copy prompt
-    tails, decode and sample, record, retire. With nothing left to do it changes nothing
-    but the trash page (so the loop may run it past the end)."""
+    tails, decode and sample, record, retire (or `keep`). With nothing left to do it changes
+    nothing but the trash page (so the loop may run it past the end)."""
     c = admit(ro, c)
     wait_S, first_S, c = allocate(ro, c)
-    c = copy_prompt_tails(ro, c, first_S)
+    if not ro.static.keep_pages:  # a session's rows own their prompts' pages: nothing to copy
+        c = copy_prompt_tails(ro, c, first_S)
     run_S = c.active_S & ~wait_S
     tok_S, logp_S, logits_SxV, pools = sample_step(ro, c, run_S)
     done_S, c = record(ro, c, run_S, wait_S, tok_S, logp_S, logits_SxV, pools)
-    return retire(ro, c, done_S)
+    return keep(ro, c, done_S) if ro.static.keep_pages else retire(ro, c, done_S)
 
 
 def work_left(ro: Rollout, c: Carry) -> jax.Array:
@@ -535,6 +615,7 @@ def rollout(
     static: Static,
     pool_layout: PoolLayout,
     vocab_shards: int = 1,
+    resume: Resume | None = None,
 ):
     """One replica's rollout. ``prompt_ids_BxP`` right-padded (row i's tokens in columns
     [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``prompt_index_B``
@@ -542,19 +623,27 @@ def rollout(
     rows are bucket padding), ``stop_tables`` the `stops.StopStrings` arrays (token_class_V,
     next_state_SxC, hit_SxC; unused without ``static.use_stops``), ``vocab_shards`` the
     devices the logits' vocabulary is split over inside the replica (the sampler's blocks
-    then tile the shards). Returns bucket-sized outputs and statistics (``peak_pages`` and
-    ``waits``: slot-steps spent waiting for a page, both measured)."""
-    _, P = prompt_ids_BxP.shape
+    then tile the shards). ``resume`` (a session's call, ``static.keep_pages``, n = 1): the
+    pools and the pages of the tokens cached by earlier calls; ``prompt_ids_BxP`` then holds
+    each prompt's tokens from ``resume.start_B`` on (its length ``prompt_len_B`` counts all).
+    Returns bucket-sized outputs and statistics (``peak_pages`` and ``waits``: slot-steps
+    spent waiting for a page, both measured; ``prefill_tokens`` [B]: the prompt tokens the
+    model ran on, the prefill chunks' (measured) and each row's first decode input, its
+    prompt's last token); a session's call also its ``pools`` and each row's page table
+    ``tables`` [N, M]."""
+    B, P = prompt_ids_BxP.shape
     C = static.prefill_len
+    start_B = jnp.zeros(B, jnp.int32) if resume is None else resume.start_B
     ro = Rollout(
         model=model,
         static=static,
         pool_layout=pool_layout,
         vocab_shards=vocab_shards,
-        prompt_len=P,
+        prompt_len=P if resume is None else resume.held_BxMp.shape[1] * static.page_size,
         ids_BxCP=jnp.pad(prompt_ids_BxP, ((0, 0), (0, -(-P // C) * C - P))),
         prompt_len_B=prompt_len_B,
-        last_token_B=jnp.take_along_axis(prompt_ids_BxP, (prompt_len_B - 1)[:, None], axis=1)[:, 0],
+        start_B=start_B,
+        last_token_B=jnp.take_along_axis(prompt_ids_BxP, (prompt_len_B - start_B - 1)[:, None], axis=1)[:, 0],
         limits_N=limits_N,
         prompt_index_B=prompt_index_B,
         num_rows=num_rows,
@@ -563,6 +652,7 @@ def rollout(
         top_p=top_p,
         eos_E=jnp.asarray(static.eos_token_ids or (-1,), jnp.int32),
         stop_tables=stop_tables,
+        resume=resume,
     )
     c = jax.lax.while_loop(lambda c: work_left(ro, c), lambda c: iteration(ro, c), initial_carry(ro))
     out = dict(
@@ -573,12 +663,16 @@ def rollout(
         num_steps=c.steps,
         peak_pages=c.peak_pages,
         waits=c.waits,
+        # every row of the caller's is admitted once: its first decode input is its prompt's last token
+        prefill_tokens=c.prefill_tokens_B + static.n * (jnp.arange(B) * static.n < num_rows),
     )
     if static.return_logits:
         out["logits"] = c.out_logits_NxRxV
     if static.return_cache:
         stacked = jax.tree.map(lambda *x: jnp.stack(x), *c.pools)
         out["k_pages"], out["v_pages"] = pool_layout.to_heads_major(stacked)
+    if static.keep_pages:
+        out["pools"], out["tables"] = c.pools, c.out_table_NxM
     return out
 
 
@@ -596,8 +690,11 @@ __all__ = [
     "DEFAULT_RESPONSE_SHARE",
     "Static",
     "Carry",
+    "Resume",
     "Rollout",
     "decode_step",
+    "group_pages",
+    "keep",
     "iteration",
     "no_wait_peak_pages",
     "pool_bounds",

@@ -138,7 +138,10 @@ class GenerateOutput:
     allocated for keys and values over all replicas, ``page_bytes``) and, measured in the
     program, ``peak_pages`` [replicas] (the most pages in use at once, prompts included),
     ``peak_kv_bytes`` (their bytes, summed over replicas) and ``waits`` [replicas] (slot-steps
-    in which an active row waited for a page). ``logits`` (raw model logits [B*n, max_new_tokens, V] used at each step) and
+    in which an active row waited for a page) and ``prefill_tokens`` [B] (the prompt tokens
+    the model ran on: the prefill chunks' and, per sample, the first decode input; a
+    `session.KVSession` call counts only what its conversations appended since their last
+    call). ``logits`` (raw model logits [B*n, max_new_tokens, V] used at each step) and
     ``cache`` (the final page pools (k, v), [replicas, layers, kv_heads, pages, page_size,
     head_dim]) are debug outputs, None unless requested.
     """
@@ -178,7 +181,7 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
     """The replica(s) of one dp group: [1, ...] inputs -> [1, ...] outputs (`batcher.rollout`
     under the replica's rules; inside ``shard_map`` (``manual``), constraints and the kernels'
     own ``shard_map`` name the context's partly manual mesh)."""
-    state, ids, plen, limits, prompt_index, num_rows, rng, temperature, top_p, stop_tables = args
+    state, ids, plen, limits, prompt_index, num_rows, rng, temperature, top_p, stop_tables, *resume = args
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
     vocab_axes = () if mesh is None else _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0])
     here = jax.sharding.get_abstract_mesh() if manual else mesh
@@ -206,17 +209,21 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
             static,
             pool_layout,
             math.prod(mesh.shape[a] for a in vocab_axes) if mesh is not None else 1,
+            resume[0] if resume else None,
         )
-    return jax.tree.map(lambda x: x[None], out)
+    pools = out.pop("pools", None)  # a session's (one replica): kept as they are
+    out = jax.tree.map(lambda x: x[None], out)
+    return out if pools is None else dict(out, pools=pools)
 
 
 def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules: Rules):
     """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, prompt_index_RxB,
-    num_rows_R, rng, temperature, top_p, stop_tables)``: every replica's `batcher.rollout`,
-    each on its own dp group (``shard_map`` manual over the mesh's batch axes, the rest of the
-    mesh left to the compiler). Not ``vmap``: a vmapped ``while_loop`` / ``cond`` becomes
-    selects over the whole carry (the page pools copied every step, the prefill branch run
-    every step). Returns rows flattened to [replicas * rows, ...]."""
+    num_rows_R, rng, temperature, top_p, stop_tables)`` (and a session's `batcher.Resume`, one
+    replica): every replica's `batcher.rollout`, each on its own dp group (``shard_map`` manual
+    over the mesh's batch axes, the rest of the mesh left to the compiler). Not ``vmap``: a
+    vmapped ``while_loop`` / ``cond`` becomes selects over the whole carry (the page pools
+    copied every step, the prefill branch run every step). Returns rows flattened to
+    [replicas * rows, ...]."""
     axes = () if mesh is None else _axes_of(_batch_spec(rules, mesh)[0])
     manual = bool(axes) and args[1].shape[0] > 1
     local = functools.partial(_replica_rollout, graphdef, static, mesh, rules, manual)
@@ -235,7 +242,7 @@ def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules:
     flat = {
         k: v.reshape((-1,) + v.shape[2:])
         for k, v in out.items()
-        if k in ("responses", "response_mask", "log_probs", "lengths", "logits")
+        if k in ("responses", "response_mask", "log_probs", "lengths", "logits", "prefill_tokens", "tables")
     }
     return dict(out, **flat, num_steps=jnp.max(out["num_steps"]))
 
@@ -277,6 +284,7 @@ def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules)
         num_steps=NamedSharding(mesh, PartitionSpec()),
         peak_pages=rows1,
         waits=rows1,
+        prefill_tokens=rows1,
     )
     if static.return_logits:
         out_shardings["logits"] = NamedSharding(mesh, _batch_spec(rules, mesh, None, None))
@@ -322,6 +330,7 @@ class _Call:
     cols: int  # SamplingParams.max_new_tokens
     stats: dict
     options: EngineOptions
+    prompts: int  # B
 
 
 def _row_limits(params: SamplingParams, max_new_tokens, B: int) -> np.ndarray:
@@ -573,26 +582,7 @@ def _prepare(
         rng = jax.random.wrap_key_data(rng)
     kv_tokens = options.kv_tokens or _default_kv_tokens(cfg, rows, params, eos, options, mesh, rules)
     shape = _call_shape(cfg, rows, params, options, kv_tokens)
-    static = Static(
-        greedy=params.greedy,
-        top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
-        use_top_p=not params.greedy and params.top_p < 1.0,
-        n=params.n,
-        eos_token_ids=eos,
-        pad_token_id=int(pad),
-        response_len=shape.response_len,
-        slots=shape.slots,
-        page_size=options.page_size,
-        num_pages=shape.pages,
-        prefill_rows=shape.prefill_rows,
-        prefill_len=shape.prefill_len,
-        return_logits=options.return_logits,
-        return_cache=options.return_cache,
-        use_stops=bool(params.stop),
-        kernel=_kernel(cfg, mesh, rules, options.attention),
-        pages_per_block=options.pages_per_block,
-        steps_per_sync=options.steps_per_sync or default_steps_per_sync(_platform(mesh)),
-    )
+    static = static_settings(cfg, params, shape, options, eos, int(pad), mesh, rules)
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
     arrays = _placed(rows.arrays, mesh, rules, place)
     args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p), stop_tables)
@@ -607,7 +597,41 @@ def _prepare(
         kv_pool_bytes=replicas * shape.pool_bytes,
         page_bytes=shape.pool_bytes // shape.pages,
     )
-    return _Call(program, args, len(ids) * params.n, params.max_new_tokens, stats, options)
+    return _Call(program, args, len(ids) * params.n, params.max_new_tokens, stats, options, len(ids))
+
+
+def static_settings(
+    cfg: ModelConfig,
+    params: SamplingParams,
+    shape: EngineShape,
+    options: EngineOptions,
+    eos: tuple[int, ...],
+    pad: int,
+    mesh: Mesh | None,
+    rules: Rules,
+) -> Static:
+    """The `batcher.Static` of a call of this `EngineShape` (what shapes its program besides
+    the arrays)."""
+    return Static(
+        greedy=params.greedy,
+        top_k=0 if params.greedy or params.top_k >= cfg.vocab_size else params.top_k,
+        use_top_p=not params.greedy and params.top_p < 1.0,
+        n=params.n,
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        response_len=shape.response_len,
+        slots=shape.slots,
+        page_size=options.page_size,
+        num_pages=shape.pages,
+        prefill_rows=shape.prefill_rows,
+        prefill_len=shape.prefill_len,
+        return_logits=options.return_logits,
+        return_cache=options.return_cache,
+        use_stops=bool(params.stop),
+        kernel=_kernel(cfg, mesh, rules, options.attention),
+        pages_per_block=options.pages_per_block,
+        steps_per_sync=options.steps_per_sync or default_steps_per_sync(_platform(mesh)),
+    )
 
 
 KV_MEMORY_FRACTION = 0.5  # of the free device memory, for the default pool on an accelerator
@@ -759,7 +783,11 @@ def generate_from_state(
         lengths=out["lengths"] if out["lengths"].shape[0] == rows else out["lengths"][:rows],
         num_steps=out["num_steps"],
         stats=dict(
-            call.stats, peak_pages=peak, peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"], waits=out["waits"]
+            call.stats,
+            peak_pages=peak,
+            peak_kv_bytes=jnp.sum(peak) * call.stats["page_bytes"],
+            waits=out["waits"],
+            prefill_tokens=out["prefill_tokens"][: call.prompts],
         ),
         logits=cut(out["logits"]) if call.options.return_logits else None,
         cache=(out["k_pages"], out["v_pages"]) if call.options.return_cache else None,
