@@ -134,7 +134,7 @@ class _Out:
 
 @pytest.mark.parametrize("config", ["grpo_tool_tiny", "ppo_tiny"])
 def test_the_trainer_trains_on_conversations(config, tmp_path, monkeypatch):
-    """Two steps: the conversations that call the calculator answer right, the others wrong
+    """A step: the conversations that call the calculator answer right, the others wrong
     (score = calls per conversation = model turns - 1); the update's batch masks the tool's
     tokens out of the loss; GRPO and PPO (GAE with a critic) alike."""
     import jaxflow.workers.actor as actor_module
@@ -154,13 +154,13 @@ def test_the_trainer_trains_on_conversations(config, tmp_path, monkeypatch):
     monkeypatch.setattr(actor_module.ActorWorker, "update", recording_update)
     overrides = [*SMALL, *TOOLS, "jaxflow.data.builtin_task=calculator", "data.max_prompt_length=16"]
     overrides += ["data.max_response_length=128", "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2"]
-    metrics = run_steps(config, overrides, 2, tmp_path)
+    metrics = run_steps(config, overrides, 1, tmp_path)
     for m in metrics:
         assert 0 < m["critic/score/mean"] < 1  # the prompts with an even first operand
         assert m["agent/tool_calls/mean"] == pytest.approx(m["critic/score/mean"])
         assert m["agent/turns/mean"] == pytest.approx(1 + m["agent/tool_calls/mean"])
         assert m["agent/tool_errors/sum"] == 0
-    assert len(engine.calls) == 4 and engine.calls[0][0] == 32  # 8 prompts x 4: turn 1 all, turn 2 the callers
+    assert len(engine.calls) == 2 and engine.calls[0][0] == 32  # 8 prompts x 4: turn 1 all, turn 2 the callers
     assert sorted(engine.calls[1][1]) == engine.calls[1][1] and len(engine.calls[1][1]) < 32
     (batch,) = updates[:1]
     texts = [
