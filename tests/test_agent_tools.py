@@ -145,7 +145,7 @@ def _decode(ids) -> str:
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
 
 
-def _scripted(conversations, budgets):
+def _scripted(conversations, budgets, rows):
     """Prompt "A": a tool call, then after the answer "ab" + "=42"; "B": answers at once;
     "C": calls the tool every turn; each turn's log-probs are -(its index + 1) / 10."""
     out = []
@@ -225,7 +225,7 @@ class _Guess:
         return ("higher" if guess < self.secret else "lower"), -0.1, False
 
 
-def _guesser(conversations, budgets):
+def _guesser(conversations, budgets, rows):
     """Guesses 3, then 5, then 7, ... (one more per answer it got)."""
     out = []
     for conv in conversations:

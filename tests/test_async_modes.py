@@ -55,7 +55,7 @@ class _Actor:
     def generation_seconds(self):
         return [{"engine": 0.5}]
 
-    def rollout_probe(self):
+    def rollout_metrics(self):
         return [{}]
 
     def update(self):

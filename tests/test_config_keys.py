@@ -57,6 +57,10 @@ class View:
         return [build_dataset(self.spec.data, source, self.tokenizer) for source in dataset_sources(self.spec.data)]
 
 
+MT = "actor_rollout_ref.rollout.multi_turn"
+MULTI_TURN = [f"{MT}.enable=True", "jaxflow.agent.tools=['calculator']"]
+
+
 def spec(path):
     """Observed in the run description: ``spec.<path>``."""
     get = operator.attrgetter(path)
@@ -259,6 +263,16 @@ CHECKS = {
     f"{R}.ignore_eos": (True, [], spec("rollout.train.eos_token_ids")),
     f"{R}.max_num_seqs": (16, [], spec("rollout.max_num_seqs")),
     f"{R}.max_total_tokens": (512, [], spec("rollout.max_total_tokens")),
+    "jaxflow.data.tool_fraction": (0.5, ["jaxflow.data.builtin_task=calculator"], spec("data.task_params")),
+    f"{MT}.enable": (True, ["jaxflow.agent.tools=['calculator']"], spec("rollout.multi_turn")),
+    f"{MT}.max_assistant_turns": (2, MULTI_TURN, spec("rollout.multi_turn.config.max_assistant_turns")),
+    f"{MT}.format": ("llama3", MULTI_TURN, spec("rollout.multi_turn.config.fmt")),
+    f"{MT}.tool_config_path": ("@tools", MULTI_TURN, spec("rollout.multi_turn.tools")),
+    "jaxflow.agent.tools": (
+        ["calculator"],
+        [f"{MT}.enable=True", f"{MT}.tool_config_path=@tools"],
+        spec("rollout.multi_turn.tools"),
+    ),
     f"{R}.stop": (["=="], [], spec("rollout.train.stop")),
     f"{R}.stop_token_ids": ([7], [], spec("rollout.train.eos_token_ids")),
     f"{R}.log_prob_micro_batch_size_per_device": (8, [], spec("actor.log_prob_micro_batch_size_per_device")),
@@ -495,7 +509,8 @@ CHECKS = {
 def files(tmp_path_factory):
     """``@files``: a data file (a ``prompt`` and a ``question`` column, one prompt longer than
     any max_prompt_length here); ``@reward``: a reward function file; ``@tokenizer``: the
-    char tokenizer as a tokenizer.json; ``@adapter``: a PEFT adapter's config (rank 4)."""
+    char tokenizer as a tokenizer.json; ``@adapter``: a PEFT adapter's config (rank 4);
+    ``@tools``: a tool config with one tool from a file."""
     from jaxflow.data.char_tokenizer import CharTokenizer
     from jaxflow.models.lora import LoRAConfig
     from jaxflow.models.peft_io import ADAPTER_CONFIG, peft_config
@@ -518,6 +533,9 @@ def files(tmp_path_factory):
         "    return 0.0\n\n\nscore_it = compute_score\n"
     )
     CharTokenizer().backend.save(str(root / "tokenizer.json"))
+    (root / "echo.py").write_text("def echo(text):\n    return text\n")
+    schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
+    (root / "tools.json").write_text(json.dumps({"tools": [{"callable": "echo.py:echo", "tool_schema": schema}]}))
     (root / "adapter").mkdir()
     (root / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(peft_config(LoRAConfig(rank=4, alpha=8.0), "")))
     return {
@@ -525,6 +543,7 @@ def files(tmp_path_factory):
         "@reward": str(root / "reward.py"),
         "@tokenizer": str(root / "tokenizer.json"),
         "@adapter": str(root / "adapter"),
+        "@tools": str(root / "tools.json"),
     }
 
 

@@ -36,6 +36,8 @@ def test_named_configs_are_the_requested_set():
     assert set(configs.NAMED) == {
         "ppo_tiny",
         "grpo_tiny",
+        "grpo_tool_tiny",
+        "grpo_code_tiny",
         "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",
@@ -56,8 +58,15 @@ def test_named_configs_are_the_requested_set():
 def test_tiny_configs_are_cpu_sized(name):
     cfg = get_config(name)
     assert cfg.jaxflow.num_devices == 8 and cfg.jaxflow.placement.type == "auto"
-    # the default run (grpo_tiny, and DAPO on it) learns digit reversal, scored on held-out strings
-    assert cfg.jaxflow.data.builtin_task == ("reverse_digits" if name in ("grpo_tiny", "dapo_tiny") else "addition")
+    # the default run (grpo_tiny, and DAPO on it) learns digit reversal, scored on held-out strings;
+    # the tool task calls a calculator
+    tasks = {
+        "grpo_tiny": "reverse_digits",
+        "dapo_tiny": "reverse_digits",
+        "grpo_tool_tiny": "calculator",
+        "grpo_code_tiny": "code",
+    }
+    assert cfg.jaxflow.data.builtin_task == tasks.get(name, "addition")
     assert not cfg.data.train_files
     model = configs.model_config(cfg, "actor")
     assert 64 <= model.hidden_size <= 128 and 2 <= model.num_layers <= 4
@@ -79,6 +88,8 @@ def test_tiny_configs_select_their_algorithms():
     assert est == {
         "ppo_tiny": "gae",
         "grpo_tiny": "grpo",
+        "grpo_tool_tiny": "grpo",
+        "grpo_code_tiny": "grpo",
         "dapo_tiny": "grpo",
         "remax_tiny": "remax",
         "rloo_tiny": "rloo",

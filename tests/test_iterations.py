@@ -134,7 +134,7 @@ class StubActor:
         self.rng = np.random.default_rng(seed)
         self.updates = []
 
-    def rollout_probe(self):
+    def rollout_metrics(self):
         return [{}]  # no probe (one rank's metrics)
 
     def generate(self, prompts, sampling="train", step=None, prompt_offset=0):

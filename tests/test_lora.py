@@ -176,7 +176,7 @@ def _steps(w, n, start=0):
     probes = []
     for step in range(start, start + n):
         out = w.generate(_prompts(step), step=step)
-        probes.append(w.rollout_probe()["rollout/probe_tv"])
+        probes.append(w.rollout_metrics()["rollout/probe_tv"])
         adv = np.random.default_rng(step).normal(size=out["responses"].shape).astype(np.float32)
         w.update(out | Batch({"advantages": adv}), step=step)
     return probes

@@ -131,7 +131,7 @@ def test_split_pools_4_2_2(split):
         "params_finite",
         "ref_log_probs",
         "restore_train_state",
-        "rollout_probe",
+        "rollout_metrics",
         "save_train_state",
         "set_train_state",
         "update",

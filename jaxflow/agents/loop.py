@@ -110,9 +110,10 @@ class AgentRollout:
         }
 
 
-# A model turn sampler: token-id lists (each the whole conversation so far) and each one's
-# token budget -> per conversation the new tokens and their log-probs.
-TurnSampler = Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]]
+# A model turn sampler: token-id lists (each the whole conversation so far), each one's token
+# budget and each one's conversation index (which keys its randomness) -> per conversation the
+# new tokens and their log-probs.
+TurnSampler = Callable[[list[list[int]], list[int], list[int]], list[tuple[list[int], list[float]]]]
 
 
 @dataclasses.dataclass
@@ -180,7 +181,9 @@ def run_agent(
         if first and not convs[i].untrained_turn(encode(config.observation_turn(first))):
             active.remove(i)
     while active:
-        outs = generate_turns([list(prompts[i]) + convs[i].tokens for i in active], [convs[i].room for i in active])
+        outs = generate_turns(
+            [list(prompts[i]) + convs[i].tokens for i in active], [convs[i].room for i in active], active
+        )
         tool_calls, still = {}, []
         for i, (new, log_probs) in zip(active, outs):
             c = convs[i]
@@ -247,7 +250,9 @@ def engine_turns(model: Any, params: Any, **generate_kwargs) -> TurnSampler:
     each turn ending at an EOS id (``params.eos_token_ids``, e.g. ``<|im_end|>``)."""
     from jaxflow.sampling import generate
 
-    def sample(conversations: list[list[int]], budgets: list[int]) -> list[tuple[list[int], list[float]]]:
+    def sample(
+        conversations: list[list[int]], budgets: list[int], rows: list[int]
+    ) -> list[tuple[list[int], list[float]]]:
         L = max(len(c) for c in conversations)
         ids = np.zeros((len(conversations), L), np.int32)
         mask = np.zeros_like(ids)
@@ -255,7 +260,8 @@ def engine_turns(model: Any, params: Any, **generate_kwargs) -> TurnSampler:
             ids[row, L - len(c) :] = c
             mask[row, L - len(c) :] = 1
         limits = np.minimum(np.asarray(budgets), params.max_new_tokens).astype(np.int32)
-        out = generate(model, ids, mask, params, max_new_tokens=limits, **generate_kwargs)
+        index = np.asarray(rows, np.int32)  # a conversation's draws do not depend on the others
+        out = generate(model, ids, mask, params, max_new_tokens=limits, prompt_index=index, **generate_kwargs)
         lengths = np.asarray(out.lengths)
         responses, log_probs = np.asarray(out.responses), np.asarray(out.log_probs)
         return [

@@ -55,6 +55,8 @@ NAMED: dict[str, str] = {
     for name in (
         "ppo_tiny",
         "grpo_tiny",
+        "grpo_tool_tiny",
+        "grpo_code_tiny",
         "dapo_tiny",
         "remax_tiny",
         "rloo_tiny",

@@ -344,6 +344,38 @@ FIELDS: tuple[Field, ...] = tuple(
             16384,
             "Token budget of one old-log-prob forward micro-batch per data-parallel rank.",
         ),
+        (
+            "actor_rollout_ref.rollout.multi_turn.enable",
+            False,
+            "Multi-turn rollouts with tools: each sample alternates model turns and tool turns (the calls parsed from "
+            "the model's text, run on host threads, their answers appended as untrained tokens) until it answers "
+            "without a call, max_assistant_turns or data.max_response_length; only the model's tokens train "
+            "(loss_mask). Training and validation rollouts.",
+        ),
+        (
+            "actor_rollout_ref.rollout.multi_turn.max_assistant_turns",
+            4,
+            "Multi-turn: model turns per conversation (the last one's tool calls are not run).",
+            AT_LEAST_1,
+        ),
+        (
+            "actor_rollout_ref.rollout.multi_turn.format",
+            "hermes",
+            "Multi-turn: the tool-call format the model writes: hermes (Qwen2.5/Qwen3: <tool_call>{json}</tool_call>) "
+            "or llama3 (<|python_tag|>{json}).",
+        ),
+        (
+            "actor_rollout_ref.rollout.multi_turn.tool_config_path",
+            "",
+            "Multi-turn: a JSON (or YAML) file of tools: {'tools': [{'name': <built-in>} or {'callable': "
+            "'file.py:function', 'tool_schema': {'type': 'function', 'function': {name, description, parameters}}, "
+            "'timeout_s': 10}]} (jaxflow.agents.rollout).",
+        ),
+        (
+            "jaxflow.agent.tools",
+            [],
+            "Multi-turn: built-in tools by name (calculator: exact arithmetic), besides multi_turn.tool_config_path's.",
+        ),
         ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt.", AT_LEAST_1),
         (
             "actor_rollout_ref.rollout.val_kwargs.temperature",
@@ -775,9 +807,18 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "jaxflow.data.builtin_task",
             "addition",
-            "Built-in task when data files are empty: addition | sort | reverse | reverse_digits.",
+            "Built-in task when data files are empty: addition | sort | reverse | reverse_digits | calculator (a tool "
+            "task: multi-turn rollouts with the calculator tool) | code (one-line functions scored by hidden tests in "
+            "the sandbox).",
         ),
         ("jaxflow.data.addition_digits", 1, "Built-in addition task: operands have this many digits (1: 0+0 .. 9+9)."),
+        (
+            "jaxflow.data.tool_fraction",
+            0.25,
+            "Built-in calculator task: share of the warm start's demonstrations that call the tool (the others answer "
+            "directly).",
+            Bound(0, 1, "[]"),
+        ),
         ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),
         ("jaxflow.data.num_val_examples", 256, "Built-in task: validation prompts drawn (test split).", AT_LEAST_1),
         ("jaxflow.data.tokenizer", "char", "Tokenizer: char (built-in, 100 ids) or a directory / tokenizer.json path."),

@@ -26,6 +26,8 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+from jaxflow.agents import AgentConfig
+from jaxflow.agents.rollout import MultiTurn, load_tools
 from jaxflow.algos.settings import (
     AlgorithmConfig,
     AlgorithmSettings,
@@ -407,14 +409,15 @@ def update_settings(cfg: ConfigDict, section: ConfigDict, updates: int, n: int, 
     """What the actor's and the critic's PPO updates share besides the keys of their
     ``section`` that keep verl's names (epochs, micro-batches, shuffling, token budgets), as
     `ActorConfig` / `CriticConfig` keywords: mini-batches of prompts as ``* n`` responses,
-    the seed, remove padding (``packed``), and the optimizer sized by the ``updates`` steps
-    that update."""
+    the seed, remove padding (``packed``), the optimizer sized by the ``updates`` steps that
+    update, and (multi-turn rollouts) training on the model's own tokens only (``loss_mask``)."""
     s = section
     steps = optimizer_steps(updates, cfg.data.train_batch_size, s.ppo_mini_batch_size, s.ppo_epochs)
     return dict(
         ppo_mini_batch_size=s.ppo_mini_batch_size * n,
         seed=cfg.trainer.seed,
         use_remove_padding=packed,
+        use_loss_mask=cfg.actor_rollout_ref.rollout.multi_turn.enable,
         optim=_optim(s, steps, cfg.jaxflow.optim.state_dtype),
     )
 
@@ -478,7 +481,8 @@ def rollout_config(
     """The training rollouts (``rollout.*``) and the validation rollouts (``rollout.val_kwargs``),
     with the run's tokenizer (built here when stop strings need one and none is given)."""
     r, probe = cfg.actor_rollout_ref.rollout, cfg.jaxflow.rollout_probe
-    if r.stop and tokenizer is None:
+    needs_tokenizer = bool(r.stop) or r.multi_turn.enable
+    if needs_tokenizer and tokenizer is None:
         tokenizer = build_tokenizer(cfg)
     probing = probe.enable == "on" or (probe.enable == "auto" and lora_config(cfg) is not None)
     return RolloutConfig(
@@ -486,9 +490,32 @@ def rollout_config(
         val=sampling_params(cfg, r.val_kwargs, eos_token_id, pad_token_id),
         max_num_seqs=r.max_num_seqs,
         max_total_tokens=r.max_total_tokens,
-        tokenizer=tokenizer if r.stop else None,
+        tokenizer=tokenizer if needs_tokenizer else None,
         probe_tolerance=probe.tolerance if probing else 0.0,
+        multi_turn=multi_turn(cfg),
     )
+
+
+def _task_params(task: str, data: ConfigDict) -> tuple[tuple[str, Any], ...]:
+    """The built-in task's parameters from ``jaxflow.data.*``."""
+    name = task.removeprefix("jaxflow/")
+    if name == "addition":
+        return (("digits", data.addition_digits),)
+    if name == "calculator":
+        return (("tool_fraction", data.tool_fraction),)
+    return ()
+
+
+def multi_turn(cfg: ConfigDict) -> MultiTurn | None:
+    """``actor_rollout_ref.rollout.multi_turn`` and ``jaxflow.agent.tools`` as the actor's
+    conversation loop (None: single-turn rollouts)."""
+    mt = cfg.actor_rollout_ref.rollout.multi_turn
+    if not mt.enable:
+        return None
+    config = AgentConfig(
+        fmt=mt.format, max_assistant_turns=mt.max_assistant_turns, max_response_tokens=cfg.data.max_response_length
+    )
+    return MultiTurn(config, load_tools(list(cfg.jaxflow.agent.tools), mt.tool_config_path))
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:
@@ -560,7 +587,7 @@ def data_spec(cfg: ConfigDict) -> DataSpec:
         train_files=tuple(f for f in d.train_files.split(",") if f),
         val_files=tuple(f for f in d.val_files.split(",") if f),
         builtin_task=task,
-        task_params=(("digits", j.addition_digits),) if task in ("addition", "jaxflow/addition") else (),
+        task_params=_task_params(task, j),
         num_train_examples=j.num_train_examples,
         num_val_examples=j.num_val_examples,
     )

@@ -582,6 +582,33 @@ def _check_paths(c: _Checker) -> None:
             )
 
 
+def _check_multi_turn(c: _Checker) -> None:
+    """``multi_turn.*`` and ``jaxflow.agent.tools``: a known format, known built-in tools, a
+    tool config that loads; multi-turn runs on the local backend and with at least one tool."""
+    from jaxflow.agents import FORMATS
+    from jaxflow.agents.rollout import BUILTIN_TOOLS, load_tools
+
+    mt, key = c.cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+    c.one_of(f"{key}.format", FORMATS)
+    for name in c.cfg.jaxflow.agent.tools:
+        c.check(
+            name in BUILTIN_TOOLS, "jaxflow.agent.tools", f"unknown tool {name!r}; built-in: {sorted(BUILTIN_TOOLS)}"
+        )
+    if mt.tool_config_path:
+        try:
+            load_tools([], mt.tool_config_path)
+        except ValueError as e:
+            c.check(False, f"{key}.tool_config_path", str(e))
+    if not mt.enable:
+        return
+    c.check(
+        bool(c.cfg.jaxflow.agent.tools or mt.tool_config_path),
+        f"{key}.enable",
+        "multi-turn rollouts need tools: jaxflow.agent.tools or multi_turn.tool_config_path",
+    )
+    c.check(c.cfg.jaxflow.backend == "local", f"{key}.enable", "multi-turn rollouts run on the local backend so far")
+
+
 def _check_model_shape(c: _Checker) -> None:
     from jaxflow.data.char_tokenizer import DEFAULT_CHARS, SPECIAL_TOKENS
     from jaxflow.models import PRESETS
@@ -846,6 +873,7 @@ def validate(cfg: ConfigDict) -> None:
         _check_lora,
         _check_critic_lora,
         _check_paths,
+        _check_multi_turn,
         _check_model_shape,
     ):
         check(c)

@@ -12,6 +12,9 @@ jaxflow/sort     ``sort:3140=``         ``0134``    ``min_len``/``max_len`` (3..
 jaxflow/reverse  ``rev:abcd=``          ``dcba``    ``min_len``/``max_len`` (3..5)
 jaxflow/reverse_ ``rev:314=``           ``413``     ``min_len``/``max_len`` (3..3),
 digits                                              30% held out (the default task)
+jaxflow/         ``mul:482*937=``       ``451634``  ``digits`` (3), ``tool_fraction``
+calculator                                          (0.25): a tool task (below)
+jaxflow/code     ``code:x*7+2=``        tests       a code task (below)
 ===============  =====================  ==========  ==============================
 
 ``make_examples(n, seed, split)`` returns verl-schema rows::
@@ -32,7 +35,22 @@ the same rows.
 ``make_sft_examples`` gives the same problems as prompt/response pairs, the demonstrations for
 a supervised warm start before RL (the SFT data appends EOS to the response).
 
-Reward (`task_reward`, registered for each data_source by `jaxflow.workers.reward`): 1.0 when the response, up to an ``<eos>`` and with
+The calculator task is for multi-turn rollouts (``actor_rollout_ref.rollout.multi_turn``): its
+products are too large for a tiny model to compute, so it scores by calling the ``calculator``
+tool (`jaxflow.agents.CALCULATOR`) in the hermes format and copying the tool's answer. Its
+demonstrations answer directly (the product) except a ``tool_fraction`` of them, which are the
+whole conversation: the call, the tool's turn (`tool_response_turn`) and the answer; so a
+model warm-started on them mostly answers directly (and wrongly) and sometimes calls the tool,
+which RL can reinforce.
+
+The code task asks for a one-line Python function ``f(x)`` computing an affine expression; its
+ground truth is hidden tests (``assert f(3) == 23``, five of them, JSON), its demonstration the
+function (``def f(x):\n    return x*7+2``). Its reward is the sandboxed code scorer
+(`jaxflow.rewards.score_code`, data_source ``jaxflow/code``: the fraction of tests passed),
+not `task_reward` (``Task.rule_reward`` is False).
+
+Reward (`task_reward`, registered for each data_source by `jaxflow.workers.reward`): 1.0 when the
+response's final answer (after the last tool response, if any), up to an ``<eos>`` and with
 surrounding whitespace stripped, equals the answer; else 0.0. ``partial_credit=True`` gives
 instead the fraction of answer positions matched (a denser, optional signal).
 """
@@ -41,6 +59,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import json
 import math
 import string
 import zlib
@@ -52,6 +71,19 @@ import numpy as np
 SPLITS = ("train", "test")
 DISTINCT_TRIES = 1000  # test split: draws of repeats refused before the split counts as exhausted
 _EOS_TEXT = "<eos>"
+TOOL_RESPONSE_END = "</tool_response>"
+
+
+def tool_response_turn(contents: Sequence[str]) -> str:
+    """A tool turn for tokenizers without a chat template of roles (the built-in character
+    tokenizer): each answer between ``<tool_response>`` and ``</tool_response>``, the next
+    model turn following at once. (ChatML templates: `jaxflow.agents.hermes_tool_turn`.)"""
+    return "".join(f"<tool_response>{c}{TOOL_RESPONSE_END}" for c in contents)
+
+
+def hermes_call(name: str, arguments: dict[str, Any]) -> str:
+    """A tool call in the hermes format (compact JSON), as a demonstration writes it."""
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments}, separators=(',', ':'))}</tool_call>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +101,7 @@ class Task(abc.ABC):
     name: ClassVar[str] = ""
     data_source: ClassVar[str] = ""
     ability: ClassVar[str] = ""
+    rule_reward: ClassVar[bool] = True  # scored by `task_reward` (else by its data_source's own reward)
     test_fraction: float = 0.1
 
     def __init_subclass__(cls, *, name: str | None = None, ability: str | None = None, **kwargs: Any) -> None:
@@ -216,7 +249,63 @@ class ReverseDigitsTask(ReverseTask, name="reverse_digits", alphabet=string.digi
     test_fraction: float = 0.3
 
 
-TASKS: dict[str, type[Task]] = {t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask, ReverseDigitsTask)}
+@dataclasses.dataclass(frozen=True)
+class CalculatorTask(Task, name="calculator", ability="tool"):
+    """``mul:482*937=`` -> ``451634``: a product of two ``digits``-digit numbers, meant to be
+    computed by calling the ``calculator`` tool (module docstring). ``tool_fraction``: the
+    share of the demonstrations that call the tool (chosen per problem from its prompt, so the
+    same problem always gets the same demonstration)."""
+
+    digits: int = 3
+    tool_fraction: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.digits <= 6:
+            raise ValueError(f"calculator digits must be in 2..6, got {self.digits}")
+        if not 0 <= self.tool_fraction <= 1:
+            raise ValueError(f"calculator tool_fraction must be in [0, 1], got {self.tool_fraction}")
+
+    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
+        a, b = (int(x) for x in rng.integers(10 ** (self.digits - 1), 10**self.digits, size=2))
+        return f"mul:{a}*{b}=", str(a * b)
+
+    def make_sft_examples(self, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+        rows = super().make_sft_examples(n, seed, split)
+        for row in rows:
+            question, answer = row["extra_info"]["question"], row["response"]
+            if zlib.crc32(f"tool|{question}".encode()) % 1000 < self.tool_fraction * 1000:
+                expression = question.removeprefix("mul:").removesuffix("=")
+                call = hermes_call("calculator", {"expression": expression})
+                row["response"] = f"{call}{_EOS_TEXT}{tool_response_turn([answer])}{answer}"
+        return rows
+
+
+@dataclasses.dataclass(frozen=True)
+class CodeTask(Task, name="code", ability="code"):
+    """``code:x*7+2=`` -> hidden tests of ``f(x) = x*7+2`` (module docstring): ``a`` in
+    1..9, ``op`` one of ``+ - *``, ``b`` in 0..9; ``tests`` tests at x = -3, 0, 1, 4, 10."""
+
+    rule_reward: ClassVar[bool] = False
+    test_fraction: float = 0.2
+    POINTS: ClassVar[tuple[int, ...]] = (-3, 0, 1, 4, 10)
+
+    def sample(self, rng: np.random.Generator) -> tuple[str, str]:
+        a, b, op = int(rng.integers(1, 10)), int(rng.integers(0, 10)), "+-*"[int(rng.integers(0, 3))]
+        expression = f"x*{a}{op}{b}"
+        f = eval(f"lambda x: {expression}")  # our own arithmetic, not user text
+        return f"code:{expression}=", json.dumps([f"assert f({x}) == {f(x)}" for x in self.POINTS])
+
+    def make_sft_examples(self, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
+        rows = self.make_examples(n, seed, split)
+        for row in rows:
+            expression = row["extra_info"]["question"].removeprefix("code:").removesuffix("=")
+            row["response"] = f"def f(x):\n    return {expression}"
+        return rows
+
+
+TASKS: dict[str, type[Task]] = {
+    t.name: t for t in (AdditionTask, SortDigitsTask, ReverseTask, ReverseDigitsTask, CalculatorTask, CodeTask)
+}
 
 
 def get_task(name: str, **params: Any) -> Task:
@@ -250,13 +339,14 @@ def make_mixed_examples(
 def task_reward(
     solution_str: str, ground_truth: str, extra_info: dict | None = None, partial_credit: bool = False
 ) -> float:
-    """1.0 for the exact answer before any ``<eos>`` (whitespace-stripped), else 0.0.
+    """1.0 for the exact final answer (after the last tool response, if any) before any
+    ``<eos>`` (whitespace-stripped), else 0.0.
 
     With ``partial_credit``: the fraction of answer positions that match, divided by the longer
     of the two lengths (so extra characters cost too).
     """
     del extra_info
-    answer = solution_str.split(_EOS_TEXT, 1)[0].strip()
+    answer = solution_str.rsplit(TOOL_RESPONSE_END, 1)[-1].split(_EOS_TEXT, 1)[0].strip()
     truth = str(ground_truth).strip()
     if answer == truth:
         return 1.0

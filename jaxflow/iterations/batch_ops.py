@@ -66,14 +66,16 @@ def group_ids_from_uid(uid: Any) -> np.ndarray:
 
 def apply_kl_penalty_to_batch(batch: Batch, beta: float, kind: str = "kl") -> tuple[Batch, dict[str, float]]:
     """Adds ``token_level_rewards`` (see the module docstring). Needs ``token_level_scores``,
-    ``old_log_probs``, ``ref_log_prob``, ``response_mask``. Returns the batch and the
-    metrics ``actor/reward_kl_penalty`` (the current KL, to feed a KL controller) and
+    ``old_log_probs``, ``ref_log_prob``, ``response_mask``; where the batch has a ``loss_mask``
+    (multi-turn rollouts) the penalty and the current KL cover only its tokens (the model's
+    own: a tool's tokens are not the policy's to pay for). Returns the batch and the metrics
+    ``actor/reward_kl_penalty`` (the current KL, to feed a KL controller) and
     ``actor/reward_kl_penalty_coeff`` (beta)."""
     rewards, current_kl = apply_kl_penalty(
         _host(batch, "token_level_scores").astype(np.float32),
         _host(batch, "old_log_probs").astype(np.float32),
         _host(batch, "ref_log_prob").astype(np.float32),
-        _host(batch, "response_mask"),
+        _host(batch, "loss_mask" if "loss_mask" in batch else "response_mask"),
         np.float32(beta),
         kind,
     )
@@ -122,8 +124,12 @@ def compute_advantage(
     ``uid`` non-tensor column; with ``gdpo_reward_keys``, an estimator that takes
     ``gdpo_scores`` gets the reward function's named values (`gdpo_scores`) and their
     ``gdpo_reward_weights``. Extra keyword arguments reach the estimator (those it does not
-    take are ignored)."""
+    take are ignored). A multi-turn batch's ``loss_mask`` is the estimator's ``response_mask``
+    (as verl's agent loop's response mask: the model's own tokens), so GAE steps over tool
+    tokens as if they were not there and whitening and baselines count the model's tokens."""
     columns: dict[str, Any] = {k: _host(batch, k) for k in _ESTIMATOR_COLUMNS if k in batch}
+    if "loss_mask" in batch:
+        columns["response_mask"] = _host(batch, "loss_mask")
     if "token_level_rewards" not in columns:
         columns["token_level_rewards"] = _host(batch, "token_level_scores")
     columns["token_level_rewards"] = columns["token_level_rewards"].astype(np.float32)

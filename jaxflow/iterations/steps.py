@@ -138,7 +138,7 @@ def rollout(
     batch and the rule scorer's ``reward/*`` metrics, with the rollout probe's
     ``rollout/probe_tv`` when the actor has one (`jaxflow.workers.rollout_probe`)."""
     batch = generate(w, prompts, timer, step=step)
-    probe = w.actor.rollout_probe()[0]
+    probe = w.actor.rollout_metrics()[0]
     batch = log_probs(w, batch, timer, old_log_probs=old_log_probs, bypass_mode=bypass_mode)
     batch, reward_metrics = reward(w, values(w, batch, timer), timer)
     return batch, reward_metrics | probe

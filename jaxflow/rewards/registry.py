@@ -111,6 +111,13 @@ def load_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> Rewa
 
     The function is called as ``fn(data_source=..., solution_str=..., ground_truth=...,
     extra_info=..., **reward_kwargs)`` and returns a float or a dict holding ``"score"``.
+    Errors as `load_function`'s."""
+    return load_function(path, name, "custom reward function")
+
+
+def load_function(path: str | os.PathLike, name: str, what: str) -> Any:
+    """Function ``name`` of the Python file at ``path``; ``what`` names it in the errors (e.g.
+    "custom reward function", "tool").
 
     Raises:
       FileNotFoundError: ``path`` does not exist or is not a file.
@@ -121,14 +128,14 @@ def load_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> Rewa
     """
     path = os.fspath(path)
     if not path:
-        raise FileNotFoundError("custom reward function path is empty")
+        raise FileNotFoundError(f"{what} path is empty")
     abspath = os.path.abspath(os.path.expanduser(path))
     if not os.path.isfile(abspath):
-        raise FileNotFoundError(f"custom reward function file not found: {path!r} (resolved to {abspath})")
-    module_name = "jaxflow_custom_reward_" + hashlib.sha1(abspath.encode()).hexdigest()[:12]
+        raise FileNotFoundError(f"{what} file not found: {path!r} (resolved to {abspath})")
+    module_name = "jaxflow_user_module_" + hashlib.sha1(abspath.encode()).hexdigest()[:12]
     spec = importlib.util.spec_from_file_location(module_name, abspath)
     if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import custom reward function file {abspath} (not a Python source file?)")
+        raise ImportError(f"cannot import {what} file {abspath} (not a Python source file?)")
     module = importlib.util.module_from_spec(spec)
     sys.modules[module_name] = module  # lets dataclasses and pickling inside the module work
     try:
@@ -137,17 +144,15 @@ def load_reward_fn(path: str | os.PathLike, name: str = "compute_score") -> Rewa
         sys.modules.pop(module_name, None)
         if isinstance(e, KeyboardInterrupt):
             raise
-        raise ImportError(f"failed to import custom reward function file {abspath}: {type(e).__name__}: {e}") from e
+        raise ImportError(f"failed to import {what} file {abspath}: {type(e).__name__}: {e}") from e
     if not hasattr(module, name):
         functions = sorted(
             k for k, v in vars(module).items() if callable(v) and not k.startswith("_") and not isinstance(v, type)
         )
-        raise AttributeError(
-            f"custom reward function {name!r} not found in {abspath}; callables defined there: {functions or 'none'}"
-        )
+        raise AttributeError(f"{what} {name!r} not found in {abspath}; callables defined there: {functions or 'none'}")
     fn = getattr(module, name)
     if not callable(fn):
-        raise TypeError(f"custom reward function {name!r} in {abspath} is not callable (it is a {type(fn).__name__})")
+        raise TypeError(f"{what} {name!r} in {abspath} is not callable (it is a {type(fn).__name__})")
     return fn
 
 

@@ -131,7 +131,7 @@ class AheadActor:
     def generation_seconds(self) -> list[dict[str, float]]:
         return [dict(self._rollout.parts)]
 
-    def rollout_probe(self) -> list[dict[str, float]]:
+    def rollout_metrics(self) -> list[dict[str, float]]:
         return [dict(self._rollout.probe)]
 
     def __getattr__(self, name: str) -> Any:
@@ -184,7 +184,7 @@ class GenerateAhead:
         t0 = time.perf_counter()
         batch = ready(workers.actor.generate(prompts, step=step))
         seconds = time.perf_counter() - t0
-        probe = workers.actor.rollout_probe()[0]
+        probe = workers.actor.rollout_metrics()[0]
         token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
         return Rollout(step, prompts, batch, version, seconds, gen_parts(workers), probe, token_versions_BxR)
 

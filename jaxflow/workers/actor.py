@@ -43,6 +43,7 @@ from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
 from jaxflow.workers.base import ModelLike, num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy, trained_tokens
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
+from jaxflow.workers.multi_turn import multi_turn_rollout
 from jaxflow.workers.optim import OptimConfig
 from jaxflow.workers.packing import balance_metrics
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
@@ -91,7 +92,9 @@ class RolloutConfig:
     rollout reads the weights with the adapters merged in (a copy, `merge_program`) instead of
     running the adapter path. ``probe_tolerance`` > 0: after each weight sync the rollout's
     and the trainer's weights score a fixed probe and the run stops when they differ by more
-    (`jaxflow.workers.rollout_probe`); 0: no probe."""
+    (`jaxflow.workers.rollout_probe`); 0: no probe. ``multi_turn``: each sample is a
+    conversation with tools (a `jaxflow.agents.MultiTurn`, `jaxflow.workers.multi_turn`; needs
+    ``tokenizer``); None: one response per sample."""
 
     train: SamplingParams = SamplingParams(max_new_tokens=32)
     val: SamplingParams = SamplingParams(max_new_tokens=32, greedy=True)
@@ -100,6 +103,7 @@ class RolloutConfig:
     tokenizer: Any = dataclasses.field(default=None, compare=False)
     lora_merge: bool = True
     probe_tolerance: float = 0.0
+    multi_turn: Any = None
 
     @property
     def temperature(self) -> float:
@@ -301,6 +305,7 @@ class ActorWorker(TrainableWorker):
             self.engine = HybridEngine(self.mesh, self.rules, gen_tp, strategy=strategy, gen_rules=gen_rules)
         self._num_rollouts = 0
         self._gen_seconds: dict[str, float] = {}
+        self._agent_metrics: dict[str, float] = {}
         self.probe = RolloutProbe(rollout.probe_tolerance) if rollout.probe_tolerance > 0 else None
 
     # ------------------------------------------------------------------ rollout
@@ -325,7 +330,10 @@ class ActorWorker(TrainableWorker):
         share it) plus ``responses``, ``response_mask``, ``rollout_log_probs`` (the
         sampler's log-probs) and the provenance ``meta["temperature"]``. An optional integer
         column ``max_new_tokens`` [B] limits each prompt's responses (vLLM's per-request
-        ``max_tokens``; at most the sampling parameters' ``max_new_tokens``)."""
+        ``max_tokens``; at most the sampling parameters' ``max_new_tokens``). With
+        ``rollout.multi_turn``, each sample is a conversation (`jaxflow.workers.multi_turn`): the
+        rows also hold ``loss_mask`` (the model's own tokens) and `rollout_metrics` the
+        ``agent/*`` counts."""
         ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
         mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
         limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
@@ -342,7 +350,6 @@ class ActorWorker(TrainableWorker):
         options = dict(
             options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
             max_new_tokens=limits,
-            tokenizer=r.tokenizer,
             prompt_index=prompt_index,
         )
         with contextlib.ExitStack() as stack:
@@ -350,16 +357,10 @@ class ActorWorker(TrainableWorker):
             graphdef, gen_params, mesh, rules = self._generation_weights(stack)
             jax.block_until_ready(gen_params)
             t1 = time.perf_counter()
-            out = generate_from_state(
-                graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options
-            )
-            responses, response_mask, log_probs = jax.block_until_ready(
-                (out.responses, out.response_mask, out.log_probs)
-            )
+            columns = self._sample(graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options)
             t2 = time.perf_counter()
             rows = prompts.repeat(params.n, interleave=True).update(
-                tensors={"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs},
-                meta={"temperature": 1.0 if params.greedy else float(params.temperature)},
+                tensors=columns, meta={"temperature": 1.0 if params.greedy else float(params.temperature)}
             )
             if self.probe is not None:  # the rollout's weights score the probe while they exist
                 self.probe.capture(rows)
@@ -371,14 +372,28 @@ class ActorWorker(TrainableWorker):
         self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
         return rows
 
+    def _sample(self, graphdef, gen_params, ids, mask, params: SamplingParams, **engine) -> dict[str, Any]:
+        """The rollout's columns: the engine's responses, or (``rollout.multi_turn``) the
+        conversations'; ready (the engine's time ends here)."""
+        if self.rollout.multi_turn is not None:
+            columns, self._agent_metrics = multi_turn_rollout(
+                self.rollout.multi_turn, self.rollout.tokenizer, graphdef, gen_params, ids, mask, params, **engine
+            )
+            return columns
+        tokenizer = self.rollout.tokenizer if params.stop else None
+        out = generate_from_state(graphdef, gen_params, ids, mask, params, tokenizer=tokenizer, **engine)
+        responses, response_mask, log_probs = jax.block_until_ready((out.responses, out.response_mask, out.log_probs))
+        return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}
+
     @register(ONE_TO_ALL)
-    def rollout_probe(self) -> dict[str, float]:
-        """The last rollout's probe (`jaxflow.workers.rollout_probe`): ``rollout/probe_tv``, the
-        total variation between the rollout's and the trainer's next-token distributions on
-        the fixed probe; empty without a probe."""
-        if self.probe is None or self.probe.last is None:
-            return {}
-        return {PROBE_METRIC: self.probe.last}
+    def rollout_metrics(self) -> dict[str, float]:
+        """The last rollout's metrics: the probe's ``rollout/probe_tv`` (the total variation
+        between the rollout's and the trainer's next-token distributions on the fixed probe,
+        `jaxflow.workers.rollout_probe`; absent without a probe) and, for multi-turn rollouts,
+        the ``agent/*`` counts (turns, tool calls and their errors and timeouts, tokens by
+        source, conversation lengths)."""
+        probe = {} if self.probe is None or self.probe.last is None else {PROBE_METRIC: self.probe.last}
+        return probe | self._agent_metrics
 
     @register(ONE_TO_ALL)
     def generation_seconds(self) -> dict[str, float]:

@@ -30,8 +30,9 @@ from jaxflow.workers.forward import ForwardConfig, scores_on_last_token, sequenc
 from jaxflow.workers.protocols import DP_COMPUTE, ONE_TO_ALL, register
 
 # The built-in tasks' rule reward by data_source, registered here, above both the tasks
-# (jaxflow.data) and the reward registry (jaxflow.rewards): the rule scorer scores their rows.
-register_reward(*(t.data_source for t in TASKS.values()))(task_reward)
+# (jaxflow.data) and the reward registry (jaxflow.rewards): the rule scorer scores their rows
+# (the code task's rows go to the sandboxed code reward, registered for its data_source).
+register_reward(*(t.data_source for t in TASKS.values() if t.rule_reward))(task_reward)
 
 
 def scores_program(layout: RoleLayout, num_micro: int, output_key: str = "token_level_scores"):

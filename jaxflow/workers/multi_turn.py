@@ -1,0 +1,91 @@
+"""The actor's rollout as conversations (``actor_rollout_ref.rollout.multi_turn.enable``): each
+sample alternates model turns, sampled by the engine on the generation weights of the call,
+and tool turns, until it answers without a tool call, a turn limit or the response length.
+
+The loop itself is ``RolloutConfig.multi_turn`` (`jaxflow.agents.MultiTurn`, built by the run's
+description; this package does not import it). Here its model turns are sampled: the live
+conversations, left-padded into one batch, one engine call per turn. Row ``r`` of the call
+(sample ``j`` of prompt ``b``, ``r = b * n + j`` as in single-turn rollouts) draws its turn
+``k`` from ``fold_in(fold_in(key_k, prompt id * n + j), token)`` with ``key_0 = key`` (the
+single-turn rollout's: a conversation whose first turn calls no tool samples the single-turn
+rollout's tokens) and ``key_k = fold_in(key, k)`` after; what a conversation samples does
+not depend on which others are still going.
+
+The rows come back as a single-turn rollout's columns (``responses``, ``response_mask``,
+``rollout_log_probs``: 0 on tool tokens) plus ``loss_mask`` (1 on the model's own tokens: the
+update, the KL and the entropy train on those only, `UpdateLoopConfig.use_loss_mask`), and the
+loop's ``agent/*`` metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxflow.sampling import SamplingParams, generate_from_state
+
+
+def multi_turn_rollout(
+    multi_turn: Any,
+    tokenizer: Any,
+    graphdef: Any,
+    gen_params: Any,
+    ids_BxL: np.ndarray,
+    mask_BxL: np.ndarray,
+    params: SamplingParams,
+    rng: jax.Array,
+    prompt_index: np.ndarray,
+    **engine: Any,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """``params.n`` conversations per prompt (interleaved), sampled through
+    `generate_from_state` with ``engine`` (``mesh``, ``rules``, ``options``, ...); returns the
+    ``[B * n, R]`` columns and the ``agent/*`` metrics. ``prompt_index`` [B]: the prompts'
+    ids (`ActorWorker.generate`)."""
+    if tokenizer is None:
+        raise ValueError("a multi-turn rollout needs the run's tokenizer (RolloutConfig.tokenizer)")
+    if engine.get("max_new_tokens") is not None:
+        raise ValueError(
+            "a multi-turn rollout takes no per-prompt max_new_tokens (its turns share the response length)"
+        )
+    engine.pop("max_new_tokens", None)
+    n = params.n
+    prompts = [row[m > 0].tolist() for row, m in zip(ids_BxL, mask_BxL) for _ in range(n)]
+    row_ids = np.repeat(np.asarray(prompt_index, np.int64) * n, n) + np.tile(np.arange(n), len(ids_BxL))
+    one = dataclasses.replace(params, n=1)
+    turn = [0]
+
+    def sample(conversations: list[list[int]], budgets: list[int], rows: list[int]) -> list[tuple[list, list]]:
+        L = max(len(c) for c in conversations)
+        ids = np.zeros((len(conversations), L), np.int32)
+        mask = np.zeros_like(ids)
+        for r, c in enumerate(conversations):
+            ids[r, L - len(c) :] = c
+            mask[r, L - len(c) :] = 1
+        limits = np.minimum(np.asarray(budgets), one.max_new_tokens).astype(np.int32)
+        out = generate_from_state(
+            graphdef,
+            gen_params,
+            ids,
+            mask,
+            one,
+            rng=jax.random.fold_in(rng, turn[0]) if turn[0] else rng,
+            max_new_tokens=limits,
+            prompt_index=row_ids[rows].astype(np.int32),
+            tokenizer=tokenizer if one.stop else None,
+            **engine,
+        )
+        turn[0] += 1
+        lengths, responses, log_probs = (np.asarray(x) for x in (out.lengths, out.responses, out.log_probs))
+        return [(responses[r, : lengths[r]].tolist(), log_probs[r, : lengths[r]].tolist()) for r in range(len(rows))]
+
+    pad = params.pad_token_id if params.pad_token_id is not None else 0
+    out = multi_turn.rollout(prompts, sample, tokenizer, pad)
+    columns = {
+        "responses": out.responses,
+        "response_mask": out.response_mask,
+        "rollout_log_probs": out.rollout_log_probs,
+        "loss_mask": out.loss_mask,
+    }
+    return columns, out.metrics()
