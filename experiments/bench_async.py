@@ -1,35 +1,76 @@
 """Issue 23's benchmark of the trainer modes ``sync``, ``one_step_off`` and ``async``: the
-auto-mapper's simulator part (ANALYTIC: a model, nothing measured).
+modes run on 8 simulated CPU devices (MEASURED) and the auto-mapper's simulator's predictions
+for the paper's workloads (ANALYTIC: a model, nothing measured).
 
-Per (config, device count) and mode: the predicted steady-state iteration time, samples per
-second and speedup over ``sync``, the chosen split (rollout / training devices, the rollout's
-layout, the training pools; idle hosts if the model leaves some), the weight sync's bytes and
-seconds, the pools' idle fractions, and every assumption the numbers rest on
+MEASURED (the local backend's modes, one after the other in this process, on 8 simulated CPU
+devices placed as the config says (grpo_tiny: the auto-mapper's choice, actor 4 / ref 4, the
+rollout on the actor's devices); ``--cpu_modes``): ``sync``, ``one_step_off``, ``async`` with
+``max_staleness`` 1 and 2, each ``--cpu_steps`` training steps of ``--cpu_config`` (the default
+task, its tiny Llama; the warm start included) from the same start and seed. Per mode: the wall
+seconds per consumed sample (one response) in the steady-state steps (`measure_mode`: step 1
+compiles and is reported apart), the seconds spent generating there (``timing_s/gen`` +
+``timing_s/gen_ahead``), the idle fractions, the consumed tokens' largest staleness, and the
+held-out score (``val/score/mean``, greedy) after the fixed number of samples (``--cpu_steps``
+x prompts x n). The local backend runs rollout and update on
+the same devices, one after the other (`jaxflow.trainer.ahead`): the rollouter is idle while
+the trainer updates and the trainer while the rollouter generates, so the two idle fractions
+add up to 1 by construction (``rollout_idle = 1 - gen_s / wall_s``, ``trainer_idle = gen_s /
+wall_s``), and the modes differ in what they learn from (stale rollouts), not in overlap. Not
+measured yet (not built): the issue's 4 (rollout) / 4 (train) split with the weights streamed
+between the pools, and long-tailed response lengths (the default task's answers are 3 digits).
+
+ANALYTIC: per (config, device count) and mode: the predicted steady-state iteration time,
+samples per second and speedup over ``sync``, the chosen split (rollout / training devices,
+the rollout's layout, the training pools; idle hosts if the model leaves some), the weight
+sync's bytes and seconds, the pools' idle fractions, and every assumption the numbers rest on
 (:mod:`jaxflow.automap.async_schedule`'s docstring gives the formulas).
-
-Not here yet: the issue's CPU runs of the modes (8 simulated devices split 4 / 4, ppo_tiny-sized
-models, wall time per consumed sample, idle fractions, held-out score) need ``trainer.mode``
-in the trainer, which does not exist yet; a later change adds them to this script.
 
     python experiments/bench_async.py [--configs=ppo_7b,ppo_70b] [--devices=64,128]
         [--device_kind=a100-80g] [--mean_over_max=RHO | --sigma=1 --cap_over_median=4]
-        [--max_staleness=1] [--concurrent] [--smoke] [--json]
+        [--max_staleness=1] [--concurrent] [--cpu_config=grpo_tiny] [--cpu_steps=50]
+        [--cpu_modes=sync,one_step_off,async:1,async:2] [--no_cpu] [--smoke] [--json]
 
-``--smoke``: ppo_7b on 16 devices (two hosts: one split), a few seconds.
+``--smoke``: ppo_7b on 16 devices (two hosts: one split), and ``async`` with
+``max_staleness=2`` for 4 steps of a one-layer model without the warm start, 8 held-out
+prompts: a smoke test of the script (each mode builds its own trainer, ~20 CPU-s).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
 
-from jaxflow import configs
-from jaxflow.automap.async_schedule import MODES, Assumptions, LongTail, ModePlan, predict
-from jaxflow.automap.profiles import get_profile
-from jaxflow.automap.workload import Workload, workload_from_spec
-from jaxflow.configs.prepare import prepare_run
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from jaxflow.mesh.devices import simulate_devices  # noqa: E402
+
+simulate_devices(8)  # before JAX touches a device
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from jaxflow import configs  # noqa: E402
+from jaxflow.automap.async_schedule import MODES, Assumptions, LongTail, ModePlan, predict  # noqa: E402
+from jaxflow.automap.profiles import get_profile  # noqa: E402
+from jaxflow.automap.workload import Workload, workload_from_spec  # noqa: E402
+from jaxflow.configs.overrides import with_values  # noqa: E402
+from jaxflow.configs.prepare import prepare_run  # noqa: E402
+
+# --smoke: a one-layer model, no warm start, 8 prompts x 4 responses per step, 8 held-out prompts.
+SMOKE_CPU = {
+    "jaxflow.sft.warm_start_steps": 0,
+    "jaxflow.model.num_layers": 1,
+    "jaxflow.model.hidden_size": 64,
+    "jaxflow.model.intermediate_size": 128,
+    "data.train_batch_size": 8,
+    "actor_rollout_ref.rollout.n": 4,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": 4,
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_device": 4,
+    "jaxflow.data.num_val_examples": 8,
+}
 
 
 def workload(name: str) -> Workload:
@@ -77,6 +118,88 @@ def mode_line(mode: str, p: ModePlan | None, w: Workload, sync_s: float) -> str:
     )
 
 
+def cpu_config(name: str, steps: int, run_dir: str, smoke: bool, mode: str, max_staleness: int):
+    """``name`` for ``steps`` training steps (its lr schedule over them) in ``run_dir``, in
+    ``mode``: no validation, checkpoints or loggers inside the steps."""
+    values = {
+        "trainer.total_training_steps": steps,
+        "trainer.test_freq": -1,
+        "trainer.val_before_train": False,
+        "trainer.save_freq": -1,
+        "trainer.logger": [],
+        "trainer.resume_mode": "disable",
+        "trainer.default_local_dir": run_dir,
+        "trainer.mode": mode,
+        "trainer.max_staleness": max_staleness,
+        **(SMOKE_CPU if smoke else {}),
+    }
+    cfg = with_values(configs.get_config(name), values)
+    configs.validate(cfg)
+    return cfg
+
+
+def measure_mode(args: argparse.Namespace, mode: str, max_staleness: int, run_dir: str) -> dict:
+    """One mode's run (MEASURED): ``args.cpu_steps`` steps, then the held-out score.
+
+    The timed window is the steady state: steps ``2 .. N - a`` for ``N`` steps and ``a``
+    rollouts generated ahead (0 for ``sync``), in each of which one rollout is generated and
+    one consumed. Step 1 compiles (and generates the ``a`` rollouts ahead); the last ``a`` steps
+    consume rollouts generated earlier and generate none."""
+    from jaxflow.trainer.ahead import lookahead
+    from jaxflow.trainer.rl import RLTrainer
+
+    ahead = lookahead(mode, max_staleness) or 0
+    if args.cpu_steps < ahead + 2:
+        raise SystemExit(f"--cpu_steps={args.cpu_steps}: {mode} (s={max_staleness}) needs >= {ahead + 2} steps")
+    trainer = RLTrainer(cpu_config(args.cpu_config, args.cpu_steps, run_dir, args.smoke, mode, max_staleness))
+    try:
+        rows = trainer.spec.rollout_rows  # responses consumed per step
+        steps = [trainer.train_step(s) for s in range(1, args.cpu_steps + 1)]
+        held_out = trainer.validate()["val/score/mean"]
+    finally:
+        trainer.close()
+    window = steps[1 : len(steps) - ahead]
+    wall_s = sum(m["timing_s/step"] for m in window)
+    gen_s = sum(m.get("timing_s/gen", 0.0) + m.get("timing_s/gen_ahead", 0.0) for m in window)
+    return {
+        "mode": mode,
+        "max_staleness": max_staleness if mode == "async" else ahead,
+        "steps": len(steps),
+        "timed_steps": f"2..{len(steps) - ahead}",
+        "first_step_s": steps[0]["timing_s/step"],
+        "wall_s": wall_s,
+        "wall_s_per_sample": wall_s / (rows * len(window)),
+        "generate_s": gen_s,
+        "rollout_idle_fraction": 1.0 - gen_s / wall_s,
+        "trainer_idle_fraction": gen_s / wall_s,
+        "max_token_staleness": max(m.get("fully_async/staleness/token_max", 0.0) for m in steps),
+        "consumed_samples": rows * len(steps),
+        "held_out_score": held_out,
+    }
+
+
+def measure_cpu(args: argparse.Namespace, say) -> list[dict]:
+    """The modes of ``--cpu_modes`` (MEASURED), each from the same start and seed."""
+    results = []
+    with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+        for item in args.cpu_modes.split(","):
+            mode, _, s = item.partition(":")
+            r = measure_mode(args, mode, int(s or 0), os.path.join(tmp, item.replace(":", "_")))
+            results.append(r)
+            say(cpu_line(r))
+    return results
+
+
+def cpu_line(r: dict) -> str:
+    name = r["mode"] + (f" s={r['max_staleness']}" if r["mode"] == "async" else "")
+    return (
+        f"  {name:<13} {1e3 * r['wall_s_per_sample']:7.2f} ms/sample (steps {r['timed_steps']}: {r['wall_s']:.1f} s; "
+        f"step 1 {r['first_step_s']:.1f} s)  idle: rollout {r['rollout_idle_fraction']:.0%}, trainer "
+        f"{r['trainer_idle_fraction']:.0%}  staleness <= {r['max_token_staleness']:g}  "
+        f"held-out {r['held_out_score']:.3f} after {r['consumed_samples']} samples"
+    )
+
+
 def assumptions_of(args: argparse.Namespace) -> Assumptions:
     tail = LongTail(args.sigma, args.cap_over_median, args.mean_over_max)
     return Assumptions(long_tail=tail, max_staleness=args.max_staleness, concurrent=args.concurrent)
@@ -92,12 +215,23 @@ def main(argv=None) -> int:
     p.add_argument("--cap_over_median", type=float, default=4.0, help="R_max over the lengths' median")
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--concurrent", action="store_true", help="stages on disjoint pools overlap (HybridFlow's driver)")
-    p.add_argument("--smoke", action="store_true", help="ppo_7b on 16 devices only")
+    p.add_argument("--cpu_config", default="grpo_tiny", help="the measured modes' config (its task and model)")
+    p.add_argument("--cpu_steps", type=int, default=50, help="training steps per measured mode")
+    p.add_argument("--cpu_modes", default="sync,one_step_off,async:1,async:2", help="mode[:max_staleness],...")
+    p.add_argument("--no_cpu", action="store_true", help="the ANALYTIC part only")
+    p.add_argument("--smoke", action="store_true", help="ppo_7b on 16 devices; the CPU modes 2 tiny steps each")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.smoke:
-        args.configs, args.devices = "ppo_7b", "16"
+        args.configs, args.devices, args.cpu_steps, args.cpu_modes = "ppo_7b", "16", 4, "async:2"
     say = (lambda s: print(s, file=sys.stderr, flush=True)) if args.json else (lambda s: print(s, flush=True))
+    measured = []
+    if not args.no_cpu:
+        say(f"{args.cpu_config} on 8 simulated CPU devices, {args.cpu_steps} steps per mode (MEASURED):")
+        # The trainers print (data sources, ...): with --json, to stderr, so stdout is the JSON alone.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            measured = measure_cpu(args, say)
+        say(f"  load average {os.getloadavg()[0]:.1f} (the machine's cores are shared)")
     a = assumptions_of(args)
     results = []
     for name in args.configs.split(","):
@@ -109,7 +243,7 @@ def main(argv=None) -> int:
             say("\n".join(d.pop("text")))
             results.append(d)
     if args.json:
-        print(json.dumps({"analytic": True, "cases": results}, indent=2))
+        print(json.dumps({"measured": measured, "analytic": True, "cases": results}, indent=2))
     return 0
 
 

@@ -4,11 +4,20 @@ trainer: ``async`` with ``max_staleness=0`` logs the synchronous run's metrics b
 (PPO and GRPO), ``one_step_off`` consumes the previous weights' rollouts, and what the run
 cannot do yet is refused in one line."""
 
+import numpy as np
 import pytest
 
 from jaxflow.configs import ConfigError, load_config
 from jaxflow.data.batch import Batch
-from jaxflow.trainer.ahead import AheadActor, GenerateAhead, Rollout, lookahead
+from jaxflow.trainer.ahead import (
+    AheadActor,
+    ConsumedTokens,
+    GenerateAhead,
+    Rollout,
+    StalenessError,
+    check_staleness,
+    lookahead,
+)
 from jaxflow.workers.group import Workers
 from tests.test_placement_invariance import DIGITS, SMALL, run_steps
 
@@ -36,7 +45,12 @@ class _Actor:
 
     def generate(self, prompts, *, step=None):
         self.calls.append((step, int(prompts["batch"][0]), self.version))
-        return prompts.update(non_tensors={"generated": [(step, self.version)] * len(prompts)})
+        responses = np.zeros((len(prompts), 3), np.int32)
+        mask = np.array([[1, 1, 0]] * len(prompts), np.int32)
+        return prompts.update(
+            tensors={"responses": responses, "response_mask": mask},
+            non_tensors={"generated": [(step, self.version)] * len(prompts)},
+        )
 
     def generation_seconds(self):
         return [{"engine": 0.5}]
@@ -66,6 +80,11 @@ def test_the_schedule_of_rollouts_generated_ahead():
         batch = w.actor.generate(prompts, step=step)
         assert w.actor.update() == "the actor's own" and w.actor.generation_seconds() == [{"engine": 0.5}]
         seen.append((int(prompts["batch"][0]), tuple(int(v) for v in batch.non_tensors["generated"][0]), metrics))
+        consumed = ahead.consumed  # the per-token versions of the rollout handed out, at this update's version
+        assert consumed.step == step and consumed.version == actor.version
+        np.testing.assert_array_equal(
+            consumed.token_versions_BxR, np.full((2, 3), batch.non_tensors["generated"][0][1])
+        )
         assert ahead.loader_state() == {"position": step}  # before the next pending batch (or the end)
         actor.version += 1  # the update
     assert actor.calls == [(1, 0, 0), (2, 1, 0), (3, 2, 0), (4, 3, 1), (5, 4, 2)]
@@ -74,9 +93,28 @@ def test_the_schedule_of_rollouts_generated_ahead():
     staleness = [s[2]["fully_async/staleness/token_max"] for s in seen]
     assert staleness == [0.0, 1.0, 2.0, 2.0, 2.0]
     assert [s[2]["fully_async/pending_rollouts"] for s in seen] == [2.0, 2.0, 2.0, 1.0, 0.0]
-    rollout = Rollout(step=6, prompts=_to_batch(9), batch=_to_batch(9), version=0, seconds=0.0, parts={}, probe={})
+    versions = np.zeros((2, 3), np.int32)
+    rollout = Rollout(6, _to_batch(9), _to_batch(9), 0, 0.0, parts={}, probe={}, token_versions_BxR=versions)
     with pytest.raises(ValueError, match="generated ahead for its own prompts"):
         AheadActor(actor, rollout).generate(_to_batch(9), step=7)
+
+
+def test_a_consumed_token_beyond_the_bound_stops_the_step():
+    """The trainer path's check reads each valid token's version: one token of version 1 in a
+    rollout of version 3 consumed at version 4 is staleness 3 > 2; padding (mask 0) of any
+    version is ignored; a token newer than the update's weights is refused too."""
+    versions_BxR = np.array([[3, 3, 3], [3, 1, 0]], np.int32)
+    mask_BxR = np.array([[1, 1, 0], [1, 1, 0]], np.int32)
+    with pytest.raises(
+        StalenessError, match=r"step 7's update at policy version 4 .* staleness 1..3, outside \[0, 2\]"
+    ):
+        check_staleness(ConsumedTokens(7, 4, versions_BxR, mask_BxR), 2)
+    assert check_staleness(ConsumedTokens(7, 4, versions_BxR, mask_BxR), 3)["fully_async/staleness/token_max"] == 3.0
+    mask_BxR[1, 1] = 0
+    metrics = check_staleness(ConsumedTokens(7, 4, versions_BxR, mask_BxR), 1)
+    assert metrics["fully_async/staleness/token_max"] == 1.0 and metrics["fully_async/staleness/token_mean"] == 1.0
+    with pytest.raises(StalenessError, match=r"outside \[0, 1\]"):
+        check_staleness(ConsumedTokens(7, 2, versions_BxR, mask_BxR), 1)
 
 
 def test_modes_and_staleness_are_checked():
@@ -93,8 +131,8 @@ def test_async_with_staleness_0_is_the_synchronous_run_bit_for_bit(config, tmp_p
     reward = tmp_path / "digits.py"
     reward.write_text(DIGITS)
     common = [*SMALL, f"custom_reward_function.path={reward}"]
-    sync = run_steps(config, common, 3, tmp_path / "sync")
-    asynchronous = run_steps(config, [*common, "trainer.mode=async", "trainer.max_staleness=0"], 3, tmp_path / "a")
+    sync = run_steps(config, common, 5, tmp_path / "sync")
+    asynchronous = run_steps(config, [*common, "trainer.mode=async", "trainer.max_staleness=0"], 5, tmp_path / "a")
     assert any(r["critic/score/mean"] > 0 for r in sync)  # the reward has signal
     for a, b in zip(sync, asynchronous, strict=True):
         keys = [k for k in a if not k.startswith(("timing_s/", "perf/")) and k != "step"]
@@ -117,6 +155,32 @@ def test_one_step_off_consumes_the_previous_weights_rollouts(tmp_path):
     assert [r["fully_async/pending_rollouts"] for r in off] == [1.0, 1.0, 1.0]  # the run goes on past step 3
     keys = [k for k in sync[0] if not k.startswith(("timing_s/", "perf/")) and k != "step"]
     assert {k: sync[0][k] for k in keys} == {k: off[0][k] for k in keys}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_every_consumed_token_is_within_the_staleness_bound(max_staleness, tmp_path):
+    """async with max_staleness 1 and 2 through the trainer, 4 steps: each update's consumed
+    tokens (their per-token versions, recorded at generation) have staleness in
+    ``[0, max_staleness]``, reaching the bound from step ``max_staleness + 1`` on (step k
+    consumes the rollout of version ``max(0, k - 1 - max_staleness)`` at version ``k - 1``)."""
+    from jaxflow.trainer.rl import RLTrainer
+
+    overrides = [*SMALL, "trainer.mode=async", f"trainer.max_staleness={max_staleness}"]
+    trainer = RLTrainer(load_config("grpo_tiny", [*overrides, f"trainer.default_local_dir={tmp_path}"]))
+    try:
+        for step in range(1, 5):
+            metrics = trainer.train_step(step)
+            consumed = trainer.ahead.consumed
+            staleness = consumed.staleness()
+            assert consumed.step == step and consumed.version == step - 1 == trainer.policy_version - 1
+            assert consumed.token_versions_BxR.shape == consumed.response_mask_BxR.shape
+            assert staleness.size == consumed.response_mask_BxR.sum() > 0
+            assert 0 <= staleness.min() and staleness.max() <= max_staleness
+            assert set(staleness.tolist()) == {min(step - 1, max_staleness)}
+            assert metrics["fully_async/staleness/token_max"] == float(staleness.max())
+    finally:
+        trainer.close()
 
 
 def test_what_the_modes_cannot_run_yet_is_refused(tmp_path):

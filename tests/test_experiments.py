@@ -46,7 +46,15 @@ def test_automap_paper():
 
 
 def test_bench_async():
-    (case,) = run_json("bench_async.py", "--smoke")["cases"]  # ppo_7b on 16 devices: one split, 8 / 8
+    out = run_json("bench_async.py", "--smoke")
+    (measured,) = out["measured"]  # async, max_staleness 2, 4 steps of a one-layer grpo_tiny
+    assert (measured["mode"], measured["max_staleness"], measured["steps"]) == ("async", 2, 4)
+    assert measured["max_token_staleness"] == 2.0 and measured["timed_steps"] == "2..2"
+    assert measured["consumed_samples"] == 4 * 8 * 4 and 0.0 <= measured["held_out_score"] <= 1.0
+    assert measured["wall_s_per_sample"] == measured["wall_s"] / 32 > 0
+    assert 0 < measured["trainer_idle_fraction"] == measured["generate_s"] / measured["wall_s"] < 1
+    assert measured["rollout_idle_fraction"] + measured["trainer_idle_fraction"] == pytest.approx(1.0, abs=1e-12)
+    (case,) = out["cases"]  # ppo_7b on 16 devices: one split, 8 / 8
     assert (case["config"], case["devices"], case["device_kind"]) == ("ppo_7b", 16, "a100-80g")
     assert case["assumptions"][0].startswith("ANALYTIC") and any("rho = 0.351" in a for a in case["assumptions"])
     modes = case["modes"]

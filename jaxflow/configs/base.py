@@ -627,7 +627,8 @@ FIELDS: tuple[Field, ...] = tuple(
             "trainer.max_staleness",
             1,
             "trainer.mode=async: policy versions between a rollout's weights and the update that consumes it "
-            "(0 = sync, bit for bit).",
+            "(0 = sync, bit for bit); each update checks every consumed token's recorded version against it. "
+            "Measured on the default task: README, Asynchronous modes.",
             AT_LEAST_0,
         ),
         (

@@ -17,8 +17,14 @@ advantages, the update) runs on the current weights.
 * ``s = 1`` (``one_step_off``, verl's one-step-off policy): from step 2 on, each update
   consumes a rollout of the previous weights.
 
-The staleness of every consumed token is ``version at update - version at generation``
-(``fully_async/staleness/token_mean|max``; here all tokens of a rollout share its version). On
+Every generated token records the policy version that produced it (`Rollout.token_versions_BxR`,
+int32 aligned with ``responses``; here all tokens of a rollout share its version, as it is
+generated in one call). The staleness of a consumed token is ``v - u`` for the version ``v`` at
+the update that consumes it and the token's version ``u``; `GenerateAhead.step` computes it
+from the per-token versions of the rollout it hands out (``fully_async/staleness/token_mean|max``
+and the version spans, `jaxflow.trainer.rollout_buffer.consumed_token_metrics`) and raises
+`StalenessError` if a valid token (``response_mask = 1``) has ``v - u > lookahead`` or
+``v - u < 0``; the last consumed rollout's versions stay readable (`GenerateAhead.consumed`). On
 the local backend both run on the same devices, one after the other: the schedule and the
 off-policy data are those of the asynchronous modes, not their overlap (which needs the
 rollout on its own devices with the weights streamed to it, `jaxflow.reshard.WeightSync`).
@@ -36,10 +42,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from jaxflow.configs.validate import TRAINER_MODES
-from jaxflow.data.batch import Batch
+from jaxflow.data.batch import RESPONSE_MASK, RESPONSES, Batch
 from jaxflow.iterations.steps import gen_parts, ready
+from jaxflow.trainer.rollout_buffer import consumed_token_metrics
 from jaxflow.workers.group import Workers
+
+
+class StalenessError(RuntimeError):
+    """A consumed token's staleness is outside ``[0, bound]`` (a scheduling bug, never data)."""
 
 
 def lookahead(mode: str, max_staleness: int) -> int | None:
@@ -55,8 +68,9 @@ def lookahead(mode: str, max_staleness: int) -> int | None:
 @dataclasses.dataclass
 class Rollout:
     """One step's rollout, generated ahead: its prompts, its batch, the policy version that
-    generated it, the wall seconds it took and the actor's report of it (the generation's
-    parts, the rollout probe)."""
+    generated it, the wall seconds it took, the actor's report of it (the generation's parts,
+    the rollout probe) and the policy version of each response token (int32[B, R], aligned
+    with ``batch["responses"]``), recorded when it was generated."""
 
     step: int
     prompts: Batch
@@ -65,6 +79,37 @@ class Rollout:
     seconds: float
     parts: dict[str, float]
     probe: dict[str, float]
+    token_versions_BxR: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsumedTokens:
+    """The tokens an update consumed: its step, the policy version ``version`` of the weights
+    it updates, each response token's version (int32[B, R]) and ``response_mask`` (host
+    arrays; padding, ``mask = 0``, carries no token)."""
+
+    step: int
+    version: int
+    token_versions_BxR: np.ndarray
+    response_mask_BxR: np.ndarray
+
+    def staleness(self) -> np.ndarray:
+        """``version - u`` over the valid tokens (int64[num valid tokens])."""
+        return self.version - self.token_versions_BxR[self.response_mask_BxR.astype(bool)].astype(np.int64)
+
+
+def check_staleness(consumed: ConsumedTokens, bound: int) -> dict[str, float]:
+    """The consumed tokens' staleness and span statistics (`consumed_token_metrics`); raises
+    `StalenessError` when a valid token's staleness ``v - u`` is above ``bound`` or negative
+    (a token of weights newer than the update's)."""
+    staleness = consumed.staleness()
+    if staleness.size and (staleness.max() > bound or staleness.min() < 0):
+        raise StalenessError(
+            f"step {consumed.step}'s update at policy version {consumed.version} consumes tokens of versions "
+            f"{int(consumed.version - staleness.max())}..{int(consumed.version - staleness.min())}: staleness "
+            f"{int(staleness.min())}..{int(staleness.max())}, outside [0, {bound}]"
+        )
+    return consumed_token_metrics(consumed.token_versions_BxR, consumed.response_mask_BxR, consumed.version)
 
 
 class AheadActor:
@@ -102,12 +147,14 @@ class GenerateAhead:
         self.lookahead, self.last_step = lookahead, last_step
         self.loader, self.to_batch = loader, to_batch
         self.pending: collections.deque[Rollout] = collections.deque()
+        self.consumed: ConsumedTokens | None = None  # the tokens of the last rollout handed out
         self._loader_before: collections.deque[Any] = collections.deque()  # the loader's state before each pending pull
 
     def step(self, step: int, workers: Workers, version: int) -> tuple[Batch, Workers, dict[str, float]]:
         """Step ``step``'s prompts, the workers its iteration runs over, and the metrics of
         generating ahead (``timing_s/gen_ahead``: the rollouts generated now; the staleness of
-        the rollout consumed, in policy versions, at ``version``)."""
+        the rollout consumed, in policy versions, at ``version``, from its per-token versions:
+        `check_staleness`, which raises past ``lookahead``)."""
         if self.pending and self.pending[0].step != step:
             raise RuntimeError(f"the rollout of step {self.pending[0].step} is pending, but step {step} runs")
         seconds = 0.0
@@ -122,11 +169,11 @@ class GenerateAhead:
             seconds += rollout.seconds
         rollout = self.pending.popleft()
         self._loader_before.popleft()
-        staleness = float(version - rollout.version)
+        mask_BxR = np.asarray(rollout.batch[RESPONSE_MASK])
+        self.consumed = ConsumedTokens(step, version, rollout.token_versions_BxR, mask_BxR)
         metrics = {
             "timing_s/gen_ahead": seconds,
-            "fully_async/staleness/token_mean": staleness,
-            "fully_async/staleness/token_max": staleness,
+            **check_staleness(self.consumed, self.lookahead),
             "fully_async/count/current_param_version": float(version),
             "fully_async/pending_rollouts": float(len(self.pending)),
         }
@@ -138,7 +185,8 @@ class GenerateAhead:
         batch = ready(workers.actor.generate(prompts, step=step))
         seconds = time.perf_counter() - t0
         probe = workers.actor.rollout_metrics()[0]
-        return Rollout(step, prompts, batch, version, seconds, gen_parts(workers), probe)
+        token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
+        return Rollout(step, prompts, batch, version, seconds, gen_parts(workers), probe, token_versions_BxR)
 
     def loader_state(self) -> Any:
         """The loader's position for a checkpoint: before the first pending rollout's prompts
