@@ -208,7 +208,7 @@ class RLTrainer:
         self.total_steps = spec.training_steps
         ahead = lookahead(spec.trainer.mode, spec.trainer.max_staleness)  # trainer.mode one_step_off / async
         self.ahead = None if ahead is None else GenerateAhead(ahead, self.total_steps, self.loader, batch_from_prompts)
-        self.policy_version = 0  # actor updates so far
+        self.completed_steps = 0  # steps trained (or restored)
         self.placement = spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
         self._restart_actor_params = actor_params if self.backend is not None else None
@@ -391,7 +391,6 @@ class RLTrainer:
                 "step": step,
                 "algo_state": self.algo_state.state_dict(),
                 "guard": self.guard.state_dict(),
-                "policy_version": self.policy_version,
             },
         )
         self.ckpt.save(step, states, host, force=True)
@@ -415,11 +414,16 @@ class RLTrainer:
         self.loader.load_state_dict(restored.host.data_loader)
         self.algo_state.load_state_dict(restored.host.extra["algo_state"])
         self.guard.load_state_dict(restored.host.extra.get("guard", {}))
-        self.policy_version = restored.host.extra.get("policy_version", max(0, restored.step - self.spec.critic_warmup))
+        self.completed_steps = restored.step
         print(f"resumed from {restored.path} at step {restored.step}", flush=True)
         return restored.step
 
     # ------------------------------------------------------------------ steps
+
+    @property
+    def policy_version(self) -> int:
+        """The actor's updates so far: one per completed step after ``trainer.critic_warmup``."""
+        return max(0, self.completed_steps - self.spec.critic_warmup)
 
     def train_step(self, step: int) -> dict[str, float]:
         """One iteration of the algorithm on the next prompt batch; verl-named metrics."""
@@ -436,7 +440,7 @@ class RLTrainer:
         raw = self.algorithm(
             workers, prompts, self.spec.algorithm, self.algo_state, step=step, update_actor=update_actor, **more
         )
-        self.policy_version += int(update_actor)
+        self.completed_steps = step
         metrics = {k: _mean(v) for k, v in scalar_metrics(raw).items()} if raw else {}
         metrics.update({k: _mean(v) for k, v in raw.items() if k not in metrics and np.size(v)})
         metrics.update(ahead_metrics)
