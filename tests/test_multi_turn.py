@@ -226,3 +226,62 @@ def test_gae_steps_over_tool_tokens():
     for key in ("advantages", "returns"):
         got = np.asarray(multi[key])[:, keep][model]
         np.testing.assert_allclose(got, np.asarray(single[key])[model], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+ENVIRONMENT = '''
+class Stepper:
+    """Two turns: "Say:" first; each model turn rewarded (first, then last) and the conversation done after two."""
+
+    def __init__(self, first, last):
+        self.first, self.last = first, last
+
+    def reset(self, sample):
+        assert sample["data_source"] == "jaxflow/calculator" and sample["ground_truth"].isdigit()
+        self.turns = 0
+        return "Say:"
+
+    def step(self, action):
+        self.turns += 1
+        if self.turns == 1:
+            return "More:", self.first, False
+        return None, self.last, True
+'''
+
+
+class _Sayer:
+    """Stands in for `generate_from_state`: every turn answers "7"."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __call__(self, graphdef, state, ids, mask, params, *, rng, max_new_tokens, prompt_index, **engine):
+        responses = np.zeros((len(ids), params.max_new_tokens), np.int32)
+        responses[:, :2] = [self.tok.encode("7", add_special_tokens=False)[0], self.tok.eos_token_id]
+        return _Out(responses, -0.5 * (responses > 0), np.full(len(ids), 2))
+
+
+@pytest.mark.parametrize("config", ["grpo_tool_tiny", "ppo_tiny"])
+def test_environment_rewards_reach_the_scores_turn_by_turn(config, tmp_path, monkeypatch):
+    """``multi_turn.interaction_config_path``: each conversation's environment (built from
+    the config's callable, started with its sample's row) rewards both model turns (0.25, then
+    0.5); the scores are those plus the task's (0: "7" is no product), so every step scores
+    0.75, with two model turns and the observations as untrained tokens; GRPO and PPO."""
+    import jaxflow.workers.multi_turn as multi_turn
+
+    monkeypatch.setattr(multi_turn, "generate_from_state", _Sayer(CharTokenizer()))
+    (tmp_path / "env.py").write_text(ENVIRONMENT)
+    interaction = {
+        "interaction": [{"name": "stepper", "callable": "env.py:Stepper", "config": {"first": 0.25, "last": 0.5}}]
+    }
+    (tmp_path / "interaction.json").write_text(json.dumps(interaction))
+    overrides = [*SMALL, "actor_rollout_ref.rollout.multi_turn.enable=True", "jaxflow.agent.tools=[]"]
+    overrides += [
+        f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path / 'interaction.json'}",
+        "jaxflow.data.builtin_task=calculator",
+        "data.max_prompt_length=16",
+        "data.max_response_length=16",
+    ]
+    (m,) = run_steps(config, overrides, 1, tmp_path / "run")
+    assert m["critic/score/mean"] == pytest.approx(0.75) and m["critic/score/min"] == pytest.approx(0.75)
+    assert m["agent/turns/mean"] == 2 and m["agent/tool_calls/mean"] == 0
+    assert m["agent/model_tokens/mean"] == 4 and m["agent/tool_tokens/mean"] == len("Say:") + len("More:")

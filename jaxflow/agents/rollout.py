@@ -21,13 +21,22 @@ callable and its schema as verl's tool configs do::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxflow.agents.loop import AgentConfig, AgentRollout, TurnSampler, hermes_tool_turn, run_agent
+from jaxflow.agents.loop import (
+    AgentConfig,
+    AgentRollout,
+    Environment,
+    TurnSampler,
+    chatml_user_turn,
+    hermes_tool_turn,
+    run_agent,
+)
 from jaxflow.agents.tools import CALCULATOR, Tool, ToolExecutor, ToolResult
 from jaxflow.data.tasks import tool_response_turn
 from jaxflow.rewards.registry import load_function
@@ -44,21 +53,36 @@ def plain_tool_turn(results: Sequence[ToolResult]) -> str:
 @dataclasses.dataclass(frozen=True)
 class MultiTurn:
     """``config``: the loop's limits and format (`AgentConfig`; its ``max_response_tokens`` is
-    the run's response length); ``tools``: what the model may call; ``max_workers``: tool calls
+    the run's response length); ``tools``: what the model may call; ``environment``: builds
+    each conversation's `jaxflow.agents.Environment` (verl's interaction; None: none), which
+    takes the model's turns without a tool call and rewards them; ``max_workers``: tool calls
     run at once."""
 
     config: AgentConfig
     tools: tuple[Tool, ...]
+    environment: Callable[[], Environment] | None = None
     max_workers: int = 8
 
     def rollout(
-        self, prompts: Sequence[Sequence[int]], sample: TurnSampler, tokenizer: Any, pad_token_id: int
+        self,
+        prompts: Sequence[Sequence[int]],
+        sample: TurnSampler,
+        tokenizer: Any,
+        pad_token_id: int,
+        samples: Sequence[Any] | None = None,
     ) -> AgentRollout:
         """One conversation per prompt (token ids, unpadded) to its end; tool turns rendered
-        in the tokenizer's chat format (ChatML: `hermes_tool_turn`; otherwise
-        `plain_tool_turn`) and encoded once without special tokens."""
+        and environment observations in the tokenizer's chat format (ChatML:
+        `hermes_tool_turn`, `chatml_user_turn`; otherwise `plain_tool_turn` and the
+        observation's text as it is) and encoded once without special tokens. ``samples``: each
+        conversation's dataset row, which starts its environment (``reset``)."""
+        environments = None if self.environment is None else [self.environment() for _ in prompts]
         chatml = tokenizer.token_to_id(CHATML_START) is not None
-        config = dataclasses.replace(self.config, tool_turn=hermes_tool_turn if chatml else plain_tool_turn)
+        config = dataclasses.replace(
+            self.config,
+            tool_turn=hermes_tool_turn if chatml else plain_tool_turn,
+            observation_turn=chatml_user_turn if chatml else str,
+        )
         executor = ToolExecutor(self.tools, max_workers=self.max_workers)
         try:
             return run_agent(
@@ -69,6 +93,8 @@ class MultiTurn:
                 executor,
                 config,
                 pad_token_id=pad_token_id,
+                environments=environments,
+                samples=samples,
             )
         finally:
             executor.close()
@@ -82,7 +108,7 @@ def load_tools(names: Sequence[str], config_path: str = "") -> tuple[Tool, ...]:
         raise ValueError(f"unknown built-in tool(s) {unknown}; the built-in tools are {sorted(BUILTIN_TOOLS)}")
     tools = [BUILTIN_TOOLS[n] for n in names]
     if config_path:
-        tools += [_tool_from_entry(entry, config_path) for entry in _read_tool_config(config_path)]
+        tools += [_tool_from_entry(entry, config_path) for entry in _read_config(config_path, "tools")]
     seen: set[str] = set()
     for t in tools:
         if t.name in seen:
@@ -91,23 +117,36 @@ def load_tools(names: Sequence[str], config_path: str = "") -> tuple[Tool, ...]:
     return tuple(tools)
 
 
-def _read_tool_config(path: str) -> list[dict[str, Any]]:
+def load_environment(config_path: str) -> Callable[[], Environment]:
+    """The environment factory of an interaction config (verl's ``interaction_config_path``):
+    a JSON (or YAML) file ``{"interaction": [{"name": ..., "callable": "file.py:Factory",
+    "config": {...}}]}`` whose one entry's callable, called with ``config``'s keywords, builds
+    an `Environment` for each conversation."""
+    entries = _read_config(config_path, "interaction")
+    if len(entries) != 1 or "callable" not in entries[0]:
+        raise ValueError(f"interaction config {config_path} must hold one interaction with a 'callable'")
+    factory = _load_callable(entries[0]["callable"], os.path.dirname(os.path.abspath(os.path.expanduser(config_path))))
+    return functools.partial(factory, **entries[0].get("config", {}))
+
+
+def _read_config(path: str, key: str) -> list[dict[str, Any]]:
+    """The list ``key`` of a JSON (or YAML) config file."""
     path = os.path.expanduser(path)
     if not os.path.isfile(path):
-        raise ValueError(f"tool config {path} does not exist")
+        raise ValueError(f"{key} config {path} does not exist")
     with open(path) as f:
         text = f.read()
     if path.endswith((".yaml", ".yml")):
         try:
             import yaml
         except ImportError as e:
-            raise ValueError(f"tool config {path} is YAML but PyYAML is not installed; use JSON") from e
+            raise ValueError(f"{key} config {path} is YAML but PyYAML is not installed; use JSON") from e
         data = yaml.safe_load(text)
     else:
         data = json.loads(text)
-    if not isinstance(data, dict) or not isinstance(data.get("tools"), list):
-        raise ValueError(f"tool config {path} must hold {{'tools': [...]}}")
-    return data["tools"]
+    if not isinstance(data, dict) or not isinstance(data.get(key), list):
+        raise ValueError(f"{key} config {path} must hold {{'{key}': [...]}}")
+    return data[key]
 
 
 def _tool_from_entry(entry: dict[str, Any], path: str) -> Tool:

@@ -372,6 +372,14 @@ FIELDS: tuple[Field, ...] = tuple(
             "'timeout_s': 10}]} (jaxflow.agents.rollout).",
         ),
         (
+            "actor_rollout_ref.rollout.multi_turn.interaction_config_path",
+            "",
+            "Multi-turn: a JSON (or YAML) file {'interaction': [{'name': ..., 'callable': 'file.py:Factory', 'config': "
+            "{...}}]}: Factory(**config) builds each conversation's environment (reset(sample) -> first observation; "
+            "step(model turn) -> (observation, reward, done)), whose rewards add to the reward's on the turns' last "
+            "tokens.",
+        ),
+        (
             "jaxflow.agent.tools",
             [],
             "Multi-turn: built-in tools by name (calculator: exact arithmetic), besides multi_turn.tool_config_path's.",

@@ -27,7 +27,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxflow.agents import AgentConfig
-from jaxflow.agents.rollout import MultiTurn, load_tools
+from jaxflow.agents.rollout import MultiTurn, load_environment, load_tools
 from jaxflow.algos.settings import (
     AlgorithmConfig,
     AlgorithmSettings,
@@ -515,7 +515,8 @@ def multi_turn(cfg: ConfigDict) -> MultiTurn | None:
     config = AgentConfig(
         fmt=mt.format, max_assistant_turns=mt.max_assistant_turns, max_response_tokens=cfg.data.max_response_length
     )
-    return MultiTurn(config, load_tools(list(cfg.jaxflow.agent.tools), mt.tool_config_path))
+    environment = load_environment(mt.interaction_config_path) if mt.interaction_config_path else None
+    return MultiTurn(config, load_tools(list(cfg.jaxflow.agent.tools), mt.tool_config_path), environment)
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:

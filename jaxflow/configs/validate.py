@@ -583,10 +583,11 @@ def _check_paths(c: _Checker) -> None:
 
 
 def _check_multi_turn(c: _Checker) -> None:
-    """``multi_turn.*`` and ``jaxflow.agent.tools``: a known format, known built-in tools, a
-    tool config that loads; multi-turn runs on the local backend and with at least one tool."""
+    """``multi_turn.*`` and ``jaxflow.agent.tools``: a known format, known built-in tools, tool
+    and interaction configs that load; multi-turn runs on the local backend, with a tool or an
+    environment."""
     from jaxflow.agents import FORMATS
-    from jaxflow.agents.rollout import BUILTIN_TOOLS, load_tools
+    from jaxflow.agents.rollout import BUILTIN_TOOLS, load_environment, load_tools
 
     mt, key = c.cfg.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
     c.one_of(f"{key}.format", FORMATS)
@@ -594,17 +595,22 @@ def _check_multi_turn(c: _Checker) -> None:
         c.check(
             name in BUILTIN_TOOLS, "jaxflow.agent.tools", f"unknown tool {name!r}; built-in: {sorted(BUILTIN_TOOLS)}"
         )
-    if mt.tool_config_path:
-        try:
-            load_tools([], mt.tool_config_path)
-        except ValueError as e:
-            c.check(False, f"{key}.tool_config_path", str(e))
+    for name, load in (
+        ("tool_config_path", lambda p: load_tools([], p)),
+        ("interaction_config_path", load_environment),
+    ):
+        if mt[name]:
+            try:
+                load(mt[name])
+            except ValueError as e:
+                c.check(False, f"{key}.{name}", str(e))
     if not mt.enable:
         return
     c.check(
-        bool(c.cfg.jaxflow.agent.tools or mt.tool_config_path),
+        bool(c.cfg.jaxflow.agent.tools or mt.tool_config_path or mt.interaction_config_path),
         f"{key}.enable",
-        "multi-turn rollouts need tools: jaxflow.agent.tools or multi_turn.tool_config_path",
+        "multi-turn rollouts need tools (jaxflow.agent.tools, multi_turn.tool_config_path) or an environment "
+        "(multi_turn.interaction_config_path)",
     )
     c.check(c.cfg.jaxflow.backend == "local", f"{key}.enable", "multi-turn rollouts run on the local backend so far")
 

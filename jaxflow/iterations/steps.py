@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 
 from jaxflow.algos.kl import AdaptiveKLController, FixedKLController
 from jaxflow.algos.settings import AlgorithmConfig
@@ -115,11 +116,15 @@ def values(w: Workers, batch: Batch, timer: StepTimer) -> Batch:
 
 
 def reward(w: Workers, batch: Batch, timer: StepTimer) -> tuple[Batch, dict[str, float]]:
-    """``token_level_scores`` (``reward``) and the rule scorer's ``reward/*`` metrics."""
+    """``token_level_scores`` (``reward``) and the rule scorer's ``reward/*`` metrics; a
+    multi-turn rollout's environment rewards (``token_rewards``) add to the scores."""
     if w.reward is None:
         raise ValueError("the iteration needs a reward (w.reward: a reward model and/or a rule scorer)")
     with timer("reward"):
         scores, reward_metrics = score_batch(w.reward, batch)
+        if "token_rewards" in batch:  # a multi-turn rollout's environment rewards, turn by turn
+            total = np.asarray(scores["token_level_scores"]) + np.asarray(jax.device_get(batch["token_rewards"]))
+            scores = scores.update(tensors={"token_level_scores": total.astype(np.float32)})
         return batch | ready(scores), reward_metrics
 
 

@@ -334,8 +334,6 @@ class ActorWorker(TrainableWorker):
         ``rollout.multi_turn``, each sample is a conversation (`jaxflow.workers.multi_turn`): the
         rows also hold ``loss_mask`` (the model's own tokens) and `rollout_metrics` the
         ``agent/*`` counts."""
-        ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
-        mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
         limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
         params = self.rollout.resolve(sampling)
         index = step
@@ -357,7 +355,7 @@ class ActorWorker(TrainableWorker):
             graphdef, gen_params, mesh, rules = self._generation_weights(stack)
             jax.block_until_ready(gen_params)
             t1 = time.perf_counter()
-            columns = self._sample(graphdef, gen_params, ids, mask, params, mesh=mesh, rules=rules, rng=rng, **options)
+            columns = self._sample(prompts, graphdef, gen_params, params, mesh=mesh, rules=rules, rng=rng, **options)
             t2 = time.perf_counter()
             rows = prompts.repeat(params.n, interleave=True).update(
                 tensors=columns, meta={"temperature": 1.0 if params.greedy else float(params.temperature)}
@@ -372,12 +370,24 @@ class ActorWorker(TrainableWorker):
         self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
         return rows
 
-    def _sample(self, graphdef, gen_params, ids, mask, params: SamplingParams, **engine) -> dict[str, Any]:
+    def _sample(self, prompts: Batch, graphdef, gen_params, params: SamplingParams, **engine) -> dict[str, Any]:
         """The rollout's columns: the engine's responses, or (``rollout.multi_turn``) the
-        conversations'; ready (the engine's time ends here)."""
+        conversations' (each prompt's non-tensor columns start its environments); ready (the
+        engine's time ends here)."""
+        ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
+        mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
         if self.rollout.multi_turn is not None:
+            samples = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(prompts))]
             columns, self._agent_metrics = multi_turn_rollout(
-                self.rollout.multi_turn, self.rollout.tokenizer, graphdef, gen_params, ids, mask, params, **engine
+                self.rollout.multi_turn,
+                self.rollout.tokenizer,
+                graphdef,
+                gen_params,
+                ids,
+                mask,
+                params,
+                **engine,
+                samples=samples,
             )
             return columns
         tokenizer = self.rollout.tokenizer if params.stop else None

@@ -13,8 +13,9 @@ not depend on which others are still going.
 
 The rows come back as a single-turn rollout's columns (``responses``, ``response_mask``,
 ``rollout_log_probs``: 0 on tool tokens) plus ``loss_mask`` (1 on the model's own tokens: the
-update, the KL and the entropy train on those only, `UpdateLoopConfig.use_loss_mask`), and the
-loop's ``agent/*`` metrics."""
+update, the KL and the entropy train on those only, `UpdateLoopConfig.use_loss_mask`), with an
+environment its turn-level rewards (``token_rewards``, added to the reward's
+``token_level_scores``: `jaxflow.iterations.steps.reward`), and the loop's ``agent/*`` metrics."""
 
 from __future__ import annotations
 
@@ -37,12 +38,15 @@ def multi_turn_rollout(
     params: SamplingParams,
     rng: jax.Array,
     prompt_index: np.ndarray,
+    samples: list[dict[str, Any]] | None = None,
     **engine: Any,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
     """``params.n`` conversations per prompt (interleaved), sampled through
     `generate_from_state` with ``engine`` (``mesh``, ``rules``, ``options``, ...); returns the
     ``[B * n, R]`` columns and the ``agent/*`` metrics. ``prompt_index`` [B]: the prompts'
-    ids (`ActorWorker.generate`)."""
+    ids (`ActorWorker.generate`); ``samples``: each prompt's row (its non-tensor columns),
+    which starts its conversations' environments. With an environment the columns hold its
+    rewards too (``token_rewards``: each on the last token of the turn it answered)."""
     if tokenizer is None:
         raise ValueError("a multi-turn rollout needs the run's tokenizer (RolloutConfig.tokenizer)")
     if engine.get("max_new_tokens") is not None:
@@ -81,11 +85,14 @@ def multi_turn_rollout(
         return [(responses[r, : lengths[r]].tolist(), log_probs[r, : lengths[r]].tolist()) for r in range(len(rows))]
 
     pad = params.pad_token_id if params.pad_token_id is not None else 0
-    out = multi_turn.rollout(prompts, sample, tokenizer, pad)
+    rows = None if samples is None else [s for s in samples for _ in range(n)]
+    out = multi_turn.rollout(prompts, sample, tokenizer, pad, samples=rows)
     columns = {
         "responses": out.responses,
         "response_mask": out.response_mask,
         "rollout_log_probs": out.rollout_log_probs,
         "loss_mask": out.loss_mask,
     }
+    if multi_turn.environment is not None:
+        columns["token_rewards"] = out.token_rewards
     return columns, out.metrics()
