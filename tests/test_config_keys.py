@@ -268,6 +268,7 @@ CHECKS = {
     f"{MT}.max_assistant_turns": (2, MULTI_TURN, spec("rollout.multi_turn.config.max_assistant_turns")),
     f"{MT}.format": ("llama3", MULTI_TURN, spec("rollout.multi_turn.config.fmt")),
     f"{MT}.tool_config_path": ("@tools", MULTI_TURN, spec("rollout.multi_turn.tools")),
+    f"{MT}.interaction_config_path": ("@interaction", MULTI_TURN, spec("rollout.multi_turn.environment")),
     "jaxflow.agent.tools": (
         ["calculator"],
         [f"{MT}.enable=True", f"{MT}.tool_config_path=@tools"],
@@ -510,7 +511,8 @@ def files(tmp_path_factory):
     """``@files``: a data file (a ``prompt`` and a ``question`` column, one prompt longer than
     any max_prompt_length here); ``@reward``: a reward function file; ``@tokenizer``: the
     char tokenizer as a tokenizer.json; ``@adapter``: a PEFT adapter's config (rank 4);
-    ``@tools``: a tool config with one tool from a file."""
+    ``@tools``: a tool config with one tool from a file; ``@interaction``: an interaction
+    config (its factory from the same file)."""
     from jaxflow.data.char_tokenizer import CharTokenizer
     from jaxflow.models.lora import LoRAConfig
     from jaxflow.models.peft_io import ADAPTER_CONFIG, peft_config
@@ -536,6 +538,7 @@ def files(tmp_path_factory):
     (root / "echo.py").write_text("def echo(text):\n    return text\n")
     schema = {"type": "function", "function": {"name": "echo", "parameters": {"type": "object"}}}
     (root / "tools.json").write_text(json.dumps({"tools": [{"callable": "echo.py:echo", "tool_schema": schema}]}))
+    (root / "interaction.json").write_text(json.dumps({"interaction": [{"name": "e", "callable": "echo.py:echo"}]}))
     (root / "adapter").mkdir()
     (root / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(peft_config(LoRAConfig(rank=4, alpha=8.0), "")))
     return {
@@ -544,6 +547,7 @@ def files(tmp_path_factory):
         "@tokenizer": str(root / "tokenizer.json"),
         "@adapter": str(root / "adapter"),
         "@tools": str(root / "tools.json"),
+        "@interaction": str(root / "interaction.json"),
     }
 
 
