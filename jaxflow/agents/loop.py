@@ -302,14 +302,9 @@ class EngineTurns:
 
     def _turn(self, conversations: list[list[int]], limits: np.ndarray, index: np.ndarray) -> Any:
         """`jaxflow.sampling.generate` on the conversations, left-padded into one batch."""
-        from jaxflow.sampling import generate
+        from jaxflow.sampling import generate, left_pad
 
-        L = max(len(c) for c in conversations)
-        ids = np.zeros((len(conversations), L), np.int32)
-        mask = np.zeros_like(ids)
-        for row, c in enumerate(conversations):
-            ids[row, L - len(c) :] = c
-            mask[row, L - len(c) :] = 1
+        ids, mask = left_pad(conversations)
         return generate(self.model, ids, mask, self.params, max_new_tokens=limits, prompt_index=index, **self.kwargs)
 
     def _session_turn(

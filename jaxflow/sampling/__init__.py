@@ -15,6 +15,7 @@ from jaxflow.sampling.engine import (
     engine_shape,
     generate,
     generate_from_state,
+    left_pad,
     lower_generate,
 )
 from jaxflow.sampling.logits_processing import (
@@ -52,6 +53,7 @@ __all__ = [
     "engine_shape",
     "generate",
     "generate_from_state",
+    "left_pad",
     "lower_generate",
     "paged_attention",
     "process_logits",

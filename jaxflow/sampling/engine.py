@@ -53,6 +53,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -291,6 +292,18 @@ def _compiled_program(graphdef, static: Static, mesh: Mesh | None, rules: Rules)
     if static.return_cache:
         out_shardings["k_pages"] = out_shardings["v_pages"] = None
     return ahead_of_time(jax.jit(fn, out_shardings=out_shardings))
+
+
+def left_pad(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token-id sequences of any lengths as one left-padded batch: ``(ids [B, L], mask [B, L])``
+    int32, ``L`` the longest (pad id 0; the mask is 1 on the real tokens)."""
+    L = max(len(s) for s in sequences)
+    ids = np.zeros((len(sequences), L), np.int32)
+    mask = np.zeros_like(ids)
+    for row, s in enumerate(sequences):
+        ids[row, L - len(s) :] = s
+        mask[row, L - len(s) :] = 1
+    return ids, mask
 
 
 def _left_padded_on_host(prompt_ids, prompt_mask) -> tuple[np.ndarray, np.ndarray]:
@@ -586,18 +599,23 @@ def _prepare(
     program = _compiled_program(graphdef, static, mesh, tuple(rules))
     arrays = _placed(rows.arrays, mesh, rules, place)
     args = (state, *arrays, rng, np.float32(params.temperature), np.float32(params.top_p), stop_tables)
-    stats = dict(
-        replicas=replicas,
-        slots=static.slots,
-        page_size=options.page_size,
-        attention=static.kernel,
-        steps_per_sync=static.steps_per_sync,
-        pages_per_replica=shape.pages,
-        pad_token_id=int(pad),
-        kv_pool_bytes=replicas * shape.pool_bytes,
-        page_bytes=shape.pool_bytes // shape.pages,
+    stats = engine_stats(static, replicas, shape.pages) | dict(
+        pad_token_id=int(pad), kv_pool_bytes=replicas * shape.pool_bytes, page_bytes=shape.pool_bytes // shape.pages
     )
     return _Call(program, args, len(ids) * params.n, params.max_new_tokens, stats, options, len(ids))
+
+
+def engine_stats(static: Static, replicas: int, pages_per_replica: int) -> dict[str, Any]:
+    """The engine's shape as `GenerateOutput.stats` reports it: ``replicas``, ``slots``,
+    ``page_size``, ``attention`` (the kernel), ``steps_per_sync``, ``pages_per_replica``."""
+    return dict(
+        replicas=replicas,
+        slots=static.slots,
+        page_size=static.page_size,
+        attention=static.kernel,
+        steps_per_sync=static.steps_per_sync,
+        pages_per_replica=pages_per_replica,
+    )
 
 
 def static_settings(

@@ -70,6 +70,7 @@ from jaxflow.sampling.engine import (
     _stop_tables,
     bucket_size,
     engine_shape,
+    engine_stats,
     static_settings,
 )
 from jaxflow.sampling.paged import TRASH_PAGE, PagedKVCache, PoolLayout
@@ -175,12 +176,7 @@ class KVSession:
         lengths, responses = np.asarray(out["lengths"][:B]), np.asarray(out["responses"][:B])
         tables = np.asarray(out["tables"][:B])
         self.cached = [self._cache_of(c, responses[b, : lengths[b] - 1], tables[b]) for b, c in enumerate(convs)]
-        stats = dict(
-            replicas=1,
-            slots=static.slots,
-            page_size=static.page_size,
-            attention=static.kernel,
-            pages_per_replica=self.num_pages,
+        stats = engine_stats(static, 1, self.num_pages) | dict(
             peak_pages=out["peak_pages"],
             waits=out["waits"],
             prefill_tokens=out["prefill_tokens"][:B],

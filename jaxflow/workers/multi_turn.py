@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxflow.sampling import SamplingParams, generate_from_state
+from jaxflow.sampling import SamplingParams, generate_from_state, left_pad
 
 
 def multi_turn_rollout(
@@ -61,12 +61,7 @@ def multi_turn_rollout(
     turn = [0]
 
     def sample(conversations: list[list[int]], budgets: list[int], rows: list[int]) -> list[tuple[list, list]]:
-        L = max(len(c) for c in conversations)
-        ids = np.zeros((len(conversations), L), np.int32)
-        mask = np.zeros_like(ids)
-        for r, c in enumerate(conversations):
-            ids[r, L - len(c) :] = c
-            mask[r, L - len(c) :] = 1
+        ids, mask = left_pad(conversations)
         limits = np.minimum(np.asarray(budgets), one.max_new_tokens).astype(np.int32)
         out = generate_from_state(
             graphdef,
