@@ -1,13 +1,16 @@
 """GRPO on the built-in tool task: a tiny Llama learns to call the ``calculator`` tool.
 
 The prompts ask for products of two 3-digit numbers (``mul:482*937=`` -> ``451634``), far
-beyond what the tiny model computes. The supervised warm start shows the direct answer for
-most problems and, for a quarter of them, the whole conversation: the hermes tool call, the
-tool's answer, and the answer copied from it (`jaxflow.data.tasks.CalculatorTask`). Greedy
-answers after the warm start mostly answer directly (wrong); sampled rollouts sometimes call
-the tool, get the answer right and are reinforced. Rollouts are conversations
-(``actor_rollout_ref.rollout.multi_turn``): the tool's answer is appended by the run, and only
-the model's own tokens train."""
+beyond what the tiny model computes. The supervised warm start (300 steps) shows the direct
+answer for 55% of the problems and, for 45% of them, the whole conversation: the hermes tool
+call, the tool's answer, and the answer copied from it (`jaxflow.data.tasks.CalculatorTask`).
+Rollouts are conversations (``actor_rollout_ref.rollout.multi_turn``): the tool's answer is
+appended by the run, and only the model's own tokens train.
+
+Measured on a quiet 2-core CPU (2026-11-28, ~9 min in all): held-out 0.60 after the warm start
+-> 0.70 at step 20 -> 0.72 at step 60, the tool called in 98% of the sampled conversations at
+the end. (A warm start with fewer tool demonstrations answers directly, held-out 0, but does
+not learn to copy the tool's answer, and RL then finds no reward.)"""
 
 from ml_collections import ConfigDict
 
@@ -24,7 +27,9 @@ def get_config() -> ConfigDict:
     cfg.actor_rollout_ref.rollout.multi_turn.enable = True
     cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns = 2
     cfg.jaxflow.agent.tools = ["calculator"]
-    cfg.jaxflow.sft.warm_start_steps = 40
-    cfg.trainer.total_training_steps = 150
-    cfg.trainer.test_freq = 25
+    cfg.jaxflow.data.tool_fraction = 0.45  # enough tool demonstrations to learn the copy
+    cfg.jaxflow.sft.warm_start_steps = 300
+    cfg.data.train_batch_size = 16  # x 8 conversations
+    cfg.trainer.total_training_steps = 60
+    cfg.trainer.test_freq = 20
     return cfg
