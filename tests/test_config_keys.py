@@ -264,6 +264,7 @@ CHECKS = {
     f"{R}.max_num_seqs": (16, [], spec("rollout.max_num_seqs")),
     f"{R}.max_total_tokens": (512, [], spec("rollout.max_total_tokens")),
     "jaxflow.data.tool_fraction": (0.5, ["jaxflow.data.builtin_task=calculator"], spec("data.task_params")),
+    "jaxflow.data.sum_fraction": (0.5, ["jaxflow.data.builtin_task=calculator"], spec("data.task_params")),
     f"{MT}.enable": (True, ["jaxflow.agent.tools=['calculator']"], spec("rollout.multi_turn")),
     f"{MT}.max_assistant_turns": (2, MULTI_TURN, spec("rollout.multi_turn.config.max_assistant_turns")),
     f"{MT}.format": ("llama3", MULTI_TURN, spec("rollout.multi_turn.config.fmt")),

@@ -75,6 +75,30 @@ def test_the_calculator_task_and_its_reward():
     assert task_reward("99", "99") == 1.0  # a direct answer
 
 
+def test_the_calculator_tasks_sums_teach_the_tool_on_other_problems():
+    """With ``sum_fraction``: that share of the training demonstrations are sums, each worked
+    through the tool (answers as long as the products'); the products keep their own
+    ``tool_fraction``; the held-out demonstrations are products only."""
+    task = get_task("calculator", tool_fraction=0.1, sum_fraction=0.5)
+    rows = task.make_sft_examples(400)
+    sums = [r for r in rows if r["extra_info"]["question"].startswith("add:")]
+    products = [r for r in rows if r["extra_info"]["question"].startswith("mul:")]
+    assert len(sums) == 200 and len(products) == 200
+    assert sorted(r["extra_info"]["index"] for r in rows) == list(range(400))
+    for row in sums:
+        a, b = row["extra_info"]["question"].removeprefix("add:").removesuffix("=").split("+")
+        assert len(a) == len(b) == 5
+        answer = str(int(a) + int(b))
+        call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}+{b}"}}, separators=(",", ":"))
+        assert row["response"] == f"<tool_call>{call}</tool_call><eos><tool_response>{answer}</tool_response>{answer}"
+        assert row["reward_model"]["ground_truth"] == answer
+    with_tool = sum(r["response"].startswith("<tool_call>") for r in products)
+    assert 0.04 < with_tool / len(products) < 0.16
+    held_out = task.make_sft_examples(100, split="test")
+    assert all(r["extra_info"]["question"].startswith("mul:") for r in held_out)
+    assert task.make_examples(50) == get_task("calculator").make_examples(50)  # the RL prompts: products
+
+
 def test_tool_keys_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="jaxflow.agent.tools: unknown tool 'abacus'"):
         load_config("grpo_tool_tiny", ["jaxflow.agent.tools=['abacus']"])

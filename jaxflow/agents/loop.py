@@ -111,6 +111,7 @@ class AgentRollout:
         return {
             "agent/turns/mean": float(self.turns.mean()),
             "agent/tool_calls/mean": float(self.tool_calls.mean()),
+            "agent/tool_call_rate": float((self.tool_calls > 0).mean()),  # conversations with a call
             "agent/tool_errors/sum": float(self.tool_errors.sum()),
             "agent/tool_timeouts/sum": float(self.tool_timeouts.sum()),
             "agent/model_tokens/mean": float(self.tokens_by_source["model"].mean()),

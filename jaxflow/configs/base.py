@@ -823,8 +823,15 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "jaxflow.data.tool_fraction",
             0.25,
-            "Built-in calculator task: share of the warm start's demonstrations that call the tool (the others answer "
-            "directly).",
+            "Built-in calculator task: share of the warm start's product demonstrations that call the tool (the "
+            "others answer directly).",
+            Bound(0, 1, "[]"),
+        ),
+        (
+            "jaxflow.data.sum_fraction",
+            0.0,
+            "Built-in calculator task: share of the warm start's demonstrations that are sums worked through the tool "
+            "(teaching the call and copying its answer; RL and the held-out problems are products).",
             Bound(0, 1, "[]"),
         ),
         ("jaxflow.data.num_train_examples", 4096, "Built-in task: training prompts drawn."),

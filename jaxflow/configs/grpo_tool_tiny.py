@@ -21,13 +21,14 @@ def get_config() -> ConfigDict:
     cfg = tiny_config("grpo_tool_tiny", "grpo", kl_loss_type="low_var_kl")
     cfg.algorithm.norm_adv_by_std_in_grpo = True
     cfg.jaxflow.data.builtin_task = "calculator"
-    cfg.data.max_prompt_length = 16  # mul:482*937= and BOS
+    cfg.data.max_prompt_length = 18  # the warm start's add:48211+93702= and BOS
     # The call (~70 tokens), the tool's answer (~40) and the answer (~7), with room to spare.
     cfg.data.max_response_length = 160
     cfg.actor_rollout_ref.rollout.multi_turn.enable = True
     cfg.actor_rollout_ref.rollout.multi_turn.max_assistant_turns = 2
     cfg.jaxflow.agent.tools = ["calculator"]
-    cfg.jaxflow.data.tool_fraction = 0.45  # enough tool demonstrations to learn the copy
+    cfg.jaxflow.data.sum_fraction = 0.5  # sums worked through the tool: the call and the copy
+    cfg.jaxflow.data.tool_fraction = 0.1  # products: 90% answered directly, 10% through the tool
     cfg.jaxflow.sft.warm_start_steps = 300
     cfg.data.train_batch_size = 16  # x 8 conversations
     cfg.trainer.total_training_steps = 60

@@ -502,7 +502,7 @@ def _task_params(task: str, data: ConfigDict) -> tuple[tuple[str, Any], ...]:
     if name == "addition":
         return (("digits", data.addition_digits),)
     if name == "calculator":
-        return (("tool_fraction", data.tool_fraction),)
+        return (("tool_fraction", data.tool_fraction), ("sum_fraction", data.sum_fraction))
     return ()
 
 

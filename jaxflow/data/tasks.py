@@ -13,7 +13,8 @@ jaxflow/reverse  ``rev:abcd=``          ``dcba``    ``min_len``/``max_len`` (3..
 jaxflow/reverse_ ``rev:314=``           ``413``     ``min_len``/``max_len`` (3..3),
 digits                                              30% held out (the default task)
 jaxflow/         ``mul:482*937=``       ``451634``  ``digits`` (3), ``tool_fraction``
-calculator                                          (0.25): a tool task (below)
+calculator                                          (0.25), ``sum_fraction`` (0): a
+                                                    tool task (below)
 jaxflow/code     ``code:x*7+2=``        tests       a code task (below)
 ===============  =====================  ==========  ==============================
 
@@ -38,10 +39,11 @@ a supervised warm start before RL (the SFT data appends EOS to the response).
 The calculator task is for multi-turn rollouts (``actor_rollout_ref.rollout.multi_turn``): its
 products are too large for a tiny model to compute, so it scores by calling the ``calculator``
 tool (`jaxflow.agents.CALCULATOR`) in the hermes format and copying the tool's answer. Its
-demonstrations answer directly (the product) except a ``tool_fraction`` of them, which are the
-whole conversation: the call, the tool's turn (`tool_response_turn`) and the answer; so a
-model warm-started on them mostly answers directly (and wrongly) and sometimes calls the tool,
-which RL can reinforce.
+demonstrations answer products directly except a ``tool_fraction`` of them, which are the whole
+conversation: the call, the tool's turn (`tool_response_turn`) and the answer; a
+``sum_fraction`` of them are instead sums worked through the tool the same way. So a model
+warm-started on them can call the tool and copy its answer (learnt on the sums), mostly answers
+products directly (and wrongly) and sometimes calls the tool on them, which RL can reinforce.
 
 The code task asks for a one-line Python function ``f(x)`` computing an affine expression; its
 ground truth is hidden tests (``assert f(3) == 23``, five of them, JSON), its demonstration the
@@ -252,32 +254,63 @@ class ReverseDigitsTask(ReverseTask, name="reverse_digits", alphabet=string.digi
 @dataclasses.dataclass(frozen=True)
 class CalculatorTask(Task, name="calculator", ability="tool"):
     """``mul:482*937=`` -> ``451634``: a product of two ``digits``-digit numbers, meant to be
-    computed by calling the ``calculator`` tool (module docstring). ``tool_fraction``: the
-    share of the demonstrations that call the tool (chosen per problem from its prompt, so the
-    same problem always gets the same demonstration)."""
+    computed by calling the ``calculator`` tool (module docstring).
+
+    Its demonstrations (:meth:`make_sft_examples`): a ``sum_fraction`` of them are sums of two
+    ``digits + 2``-digit numbers (``add:48211+93702=``, answers of as many digits as the
+    products'), each worked through the tool: the call, the tool's answer, the answer copied.
+    The others are products, answered directly except a ``tool_fraction`` of them, worked
+    through the tool. So the sums teach the call and the copy without showing that products
+    need the tool; RL finds that out. (Which demonstrations call the tool is fixed per problem
+    by its prompt.) The RL prompts and the held-out problems are products only."""
 
     digits: int = 3
     tool_fraction: float = 0.25
+    sum_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if not 2 <= self.digits <= 6:
             raise ValueError(f"calculator digits must be in 2..6, got {self.digits}")
-        if not 0 <= self.tool_fraction <= 1:
-            raise ValueError(f"calculator tool_fraction must be in [0, 1], got {self.tool_fraction}")
+        for name in ("tool_fraction", "sum_fraction"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"calculator {name} must be in [0, 1], got {getattr(self, name)}")
 
     def sample(self, rng: np.random.Generator) -> tuple[str, str]:
         a, b = (int(x) for x in rng.integers(10 ** (self.digits - 1), 10**self.digits, size=2))
         return f"mul:{a}*{b}=", str(a * b)
 
+    def sum_problems(self, n: int, seed: int = 0) -> list[tuple[str, str]]:
+        """``n`` deterministic sums ``("add:48211+93702=", "141913")`` of two ``digits + 2``-digit
+        numbers (never held out: the held-out problems are products)."""
+        rng = np.random.default_rng([int(seed), zlib.crc32(b"jaxflow/calculator/sums")])
+        low, high = 10 ** (self.digits + 1), 10 ** (self.digits + 2)
+        pairs = rng.integers(low, high, size=(n, 2))
+        return [(f"add:{a}+{b}=", str(int(a) + int(b))) for a, b in pairs]
+
     def make_sft_examples(self, n: int, seed: int = 0, split: str = "train") -> list[dict[str, Any]]:
-        rows = super().make_sft_examples(n, seed, split)
+        num_sums = round(n * self.sum_fraction) if split == "train" else 0  # held out: products only
+        rows = super().make_sft_examples(n - num_sums, seed, split)
         for row in rows:
-            question, answer = row["extra_info"]["question"], row["response"]
-            if zlib.crc32(f"tool|{question}".encode()) % 1000 < self.tool_fraction * 1000:
-                expression = question.removeprefix("mul:").removesuffix("=")
-                call = hermes_call("calculator", {"expression": expression})
-                row["response"] = f"{call}{_EOS_TEXT}{tool_response_turn([answer])}{answer}"
-        return rows
+            if zlib.crc32(f"tool|{row['extra_info']['question']}".encode()) % 1000 < self.tool_fraction * 1000:
+                row["response"] = _worked_with_tool(row["extra_info"]["question"], row["response"])
+        sums = [self._row(0, prompt, answer, split) for prompt, answer in self.sum_problems(num_sums, seed)]
+        for row in sums:
+            row["response"] = _worked_with_tool(row["extra_info"]["question"], row["reward_model"]["ground_truth"])
+        if not sums:
+            return rows
+        order = np.random.default_rng([int(seed), 11]).permutation(n)
+        out = [(rows + sums)[i] for i in order]
+        for i, row in enumerate(out):
+            row["extra_info"]["index"] = i
+        return out
+
+
+def _worked_with_tool(question: str, answer: str) -> str:
+    """The demonstration of ``question`` (``mul:482*937=``) through the calculator: the hermes
+    call with the expression, the tool's turn with ``answer``, then ``answer``."""
+    expression = question.split(":", 1)[1].removesuffix("=")
+    call = hermes_call("calculator", {"expression": expression})
+    return f"{call}{_EOS_TEXT}{tool_response_turn([answer])}{answer}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -463,13 +463,15 @@ class RLTrainer:
         """Greedy (``rollout.val_kwargs``) rollouts on the validation prompts: ``val/...``."""
         t = self.spec.trainer
         size = self.spec.data.val_batch_size or len(self.val_data)
-        scores, lengths, by_source = [], [], {}
+        scores, lengths, by_source, calls = [], [], {}, []
         progress = ProgressBar(len(self.val_data), desc="validate", unit="prompt", leave=False)
         for start in range(0, len(self.val_data), size):
             idx = np.arange(start, min(start + size, len(self.val_data)))
             prompts = batch_from_prompts(self.val_data.batch(idx))
             out = self.workers.actor.generate(prompts, sampling="val")
             out |= self.workers.reward(out)
+            if self.spec.rollout.multi_turn is not None:  # share of conversations that called a tool
+                calls.append((self.workers.actor.rollout_metrics()[0]["agent/tool_call_rate"], len(out)))
             mask = np.asarray(jax.device_get(out["response_mask"]))
             seq = (np.asarray(jax.device_get(out["token_level_scores"])) * (mask > 0)).sum(-1)
             scores.append(seq)
@@ -491,6 +493,9 @@ class RLTrainer:
         }
         for src, s in by_source.items():
             metrics[f"val/test_score/{src}"] = float(np.mean(s))
+        if calls:
+            rates, sizes = np.array(calls).T
+            metrics["val/agent/tool_call_rate"] = float(rates @ sizes / sizes.sum())
         return metrics
 
     # ------------------------------------------------------------------ the loop
