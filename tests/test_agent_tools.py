@@ -23,6 +23,7 @@ from jaxflow.agents import (
     hermes_tool_turn,
     parse_tool_calls,
     run_agent,
+    sample_tool_kwargs,
 )
 
 
@@ -187,6 +188,47 @@ def test_the_loop_keeps_the_model_tokens_and_masks_the_tool_turns():
     assert short.response_mask.sum() == 100 and short.turns.tolist() == [1]
     assert short.loss_mask[0].tolist() == [1] * len(CALL) + [0] * (100 - len(CALL))
     executor.close()
+
+
+def _check(guess: str, ground_truth: str) -> str:
+    return "right" if guess == ground_truth else "wrong"
+
+
+CHECK = Tool(
+    "check",
+    "Checks a guess against the sample's answer.",
+    {"type": "object", "properties": {"guess": {"type": "string"}}, "required": ["guess"]},
+    _check,
+)
+
+
+def test_a_samples_tools_kwargs_reach_its_tool_calls_and_the_model_cannot_set_them():
+    """verl's ``extra_info.tools_kwargs[tool]["create_kwargs"]``: each conversation's tool calls
+    get its own row's keyword arguments beside the model's; a model that passes one itself is
+    answered with an error (not in the tool's schema)."""
+    honest = '<tool_call>{"name": "check", "arguments": {"guess": "7"}}</tool_call>'
+    forged = '<tool_call>{"name": "check", "arguments": {"guess": "7", "ground_truth": "7"}}</tool_call>'
+
+    def guesser(conversations, budgets, rows):
+        texts = [_decode(c) for c in conversations]
+        turns = [_encode("ok" if "<tool_response>" in t else forged if t == "F" else honest) for t in texts]
+        return [(t, [-1.0] * len(t)) for t in turns]
+
+    def row(truth):
+        return {"extra_info": {"tools_kwargs": {"check": {"create_kwargs": {"ground_truth": truth}}}}}
+
+    executor = ToolExecutor([CHECK])
+    prompts, samples = [_encode("Q"), _encode("Q"), _encode("F")], [row("7"), row("8"), row("8")]
+    out = run_agent(prompts, guesser, _encode, _decode, executor, AgentConfig(), samples=samples)
+    answers = [_decode(r[(m > 0) & (lm == 0)]) for r, m, lm in zip(out.responses, out.response_mask, out.loss_mask)]
+    refused = "Error: unknown argument(s) ['ground_truth']; check takes ['guess']"
+    want = [ToolResult("check", "right", True), ToolResult("check", "wrong", True), ToolResult("check", refused, False)]
+    assert answers == [hermes_tool_turn([w]) for w in want]
+    assert out.tool_errors.tolist() == [0, 0, 1]
+    executor.close()
+    assert sample_tool_kwargs(row("7"), "check") == {"ground_truth": "7"} and sample_tool_kwargs(None, "check") == {}
+    with pytest.raises(ValueError, match=r"tools_kwargs\['check'\].create_kwargs must be a dict"):
+        sample_tool_kwargs({"extra_info": {"tools_kwargs": {"check": {"create_kwargs": "7"}}}}, "check")
 
 
 # The engine's tests share one model, sampler and shapes (4 conversations of at most 18

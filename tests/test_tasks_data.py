@@ -248,6 +248,30 @@ def test_parquet_and_jsonl_give_identical_batches(tmp_path, char_tok):
         assert a.ground_truth == b.ground_truth and a.extra_info == b.extra_info
 
 
+@pytest.mark.parametrize("name", ["calculator", "code"])
+def test_the_agentic_tasks_come_as_verl_parquet_files(tmp_path, char_tok, name):
+    """The tool and code tasks' rows written to parquet (verl's schema, one row with
+    ``extra_info.tools_kwargs``) give the batches of the in-memory built-in split, the tool's
+    per-sample arguments included (rows without them read back as none), and their
+    demonstrations score 1 by the data source's reward (the code one in the sandbox)."""
+    from jaxflow.agents import sample_tool_kwargs
+    from jaxflow.rewards import default_compute_score
+
+    task = tasks.get_task(name)
+    rows = task.make_sft_examples(4, seed=1)
+    rows[0]["extra_info"]["tools_kwargs"] = {"calculator": {"create_kwargs": {"ground_truth": "12"}}}
+    path = ds.write_rows(rows, tmp_path / "train.parquet")
+    from_file = ds.PromptDataset(path, char_tok, max_prompt_length=20).batch(range(4))
+    in_memory = ds.PromptDataset("rows", char_tok, rows=rows, max_prompt_length=20).batch(range(4))
+    np.testing.assert_array_equal(from_file.prompt_ids, in_memory.prompt_ids)
+    assert from_file.ground_truth == in_memory.ground_truth == [r["reward_model"]["ground_truth"] for r in rows]
+    kwargs = [sample_tool_kwargs({"extra_info": info}, "calculator") for info in from_file.extra_info]
+    assert kwargs == [{"ground_truth": "12"}, {}, {}, {}]
+    for row, source, truth in zip(rows, from_file.data_source, from_file.ground_truth):
+        score = default_compute_score(source, row["response"], truth)
+        assert (score["score"] if isinstance(score, dict) else score) == 1.0
+
+
 def test_plain_text_prompts_and_prompt_key(tmp_path, char_tok):
     rows = [{"question": "1+2=", "data_source": "jaxflow/addition", "reward_model": {"ground_truth": "3"}}]
     path = ds.write_rows(rows, tmp_path / "plain.jsonl")

@@ -21,6 +21,7 @@ from jaxflow.agents.tools import (
     ToolResult,
     calculate,
     parse_tool_calls,
+    sample_tool_kwargs,
 )
 
 __all__ = [
@@ -40,4 +41,5 @@ __all__ = [
     "hermes_tool_turn",
     "parse_tool_calls",
     "run_agent",
+    "sample_tool_kwargs",
 ]

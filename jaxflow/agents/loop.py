@@ -40,7 +40,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jaxflow.agents.tools import FORMATS, ToolExecutor, ToolResult, parse_tool_calls
+from jaxflow.agents.tools import FORMATS, ToolExecutor, ToolResult, parse_tool_calls, sample_tool_kwargs
 
 
 def hermes_tool_turn(results: Sequence[ToolResult]) -> str:
@@ -210,7 +210,9 @@ def run_agent(
                 c.reward(reward)
                 if not done and more and c.untrained_turn(encode(config.observation_turn(observation or ""))):
                     still.append(i)
-        answers = iter(executor.run([call for i in tool_calls for call in tool_calls[i]]))  # all at once
+        calls = [(i, call) for i in tool_calls for call in tool_calls[i]]
+        kwargs = [sample_tool_kwargs(samples[i] if samples else None, call.name) for i, call in calls]
+        answers = iter(executor.run([call for _, call in calls], kwargs))  # all at once
         for i, parsed in tool_calls.items():
             results = [next(answers) for _ in parsed]
             c = convs[i]

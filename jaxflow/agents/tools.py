@@ -179,6 +179,19 @@ def _split_top_level(text: str, sep: str) -> list[str]:
     return parts + [text[start:]]
 
 
+def sample_tool_kwargs(sample: Mapping[str, Any] | None, tool: str) -> dict[str, Any]:
+    """A dataset row's keyword arguments for ``tool``: verl's
+    ``extra_info.tools_kwargs[tool]["create_kwargs"]`` (e.g. the sample's ground truth for a
+    tool that checks an answer); ``{}`` without. A malformed entry raises ``ValueError``."""
+    entry = ((sample or {}).get("extra_info") or {}).get("tools_kwargs") or {}
+    if not isinstance(entry, Mapping):
+        raise ValueError(f"extra_info.tools_kwargs must be a dict of tool names, got {type(entry).__name__}")
+    kwargs = (entry.get(tool) or {}).get("create_kwargs") or {}
+    if not isinstance(kwargs, Mapping):
+        raise ValueError(f"extra_info.tools_kwargs[{tool!r}].create_kwargs must be a dict, got {kwargs!r:.80}")
+    return dict(kwargs)
+
+
 class ToolExecutor:
     """Runs parsed calls against a set of tools on a thread pool, each under its tool's time
     limit; ``counts`` holds ``calls``, ``errors`` (parse, unknown tool, bad arguments, raised)
@@ -196,10 +209,15 @@ class ToolExecutor:
     def schemas(self) -> list[dict[str, Any]]:
         return [t.schema() for t in self.tools.values()]
 
-    def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        """The answers of ``calls``, in order (the calls run concurrently)."""
+    def run(
+        self, calls: Sequence[ToolCall], sample_kwargs: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[ToolResult]:
+        """The answers of ``calls``, in order (the calls run concurrently). ``sample_kwargs``:
+        per call, keyword arguments from its conversation's dataset row (verl's
+        ``extra_info.tools_kwargs[tool]["create_kwargs"]``, `sample_tool_kwargs`) passed to the
+        tool beside the model's arguments, winning on a clash (the model cannot set them)."""
         futures = []
-        for call in calls:
+        for k, call in enumerate(calls):
             self.counts["calls"] += 1
             problem = call.error
             tool = self.tools.get(call.name)
@@ -207,7 +225,8 @@ class ToolExecutor:
                 problem = f"unknown tool {call.name!r}; the tools are {sorted(self.tools)}"
             if problem is None:
                 problem = tool.check(call.arguments or {})
-            futures.append((call, tool, problem, None if problem else self._pool.submit(tool.fn, **call.arguments)))
+            arguments = {**(call.arguments or {}), **(sample_kwargs[k] if sample_kwargs else {})}
+            futures.append((call, tool, problem, None if problem else self._pool.submit(tool.fn, **arguments)))
         results = []
         for call, tool, problem, future in futures:
             if problem is not None:
