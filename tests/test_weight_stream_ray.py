@@ -24,7 +24,8 @@ CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=120, step_deadline_s=6
 
 @pytest.fixture(scope="module")
 def groups(ray_session):
-    """The trainer's and the rollout's worker groups (2 processes each, their own worlds)."""
+    """The backend, the trainer's and the rollout's worker groups (2 processes each, their
+    own worlds)."""
     backend = RayBackend(CONFIG)
     try:
         trainer = backend.group(
@@ -44,7 +45,7 @@ def groups(ray_session):
             mesh="tp=4",
             rules="generate",
         )
-        yield trainer, rollout
+        yield backend, trainer, rollout
     finally:
         backend.shutdown()
 
@@ -54,7 +55,7 @@ def _flat(tree) -> dict[str, np.ndarray]:
 
 
 def test_three_syncs_are_bit_exact_and_no_process_holds_the_model(groups):
-    trainer, rollout = groups
+    _, trainer, rollout = groups
     stream = WeightStream(trainer, rollout, bucket_bytes=BUCKET_BYTES)
     before = _flat(trainer.weights()[0])
     model_bytes = sum(v.nbytes for v in before.values())
@@ -85,6 +86,7 @@ def test_three_syncs_are_bit_exact_and_no_process_holds_the_model(groups):
         # nor a piece larger than its own shard; no rollout device holds a whole split weight
         assert metrics["weight_sync/max_process_bytes"] == max(r.peak_bytes for r in stream.reports) < model_bytes
         assert all(r.largest_piece_bytes <= r.largest_shard_bytes for r in sources)
+        assert all(r.peak_bytes <= r.held_bytes + BUCKET_BYTES for r in sources)  # its shards and one bucket
         assert all(r.largest_shard_bytes < largest_leaf for r in targets)
         # measured by JAX in each process after the sync: its live arrays are its shards only
         live = trainer.live_bytes([None] * 2) + rollout.live_bytes([None] * 2)
@@ -97,15 +99,15 @@ def test_three_syncs_are_bit_exact_and_no_process_holds_the_model(groups):
 
 
 def test_a_bf16_generation_copy_is_the_trainers_weights_cast(groups):
-    trainer, rollout = groups
-    processes = rollout.processes
-    copy = type(rollout)(
-        processes,
-        "rollout_bf16",
+    backend, trainer, rollout = groups
+    copy = backend.group(
+        rollout.processes,
         StreamedWeights,
-        processes.build(
-            "rollout_bf16", StreamedWeights, dict(cfg=CFG, mesh="tp=4", rules="generate", dtype="bfloat16")
-        ),
+        name="rollout_bf16",
+        cfg=CFG,
+        mesh="tp=4",
+        rules="generate",
+        dtype="bfloat16",
     )
     metrics = WeightStream(trainer, copy).sync()
     want, got = _flat(trainer.weights()[0]), _flat(copy.weights()[0])
@@ -131,10 +133,10 @@ def test_a_bf16_generation_copy_is_the_trainers_weights_cast(groups):
     ],
 )
 def test_layouts_that_do_not_match_are_refused(groups, changed, message):
-    trainer, rollout = groups
-    processes, name = rollout.processes, f"other_{next(iter(changed))}"
-    kwargs = dict(cfg=dataclasses.replace(CFG, **changed), mesh="tp=4", rules="generate")
-    other = type(rollout)(processes, name, StreamedWeights, processes.build(name, StreamedWeights, kwargs))
+    backend, trainer, rollout = groups
+    cfg = dataclasses.replace(CFG, **changed)
+    name = f"other_{next(iter(changed))}"
+    other = backend.group(rollout.processes, StreamedWeights, name=name, cfg=cfg, mesh="tp=4", rules="generate")
     with pytest.raises(ValueError, match=message):
         WeightStream(trainer, other)
     with pytest.raises(ValueError, match="share one world"):

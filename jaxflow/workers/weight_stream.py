@@ -179,7 +179,12 @@ def _pieces(plan: list[tuple]):
                 k += 1
 
 
+STREAMS = 2**7  # streams told apart in transfer numbers (`StreamRoute.sync_tag`)
+
+
 def _uuid(sync: int, k: int) -> int:
+    """The transfer number of piece ``k`` of sync ``sync`` (a `StreamRoute.sync_tag` between
+    the Ray groups): 63 bits for ``sync < 2^31``."""
     return sync * 2**32 + k
 
 
@@ -339,13 +344,21 @@ class WeightReceiver:
 class StreamRoute:
     """What every process of both worlds gets of a stream from the driver: the piece plan,
     the target's layout, the servers of both worlds' processes by process index, the
-    bucket size."""
+    bucket size, the stream's number."""
 
     plan: list[tuple]
     dst: Layout
     sources: Mapping[int, str]
     targets: Mapping[int, str]
     bucket_bytes: int | None
+    stream_id: int = 0  # < STREAMS, distinct among the streams a process takes part in
+
+    def sync_tag(self, sync: int) -> int:
+        """The number that tells sync ``sync`` of this stream from every other stream's (the
+        transfer numbers a process's one server sees): ``sync * STREAMS + stream_id``."""
+        if not 0 <= self.stream_id < STREAMS:
+            raise ValueError(f"stream_id {self.stream_id} is not in [0, {STREAMS})")
+        return sync * STREAMS + self.stream_id
 
 
 @dataclasses.dataclass
@@ -397,12 +410,14 @@ class StreamEndpoint:
         route = joined.route
         if joined.side == "source":
             leaves = jax.tree.leaves(joined.role.params)
-            return joined.peer.offer(leaves, route.plan, sync, layout_dtypes(route.dst), route.bucket_bytes)
+            return joined.peer.offer(
+                leaves, route.plan, route.sync_tag(sync), layout_dtypes(route.dst), route.bucket_bytes
+            )
         old, treedef = jax.tree.flatten(joined.role.params)
         shardings = [x.sharding for x in old]
         for x in old:  # never two copies of the rollout's weights
             x.delete()
         del old
-        arrays, report = joined.peer.receive(route.plan, route.dst, shardings, sync, route.bucket_bytes)
+        arrays, report = joined.peer.receive(route.plan, route.dst, shardings, route.sync_tag(sync), route.bucket_bytes)
         joined.role.replace_params(jax.tree.unflatten(treedef, arrays))
         return report

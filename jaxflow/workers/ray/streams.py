@@ -33,16 +33,18 @@ trainer's.
 
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Any
 
 from jaxflow.workers.ray.backend import RayWorkerGroup
 from jaxflow.workers.ray.cluster import ray_module
 from jaxflow.workers.ray.deadlines import call_deadline
-from jaxflow.workers.weight_stream import StreamReport, StreamRoute, layout_bytes, match_trees, stream_plan
+from jaxflow.workers.weight_stream import STREAMS, StreamReport, StreamRoute, layout_bytes, match_trees, stream_plan
 
 METRIC_PREFIX = "weight_sync/"
 BUCKET_BYTES = 256 * 2**20  # what a sender holds of pieces at once, beyond its shards
+_STREAM_IDS = itertools.count()  # this driver's streams, told apart in the processes' transfer numbers
 
 
 class WeightStream:
@@ -78,7 +80,8 @@ class WeightStream:
         plan = stream_plan(sources[0]["layout"], dst, sources[0]["paths"])
         self.model_bytes = layout_bytes(dst)
         addresses = [{d["process"]: d["address"] for d in described} for described in (sources, targets)]
-        payload = ray_module().put(StreamRoute(plan, dst, *addresses, bucket_bytes))
+        route = StreamRoute(plan, dst, *addresses, bucket_bytes, next(_STREAM_IDS) % STREAMS)
+        payload = ray_module().put(route)
         joins = [
             (group, group.processes.submit("stream_join", self.key, group.name, side, payload))
             for group, side in ((source, "source"), (target, "target"))
