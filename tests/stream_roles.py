@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxflow.mesh import get_rules, state_shardings
 from jaxflow.models import ModelConfig, init_model
@@ -12,10 +13,19 @@ from jaxflow.workers import ALL_TO_ALL, ONE_TO_ALL, register
 from jaxflow.workers.base import resolve_mesh
 
 
+def shard_values(shape: tuple[int, ...], index: tuple[slice, ...], dtype, seed: int) -> np.ndarray:
+    """The block ``index`` of a weight whose element at flat position ``n`` is
+    ``0.02 sin(0.7 n + seed)`` (made for that block only: no compile, no whole weight)."""
+    grids = np.meshgrid(*(np.arange(n)[sl] for n, sl in zip(shape, index)), indexing="ij")
+    flat = np.ravel_multi_index(grids, shape) if shape else np.zeros((), np.int64)
+    return (0.02 * np.sin(0.7 * flat + seed)).astype(dtype)
+
+
 class StreamedWeights:
-    """The weights of a ``cfg`` model on ``mesh`` under ``rules``: N(0, 0.02) from ``seed``
-    (or zeros: a rollout copy before its first sync), in ``dtype``. A `WeightHolder`
-    (``params``, ``replace_params``) for `jaxflow.workers.ray.streams.WeightStream`."""
+    """The weights of a ``cfg`` model on ``mesh`` under ``rules``, in ``dtype``: each process
+    makes only its devices' blocks (`shard_values` from ``seed``, or zeros: a rollout copy
+    before its first sync). A `WeightHolder` (``params``, ``replace_params``) for
+    `jaxflow.workers.ray.streams.WeightStream`."""
 
     def __init__(self, cfg: ModelConfig, mesh: str, rules: str, seed: int | None = None, dtype: str = "float32"):
         self.mesh, self.dp_axes = resolve_mesh(mesh), ()
@@ -23,16 +33,24 @@ class StreamedWeights:
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), abstract)
         shardings = state_shardings(abstract, get_rules(rules), self.mesh)
 
-        def init():
-            leaves, treedef = jax.tree.flatten(abstract)
-            keys = jax.random.split(jax.random.key(0 if seed is None else seed), len(leaves))
-            values = [
-                jnp.zeros(x.shape, x.dtype) if seed is None else 0.02 * jax.random.normal(keys[i], x.shape, x.dtype)
-                for i, x in enumerate(leaves)
-            ]
-            return jax.tree.unflatten(treedef, values)
+        def make(i: int, x: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+            def block(index):
+                if seed is None:
+                    return np.zeros([len(range(*sl.indices(n))) for n, sl in zip(x.shape, index)], x.dtype)
+                return shard_values(x.shape, index, x.dtype, seed + i)
 
-        self.params = jax.jit(init, out_shardings=shardings)()
+            return jax.make_array_from_callback(x.shape, sharding, block)
+
+        leaves, treedef = jax.tree.flatten(abstract)
+        self.params = jax.tree.unflatten(
+            treedef,
+            [
+                make(i, x, s)
+                for i, (x, s) in enumerate(
+                    zip(leaves, jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding)))
+                )
+            ],
+        )
         self._update = jax.jit(
             lambda p, k: jax.tree.map(lambda x: x * (1 - 2.0**-3) + k * 2.0**-7, p), donate_argnums=0
         )
