@@ -53,7 +53,8 @@ def main(side: str, folder: str, gen_tp: int) -> None:
         leaves = jax.tree.leaves(train)
         publish(root / "src", pickle.dumps((ws.layout(leaves), server.address())))
         dst = pickle.loads(wait_for(root / "dst"))
-        sent = ws.WeightSender(server).offer(leaves, ws.stream_plan(ws.layout(leaves), dst), 1, jnp.bfloat16)
+        plan = ws.stream_plan(ws.layout(leaves), dst)
+        sent = ws.WeightSender(server).offer(leaves, plan, 1, ws.layout_dtypes(dst)).bytes
         publish(root / "sent", json.dumps(sent).encode())
         wait_for(root / "report")  # the posted pieces live until pulled
         return
@@ -66,9 +67,7 @@ def main(side: str, folder: str, gen_tp: int) -> None:
     dst = ws.layout_of_shardings(host_leaves, shardings, jnp.bfloat16)
     publish(root / "dst", pickle.dumps(dst))
     src, address = pickle.loads(wait_for(root / "src"))
-    arrays, pulled, seconds = ws.WeightReceiver(server, {0: address}).receive(
-        ws.stream_plan(src, dst), dst, shardings, 1
-    )
+    arrays, received = ws.WeightReceiver(server, {0: address}).receive(ws.stream_plan(src, dst), dst, shardings, 1)
     exact = all(
         np.array_equal(bits(x), bits(np.asarray(h).astype(jnp.bfloat16))) and x.sharding == s
         for x, h, s in zip(arrays, host_leaves, shardings)
@@ -77,8 +76,8 @@ def main(side: str, folder: str, gen_tp: int) -> None:
     held = sum(sh.data.nbytes for x in arrays for sh in x.addressable_shards)
     report = dict(
         exact=exact,
-        pulled=pulled,
-        seconds=seconds,
+        pulled=received.bytes,
+        seconds=received.seconds,
         largest_shard=largest,
         held=held,
         sent=json.loads(wait_for(root / "sent")),

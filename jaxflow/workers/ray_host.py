@@ -21,6 +21,10 @@ life:
    a per-rank method (ALL_TO_ALL) returns its own value. ``call_rows(role, method, shared,
    rows)`` is the same for a data-parallel method whose batch tensors arrive by process: this
    process's rows become global arrays (`jaxflow.workers.host_transfer.rows_to_global`).
+5. ``stream_open(role, side)``, ``stream_join(...)``, ``stream_sync(key, sync)``: this
+   process's end of a weight stream between two groups' worlds
+   (`jaxflow.workers.weight_stream.StreamEndpoint`, one transfer server per process, started
+   on first use; the driver's side is `jaxflow.workers.ray.streams.WeightStream`).
 
 A thread of each process watches its parent (the raylet that started it) and ends the
 process when that dies, so a process whose Ray instance is gone never lingers.
@@ -66,6 +70,7 @@ class HostProcess:
         self.devices_per_process, self.platform = devices_per_process, platform
         self.roles: dict[str, Any] = {}
         self.infos: dict[str, Any] = {}
+        self.endpoint: Any = None  # this process's StreamEndpoint, once a stream needs it
         threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True, name="parent-watch").start()
         # Measured: tensor bytes received by data-parallel calls (their rows), and parameter
         # bytes received from the driver (`ShippedParams` blocks).
@@ -209,3 +214,25 @@ class HostProcess:
         self.io["row_bytes"] += sum(v.nbytes for r in rows for v in r.values())
         args, kwargs = rows_to_global(*shared, rows, worker.mesh, worker.dp_axes)
         return self.call(role, method, (args, kwargs))
+
+    # ------------------------------------------------------------------ weight streams
+    def stream_open(self, role: str, side: str) -> dict[str, Any]:
+        """This process's transfer server address (the server started on first use, on this
+        node's address) and ``role``'s leaf paths and layout as ``side`` of a stream
+        (`StreamEndpoint.describe`)."""
+        from jaxflow.workers.weight_stream import StreamEndpoint
+
+        if self.endpoint is None:
+            import ray  # inside a Ray actor, Ray is there
+
+            self.endpoint = StreamEndpoint(ray.util.get_node_ip_address())
+        return self.endpoint.describe(self.roles[role], side)
+
+    def stream_join(self, key: str, role: str, side: str, route: Any) -> None:
+        """Takes part in stream ``key`` as ``role``'s ``side`` along the driver's ``route`` (a
+        `jaxflow.workers.weight_stream.StreamRoute`; `StreamEndpoint.join`)."""
+        self.endpoint.join(key, self.roles[role], side, route)
+
+    def stream_sync(self, key: str, sync: int) -> Any:
+        """This process's part of sync number ``sync`` of stream ``key`` (a `StreamReport`)."""
+        return self.endpoint.sync(key, sync)

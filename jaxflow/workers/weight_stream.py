@@ -4,36 +4,55 @@ rollout's Ray worker groups), each process sending only its own shards, with
 
 ::
 
-    # every process of both worlds
-    server = start_server()                                    # one per process
-    src = layout(train_state)                  # trainer world: plain tuples, sent to the driver
-    dst = layout_of_shardings(abstract_state, gen_shardings)   # rollout world
-    plan = stream_plan(src, dst)                               # the same on every process
-    # trainer processes                           # rollout processes
-    WeightSender(server).offer(leaves, plan, n)   WeightReceiver(server, addresses).receive(plan, dst, gen_shardings, n)
+    # every process of both worlds: one endpoint (one transfer server) per process
+    endpoint = StreamEndpoint(host_ip)
+    endpoint.describe(role, "source" | "target")      # address, leaf paths, layout -> the driver
+    plan = stream_plan(src_layout, dst_layout)          # the driver, once (match_trees first)
+    route = StreamRoute(plan, dst_layout, source_addresses, target_addresses, bucket_bytes)
+    endpoint.join(key, role, side, route)               # every process, once
+    endpoint.sync(key, n)          # each sync: sources offer, targets receive, concurrently
+
+The driver's side on Ray is `jaxflow.workers.ray.streams.WeightStream`; the endpoint is what
+each `jaxflow.workers.ray_host.HostProcess` keeps (``stream_*`` methods). A role takes part
+through two members every `jaxflow.workers.base.RoleWorker` has: ``params`` (its arrays on
+its mesh) and ``replace_params`` (the target's new arrays, same tree).
 
 The plan is :func:`jaxflow.reshard.weight_sync.overlap_targets` over world-independent
 layouts: each shard box with its owner ``(process_index, device_id)``. Each piece (the
 overlap of a source shard and a destination shard) gets a number ``k`` in the plan's order;
-its owner slices (and casts) it on its device and posts it under ``uuid = sync·2^32 + k``
-(``TransferServer.await_pull``); the destination's process pulls it from that sender's
-server (``TransferConnection.pull``) straight onto its device and writes it into the
-destination shard in place. No process touches a piece of a shard it does not hold, and
-nothing goes through a file or the host (on CPU the transfer server copies device memory
+its owner slices (and casts to the target's dtype) it on its device and posts it under
+``uuid = sync·2^32 + k`` (``TransferServer.await_pull``); a piece that several destination
+replicas want is made once (per bucket) and posted under each of their numbers. The
+destination's process pulls it from that sender's server (``TransferConnection.pull``)
+straight onto its device and writes it into the destination shard in place. No process touches a piece of a shard it does not hold,
+and nothing goes through a file or the host (on CPU the transfer server copies device memory
 over a socket; on GPU/TPU it is PJRT's cross-host transfer).
 
+Buckets. The pieces are cut, in plan order, into buckets of at most ``bucket_bytes``; a
+sender makes and posts one bucket's pieces, then waits until every receiver of that bucket
+acknowledges it (the receiver posts a one-byte array that the sender pulls, over the same
+servers: no round trip through a driver) before it drops them and makes the next.
+
+What a process holds of the model during a sync (counted from the arrays this module makes,
+`StreamReport.peak_bytes`): a sender its own shards plus one bucket of pieces (a piece
+that is a whole shard in the target's dtype is the shard itself); a receiver frees its
+previous copy first (it never holds two), then holds its destination shards plus one piece
+in flight. Neither ever holds a whole weight that either layout splits.
+
 Measured in this JAX (0.10.2) on CPU: a transfer server started in each of two plain
-processes (each its own client) moves a pulled array onto the puller's device; see
-``tests/test_weight_stream.py`` (two single-process worlds of 2 simulated devices each).
-Not yet done: the Ray worker groups' methods that host a sender and a receiver and the
-driver that passes the layouts and addresses between them (issue 23, item 2).
+processes (each its own client), and in each process of two Ray worker groups that are two
+``jax.distributed`` worlds with gloo collectives, moves a pulled array onto the puller's
+device; a pull issued before its piece is posted waits for it. See
+``tests/test_weight_stream.py`` (two single-process worlds) and
+``tests/test_weight_stream_ray.py`` (two Ray groups of 2 processes x 2 devices).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +64,31 @@ from jaxflow.reshard.weight_sync import overlap_targets, place_piece, take_piece
 
 # per leaf: (shape, dtype name, ((owner, box), ...)) with owner = (process_index, device_id)
 Layout = list[tuple[tuple[int, ...], str, tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]]]
+SIDES = ("source", "target")
+
+
+class WeightHolder(Protocol):
+    """What a role needs to take part in a stream (every `RoleWorker` has both)."""
+
+    @property
+    def params(self) -> Any: ...
+
+    def replace_params(self, params: Any) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamReport:
+    """One process's part of one sync, measured (bytes counted from the arrays it made)."""
+
+    process: int  # its index in its world
+    side: str  # "source" | "target"
+    bytes: int  # bytes it posted (source) or pulled (target), one count per piece moved
+    pieces: int
+    seconds: float  # wall time of its part, pieces posted (source) / arrays ready (target)
+    held_bytes: int  # what it holds of the model: its devices' shards (source) / new shards (target)
+    peak_bytes: int  # the most it held of the model during the sync: shards plus pieces
+    largest_piece_bytes: int
+    largest_shard_bytes: int  # its largest shard of one leaf
 
 
 def _boxes(shape: tuple[int, ...], sharding: Any) -> tuple:
@@ -67,14 +111,57 @@ def layout_of_shardings(shapes: Sequence[Any], shardings: Sequence[Any], dtype: 
     ]
 
 
-def stream_plan(src: Layout, dst: Layout) -> list[tuple]:
-    """Per leaf, the destination shards and the pieces each is made of (`overlap_targets`)."""
+def layout_dtypes(lay: Layout) -> list[np.dtype]:
+    """The dtype of each leaf of a layout (a target's: what the senders cast to)."""
+    return [np.dtype(d) for _, d, _ in lay]
+
+
+def layout_bytes(lay: Layout) -> int:
+    """Bytes of one whole copy of the model that ``lay`` lays out."""
+    return sum(int(np.prod(shape)) * np.dtype(d).itemsize for shape, d, _ in lay)
+
+
+def leaf_paths(tree: Any) -> list[str]:
+    """The path of every leaf of ``tree`` (``jax.tree_util.keystr``), in flattening order."""
+    return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _some(paths: Sequence[str], shown: int = 3) -> str:
+    if not paths:
+        return "nothing"
+    more = f" (+{len(paths) - shown} more)" if len(paths) > shown else ""
+    return ", ".join(paths[:shown]) + more
+
+
+def match_trees(src_paths: Sequence[str], dst_paths: Sequence[str]) -> None:
+    """Raises ValueError naming the leaves that only one side has (or the first out of order)."""
+    if list(src_paths) == list(dst_paths):
+        return
+    only_src = [p for p in src_paths if p not in set(dst_paths)]
+    only_dst = [p for p in dst_paths if p not in set(src_paths)]
+    if not only_src and not only_dst:
+        first = next(i for i, (a, b) in enumerate(zip(src_paths, dst_paths)) if a != b)
+        raise ValueError(f"the weights' leaves are in another order: {src_paths[first]} vs {dst_paths[first]}")
+    raise ValueError(
+        f"the trainer's weights and the rollout's are different trees: only the trainer's has "
+        f"{_some(only_src)}; only the rollout's has {_some(only_dst)}"
+    )
+
+
+def stream_plan(src: Layout, dst: Layout, paths: Sequence[str] | None = None) -> list[tuple]:
+    """Per leaf, the destination shards and the pieces each is made of (`overlap_targets`);
+    ``paths`` name the leaves in its errors."""
     if len(src) != len(dst):
         raise ValueError(f"the trainer's state has {len(src)} arrays but the rollout layout {len(dst)}")
+    differ = [
+        f"{paths[i] if paths else f'leaf {i}'} is {a} in the trainer's world, {b} in the rollout's"
+        for i, ((a, _, _), (b, _, _)) in enumerate(zip(src, dst))
+        if a != b
+    ]
+    if differ:
+        raise ValueError(f"{len(differ)} of {len(src)} weights differ in shape: {_some(differ)}")
     plan = []
-    for i, ((shape, _, s_boxes), (d_shape, _, d_boxes)) in enumerate(zip(src, dst)):
-        if shape != d_shape:
-            raise ValueError(f"leaf {i}: shape {shape} in the trainer's world, {d_shape} in the rollout's")
+    for (_, _, s_boxes), (_, _, d_boxes) in zip(src, dst):
         blocks: dict = {}
         for owner, box in s_boxes:
             blocks.setdefault(box, []).append(owner)
@@ -92,8 +179,44 @@ def _pieces(plan: list[tuple]):
                 k += 1
 
 
+STREAMS = 2**7  # streams told apart in transfer numbers (`StreamRoute.sync_tag`)
+
+
 def _uuid(sync: int, k: int) -> int:
+    """The transfer number of piece ``k`` of sync ``sync`` (a `StreamRoute.sync_tag` between
+    the Ray groups): 63 bits for ``sync < 2^31``."""
     return sync * 2**32 + k
+
+
+def _ack_uuid(sync: int, bucket: int, sender: int) -> int:
+    """The number of a receiver's acknowledgement of ``bucket`` to process ``sender`` (above
+    every piece number of the sync: pieces count below 2^31)."""
+    return sync * 2**32 + 2**31 + bucket * 2**12 + sender
+
+
+def _buckets(plan: list[tuple], dtypes: Sequence[Any], bucket_bytes: int | None) -> list[list[tuple]]:
+    """The plan's pieces (`_pieces`) cut, in order, into buckets of at most ``bucket_bytes``
+    (a larger piece is a bucket of its own; None: one bucket). Both worlds cut alike."""
+    buckets: list[list[tuple]] = [[]]
+    filled = 0
+    for piece in _pieces(plan):
+        _, i, _, c = piece
+        size = int(np.prod(c.size)) * np.dtype(dtypes[i]).itemsize
+        if bucket_bytes is not None and buckets[-1] and filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(piece)
+        filled += size
+    return buckets
+
+
+ACK = jax.ShapeDtypeStruct((1,), jnp.int8)  # a receiver's word that it pulled a bucket
+
+
+def _shard_bytes(leaves: Sequence[jax.Array]) -> tuple[int, int]:
+    """(bytes of every shard on this process's devices, the largest one)."""
+    sizes = [s.data.nbytes for x in leaves for s in x.addressable_shards]
+    return sum(sizes), max(sizes, default=0)
 
 
 def start_server(address: str = "127.0.0.1:0") -> Any:
@@ -102,60 +225,199 @@ def start_server(address: str = "127.0.0.1:0") -> Any:
 
 
 class WeightSender:
-    """Posts this process's pieces of a sync (only shards its devices hold)."""
+    """Posts this process's pieces of a sync (only shards its devices hold), a bucket at a
+    time: with ``receiver_addresses`` (the receiving processes' servers by process index) it
+    waits for each receiver's acknowledgement of a bucket before making the next, so that it
+    holds at most its shards plus one bucket of pieces."""
 
-    def __init__(self, server: Any):
+    def __init__(self, server: Any, receiver_addresses: Mapping[int, str] | None = None):
         self.server = server
+        self.connections = {q: server.connect(a) for q, a in (receiver_addresses or {}).items()}
 
-    def offer(self, leaves: Sequence[jax.Array], plan: list[tuple], sync: int, dtype: Any = None) -> int:
-        """Posts every piece this process owns for sync number ``sync``; its byte count."""
-        me = jax.process_index()
+    def offer(
+        self,
+        leaves: Sequence[jax.Array],
+        plan: list[tuple],
+        sync: int,
+        dtypes: Sequence[Any] | None = None,
+        bucket_bytes: int | None = None,
+    ) -> StreamReport:
+        """Posts every piece this process owns for sync number ``sync``, each cast to its
+        leaf's entry of ``dtypes`` (the target's; default: the leaf's own), in buckets of
+        ``bucket_bytes`` (None: all at once, and no acknowledgements awaited)."""
+        t0, me = time.perf_counter(), jax.process_index()
+        dtypes = [np.dtype(d) for d in (dtypes or [x.dtype for x in leaves])]
+        if bucket_bytes is not None and not self.connections:
+            raise ValueError("a bucketed offer awaits the receivers' acknowledgements: give receiver_addresses")
         shards = [{s.device.id: s.data for s in x.addressable_shards} for x in leaves]
-        sent = 0
-        for k, i, _, c in _pieces(plan):
-            if c.src[0] != me:
-                continue
-            piece = take_piece(
-                shards[i][c.src[1]], np.asarray(c.src_start, np.int32), size=c.size, dtype=dtype or leaves[i].dtype
-            )
-            self.server.await_pull(_uuid(sync, k), [piece])
-            sent += piece.nbytes
-        return sent
+        sent = pieces = largest = most_made = 0
+        ack = jax.ShapeDtypeStruct(ACK.shape, ACK.dtype, sharding=SingleDeviceSharding(jax.local_devices()[0]))
+        for b, bucket in enumerate(_buckets(plan, dtypes, bucket_bytes)):
+            made: dict[tuple, jax.Array] = {}  # (leaf, device, start, size) -> piece: one per distinct piece
+            made_bytes, receivers = 0, set()
+            for k, i, target, c in bucket:
+                if c.src[0] != me:
+                    continue
+                key = (i, c.src[1], c.src_start, c.size)
+                if key not in made:
+                    shard = shards[i][c.src[1]]
+                    if c.size == shard.shape and dtypes[i] == shard.dtype:  # the shard itself: no copy
+                        made[key] = shard
+                    else:
+                        start = np.asarray(c.src_start, np.int32)
+                        made[key] = take_piece(shard, start, size=c.size, dtype=dtypes[i])
+                        made_bytes += made[key].nbytes
+                self.server.await_pull(_uuid(sync, k), [made[key]])
+                receivers.add(target.owner[0])
+                sent, pieces, largest = sent + made[key].nbytes, pieces + 1, max(largest, made[key].nbytes)
+            most_made = max(most_made, made_bytes)
+            if bucket_bytes is not None:
+                for q in sorted(receivers):
+                    self.connections[q].pull(_ack_uuid(sync, b, me), [ack])
+        held, largest_shard = _shard_bytes(leaves)
+        seconds = time.perf_counter() - t0
+        return StreamReport(me, "source", sent, pieces, seconds, held, held + most_made, largest, largest_shard)
 
 
 class WeightReceiver:
     """Pulls this process's destination shards of a sync from the senders' servers."""
 
     def __init__(self, server: Any, sender_addresses: Mapping[int, str]):
+        self.server = server
         self.connections = {p: server.connect(a) for p, a in sender_addresses.items()}
 
-    def receive(self, plan: list[tuple], dst: Layout, shardings: Sequence[Any], sync: int):
-        """The synced arrays (global, laid out by ``shardings``; ``dst`` their layout), the
-        bytes this process pulled, and the wall seconds."""
-        dtypes = [np.dtype(d) for _, d, _ in dst]
-        t0, me, pulled = time.perf_counter(), jax.process_index(), 0
+    def receive(
+        self, plan: list[tuple], dst: Layout, shardings: Sequence[Any], sync: int, bucket_bytes: int | None = None
+    ) -> tuple[list[jax.Array], StreamReport]:
+        """The synced arrays (global, laid out by ``shardings``; ``dst`` their layout) and
+        this process's `StreamReport`. With ``bucket_bytes`` (the senders' buckets), each
+        bucket pulled is acknowledged to the senders it came from."""
+        dtypes = layout_dtypes(dst)
+        t0, me, pulled, pieces, largest, holding, peak = time.perf_counter(), jax.process_index(), 0, 0, 0, 0, 0
         devices = {d.id: d for d in jax.local_devices()}
         bufs: dict[tuple[int, int], jax.Array] = {}  # (leaf, device id) -> its shard
-        for k, i, target, c in _pieces(plan):
-            if target.owner[0] != me:
-                continue
-            dev = devices[target.owner[1]]
-            spec = jax.ShapeDtypeStruct(c.size, dtypes[i], sharding=SingleDeviceSharding(dev))
-            (piece,) = self.connections[c.src[0]].pull(_uuid(sync, k), [spec])
-            pulled += piece.nbytes
-            key = (i, dev.id)
-            if len(target.copies) == 1 and c.size == target.shape:
-                bufs[key] = piece
-                continue
-            buf = bufs.pop(key, None)
-            if buf is None:
-                buf = jnp.zeros(target.shape, dtypes[i], device=dev)
-            bufs[key] = place_piece(buf, piece, np.asarray(c.dst_start, np.int32)).block_until_ready()
-            piece.delete()
+        ack = jnp.zeros(ACK.shape, ACK.dtype, device=jax.local_devices()[0])
+        for b, bucket in enumerate(_buckets(plan, dtypes, bucket_bytes)):
+            senders = set()
+            for k, i, target, c in bucket:
+                if target.owner[0] != me:
+                    continue
+                senders.add(c.src[0])
+                holding, peak, piece_bytes = self._pull_piece(
+                    bufs, devices, dtypes, k, i, target, c, sync, holding, peak
+                )
+                pulled, pieces, largest = pulled + piece_bytes, pieces + 1, max(largest, piece_bytes)
+            if bucket_bytes is not None:
+                for p in sorted(senders):
+                    self.server.await_pull(_ack_uuid(sync, b, p), [ack])
         out = [
             jax.make_array_from_single_device_arrays(
                 shape, s, [bufs[(i, t.owner[1])] for t in targets if t.owner[0] == me]
             )
             for i, ((shape, _, _), targets, s) in enumerate(zip(dst, plan, shardings))
         ]
-        return out, pulled, time.perf_counter() - t0
+        held, largest_shard = _shard_bytes(out)
+        seconds = time.perf_counter() - t0
+        return out, StreamReport(me, "target", pulled, pieces, seconds, held, peak, largest, largest_shard)
+
+    def _pull_piece(self, bufs, devices, dtypes, k, i, target, c, sync, holding, peak) -> tuple[int, int, int]:
+        """Pulls piece ``k`` onto its device and writes it into its destination shard in
+        ``bufs`` (in place); the bytes then held and at most held, and the piece's bytes."""
+        dev = devices[target.owner[1]]
+        spec = jax.ShapeDtypeStruct(c.size, dtypes[i], sharding=SingleDeviceSharding(dev))
+        (piece,) = self.connections[c.src[0]].pull(_uuid(sync, k), [spec])
+        key, piece_bytes = (i, dev.id), piece.nbytes
+        if len(target.copies) == 1 and c.size == target.shape:
+            bufs[key] = piece
+            return holding + piece_bytes, max(peak, holding + piece_bytes), piece_bytes
+        buf = bufs.pop(key, None)
+        if buf is None:
+            buf = jnp.zeros(target.shape, dtypes[i], device=dev)
+            holding += buf.nbytes
+        peak = max(peak, holding + piece_bytes)
+        bufs[key] = place_piece(buf, piece, np.asarray(c.dst_start, np.int32)).block_until_ready()
+        piece.delete()
+        return holding, peak, piece_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamRoute:
+    """What every process of both worlds gets of a stream from the driver: the piece plan,
+    the target's layout, the servers of both worlds' processes by process index, the
+    bucket size, the stream's number."""
+
+    plan: list[tuple]
+    dst: Layout
+    sources: Mapping[int, str]
+    targets: Mapping[int, str]
+    bucket_bytes: int | None
+    stream_id: int = 0  # < STREAMS, distinct among the streams a process takes part in
+
+    def sync_tag(self, sync: int) -> int:
+        """The number that tells sync ``sync`` of this stream from every other stream's (the
+        transfer numbers a process's one server sees): ``sync * STREAMS + stream_id``."""
+        if not 0 <= self.stream_id < STREAMS:
+            raise ValueError(f"stream_id {self.stream_id} is not in [0, {STREAMS})")
+        return sync * STREAMS + self.stream_id
+
+
+@dataclasses.dataclass
+class _Joined:
+    """One stream as one process takes part in it."""
+
+    role: WeightHolder
+    side: str
+    route: StreamRoute
+    peer: WeightSender | WeightReceiver
+
+
+class StreamEndpoint:
+    """One process's end of the weight streams it takes part in: one transfer server on
+    ``host`` (this node's address, reachable from the other world's processes), and per
+    stream (``key``) its role, side and plan."""
+
+    def __init__(self, host: str = "127.0.0.1"):
+        self.server = start_server(f"{host}:0")
+        self.sender = WeightSender(self.server)
+        self.streams: dict[str, _Joined] = {}
+
+    def describe(self, role: WeightHolder, side: str) -> dict[str, Any]:
+        """This process's server address, and the leaf paths and layout of ``role``'s weights
+        (the same on every process of a world: the driver reads one)."""
+        if side not in SIDES:
+            raise ValueError(f"side must be one of {SIDES}, not {side!r}")
+        return {
+            "process": jax.process_index(),
+            "address": self.server.address(),
+            "paths": leaf_paths(role.params),
+            "layout": layout(jax.tree.leaves(role.params)),
+        }
+
+    def join(self, key: str, role: WeightHolder, side: str, route: StreamRoute) -> None:
+        """Takes part in stream ``key`` as ``side`` along ``route`` (connecting to the other
+        world's servers)."""
+        if side == "source":
+            peer: WeightSender | WeightReceiver = WeightSender(self.server, route.targets)
+        else:
+            peer = WeightReceiver(self.server, route.sources)
+        self.streams[key] = _Joined(role, side, route, peer)
+
+    def sync(self, key: str, sync: int) -> StreamReport:
+        """Sync number ``sync`` of stream ``key``: a source posts its pieces of its role's
+        current weights; a target frees its role's previous weights, pulls its shards and
+        gives them to the role (``replace_params``)."""
+        joined = self.streams[key]
+        route = joined.route
+        if joined.side == "source":
+            leaves = jax.tree.leaves(joined.role.params)
+            return joined.peer.offer(
+                leaves, route.plan, route.sync_tag(sync), layout_dtypes(route.dst), route.bucket_bytes
+            )
+        old, treedef = jax.tree.flatten(joined.role.params)
+        shardings = [x.sharding for x in old]
+        for x in old:  # never two copies of the rollout's weights
+            x.delete()
+        del old
+        arrays, report = joined.peer.receive(route.plan, route.dst, shardings, route.sync_tag(sync), route.bucket_bytes)
+        joined.role.replace_params(jax.tree.unflatten(treedef, arrays))
+        return report

@@ -24,6 +24,8 @@ One concern per module:
                (`Unschedulable`, `ClusterLost`)
 `backend`      `RayBackend`: the cluster and a run's worker groups (`RayWorkerGroup`, the driver's
                handle on a role), stopped on exit
+`streams`      `WeightStream`: one group's weights into another group's layout, shard by shard
+               between the two worlds (`jaxflow.workers.weight_stream`)
 =============  ==============================================================================
 
 Process model.
@@ -70,6 +72,7 @@ from jaxflow.workers.ray.errors import (
 from jaxflow.workers.ray.hosts import describe_hosts, pool_hosts
 from jaxflow.workers.ray.pools import UNSCHEDULABLE_FIX, ReservedPool
 from jaxflow.workers.ray.processes import ProcessGroup
+from jaxflow.workers.ray.streams import WeightStream
 
 __all__ = [
     "ACCELERATORS",
@@ -88,6 +91,7 @@ __all__ = [
     "RayWorkerGroup",
     "ReservedPool",
     "Unschedulable",
+    "WeightStream",
     "WorkerDied",
     "WorkerGroupError",
     "choose_cluster",

@@ -183,6 +183,12 @@ class ProcessGroup:
         self._seen.add(key)
         return finish(outputs)
 
+    def submit(self, method: str, *args: Any) -> list[Any]:
+        """``HostProcess.method(*args)`` on every rank, in rank order, not waited for (`gather`
+        the references: e.g. two groups' calls under way at once)."""
+        self._check_alive()
+        return [getattr(a, method).remote(*args) for a in self.actors]
+
     @_cluster_loss_said
     def io_stats(self) -> list[dict[str, int]]:
         """Each rank's `HostProcess.io_stats` (measured transfer counters)."""

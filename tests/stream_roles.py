@@ -1,0 +1,83 @@
+"""The roles of `tests/test_weight_stream_ray.py` (importable by Ray worker processes): the
+tiny model's weights on a mesh, made on the devices (each process makes only its shards)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from jaxflow.mesh import get_rules, state_shardings
+from jaxflow.models import ModelConfig, init_model
+from jaxflow.workers import ALL_TO_ALL, ONE_TO_ALL, register
+from jaxflow.workers.base import resolve_mesh
+
+
+def shard_values(shape: tuple[int, ...], index: tuple[slice, ...], dtype, seed: int) -> np.ndarray:
+    """The block ``index`` of a weight whose element at flat position ``n`` is
+    ``0.02 sin(0.7 n + seed)`` (made for that block only: no compile, no whole weight)."""
+    grids = np.meshgrid(*(np.arange(n)[sl] for n, sl in zip(shape, index)), indexing="ij")
+    flat = np.ravel_multi_index(grids, shape) if shape else np.zeros((), np.int64)
+    return (0.02 * np.sin(0.7 * flat + seed)).astype(dtype)
+
+
+class StreamedWeights:
+    """The weights of a ``cfg`` model on ``mesh`` under ``rules``, in ``dtype``: each process
+    makes only its devices' blocks (`shard_values` from ``seed``, or zeros: a rollout copy
+    before its first sync). A `WeightHolder` (``params``, ``replace_params``) for
+    `jaxflow.workers.ray.streams.WeightStream`."""
+
+    def __init__(self, cfg: ModelConfig, mesh: str, rules: str, seed: int | None = None, dtype: str = "float32"):
+        self.mesh, self.dp_axes = resolve_mesh(mesh), ()
+        _, abstract = nnx.split(nnx.eval_shape(lambda: init_model(cfg)))
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.dtype(dtype)), abstract)
+        shardings = state_shardings(abstract, get_rules(rules), self.mesh)
+
+        def make(i: int, x: jax.ShapeDtypeStruct, sharding) -> jax.Array:
+            def block(index):
+                if seed is None:
+                    return np.zeros([len(range(*sl.indices(n))) for n, sl in zip(x.shape, index)], x.dtype)
+                return shard_values(x.shape, index, x.dtype, seed + i)
+
+            return jax.make_array_from_callback(x.shape, sharding, block)
+
+        leaves, treedef = jax.tree.flatten(abstract)
+        self.params = jax.tree.unflatten(
+            treedef,
+            [
+                make(i, x, s)
+                for i, (x, s) in enumerate(
+                    zip(leaves, jax.tree.leaves(shardings, is_leaf=lambda s: isinstance(s, NamedSharding)))
+                )
+            ],
+        )
+        self._update = jax.jit(
+            lambda p, k: jax.tree.map(lambda x: x * (1 - 2.0**-3) + k * 2.0**-7, p), donate_argnums=0
+        )
+
+    def replace_params(self, params):
+        self.params = params
+
+    @register(ONE_TO_ALL)
+    def update(self, k: int):
+        """A deterministic change of every weight: ``w <- (7/8) w + k/128`` (in place)."""
+        self.params = self._update(self.params, jnp.asarray(k, self.params_dtype))
+
+    @property
+    def params_dtype(self):
+        return jax.tree.leaves(self.params)[0].dtype
+
+    @register(ONE_TO_ALL)
+    def weights(self):
+        """The weights as a nested dict, brought to the driver (the test's comparison only)."""
+        return nnx.to_pure_dict(self.params)
+
+    @register(ALL_TO_ALL)
+    def live_bytes(self, _):
+        """Measured: bytes of the live arrays on this process's devices (a buffer seen through
+        several arrays counts once)."""
+        buffers = {}
+        for x in jax.live_arrays():
+            for s in x.addressable_shards:
+                buffers[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
+        return int(np.sum(list(buffers.values())))
