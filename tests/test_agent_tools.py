@@ -187,6 +187,11 @@ def test_the_loop_keeps_the_model_tokens_and_masks_the_tool_turns():
     short = run_agent([_encode("C?")], _scripted, _encode, _decode, executor, AgentConfig(max_response_tokens=100))
     assert short.response_mask.sum() == 100 and short.turns.tolist() == [1]
     assert short.loss_mask[0].tolist() == [1] * len(CALL) + [0] * (100 - len(CALL))
+    # max_user_turns (verl's): "C" gets one tool turn, then its second call ends the conversation.
+    one_answer = AgentConfig(max_assistant_turns=3, max_user_turns=1, max_response_tokens=400)
+    limited = run_agent([_encode("C?")], _scripted, _encode, _decode, executor, one_answer)
+    assert limited.turns.tolist() == [2] and limited.tool_calls.tolist() == [1]
+    assert limited.response_mask.sum() == 2 * len(CALL) + len(tool_turn)
     executor.close()
 
 

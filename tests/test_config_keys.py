@@ -267,6 +267,7 @@ CHECKS = {
     "jaxflow.data.sum_fraction": (0.5, ["jaxflow.data.builtin_task=calculator"], spec("data.task_params")),
     f"{MT}.enable": (True, ["jaxflow.agent.tools=['calculator']"], spec("rollout.multi_turn")),
     f"{MT}.max_assistant_turns": (2, MULTI_TURN, spec("rollout.multi_turn.config.max_assistant_turns")),
+    f"{MT}.max_user_turns": (1, MULTI_TURN, spec("rollout.multi_turn.config.max_user_turns")),
     f"{MT}.format": ("llama3", MULTI_TURN, spec("rollout.multi_turn.config.fmt")),
     f"{MT}.tool_config_path": ("@tools", MULTI_TURN, spec("rollout.multi_turn.tools")),
     f"{MT}.interaction_config_path": ("@interaction", MULTI_TURN, spec("rollout.multi_turn.environment")),

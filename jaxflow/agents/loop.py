@@ -69,7 +69,9 @@ class Environment(Protocol):
 @dataclasses.dataclass(frozen=True)
 class AgentConfig:
     """``fmt``: the tool-call format (`jaxflow.agents.tools.FORMATS`); ``max_assistant_turns``:
-    model turns per conversation; ``max_response_tokens``: the response's budget (model and
+    model turns per conversation; ``max_user_turns``: tool and observation turns after the
+    model's (verl's; 0: no limit; at the limit the conversation ends after the model's turn);
+    ``max_response_tokens``: the response's budget (model and
     tool tokens; a tool turn that does not fit ends the conversation, cut); ``tool_turn``:
     renders a turn's tool answers (default: `hermes_tool_turn`); ``observation_turn``: an
     environment's observation (default: `chatml_user_turn`)."""
@@ -77,6 +79,7 @@ class AgentConfig:
     fmt: str = "hermes"
     max_assistant_turns: int = 4
     max_response_tokens: int = 256
+    max_user_turns: int = 0
     tool_turn: Callable[[Sequence[ToolResult]], str] = hermes_tool_turn
     observation_turn: Callable[[str], str] = chatml_user_turn
 
@@ -85,6 +88,8 @@ class AgentConfig:
             raise ValueError(f"fmt must be one of {FORMATS}, got {self.fmt!r}")
         if self.max_assistant_turns < 1 or self.max_response_tokens < 1:
             raise ValueError("max_assistant_turns and max_response_tokens must be >= 1")
+        if self.max_user_turns < 0:
+            raise ValueError(f"max_user_turns must be >= 0 (0: no limit), got {self.max_user_turns}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +144,7 @@ class _Conversation:
     trained: list[int] = dataclasses.field(default_factory=list)
     rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # token index -> reward
     turns: int = 0
+    user_turns: int = 0  # tool and observation turns answering the model's
     calls: int = 0
     errors: int = 0
     timeouts: int = 0
@@ -203,13 +209,17 @@ def run_agent(
             text = decode(c.model_turn(new, log_probs))
             parsed = parse_tool_calls(text, config.fmt)
             more = c.turns < config.max_assistant_turns and c.room > 0
+            if config.max_user_turns:
+                more = more and c.user_turns < config.max_user_turns
             if parsed and more:
                 tool_calls[i] = parsed
             elif environments is not None:
                 observation, reward, done = environments[i].step(text)
                 c.reward(reward)
-                if not done and more and c.untrained_turn(encode(config.observation_turn(observation or ""))):
-                    still.append(i)
+                if not done and more:
+                    c.user_turns += 1
+                    if c.untrained_turn(encode(config.observation_turn(observation or ""))):
+                        still.append(i)
         calls = [(i, call) for i in tool_calls for call in tool_calls[i]]
         kwargs = [sample_tool_kwargs(samples[i] if samples else None, call.name) for i, call in calls]
         answers = iter(executor.run([call for _, call in calls], kwargs))  # all at once
@@ -219,6 +229,7 @@ def run_agent(
             c.calls += len(parsed)
             c.errors += sum(not r.ok and not r.timed_out for r in results)
             c.timeouts += sum(r.timed_out for r in results)
+            c.user_turns += 1
             if c.untrained_turn(encode(config.tool_turn(results))):
                 still.append(i)
         active = sorted(still)

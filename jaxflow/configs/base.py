@@ -359,6 +359,13 @@ FIELDS: tuple[Field, ...] = tuple(
             AT_LEAST_1,
         ),
         (
+            "actor_rollout_ref.rollout.multi_turn.max_user_turns",
+            0,
+            "Multi-turn: tool and environment turns per conversation (0: no limit, verl's null); at the limit the "
+            "conversation ends after the model's turn.",
+            AT_LEAST_0,
+        ),
+        (
             "actor_rollout_ref.rollout.multi_turn.format",
             "hermes",
             "Multi-turn: the tool-call format the model writes: hermes (Qwen2.5/Qwen3: <tool_call>{json}</tool_call>) "

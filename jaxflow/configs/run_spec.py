@@ -513,7 +513,10 @@ def multi_turn(cfg: ConfigDict) -> MultiTurn | None:
     if not mt.enable:
         return None
     config = AgentConfig(
-        fmt=mt.format, max_assistant_turns=mt.max_assistant_turns, max_response_tokens=cfg.data.max_response_length
+        fmt=mt.format,
+        max_assistant_turns=mt.max_assistant_turns,
+        max_user_turns=mt.max_user_turns,
+        max_response_tokens=cfg.data.max_response_length,
     )
     environment = load_environment(mt.interaction_config_path) if mt.interaction_config_path else None
     return MultiTurn(config, load_tools(list(cfg.jaxflow.agent.tools), mt.tool_config_path), environment)
