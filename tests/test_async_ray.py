@@ -5,7 +5,8 @@ group and consumed by the update after them on the same devices.
 One module fixture makes every Ray run of the file on this session's Ray instance
 (``ray_session``): for ``grpo_tiny`` and ``ppo_tiny``, ``sync`` and ``async`` with
 ``max_staleness=0`` for 5 steps each, and ``grpo_tiny`` with ``async`` and
-``max_staleness=1`` for 3 steps (staleness 1 from step 2 on): 5 Ray runs. Each is colocated
+``max_staleness=1`` for 3 steps (staleness 1 from step 2 on): 5 Ray runs (grpo_tiny's with
+the rollout probe on). Each is colocated
 on one Ray worker process of 8 simulated devices, with 8 prompts x 4 responses and one layer
 (`SMALL`). One process, because every process compiles every program (measured on the 2-core
 machine: a 5-step grpo_tiny run's worker CPU 31 s on 1 process x 8 devices, 57 s on 2 x 4),
@@ -19,6 +20,7 @@ import pytest
 
 from experiments import ray_vs_local
 from jaxflow.configs import load_config
+from jaxflow.workers.rollout_probe import METRIC as PROBE_METRIC
 from tests.test_placement_invariance import DIGITS, SMALL
 
 RAY = [
@@ -27,6 +29,9 @@ RAY = [
     "jaxflow.ray.devices_per_host=8",
     "jaxflow.placement.type=colocated",
 ]
+# grpo_tiny's runs with the rollout probe, so that the actor group's report of each rollout
+# (`ActorWorker.rollout_metrics`: rollout/probe_tv) is one of the metrics compared.
+CONFIGS = {"grpo_tiny": ["jaxflow.rollout_probe.enable=on"], "ppo_tiny": []}
 EQUAL_STEPS, STALE_STEPS = 5, 3
 
 
@@ -48,25 +53,30 @@ def _run(config: str, overrides: list[str], steps: int, run_dir) -> tuple[list[d
 
 
 def _synchronous_metrics(rows: list[dict]) -> list[dict]:
-    """The rows without the metrics of generating ahead (``fully_async/*``)."""
-    return [{k: v for k, v in r.items() if not k.startswith("fully_async/")} for r in rows]
+    """The rows without the metrics of generating ahead (``fully_async/*``,
+    ``timing_s/gen_ahead``)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("fully_async/", "timing_s/gen_ahead"))} for r in rows]
 
 
 def _assert_same_metrics(sync: list[dict], asynchronous: list[dict]) -> tuple[float, tuple]:
     """Asserts that the asynchronous run logged the synchronous run's metrics, step by step:
-    the same keys (beside ``fully_async/*``) and every value but the timings within 1e-5
-    relative, no absolute slack (both runs on the same backend and process count: none of the
-    cross-backend allowances of `experiments.ray_vs_local.compare` applies). Returns the
-    largest relative difference and its ``(step, metric)``."""
-    assert not any(k.startswith("fully_async/") for r in sync for k in r)
+    the same keys beside those of generating ahead (the generation's parts ``timing_s/gen_*``
+    and the rollout's own metrics included: the actor group's report of the rollout reached the
+    step that consumed it), every value but the timings within 1e-5 relative, no absolute
+    slack (both runs on the same backend and process count: none of the cross-backend
+    allowances of `experiments.ray_vs_local.compare` applies). Returns the largest relative
+    difference and where it is, ``(step, metric)`` (none if 0)."""
+    assert _synchronous_metrics(sync) == sync
     largest = (0.0, ())
     for a, b in zip(sync, _synchronous_metrics(asynchronous), strict=True):
+        assert set(a) == set(b), set(a) ^ set(b)
         keys = sorted(k for k in a if not k.startswith(ray_vs_local.TIMING_PREFIXES))
-        assert len(keys) > 20 and set(keys) == {k for k in b if not k.startswith(ray_vs_local.TIMING_PREFIXES)}
         want, got = np.array([a[k] for k in keys]), np.array([b[k] for k in keys])
+        assert len(keys) > 20 and want.dtype == np.float64
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=0, err_msg=f"step {a['step']}: {keys}")
         relative = np.abs(got - want) / np.maximum(np.abs(want), np.finfo(np.float64).tiny)
-        largest = max(largest, (float(relative.max()), (a["step"], keys[int(relative.argmax())])))
+        if relative.max() > largest[0]:
+            largest = (float(relative.max()), (a["step"], keys[int(relative.argmax())]))
     return largest
 
 
@@ -84,11 +94,11 @@ def runs(ray_session, tmp_path_factory):
         "async_s1": (["trainer.mode=async", "trainer.max_staleness=1"], STALE_STEPS),
     }
     results = {}
-    for config in ("grpo_tiny", "ppo_tiny"):
+    for config, own in CONFIGS.items():
         for mode, (extra, steps) in modes.items():
             if mode == "async_s1" and config != "grpo_tiny":
                 continue
-            results[config, mode] = _run(config, [*common, *extra], steps, out / f"{config}_{mode}")
+            results[config, mode] = _run(config, [*common, *own, *extra], steps, out / f"{config}_{mode}")
     return results
 
 
@@ -100,6 +110,7 @@ def test_async_with_staleness_0_is_the_synchronous_run_on_ray(runs, config):
     version."""
     (sync, _), (asynchronous, consumed) = runs[config, "sync"], runs[config, "async_s0"]
     assert any(r["critic/score/mean"] > 0 for r in sync)  # the reward has signal
+    assert all((PROBE_METRIC in r) == (config == "grpo_tiny") for r in asynchronous)
     largest = _assert_same_metrics(sync, asynchronous)
     print(f"{config} on Ray: largest relative difference sync vs async (max_staleness=0) {largest}")
     for step, (row, tokens) in enumerate(zip(asynchronous, consumed, strict=True), start=1):
