@@ -218,6 +218,32 @@ def test_what_the_modes_cannot_run_yet_is_refused(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_restart_before_any_checkpoint_starts_over_with_no_rollout_pending(tmp_path):
+    """A worker failure that the trainer restarts from (`RLTrainer._restart`, as ``fit`` does on
+    a `WorkerGroupError`; a Ray run's ``jaxflow.ray.max_restarts``) during a one_step_off run,
+    before any checkpoint: fresh workers, the loader and the policy version back at the start,
+    the rollout pending discarded. Step 1 runs again as it first ran (the same metrics, bit for
+    bit) and generates step 2's rollout again with the initial weights."""
+    from jaxflow.trainer.rl import RLTrainer
+    from jaxflow.workers.ray.errors import WorkerDied
+
+    cfg = load_config("grpo_tiny", [*SMALL, "trainer.mode=one_step_off", f"trainer.default_local_dir={tmp_path}"])
+    trainer = RLTrainer(cfg)
+    try:
+        first = trainer.train_step(1)
+        trainer.train_step(2)
+        assert [(r.step, r.version) for r in trainer.ahead.pending] == [(3, 1)]
+        trainer._restart(WorkerDied("rank 1 died during actor.update", "actor", 1), 1)
+        assert not trainer.ahead.pending and trainer.policy_version == 0 and trainer.resume() == 0
+        again = trainer.train_step(1)
+        assert [(r.step, r.version) for r in trainer.ahead.pending] == [(2, 0)]
+        keys = [k for k in first if not k.startswith(("timing_s/", "perf/"))]
+        assert len(keys) > 20 and {k: first[k] for k in keys} == {k: again[k] for k in keys}
+    finally:
+        trainer.close()
+
+
+@pytest.mark.slow
 def test_a_resumed_run_generates_its_pending_rollouts_again_from_the_same_prompts(tmp_path):
     """one_step_off cut after step 2's checkpoint and resumed: step 3 regenerates its rollout
     (the pending one was not saved), and the rollout of step 4 it then generates is the
