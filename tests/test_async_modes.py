@@ -1,8 +1,9 @@
 """``trainer.mode`` one_step_off / async (`jaxflow.trainer.ahead`): the rollouts generated ahead
 of their updates, against a hand-worked schedule (fake loader and actor), and through the
 trainer: ``async`` with ``max_staleness=0`` logs the synchronous run's metrics bit for bit
-(PPO and GRPO), ``one_step_off`` consumes the previous weights' rollouts, and what the run
-cannot do yet is refused in one line."""
+(PPO and GRPO), ``one_step_off`` consumes the previous weights' rollouts, a restart generates
+the pending rollouts again, and what the run cannot do yet is refused in one line. The Ray
+backend's runs of the modes: tests/test_async_ray.py."""
 
 import numpy as np
 import pytest
@@ -99,6 +100,28 @@ def test_the_schedule_of_rollouts_generated_ahead():
         AheadActor(actor, rollout).generate(_to_batch(9), step=7)
 
 
+def test_a_restart_generates_the_pending_rollouts_again():
+    """A restart (`RLTrainer._restart`: fresh workers, the loader back at the checkpoint's
+    position) discards the rollouts pending: step 2, run again after the checkpoint of step 1,
+    regenerates its rollout and the next one from the prompt batches 1 and 2, with the
+    restored weights' version."""
+    loader, actor = _Loader(), _Actor()
+    ahead = GenerateAhead(lookahead("async", 2), 5, loader, _to_batch)
+    workers = Workers(actor=actor)
+    ahead.step(1, workers, 0)
+    saved = ahead.loader_state()  # step 1's checkpoint
+    actor.version = 1
+    ahead.step(2, workers, 1)  # generates step 4's rollout; the run then fails
+    assert [r.step for r in ahead.pending] == [3, 4]
+    ahead.discard_pending()
+    assert not ahead.pending and ahead.consumed is None and ahead.loader_state() == {"position": 4}
+    loader.position = saved["position"]  # the restart's resume
+    actor.calls.clear()
+    prompts, _, metrics = ahead.step(2, workers, 1)
+    assert int(prompts["batch"][0]) == 1 and actor.calls == [(2, 1, 1), (3, 2, 1), (4, 3, 1)]
+    assert metrics["fully_async/staleness/token_max"] == 0.0 and ahead.loader_state() == {"position": 2}
+
+
 def test_a_consumed_token_beyond_the_bound_stops_the_step():
     """The trainer path's check reads each valid token's version: one token of version 1 in a
     rollout of version 3 consumed at version 4 is staleness 3 > 2; padding (mask 0) of any
@@ -186,15 +209,38 @@ def test_every_consumed_token_is_within_the_staleness_bound(max_staleness, tmp_p
 def test_what_the_modes_cannot_run_yet_is_refused(tmp_path):
     from jaxflow.trainer.rl import RLTrainer
 
-    for extra, match in (
-        (["jaxflow.backend=ray"], "local backend"),
-        (["algorithm.adv_estimator=remax"], "without algorithm.filter_groups"),
-    ):
-        cfg = load_config(
-            "grpo_tiny", [*SMALL, "trainer.mode=one_step_off", *extra, f"trainer.default_local_dir={tmp_path}"]
-        )
-        with pytest.raises(ConfigError, match=match):
-            RLTrainer(cfg)
+    cfg = load_config(
+        "grpo_tiny",
+        [*SMALL, "trainer.mode=one_step_off", "algorithm.adv_estimator=remax", f"trainer.default_local_dir={tmp_path}"],
+    )
+    with pytest.raises(ConfigError, match="without algorithm.filter_groups"):
+        RLTrainer(cfg)
+
+
+@pytest.mark.slow
+def test_a_restart_before_any_checkpoint_starts_over_with_no_rollout_pending(tmp_path):
+    """A worker failure that the trainer restarts from (`RLTrainer._restart`, as ``fit`` does on
+    a `WorkerGroupError`; a Ray run's ``jaxflow.ray.max_restarts``) during a one_step_off run,
+    before any checkpoint: fresh workers, the loader and the policy version back at the start,
+    the rollout pending discarded. Step 1 runs again as it first ran (the same metrics, bit for
+    bit) and generates step 2's rollout again with the initial weights."""
+    from jaxflow.trainer.rl import RLTrainer
+    from jaxflow.workers.ray.errors import WorkerDied
+
+    cfg = load_config("grpo_tiny", [*SMALL, "trainer.mode=one_step_off", f"trainer.default_local_dir={tmp_path}"])
+    trainer = RLTrainer(cfg)
+    try:
+        first = trainer.train_step(1)
+        trainer.train_step(2)
+        assert [(r.step, r.version) for r in trainer.ahead.pending] == [(3, 1)]
+        trainer._restart(WorkerDied("rank 1 died during actor.update", "actor", 1), 1)
+        assert not trainer.ahead.pending and trainer.policy_version == 0 and trainer.resume() == 0
+        again = trainer.train_step(1)
+        assert [(r.step, r.version) for r in trainer.ahead.pending] == [(2, 0)]
+        keys = [k for k in first if not k.startswith(("timing_s/", "perf/"))]
+        assert len(keys) > 20 and {k: first[k] for k in keys} == {k: again[k] for k in keys}
+    finally:
+        trainer.close()
 
 
 @pytest.mark.slow

@@ -635,8 +635,8 @@ FIELDS: tuple[Field, ...] = tuple(
             "sync",
             "sync | one_step_off | async. one_step_off: each update consumes the rollout of the previous weights "
             "(verl's one-step-off policy); async: rollouts of up to trainer.max_staleness policy versions back. "
-            "Local backend, PPO/GRPO/RLOO/REINFORCE++; on one pool of devices the rollouts run between the "
-            "updates (the off-policy schedule, not its overlap).",
+            "Local and Ray backends, PPO/GRPO/RLOO/REINFORCE++; the rollouts run between the updates on the "
+            "actor's devices (the off-policy schedule, not its overlap).",
         ),
         (
             "trainer.max_staleness",

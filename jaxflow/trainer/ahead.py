@@ -1,5 +1,5 @@
 """Rollouts generated ahead of the updates that consume them: the trainer's ``one_step_off`` and
-``async`` modes (``trainer.mode``) on the local backend.
+``async`` modes (``trainer.mode``), on the local and the Ray backends.
 
 With ``max_staleness = s`` the rollout of step ``k`` may be produced by weights up to ``s``
 policy versions older than those that update on it (a version is one actor update). The
@@ -25,13 +25,17 @@ from the per-token versions of the rollout it hands out (``fully_async/staleness
 and the version spans, `jaxflow.trainer.rollout_buffer.consumed_token_metrics`) and raises
 `StalenessError` if a valid token (``response_mask = 1``) has ``v - u > lookahead`` or
 ``v - u < 0``; the last consumed rollout's versions stay readable (`GenerateAhead.consumed`). On
-the local backend both run on the same devices, one after the other: the schedule and the
-off-policy data are those of the asynchronous modes, not their overlap (which needs the
-rollout on its own devices with the weights streamed to it, `jaxflow.reshard.WeightSync`).
+either backend the rollout and the update run on the actor's devices, one after the other
+(on Ray, the actor's worker group generates and trains; the controller keeps the pending
+rollouts): the schedule and the off-policy data are those of the asynchronous modes, not their
+overlap (which needs the rollout on its own devices with the weights streamed to it,
+`jaxflow.reshard.WeightSync`).
 
 Checkpoints: the loader's position saved is the one before the first rollout still pending, so
 a resumed run generates those rollouts again (same prompts, same seeds; with the checkpoint's
-weights, which are at most as stale) and neither skips nor repeats a prompt batch.
+weights, which are at most as stale) and neither skips nor repeats a prompt batch. A Ray
+run's restart (``jaxflow.ray.max_restarts``) discards the pending rollouts
+(`GenerateAhead.discard_pending`) before it resumes, for the same reason.
 """
 
 from __future__ import annotations
@@ -187,6 +191,15 @@ class GenerateAhead:
         probe = workers.actor.rollout_metrics()[0]
         token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
         return Rollout(step, prompts, batch, version, seconds, gen_parts(workers), probe, token_versions_BxR)
+
+    def discard_pending(self) -> None:
+        """Forgets the rollouts generated ahead and not yet consumed, as a restart must: it
+        rewinds the loader to a checkpoint's position (`loader_state`, before the first of
+        them) or to the start, so the steps after it generate them again from the same prompts
+        (on the Ray backend, by the fresh worker processes)."""
+        self.pending.clear()
+        self._loader_before.clear()
+        self.consumed = None
 
     def loader_state(self) -> Any:
         """The loader's position for a checkpoint: before the first pending rollout's prompts

@@ -230,8 +230,6 @@ class RLTrainer:
         t = spec.trainer
         if lookahead(t.mode, t.max_staleness) is None:
             return
-        if t.backend != "local":
-            raise ConfigError("trainer.mode", f"{t.mode} runs on the local backend (jaxflow.backend=local) so far")
         name = select_algorithm(spec.algorithm)
         if name not in PPO_FAMILY or spec.algorithm.algorithm.filter_groups.enable:
             raise ConfigError(
@@ -567,11 +565,14 @@ class RLTrainer:
             self.backend.shutdown()  # the groups; the cluster stays
         self.workers = self._build_workers(self._restart_actor_params)
         self.ckpt.resume_mode = "auto"
+        if self.ahead is not None:  # the loader rewinds to before them: they are generated again
+            self.ahead.discard_pending()
         if step is None:
             loader, algo, guard = self._initial_host_state
             self.loader.load_state_dict(loader)
             self.algo_state.load_state_dict(algo)
             self.guard.load_state_dict(guard)
+            self.completed_steps = 0  # the policy version the first rollout records
 
     def _fit_attempt(self, history: list[dict[str, float]]) -> None:
         t = self.spec.trainer
