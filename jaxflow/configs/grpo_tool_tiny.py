@@ -1,16 +1,21 @@
 """GRPO on the built-in tool task: a tiny Llama learns to call the ``calculator`` tool.
 
 The prompts ask for products of two 3-digit numbers (``mul:482*937=`` -> ``451634``), far
-beyond what the tiny model computes. The supervised warm start (300 steps) shows the direct
-answer for 55% of the problems and, for 45% of them, the whole conversation: the hermes tool
-call, the tool's answer, and the answer copied from it (`jaxflow.data.tasks.CalculatorTask`).
-Rollouts are conversations (``actor_rollout_ref.rollout.multi_turn``): the tool's answer is
-appended by the run, and only the model's own tokens train.
+beyond what the tiny model computes. The supervised warm start (300 steps) shows sums of two
+5-digit numbers worked through the tool (half the demonstrations: the hermes tool call, the
+tool's answer, the answer copied from it) and products answered directly, except 10% of them
+worked through the tool (`jaxflow.data.tasks.CalculatorTask`). So the model learns the call
+and the copy on the sums but answers held-out products directly, and wrongly; GRPO finds
+that products pay when it calls the tool. Rollouts are conversations
+(``actor_rollout_ref.rollout.multi_turn``): the tool's answer is appended by the run, and only
+the model's own tokens train.
 
-Measured on a quiet 2-core CPU (2026-11-28, ~9 min in all): held-out 0.60 after the warm start
--> 0.70 at step 20 -> 0.72 at step 60, the tool called in 98% of the sampled conversations at
-the end. (A warm start with fewer tool demonstrations answers directly, held-out 0, but does
-not learn to copy the tool's answer, and RL then finds no reward.)"""
+Measured on the 2-core CPU (2026-11-28, load average 7-14 from other jobs, 13 min 53 s in all
+of which 9 min warm start): held-out 0.00 after the warm start (the tool called on 0% of the
+held-out problems) -> 0.758 at step 20 -> 0.836 at steps 40 and 60, the tool called on 100%
+of the held-out problems from step 20. (Earlier settings: with products alone, 45% of them
+through the tool, the warm start already scored 0.60; with 25-35%, it never learnt to copy
+the tool's answer and RL found no reward.)"""
 
 from ml_collections import ConfigDict
 
