@@ -377,6 +377,10 @@ class ActorWorker(TrainableWorker):
         ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
         mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
         if self.rollout.multi_turn is not None:
+            if engine.pop("max_new_tokens") is not None:
+                raise ValueError(
+                    "a multi-turn rollout takes no per-prompt max_new_tokens (its turns share the response length)"
+                )
             samples = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(prompts))]
             columns, self._agent_metrics = multi_turn_rollout(
                 self.rollout.multi_turn,

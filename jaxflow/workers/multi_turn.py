@@ -49,11 +49,6 @@ def multi_turn_rollout(
     rewards too (``token_rewards``: each on the last token of the turn it answered)."""
     if tokenizer is None:
         raise ValueError("a multi-turn rollout needs the run's tokenizer (RolloutConfig.tokenizer)")
-    if engine.get("max_new_tokens") is not None:
-        raise ValueError(
-            "a multi-turn rollout takes no per-prompt max_new_tokens (its turns share the response length)"
-        )
-    engine.pop("max_new_tokens", None)
     n = params.n
     prompts = [row[m > 0].tolist() for row, m in zip(ids_BxL, mask_BxL) for _ in range(n)]
     row_ids = np.repeat(np.asarray(prompt_index, np.int64) * n, n) + np.tile(np.arange(n), len(ids_BxL))
