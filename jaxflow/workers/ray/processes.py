@@ -30,12 +30,13 @@ from jaxflow.workers.ray_host import HostProcess
 log = logging.getLogger(__name__)
 
 
-def env_for_workers(config: RayConfig) -> dict[str, str]:
+def env_for_workers(config: RayConfig, num_processes: int) -> dict[str, str]:
     """The worker processes' environment: this jaxflow first on the path (the driver's
     checkout) and the driver's XLA flags without its simulated device count. On CPU the
-    persistent compilation cache is off: measured here (jax 0.10, gloo collectives), a
-    multi-process program loaded from the cache (e.g. the rollout) fails in its first
-    cross-process collective (gloo context initialisation times out)."""
+    persistent compilation cache is off in a world of several processes: measured here (jax
+    0.10, gloo collectives), a multi-process program loaded from the cache (e.g. the rollout)
+    fails in its first cross-process collective (gloo context initialisation times out). A
+    one-process world has no cross-process collective and keeps the driver's cache settings."""
     flags = " ".join(
         f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")
     )
@@ -44,7 +45,8 @@ def env_for_workers(config: RayConfig) -> dict[str, str]:
     env = {"XLA_FLAGS": flags, "PYTHONPATH": path}
     if config.accelerator == "cpu":
         env["JAX_PLATFORMS"] = "cpu"
-        env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+        if num_processes > 1:
+            env["JAX_ENABLE_COMPILATION_CACHE"] = "false"
     return env
 
 
@@ -101,7 +103,7 @@ class ProcessGroup:
             "num_cpus": config.cpus_per_host,
             "max_restarts": 0,
             "max_concurrency": 1,
-            "runtime_env": {"env_vars": env_for_workers(config)},
+            "runtime_env": {"env_vars": env_for_workers(config, self.num_hosts)},
         }
         if config.accelerator == "gpu":
             options["num_gpus"] = config.devices_per_host
