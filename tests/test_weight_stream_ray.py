@@ -5,7 +5,13 @@ tp=4 under the generation rules (every rollout shard is cut from all four traini
 across both trainer processes). Three syncs, the trainer's weights changed before each: the
 rollout's weights equal the trainer's bit for bit every time, and no process (from its own
 report, and from JAX's live arrays) ever holds the whole model. A bf16 generation copy is the
-cast of the trainer's weights; trees or shapes that differ are refused, naming the leaves."""
+cast of the trainer's weights; trees or shapes that differ are refused, naming the leaves.
+
+Faults (the "Faults" of `jaxflow.workers.ray.streams`): a rank of either side that raises as its
+sync starts, or whose weights were re-laid out, is raised at once with its group and rank, the
+other world stopped and the stream still usable; a target or a source process SIGKILLed in the
+middle of a sync (each its own group of 1 process x 2 devices: the only processes these tests
+start) is one `WorkerDied` naming it within seconds, the other world's calls back."""
 
 import dataclasses
 import os

@@ -33,6 +33,13 @@ sender makes and posts one bucket's pieces, then waits until every receiver of t
 acknowledges it (the receiver posts a one-byte array that the sender pulls, over the same
 servers: no round trip through a driver) before it drops them and makes the next.
 
+Faults. A process that fails in a sync (its role raises, its weights are not laid out as
+the plan's, or a pull fails: the peer died and its connection closed, or the peer posted an
+error, `StreamAborted`) posts an error array (``transfer.make_error_array``) under every
+number of the sync it has not posted yet (`WeightSender.abort`, `WeightReceiver.abort`), then
+raises: whoever waits on it fails at once and does the same, so every process of both worlds
+comes back (see `jaxflow.workers.ray.streams`).
+
 What a process holds of the model during a sync (counted from the arrays this module makes,
 `StreamReport.peak_bytes`): a sender its own shards plus one bucket of pieces (a piece
 that is a whole shard in the target's dtype is the shard itself); a receiver frees its
