@@ -59,7 +59,9 @@ def groups(ray_session):
         )
         yield backend, trainer, rollout
     finally:
+        pids = [pid for group in backend.groups.values() for pid in group.pids]
         backend.shutdown()
+    assert still_alive(pids) == []  # every group's processes, those the fault tests left too
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
