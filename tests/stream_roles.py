@@ -1,6 +1,9 @@
 """The roles of `tests/test_weight_stream_ray.py` (importable by Ray worker processes): the
 tiny model's weights on a mesh, made on the devices (each process makes only its shards)."""
 
+import os
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +84,39 @@ class StreamedWeights:
             for s in x.addressable_shards:
                 buffers[(s.device.id, s.data.unsafe_buffer_pointer())] = s.data.nbytes
         return int(np.sum(list(buffers.values())))
+
+
+class FaultyWeights(StreamedWeights):
+    """`StreamedWeights` whose next read of ``params`` (a stream's sync reads them first) can
+    be made to fail on chosen ranks (`arm`): ``("raise", message)`` raises RuntimeError there;
+    ``("cast", dtype)`` gives them cast to ``dtype`` (a layout the stream was not made for);
+    ``("hold", path)`` writes this process's pid to ``path`` and waits there (a test kills
+    the process meanwhile: the other world is then in the middle of the sync, waiting)."""
+
+    HOLD_S = 120.0  # a hold that nobody ends raises after this long
+
+    _fault: tuple[str, str] | None = None
+
+    @property
+    def params(self):
+        fault, self._fault = self._fault, None
+        if fault is not None and fault[0] == "raise":
+            raise RuntimeError(fault[1])
+        if fault is not None and fault[0] == "cast":
+            return jax.tree.map(lambda x: x.astype(fault[1]), self._params)
+        if fault is not None and fault[0] == "hold":
+            with open(fault[1] + ".tmp", "w") as f:
+                f.write(str(os.getpid()))
+            os.rename(fault[1] + ".tmp", fault[1])
+            time.sleep(self.HOLD_S)
+            raise TimeoutError(f"held {self.HOLD_S} s and nobody killed this process")
+        return self._params
+
+    @params.setter
+    def params(self, value):
+        self._params = value
+
+    @register(ALL_TO_ALL)
+    def arm(self, fault: tuple[str, str] | None):
+        """This rank's next read of ``params`` fails as ``fault`` says (None: it does not)."""
+        self._fault = fault

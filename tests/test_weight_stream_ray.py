@@ -5,17 +5,29 @@ tp=4 under the generation rules (every rollout shard is cut from all four traini
 across both trainer processes). Three syncs, the trainer's weights changed before each: the
 rollout's weights equal the trainer's bit for bit every time, and no process (from its own
 report, and from JAX's live arrays) ever holds the whole model. A bf16 generation copy is the
-cast of the trainer's weights; trees or shapes that differ are refused, naming the leaves."""
+cast of the trainer's weights; trees or shapes that differ are refused, naming the leaves.
+
+Faults (the "Faults" of `jaxflow.workers.ray.streams`): a rank of either side that raises as its
+sync starts, or whose weights were re-laid out, is raised at once with its group and rank, the
+other world stopped and the stream still usable; a target or a source process SIGKILLed in the
+middle of a sync (each its own group of 1 process x 2 devices: the only processes these tests
+start) is one `WorkerDied` naming it within seconds, the other world's calls back."""
 
 import dataclasses
+import os
+import signal
+import threading
+import time
 
 import jax
 import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxflow.workers.ray import RayBackend, RayConfig, WeightStream
-from tests.stream_roles import StreamedWeights
+from jaxflow.workers.ray import RayBackend, RayConfig, WeightStream, cluster
+from jaxflow.workers.ray.errors import WorkerDied
+from tests.cli import still_alive
+from tests.stream_roles import FaultyWeights, StreamedWeights
 from tests.test_weight_sync import CFG, bits
 
 BUCKET_BYTES = 2**16  # of a 460 kB model: 8 buckets, each acknowledged before the next
@@ -47,7 +59,9 @@ def groups(ray_session):
         )
         yield backend, trainer, rollout
     finally:
+        pids = [pid for group in backend.groups.values() for pid in group.pids]
         backend.shutdown()
+    assert still_alive(pids) == []  # every group's processes, those the fault tests left too
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
@@ -141,3 +155,132 @@ def test_layouts_that_do_not_match_are_refused(groups, changed, message):
         WeightStream(trainer, other)
     with pytest.raises(ValueError, match="share one world"):
         WeightStream(rollout, other)
+
+
+FAULT_S = 10.0  # a fault of a sync is raised within this (the deadlines are 60 s and 120 s)
+KILL_S = 3.0  # a kill is raised within this, beyond the backend's watch of the cluster (`LOST_GRACE_S`)
+
+
+def _assert_bit_exact(source, target) -> None:
+    want, got = _flat(source.weights()[0]), _flat(target.weights()[0])
+    assert want.keys() == got.keys()
+    for name in want:
+        np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
+
+
+RAISED = "test fault: no weights here"
+
+
+@pytest.mark.parametrize(
+    "failing, fault, message",
+    [
+        ("target", ("raise", RAISED), RAISED),
+        ("source", ("raise", RAISED), RAISED),
+        (
+            "source",
+            ("cast", "bfloat16"),
+            r"the source's weights are not laid out as when the stream was built: \['lm_head'\]\.value, .* \(\+18 more\) "
+            r"changed \(a stream's plan is made for one layout: build a new stream\)",
+        ),
+    ],
+    ids=["target-raises", "source-raises", "source-relaid-out"],
+)
+def test_a_side_that_raises_stops_the_other_at_once_and_the_stream_goes_on(groups, failing, fault, message):
+    """Rank 1 of one side fails as its sync starts: its role raises (``params``), or its
+    weights are no longer laid out as the stream's plan (a bf16 cast). The other world's
+    processes, waiting for its pieces or acknowledgements, get its error through the transfer
+    servers and stop; the driver raises that rank's own error at once, noted with its group and
+    rank. Nobody was left waiting: the next sync of the same stream is bit-exact. The roles are
+    built in the module's processes (no process started)."""
+    backend, trainer, rollout = groups
+    name = f"{failing}_{fault[0]}"
+    source, target = trainer, None
+    if failing == "source":
+        source = backend.group(
+            trainer.processes, FaultyWeights, name=name, cfg=CFG, mesh="fsdp=4", rules="train", seed=3
+        )
+    target = backend.group(
+        rollout.processes, FaultyWeights, name=f"{name}_target", cfg=CFG, mesh="tp=4", rules="generate"
+    )
+    stream = WeightStream(source, target, bucket_bytes=BUCKET_BYTES)
+    failing_group, other = (source, target) if failing == "source" else (target, source)
+    failing_group.arm([None, fault])
+    start = time.monotonic()
+    with pytest.raises((RuntimeError, ValueError), match=message) as info:
+        stream.sync()
+    elapsed = time.monotonic() - start
+    notes = info.value.__notes__
+    name = failing_group.processes.name
+    assert notes[0] == f"raised by worker group {name!r} rank 1 during weight stream {stream.key!r}: sync 1"
+    # every rank of the other world came back, stopped by the failure
+    for rank in range(2):
+        assert f"then worker group {other.processes.name!r} rank {rank}: StreamAborted" in notes, notes
+    assert elapsed < FAULT_S, elapsed
+    print(f"{failing} {fault[0]}: the driver raised after {elapsed:.2f} s")
+    stream.sync()
+    _assert_bit_exact(source, target)
+
+
+def _kill_when_held(path, killed: list[float]) -> None:
+    """SIGKILLs the process that writes its pid to ``path`` (`FaultyWeights` ``hold``), once
+    it does: in the middle of a sync; the time of the kill goes to ``killed``."""
+    end = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.02)
+    with open(path) as f:
+        pid = int(f.read())
+    os.kill(pid, signal.SIGKILL)
+    killed.append(time.monotonic())
+
+
+@pytest.mark.parametrize("victim", ["target", "source"])
+def test_a_process_killed_during_a_sync_is_one_error_naming_it(groups, tmp_path, victim, monkeypatch):
+    """The victim (a group of 1 process x 2 devices, its own world) is SIGKILLed while the
+    sync is under way: its process holds in its role's ``params`` as its sync starts, and the
+    other world (the module's 2-process group) is waiting for its pieces or acknowledgements.
+    Within seconds the sync raises `WorkerDied` naming the victim's group and rank (no
+    deadline passed); every process of the other world came back (its pull failed on the
+    closed connection) and it still answers; no process of the victim's group is left. The
+    backend's watch for the cluster itself going away after a death (`LOST_GRACE_S`, 5 s, most
+    of a run's time to this error; tested in tests/test_ray_backend.py) is cut to 0.5 s here:
+    what is measured is the stream's own."""
+    monkeypatch.setattr(cluster, "LOST_GRACE_S", 0.5)
+    backend, trainer, rollout = groups
+    processes = backend.process_group(f"killed_{victim}", 1)
+    if victim == "target":
+        source = trainer
+        target = backend.group(processes, FaultyWeights, name="killed_target", cfg=CFG, mesh="tp=2", rules="generate")
+        dying, other = target, source
+    else:
+        source = backend.group(
+            processes, FaultyWeights, name="killed_source", cfg=CFG, mesh="fsdp=2", rules="train", seed=4
+        )
+        target = backend.group(
+            rollout.processes, StreamedWeights, name="target_of_killed", cfg=CFG, mesh="tp=4", rules="generate"
+        )
+        dying, other = source, target
+    stream = WeightStream(source, target, bucket_bytes=BUCKET_BYTES)
+    hold, killed = str(tmp_path / "held"), []
+    dying.arm([("hold", hold)])
+    killer = threading.Thread(target=_kill_when_held, args=(hold, killed))
+    killer.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            WorkerDied,
+            match=rf"worker group 'killed_{victim}' rank 0 \(pid {processes.pids[0]}\) died during "
+            rf"weight stream '{stream.key}': sync 1",
+        ) as info:
+            stream.sync()
+    finally:
+        killer.join()
+    raised = time.monotonic()
+    assert (info.value.group, info.value.rank) == (f"killed_{victim}", 0)
+    for rank in range(2):  # the other world's calls came back: none is left waiting
+        assert f"then worker group {other.processes.name!r} rank {rank}: StreamAborted" in info.value.__notes__
+    assert raised - killed[0] < 0.5 + KILL_S, (raised - killed[0], killed[0] - start)
+    print(f"{victim} killed: the driver raised {raised - killed[0]:.2f} s after the kill")
+    assert still_alive(processes.pids) == []
+    other.live_bytes([None] * 2)  # the surviving world answers
+    with pytest.raises(RuntimeError, match=f"worker group 'killed_{victim}' is stopped"):
+        stream.sync()

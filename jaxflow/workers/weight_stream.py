@@ -33,6 +33,13 @@ sender makes and posts one bucket's pieces, then waits until every receiver of t
 acknowledges it (the receiver posts a one-byte array that the sender pulls, over the same
 servers: no round trip through a driver) before it drops them and makes the next.
 
+Faults. A process that fails in a sync (its role raises, its weights are not laid out as
+the plan's, or a pull fails: the peer died and its connection closed, or the peer posted an
+error, `StreamAborted`) posts an error array (``transfer.make_error_array``) under every
+number of the sync it has not posted yet (`WeightSender.abort`, `WeightReceiver.abort`), then
+raises: whoever waits on it fails at once and does the same, so every process of both worlds
+comes back (see `jaxflow.workers.ray.streams`).
+
 What a process holds of the model during a sync (counted from the arrays this module makes,
 `StreamReport.peak_bytes`): a sender its own shards plus one bucket of pieces (a piece
 that is a whole shard in the target's dtype is the shard itself); a receiver frees its
@@ -213,6 +220,33 @@ def _buckets(plan: list[tuple], dtypes: Sequence[Any], bucket_bytes: int | None)
 ACK = jax.ShapeDtypeStruct((1,), jnp.int8)  # a receiver's word that it pulled a bucket
 
 
+def _ack_sharding() -> SingleDeviceSharding:
+    return SingleDeviceSharding(jax.local_devices()[0])  # where acknowledgements are made and pulled
+
+
+class StreamAborted(RuntimeError):
+    """This process's part of a sync stopped because a process of the other world failed: it
+    died (its connection closed) or it raised (it posted errors in place of the rest of its
+    part, `WeightSender.abort`, `WeightReceiver.abort`). A symptom: the driver reports the
+    failed process's own error."""
+
+
+def _arrived(arrays: Sequence[jax.Array], side: str, process: int) -> None:
+    """Waits until ``arrays``, pulled from ``side`` process ``process`` of the other world,
+    are here; a failed transfer (that process died, or posted an error) is `StreamAborted`."""
+    try:
+        jax.block_until_ready(arrays)
+    except jax.errors.JaxRuntimeError as e:
+        raise StreamAborted(f"{side} process {process} of the other world failed: {e}") from e
+
+
+def _post_errors(server: Any, specs: Mapping[int, jax.ShapeDtypeStruct], message: str) -> None:
+    """Posts an error array under each transfer number of ``specs`` (number -> what its
+    puller expects): whoever pulls it gets ``message`` as a failed transfer, at once."""
+    for uuid, spec in specs.items():
+        server.await_pull(uuid, [transfer.make_error_array(spec, message)])
+
+
 def _shard_bytes(leaves: Sequence[jax.Array]) -> tuple[int, int]:
     """(bytes of every shard on this process's devices, the largest one)."""
     sizes = [s.data.nbytes for x in leaves for s in x.addressable_shards]
@@ -233,6 +267,18 @@ class WeightSender:
     def __init__(self, server: Any, receiver_addresses: Mapping[int, str] | None = None):
         self.server = server
         self.connections = {q: server.connect(a) for q, a in (receiver_addresses or {}).items()}
+        self.posted: set[int] = set()  # the transfer numbers posted in the current sync
+
+    def abort(self, plan: list[tuple], sync: int, dtypes: Sequence[Any], message: str) -> None:
+        """After this process failed in sync ``sync``: an error (``message``) in place of
+        every piece it owns and has not posted, so that no receiver waits for it."""
+        me, devices = jax.process_index(), {d.id: d for d in jax.local_devices()}
+        specs = {
+            _uuid(sync, k): jax.ShapeDtypeStruct(c.size, dtypes[i], sharding=SingleDeviceSharding(devices[c.src[1]]))
+            for k, i, _, c in _pieces(plan)
+            if c.src[0] == me and _uuid(sync, k) not in self.posted
+        }
+        _post_errors(self.server, specs, message)
 
     def offer(
         self,
@@ -250,8 +296,9 @@ class WeightSender:
         if bucket_bytes is not None and not self.connections:
             raise ValueError("a bucketed offer awaits the receivers' acknowledgements: give receiver_addresses")
         shards = [{s.device.id: s.data for s in x.addressable_shards} for x in leaves]
+        self.posted = set()
         sent = pieces = largest = most_made = 0
-        ack = jax.ShapeDtypeStruct(ACK.shape, ACK.dtype, sharding=SingleDeviceSharding(jax.local_devices()[0]))
+        ack = jax.ShapeDtypeStruct(ACK.shape, ACK.dtype, sharding=_ack_sharding())
         for b, bucket in enumerate(_buckets(plan, dtypes, bucket_bytes)):
             made: dict[tuple, jax.Array] = {}  # (leaf, device, start, size) -> piece: one per distinct piece
             made_bytes, receivers = 0, set()
@@ -268,12 +315,13 @@ class WeightSender:
                         made[key] = take_piece(shard, start, size=c.size, dtype=dtypes[i])
                         made_bytes += made[key].nbytes
                 self.server.await_pull(_uuid(sync, k), [made[key]])
+                self.posted.add(_uuid(sync, k))
                 receivers.add(target.owner[0])
                 sent, pieces, largest = sent + made[key].nbytes, pieces + 1, max(largest, made[key].nbytes)
             most_made = max(most_made, made_bytes)
-            if bucket_bytes is not None:
+            if bucket_bytes is not None:  # each receiver's word that it has this bucket
                 for q in sorted(receivers):
-                    self.connections[q].pull(_ack_uuid(sync, b, me), [ack])
+                    _arrived(self.connections[q].pull(_ack_uuid(sync, b, me), [ack]), "target", q)
         held, largest_shard = _shard_bytes(leaves)
         seconds = time.perf_counter() - t0
         return StreamReport(me, "source", sent, pieces, seconds, held, held + most_made, largest, largest_shard)
@@ -285,6 +333,21 @@ class WeightReceiver:
     def __init__(self, server: Any, sender_addresses: Mapping[int, str]):
         self.server = server
         self.connections = {p: server.connect(a) for p, a in sender_addresses.items()}
+        self.posted: set[int] = set()  # the acknowledgements posted in the current sync
+
+    def abort(self, plan: list[tuple], dst: Layout, sync: int, bucket_bytes: int | None, message: str) -> None:
+        """After this process failed in sync ``sync``: an error (``message``) in place of
+        every acknowledgement it has not posted, so that no sender waits for it."""
+        if bucket_bytes is None:
+            return
+        me, ack = jax.process_index(), jax.ShapeDtypeStruct(ACK.shape, ACK.dtype, sharding=_ack_sharding())
+        specs = {
+            _ack_uuid(sync, b, c.src[0]): ack
+            for b, bucket in enumerate(_buckets(plan, layout_dtypes(dst), bucket_bytes))
+            for _, _, target, c in bucket
+            if target.owner[0] == me and _ack_uuid(sync, b, c.src[0]) not in self.posted
+        }
+        _post_errors(self.server, specs, message)
 
     def receive(
         self, plan: list[tuple], dst: Layout, shardings: Sequence[Any], sync: int, bucket_bytes: int | None = None
@@ -297,6 +360,7 @@ class WeightReceiver:
         devices = {d.id: d for d in jax.local_devices()}
         bufs: dict[tuple[int, int], jax.Array] = {}  # (leaf, device id) -> its shard
         ack = jnp.zeros(ACK.shape, ACK.dtype, device=jax.local_devices()[0])
+        self.posted = set()
         for b, bucket in enumerate(_buckets(plan, dtypes, bucket_bytes)):
             senders = set()
             for k, i, target, c in bucket:
@@ -310,6 +374,7 @@ class WeightReceiver:
             if bucket_bytes is not None:
                 for p in sorted(senders):
                     self.server.await_pull(_ack_uuid(sync, b, p), [ack])
+                    self.posted.add(_ack_uuid(sync, b, p))
         out = [
             jax.make_array_from_single_device_arrays(
                 shape, s, [bufs[(i, t.owner[1])] for t in targets if t.owner[0] == me]
@@ -325,7 +390,9 @@ class WeightReceiver:
         ``bufs`` (in place); the bytes then held and at most held, and the piece's bytes."""
         dev = devices[target.owner[1]]
         spec = jax.ShapeDtypeStruct(c.size, dtypes[i], sharding=SingleDeviceSharding(dev))
-        (piece,) = self.connections[c.src[0]].pull(_uuid(sync, k), [spec])
+        pulled = self.connections[c.src[0]].pull(_uuid(sync, k), [spec])
+        _arrived(pulled, "source", c.src[0])  # here before this bucket is acknowledged
+        (piece,) = pulled
         key, piece_bytes = (i, dev.id), piece.nbytes
         if len(target.copies) == 1 and c.size == target.shape:
             bufs[key] = piece
@@ -369,6 +436,23 @@ class _Joined:
     side: str
     route: StreamRoute
     peer: WeightSender | WeightReceiver
+    paths: list[str]  # the role's leaves when it joined
+    layout: Layout  # their layout then (every sync's must be the same: the plan is cut for it)
+
+    def check_layout(self, leaves: Sequence[jax.Array]) -> None:
+        """Raises ValueError naming the leaves whose shape, dtype or sharding is not the one
+        the stream's plan was made for."""
+        now = layout(leaves)
+        if now == self.layout:
+            return
+        if len(now) != len(self.layout):
+            changed = [f"{len(now)} arrays, not {len(self.layout)}"]
+        else:
+            changed = [p for p, a, b in zip(self.paths, self.layout, now) if a != b]
+        raise ValueError(
+            f"the {self.side}'s weights are not laid out as when the stream was built: {_some(changed)} "
+            "changed (a stream's plan is made for one layout: build a new stream)"
+        )
 
 
 class StreamEndpoint:
@@ -378,7 +462,6 @@ class StreamEndpoint:
 
     def __init__(self, host: str = "127.0.0.1"):
         self.server = start_server(f"{host}:0")
-        self.sender = WeightSender(self.server)
         self.streams: dict[str, _Joined] = {}
 
     def describe(self, role: WeightHolder, side: str) -> dict[str, Any]:
@@ -400,24 +483,46 @@ class StreamEndpoint:
             peer: WeightSender | WeightReceiver = WeightSender(self.server, route.targets)
         else:
             peer = WeightReceiver(self.server, route.sources)
-        self.streams[key] = _Joined(role, side, route, peer)
+        self.streams[key] = _Joined(
+            role, side, route, peer, leaf_paths(role.params), layout(jax.tree.leaves(role.params))
+        )
 
     def sync(self, key: str, sync: int) -> StreamReport:
         """Sync number ``sync`` of stream ``key``: a source posts its pieces of its role's
         current weights; a target frees its role's previous weights, pulls its shards and
-        gives them to the role (``replace_params``)."""
+        gives them to the role (``replace_params``). A process that fails (its role raises,
+        its weights are no longer laid out as the plan's, a peer failed: `StreamAborted`)
+        first posts errors in place of the rest of its part, so that the other world's
+        processes stop waiting for it at once, then raises. A target whose sync failed holds
+        no weights until a later sync succeeds."""
         joined = self.streams[key]
+        route, tag = joined.route, joined.route.sync_tag(sync)
+        try:
+            return self._sync(joined, tag)
+        except Exception as error:
+            message = (
+                f"weight stream {key!r} sync {sync}: {joined.side} process {jax.process_index()} failed: "
+                f"{type(error).__name__}: {error}"
+            )
+            if isinstance(joined.peer, WeightSender):
+                joined.peer.abort(route.plan, tag, layout_dtypes(route.dst), message)
+            else:
+                joined.peer.abort(route.plan, route.dst, tag, route.bucket_bytes, message)
+            raise
+
+    @staticmethod
+    def _sync(joined: _Joined, tag: int) -> StreamReport:
         route = joined.route
         if joined.side == "source":
             leaves = jax.tree.leaves(joined.role.params)
-            return joined.peer.offer(
-                leaves, route.plan, route.sync_tag(sync), layout_dtypes(route.dst), route.bucket_bytes
-            )
+            joined.check_layout(leaves)
+            return joined.peer.offer(leaves, route.plan, tag, layout_dtypes(route.dst), route.bucket_bytes)
         old, treedef = jax.tree.flatten(joined.role.params)
+        joined.check_layout(old)
         shardings = [x.sharding for x in old]
         for x in old:  # never two copies of the rollout's weights
             x.delete()
         del old
-        arrays, report = joined.peer.receive(route.plan, route.dst, shardings, route.sync_tag(sync), route.bucket_bytes)
+        arrays, report = joined.peer.receive(route.plan, route.dst, shardings, tag, route.bucket_bytes)
         joined.role.replace_params(jax.tree.unflatten(treedef, arrays))
         return report

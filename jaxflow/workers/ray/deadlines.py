@@ -39,6 +39,25 @@ def call_deadline(config: RayConfig, compiled: bool) -> float:
     return config.step_deadline_s if compiled else config.compile_deadline_s
 
 
+def lost_rank(group: Group, rank: int, error: Exception, what: str) -> WorkerDied:
+    """The `WorkerDied` of ``rank`` of ``group``, whose call during ``what`` ended in Ray's
+    ``error`` (not the method's own exception): the process died (`RayActorError`), or Ray
+    lost it (e.g. ``OutOfMemoryError``: its memory monitor killed it). The group's processes
+    are stopped first (its world cannot continue without the rank); `ClusterLost` instead
+    when the cluster itself went away."""
+    ray = ray_module()
+    group.check_cluster(what)
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    if isinstance(error, ray.exceptions.RayActorError):
+        group.shutdown(f"rank {rank} died")
+        pid = group.pids[rank] if rank < len(group.pids) else "?"
+        message = f"(pid {pid}) died during {what}: {first_line or type(error).__name__}"
+    else:
+        group.shutdown(f"rank {rank} lost")
+        message = f"was lost during {what}: {type(error).__name__}: {first_line}"
+    return WorkerDied(f"worker group {group.name!r} rank {rank} {message}", group.name, rank)
+
+
 def gather(group: Group, refs: Sequence[Any], what: str, deadline_s: float) -> list[Any]:
     """Every rank's result of ``refs`` (one per rank of ``group``, in rank order), waiting at
     most ``deadline_s`` (see the module docstring)."""
@@ -68,29 +87,12 @@ def gather(group: Group, refs: Sequence[Any], what: str, deadline_s: float) -> l
         rank = rank_of[ready[0]]
         try:
             results[rank] = ray.get(ready[0])
-        except ray.exceptions.RayActorError as e:
-            pid = group.pids[rank] if rank < len(group.pids) else "?"
-            group.check_cluster(what)
-            group.shutdown(f"rank {rank} died")
-            raise WorkerDied(
-                f"worker group {group.name!r} rank {rank} (pid {pid}) died during {what}: "
-                f"{str(e).splitlines()[0] if str(e) else type(e).__name__}",
-                group.name,
-                rank,
-            ) from None
         except ray.exceptions.RayTaskError as e:
             if failure is None:  # the others get the sync deadline to finish (or fail alike)
                 failure = (rank, e.cause if isinstance(e.cause, BaseException) else e)
                 end = min(end, time.monotonic() + group.config.sync_deadline_s)
-        except ray.exceptions.RayError as e:  # e.g. OutOfMemoryError: Ray's memory monitor killed the process
-            group.check_cluster(what)
-            group.shutdown(f"rank {rank} lost")
-            raise WorkerDied(
-                f"worker group {group.name!r} rank {rank} was lost during {what}: {type(e).__name__}: "
-                f"{str(e).splitlines()[0] if str(e) else ''}",
-                group.name,
-                rank,
-            ) from None
+        except ray.exceptions.RayError as e:
+            raise lost_rank(group, rank, e, what) from None
     if failure is not None:
         rank, error = failure
         error.add_note(f"raised by worker group {group.name!r} rank {rank} during {what}")

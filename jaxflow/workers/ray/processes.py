@@ -133,7 +133,8 @@ class ProcessGroup:
             self.pool.forget()
         raise error
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raises `WorkerGroupError` once the group is stopped (its processes are gone)."""
         if self.dead is not None:
             raise WorkerGroupError(f"worker group {self.name!r} is stopped ({self.dead})", self.name)
 
@@ -144,7 +145,7 @@ class ProcessGroup:
         """Builds ``role`` in every process (see `HostProcess.build`; ``blocks``: each rank's
         object-store reference to its blocks of a `ShippedParams` model); how its batch rows
         fall on the processes (None for a worker without a mesh)."""
-        self._check_alive()
+        self.check_alive()
         ref = ray_module().put(kwargs)
         built = self.gather(
             [
@@ -161,7 +162,7 @@ class ProcessGroup:
         """``params`` (the driver's arrays) as a `ShippedParams` and, per rank, one object-store
         reference to the blocks that rank's devices hold in ``role``'s layout: no rank
         receives the whole model."""
-        self._check_alive()
+        self.check_alive()
         ray = ray_module()
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
         keys = self.gather(
@@ -177,7 +178,7 @@ class ProcessGroup:
     ) -> Any:
         """``role.method(*args, **kwargs)`` in lock step on every rank (`remote_calls`: the
         assembled result, or the protocol's collect of the per-rank results)."""
-        self._check_alive()
+        self.check_alive()
         args, kwargs = host_tree(args), host_tree(kwargs)
         key = (role, method, call_signature((args, kwargs)))
         refs, finish = remote_calls(self.actors, role, method, protocol, args, kwargs, rows)
@@ -188,13 +189,13 @@ class ProcessGroup:
     def submit(self, method: str, *args: Any) -> list[Any]:
         """``HostProcess.method(*args)`` on every rank, in rank order, not waited for (`gather`
         the references: e.g. two groups' calls under way at once)."""
-        self._check_alive()
+        self.check_alive()
         return [getattr(a, method).remote(*args) for a in self.actors]
 
     @_cluster_loss_said
     def io_stats(self) -> list[dict[str, int]]:
         """Each rank's `HostProcess.io_stats` (measured transfer counters)."""
-        self._check_alive()
+        self.check_alive()
         return self.gather([a.io_stats.remote() for a in self.actors], "io_stats", self.config.sync_deadline_s)
 
     def shutdown(self, reason: str = "shut down") -> None:
