@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxflow.agents import (
     CALCULATOR,
@@ -351,8 +352,8 @@ def test_a_session_resumes_the_conversations_that_continue_and_frees_the_others(
 
     params, options = _engine_settings()
     with pytest.raises(ValueError, match="n = 1"):
-        KVSession(tiny_lm, dataclasses.replace(params, n=2), conversations=4, max_len=18)
-    session = KVSession(tiny_lm, params, conversations=4, max_len=5 + BUDGET, options=options)
+        KVSession(*nnx.split(tiny_lm), dataclasses.replace(params, n=2), conversations=4, max_len=18)
+    session = KVSession(*nnx.split(tiny_lm), params, conversations=4, max_len=5 + BUDGET, options=options)
     prompts = PROMPTS
     first = session.generate(prompts, 3)
     assert np.asarray(first.stats["prefill_tokens"]).tolist() == [2, 5, 3, 4]

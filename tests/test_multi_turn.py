@@ -59,6 +59,67 @@ def test_without_a_tool_call_a_conversation_is_the_single_turn_rollout():
     assert "loss_mask" not in single
 
 
+class _Twice:
+    """An environment that answers a conversation's first model turn with "ok" and ends it
+    after the second."""
+
+    def reset(self, sample):
+        self.turns = 0
+
+    def step(self, action):
+        self.turns += 1
+        return "ok", 0.0, self.turns == 2
+
+
+def test_kv_reuse_prefills_only_what_each_turn_appended_on_the_generation_mesh():
+    """The actor's multi-turn rollout on a 4-device generation mesh (dp = 2 replicas of tp = 2)
+    with an environment that answers every first turn: with the KV pages kept between turns
+    (the default) turn 2 runs the model on the last sampled token and the "ok" only (1 + 2
+    tokens a conversation), where prefilling every turn again runs it on the whole
+    conversation (prompt, 4 sampled tokens, "ok"); both sample the same tokens, the log-probs
+    within 8 float32 ulps (decode vs prefill shapes, as tests/test_agent_tools.py)."""
+    from jaxflow.agents import AgentConfig
+    from jaxflow.agents.rollout import MultiTurn
+    from jaxflow.mesh import GENERATE_RULES, state_shardings
+    from jaxflow.sampling import EngineOptions, SamplingParams
+    from jaxflow.workers.multi_turn import multi_turn_rollout
+
+    tok = CharTokenizer()
+    model = models.init_model(models.get_preset("tiny_llama", vocab_size=tok.vocab_size, num_layers=1), seed=0)
+    mesh = MeshSpec(dp=2, tp=2).build(jax.devices()[:4])
+    graphdef, state = nnx.split(model)
+    state = jax.device_put(state, state_shardings(state, GENERATE_RULES, mesh))  # the heads split over tp
+    ids = np.asarray([tok.encode(p) for p in ("<bos>mul:12*34=", "<bos>mul:56*78=")], np.int32)
+    plen = ids.shape[1]
+    multi = MultiTurn(AgentConfig(max_assistant_turns=2, max_response_tokens=16), (), environment=_Twice)
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, eos_token_ids=(), n=2, seed=1)
+    runs = {
+        reuse: multi_turn_rollout(
+            multi,
+            tok,
+            graphdef,
+            state,
+            ids,
+            np.ones_like(ids),
+            params,
+            jax.random.key(7),
+            np.asarray([3, 8]),
+            mesh=mesh,
+            rules=GENERATE_RULES,
+            options=EngineOptions(page_size=4),
+            reuse_kv=reuse,
+        )
+        for reuse in (True, False)
+    }
+    (kept, kept_metrics), (again, again_metrics) = runs[True], runs[False]
+    np.testing.assert_array_equal(kept["responses"], again["responses"])
+    np.testing.assert_allclose(kept["rollout_log_probs"], again["rollout_log_probs"], rtol=8 * 2.0**-23, atol=0)
+    assert kept["loss_mask"][:, :10].tolist() == [[1] * 4 + [0] * 2 + [1] * 4] * 4
+    assert kept_metrics["agent/turns/mean"] == 2
+    assert kept_metrics["agent/prefill_tokens/sum"] == 4 * plen + 4 * (1 + 2)
+    assert again_metrics["agent/prefill_tokens/sum"] == 4 * plen + 4 * (plen + 4 + 2)
+
+
 def test_the_calculator_task_and_its_reward():
     """Demonstrations: a quarter call the tool (the call, the tool's turn, the answer); the
     reward reads the answer after the last tool response."""
@@ -121,19 +182,24 @@ def test_tool_keys_are_checked(tmp_path):
         load_config("grpo_tool_tiny", [f"actor_rollout_ref.rollout.multi_turn.tool_config_path={config}"])
 
 
-class _ScriptedEngine:
-    """Stands in for `generate_from_state` in the conversations: a conversation whose prompt's
-    first operand is even calls the calculator, then copies its answer; an odd one answers 1
-    at once. Records every call's rows and keys."""
+class _ScriptedTurns:
+    """Stands in for `jaxflow.sampling.EngineTurns` in the conversations (built as it is, then
+    called with the whole conversations): a conversation whose prompt's first operand is even
+    calls the calculator, then copies its answer; an odd one answers 1 at once. Records every
+    call's conversations (their indices)."""
 
     def __init__(self, tok):
-        self.tok, self.calls = tok, []
+        self.tok, self.calls, self.stats = tok, [], []
 
-    def __call__(self, graphdef, state, ids, mask, params, *, rng, max_new_tokens, prompt_index, **engine):
-        self.calls.append((ids.shape[0], np.asarray(prompt_index).tolist()))
-        rows = []
-        for row, m in zip(ids, mask):
-            text = self.tok.decode(row[m > 0].tolist(), skip_special_tokens=False)
+    def build(self, graphdef, state, params, **engine):
+        self.params = params
+        return self
+
+    def __call__(self, conversations, budgets, rows):
+        self.calls.append((len(conversations), list(rows)))
+        out = []
+        for conv, budget in zip(conversations, budgets):
+            text = self.tok.decode(conv, skip_special_tokens=False)
             question = text.split("mul:")[1].split("=")[0]
             if "</tool_response>" in text:
                 turn = text.rsplit("<tool_response>", 1)[1].split("</tool_response>")[0]
@@ -141,19 +207,11 @@ class _ScriptedEngine:
                 turn = hermes_call("calculator", {"expression": question})  # 75 tokens
             else:
                 turn = "1"
-            rows.append(self.tok.encode(turn, add_special_tokens=False) + [self.tok.eos_token_id])
-        R = params.max_new_tokens
-        responses = np.zeros((len(rows), R), np.int32)
-        for r, t in enumerate(rows):
-            responses[r, : len(t)] = t[:R]
-        lengths = np.minimum([len(t) for t in rows], max_new_tokens)
-        log_probs = -0.5 * (responses > 0)
-        return _Out(responses, log_probs, lengths)
-
-
-class _Out:
-    def __init__(self, responses, log_probs, lengths):
-        self.responses, self.log_probs, self.lengths = responses, log_probs, lengths
+            new = (self.tok.encode(turn, add_special_tokens=False) + [self.tok.eos_token_id])[
+                : min(budget, self.params.max_new_tokens)
+            ]
+            out.append((new, [-0.5] * len(new)))
+        return out
 
 
 @pytest.mark.parametrize("config", ["grpo_tool_tiny", "ppo_tiny"])
@@ -165,8 +223,8 @@ def test_the_trainer_trains_on_conversations(config, tmp_path, monkeypatch):
     import jaxflow.workers.multi_turn as multi_turn
 
     tok = CharTokenizer()
-    engine = _ScriptedEngine(tok)
-    monkeypatch.setattr(multi_turn, "generate_from_state", engine)
+    engine = _ScriptedTurns(tok)
+    monkeypatch.setattr(multi_turn, "EngineTurns", engine.build)
     updates = []
     update = actor_module.ActorWorker.update
 
@@ -273,15 +331,14 @@ class Stepper:
 
 
 class _Sayer:
-    """Stands in for `generate_from_state`: every turn answers "7"."""
+    """Stands in for `jaxflow.sampling.EngineTurns` (built as it is): every turn answers "7"."""
 
-    def __init__(self, tok):
-        self.tok = tok
+    def __init__(self, graphdef, state, params, **engine):
+        tok = CharTokenizer()
+        self.say, self.stats = tok.encode("7", add_special_tokens=False) + [tok.eos_token_id], []
 
-    def __call__(self, graphdef, state, ids, mask, params, *, rng, max_new_tokens, prompt_index, **engine):
-        responses = np.zeros((len(ids), params.max_new_tokens), np.int32)
-        responses[:, :2] = [self.tok.encode("7", add_special_tokens=False)[0], self.tok.eos_token_id]
-        return _Out(responses, -0.5 * (responses > 0), np.full(len(ids), 2))
+    def __call__(self, conversations, budgets, rows):
+        return [(self.say, [-0.5] * len(self.say)) for _ in conversations]
 
 
 @pytest.mark.parametrize("config", ["grpo_tool_tiny", "ppo_tiny"])
@@ -292,7 +349,7 @@ def test_environment_rewards_reach_the_scores_turn_by_turn(config, tmp_path, mon
     0.75, with two model turns and the observations as untrained tokens; GRPO and PPO."""
     import jaxflow.workers.multi_turn as multi_turn
 
-    monkeypatch.setattr(multi_turn, "generate_from_state", _Sayer(CharTokenizer()))
+    monkeypatch.setattr(multi_turn, "EngineTurns", _Sayer)
     (tmp_path / "env.py").write_text(ENVIRONMENT)
     interaction = {
         "interaction": [{"name": "stepper", "callable": "env.py:Stepper", "config": {"first": 0.25, "last": 0.5}}]

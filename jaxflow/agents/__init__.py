@@ -5,7 +5,6 @@ the engine (`loop`: token in, token out, a loss mask on the model's own tokens).
 from jaxflow.agents.loop import (
     AgentConfig,
     AgentRollout,
-    EngineTurns,
     Environment,
     chatml_user_turn,
     engine_turns,
@@ -29,7 +28,6 @@ __all__ = [
     "FORMATS",
     "AgentConfig",
     "AgentRollout",
-    "EngineTurns",
     "Environment",
     "Tool",
     "ToolCall",

@@ -15,16 +15,17 @@ caller's engine, e.g. `engine_turns` over the rollout engine); the tool calls of
 conversations of a turn run concurrently (`jaxflow.agents.tools.ToolExecutor`), so one slow
 tool does not add up over conversations.
 
-KV reuse. `engine_turns` keeps each conversation's KV pages in the engine between its turns
+KV reuse. `engine_turns` (`jaxflow.sampling.EngineTurns`, the actor's multi-turn sampler too)
+keeps each conversation's KV pages in the engine between its turns
 (`jaxflow.sampling.session.KVSession`): a model turn runs the model only on the tokens
 appended since the conversation's last turn (the last sampled token and the tool or
 observation turn), not on the whole conversation again. A conversation that ended gives its
 pages back at the next turn's call, and all are given back when `run_agent` returns (it calls
 the sampler's ``release()``). The tokens and log-probs are those of sampling each turn from
 the whole conversation (bit for bit for a ``batch_invariant`` model; else to the float32
-rounding of the model's projections in decode vs prefill shapes). With a mesh (several
-generation replicas) `engine_turns` prefills every turn from the whole conversation
-(``reuse_kv=False`` asks for that anywhere).
+rounding of the model's projections in decode vs prefill shapes). With a mesh the session
+runs as one replica spanning it (``reuse_kv=False``: every turn prefilled from the whole
+conversation, split over the mesh's replicas).
 
 The result (`AgentRollout`) has the single-turn rollout's columns, ``[B, R]`` after the prompt:
 ``responses`` (model and tool tokens in order), ``response_mask`` (every real token),
@@ -272,72 +273,18 @@ def _rollout(convs: Sequence[_Conversation], R: int, pad_token_id: int) -> Agent
     )
 
 
-def engine_turns(model: Any, params: Any, *, reuse_kv: bool = True, **generate_kwargs) -> TurnSampler:
+def engine_turns(model: Any, params: Any, *, reuse_kv: bool = True, **engine: Any) -> TurnSampler:
     """A `TurnSampler` over the rollout engine for ``model`` (a `CausalLM`) with ``params``
     (`SamplingParams`; ``max_new_tokens`` is the most one turn samples, each conversation's
     budget cuts it further): each turn ends at an EOS id (``params.eos_token_ids``, e.g.
-    ``<|im_end|>``). ``reuse_kv`` (and no ``mesh`` in ``generate_kwargs``): the conversations'
-    KV pages stay in the engine between turns (`EngineTurns`); else each turn is
-    `jaxflow.sampling.generate` on the left-padded conversations. ``generate_kwargs`` as
-    there (``options``, ``rng``, ``tokenizer``, ...)."""
-    return EngineTurns(model, params, reuse_kv and generate_kwargs.get("mesh") is None, generate_kwargs)
+    ``<|im_end|>``). The actor's multi-turn rollouts' sampler,
+    `jaxflow.sampling.EngineTurns`: ``reuse_kv`` keeps the conversations' KV pages in the
+    engine between turns (on any ``mesh``: one replica spanning it); else each turn is
+    `jaxflow.sampling.generate_from_state` on the left-padded conversations. ``engine``:
+    ``mesh``, ``rules``, ``options``, ``tokenizer``, ``stop_strings``, ``rng``,
+    ``row_ids``."""
+    from flax import nnx
 
+    from jaxflow.sampling import EngineTurns
 
-class EngineTurns:
-    """`engine_turns`' sampler. With ``reuse_kv`` it holds a `jaxflow.sampling.session.KVSession`
-    sized at its first call (that call's conversations, each up to its length plus its
-    budget), and a new one when a call does not fit it. ``stats``: what the engine reported
-    for each call (`jaxflow.sampling.GenerateOutput.stats`; ``prefill_tokens`` [B]: the
-    prompt tokens each conversation ran through the model)."""
-
-    SESSION_KEYS = ("options", "tokenizer", "stop_strings", "rules")
-
-    def __init__(self, model: Any, params: Any, reuse_kv: bool, generate_kwargs: dict[str, Any]):
-        self.model, self.params, self.reuse_kv, self.kwargs = model, params, reuse_kv, generate_kwargs
-        self.session: Any = None
-        self.stats: list[dict[str, Any]] = []
-
-    def __call__(
-        self, conversations: list[list[int]], budgets: list[int], rows: list[int]
-    ) -> list[tuple[list[int], list[float]]]:
-        limits = np.minimum(np.asarray(budgets), self.params.max_new_tokens).astype(np.int32)
-        index = np.asarray(rows, np.int32)  # a conversation's draws do not depend on the others
-        if self.reuse_kv:
-            out = self._session_turn(conversations, budgets, limits, index)
-        else:
-            out = self._turn(conversations, limits, index)
-        self.stats.append(out.stats)
-        lengths = np.asarray(out.lengths)
-        responses, log_probs = np.asarray(out.responses), np.asarray(out.log_probs)
-        return [
-            (responses[r, : lengths[r]].tolist(), log_probs[r, : lengths[r]].tolist())
-            for r in range(len(conversations))
-        ]
-
-    def _turn(self, conversations: list[list[int]], limits: np.ndarray, index: np.ndarray) -> Any:
-        """`jaxflow.sampling.generate` on the conversations, left-padded into one batch."""
-        from jaxflow.sampling import generate, left_pad
-
-        ids, mask = left_pad(conversations)
-        return generate(self.model, ids, mask, self.params, max_new_tokens=limits, prompt_index=index, **self.kwargs)
-
-    def _session_turn(
-        self, conversations: list[list[int]], budgets: list[int], limits: np.ndarray, index: np.ndarray
-    ) -> Any:
-        """The turn through the session (a new one sized for this call when it does not fit)."""
-        from jaxflow.sampling import KVSession
-
-        need = max(len(c) + b for c, b in zip(conversations, budgets))  # budgets >= limits
-        s = self.session
-        if s is None or len(conversations) > s.conversations or need > s.max_len:
-            self.release()
-            setup = {k: v for k, v in self.kwargs.items() if k in self.SESSION_KEYS}
-            s = self.session = KVSession(
-                self.model, self.params, conversations=len(conversations), max_len=need, **setup
-            )
-        call = {k: v for k, v in self.kwargs.items() if k not in (*self.SESSION_KEYS, "mesh")}  # mesh: None here
-        return s.generate(conversations, limits, prompt_index=index, **call)
-
-    def release(self) -> None:
-        """Give back every conversation's pages and the page pool."""
-        self.session = None
+    return EngineTurns(*nnx.split(model), params, reuse_kv=reuse_kv, **engine)

@@ -1,7 +1,8 @@
 """The rollout engine: a paged KV cache sized from a token budget (pallas paged-attention kernels
 on GPU and TPU), continuous batching with shared prompt prefixes and per-row limits, EOS and
 stop strings matched on the device, compiled as one program; conversations whose KV pages stay
-in the engine between turns (`KVSession`); and the logits processing (temperature, top-k,
+in the engine between turns (`KVSession`), sampled turn by turn (`EngineTurns`: the turn
+sampler of multi-turn rollouts and agent loops); and the logits processing (temperature, top-k,
 top-p) it samples with."""
 
 from jaxflow.sampling.engine import (
@@ -35,12 +36,14 @@ from jaxflow.sampling.paged import (
 )
 from jaxflow.sampling.session import KVSession
 from jaxflow.sampling.stops import StopStrings
+from jaxflow.sampling.turns import EngineTurns
 
 __all__ = [
     "DEFAULT_PAGE_SIZE",
     "DEFAULT_SLOTS",
     "EngineOptions",
     "EngineShape",
+    "EngineTurns",
     "GenerateOutput",
     "KVSession",
     "PagedKVCache",

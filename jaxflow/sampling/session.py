@@ -40,8 +40,17 @@ for bit); otherwise XLA's products may round a row differently by the matrices' 
 float32 ulps in the log-probs (tests/test_agent_tools.py: the same tokens, log-probs within 8
 ulps).
 
-Limits: one replica (no mesh; the agent loop falls back to re-prefilling every turn with a
-mesh), ``n = 1`` (one row per conversation), no debug outputs.
+Meshes. With a ``mesh`` (the weights on it in any layout, e.g. the actor's generation
+weights) a call runs the engine's program as one replica spanning the mesh, under the
+replica's rules (`engine._replica_rules`): the pools split over kv heads as the rules split
+the model's attention (tp), replicated over the ``batch`` (data-parallel) axes, every
+conversation on every data-parallel group. What a conversation samples is what
+`engine.generate_from_state` samples on that mesh (the same keys; the vocabulary split over
+tp the same way).
+
+Limits: one replica (the conversations are not split over the mesh's data-parallel groups:
+each group runs all of them, and holds the whole pool), ``n = 1`` (one row per
+conversation), no debug outputs.
 """
 
 from __future__ import annotations
@@ -54,9 +63,10 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
-from jaxflow.mesh import GENERATE_RULES
-from jaxflow.sampling.batcher import Resume, reserve_pages
+from jaxflow.mesh import GENERATE_RULES, sharding_rules
+from jaxflow.sampling.batcher import Resume, _pool_constraint, reserve_pages
 from jaxflow.sampling.engine import (
     PROMPT_BUCKET_MIN,
     EngineOptions,
@@ -66,6 +76,7 @@ from jaxflow.sampling.engine import (
     _eos_ids,
     _generate_program,
     _prompt_index,
+    _replica_rules,
     _row_limits,
     _stop_tables,
     bucket_size,
@@ -86,23 +97,46 @@ class _Cached:
     pages: np.ndarray
 
 
-def _resumed_rollout(pools, held, *args, graphdef, static, rules):
-    """`engine._generate_program` of a session's call: ``args`` as there, ``held`` the rest
-    of its `batcher.Resume` (start_B, held_BxMp, free_F, top)."""
-    return _generate_program(*args, Resume(pools, *held), graphdef=graphdef, static=static, mesh=None, rules=rules)
+def _resumed_rollout(pools, held, *args, graphdef, static, mesh, rules):
+    """`engine._generate_program` of a session's call: ``args`` as there (one replica),
+    ``held`` the rest of its `batcher.Resume` (start_B, held_BxMp, free_F, top)."""
+    return _generate_program(*args, Resume(pools, *held), graphdef=graphdef, static=static, mesh=mesh, rules=rules)
 
 
 @functools.lru_cache(maxsize=32)
-def _session_program(graphdef, static, rules):
+def _session_program(graphdef, static, mesh, rules):
     """The rollout program of a session's call, the page pools donated (updated in place)."""
-    fn = functools.partial(_resumed_rollout, graphdef=graphdef, static=static, rules=rules)
+    fn = functools.partial(_resumed_rollout, graphdef=graphdef, static=static, mesh=mesh, rules=rules)
     return jax.jit(fn, donate_argnums=0)
+
+
+def _zero_pools(cfg, num_pages: int, page_size: int, kernel: str, mesh, rules):
+    """A session's zeroed pools (`PagedKVCache.zeros`); with a ``mesh``, made in place on it
+    as the program pins them (`batcher`: the layout's logical axes under the replica's rules,
+    e.g. split over kv heads with tp, replicated over the data-parallel axes)."""
+    if mesh is None:
+        return PagedKVCache.zeros(cfg, num_pages, page_size, PoolLayout(kernel))
+    return _placed_zeros(cfg, num_pages, page_size, kernel, mesh, rules)()
+
+
+@functools.lru_cache(maxsize=8)
+def _placed_zeros(cfg, num_pages: int, page_size: int, kernel: str, mesh, rules):
+    """`_zero_pools`' program on a mesh (one per pool shape: a session per rollout reuses it)."""
+    layout = PoolLayout(kernel)
+
+    def zeros():
+        with sharding_rules(_replica_rules(rules), mesh):
+            return _pool_constraint(layout)(PagedKVCache.zeros(cfg, num_pages, page_size, layout))
+
+    return jax.jit(zeros)
 
 
 class KVSession:
     """A page pool and the conversations cached in it (see the module docstring).
 
-    ``model``: a `CausalLM`; ``params``: how every call samples (``n`` must be 1;
+    ``graphdef`` / ``state``: ``nnx.split`` of a `CausalLM` (``state`` in any layout on
+    ``mesh``, e.g. the actor's generation weights; the pools live on that mesh, ``rules``
+    as for `engine.generate_from_state`); ``params``: how every call samples (``n`` must be 1;
     ``max_new_tokens`` bounds each call's turn); ``conversations`` / ``max_len``: the most
     conversations one call may hold and the most tokens one may reach (prompt, turns and the
     turn being sampled); ``options``: as for `engine.generate` (slots, page size, attention,
@@ -110,7 +144,8 @@ class KVSession:
 
     def __init__(
         self,
-        model: nnx.Module,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
         params: SamplingParams,
         *,
         conversations: int,
@@ -118,6 +153,7 @@ class KVSession:
         options: EngineOptions = EngineOptions(),
         tokenizer: Any = None,
         stop_strings: StopStrings | None = None,
+        mesh: Mesh | None = None,
         rules=GENERATE_RULES,
     ):
         if params.n != 1:
@@ -126,8 +162,8 @@ class KVSession:
             raise ValueError("a KVSession has no debug outputs (return_logits, return_cache)")
         if conversations < 1 or max_len < 2:
             raise ValueError(f"conversations must be >= 1 and max_len >= 2, got {conversations}, {max_len}")
-        self.graphdef, self.state = nnx.split(model)
-        self.cfg = _config_of(self.graphdef, self.state)
+        self.graphdef, self.state, self.mesh = graphdef, state, mesh
+        self.cfg = _config_of(graphdef, state)
         self.params, self.options, self.rules = params, options, tuple(rules)
         self.conversations, self.max_len = conversations, max_len
         if params.stop and stop_strings is None:
@@ -167,7 +203,7 @@ class KVSession:
         resumed = self._match(convs)
         static, args = self._arguments(convs, resumed, limits, rng, prompt_index)
         try:
-            out = _session_program(self.graphdef, static, self.rules)(*args)
+            out = _session_program(self.graphdef, static, self.mesh, self.rules)(*args)
         except Exception:
             self.pools = None  # donated to the failed call
             raise
@@ -246,10 +282,12 @@ class KVSession:
         shape = engine_shape(
             self.cfg, Bb, Pn, self.params.max_new_tokens, slots=self.options.slots, page_size=T, kv_tokens=None
         )
-        static = static_settings(self.cfg, self.params, shape, self.options, self.eos, int(self.pad), None, self.rules)
+        static = static_settings(
+            self.cfg, self.params, shape, self.options, self.eos, int(self.pad), self.mesh, self.rules
+        )
         static = dataclasses.replace(static, keep_pages=True, num_pages=self.num_pages)
         if self.pools is None:
-            self.pools = PagedKVCache.zeros(self.cfg, self.num_pages, T, PoolLayout(static.kernel))
+            self.pools = _zero_pools(self.cfg, self.num_pages, T, static.kernel, self.mesh, self.rules)
         held = (start_B, held_BxMp, free_F, np.int32(len(free)))
         if rng is None:
             rng = jax.random.key(self.params.seed)

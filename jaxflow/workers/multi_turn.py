@@ -3,13 +3,17 @@ sample alternates model turns, sampled by the engine on the generation weights o
 and tool turns, until it answers without a tool call, a turn limit or the response length.
 
 The loop itself is ``RolloutConfig.multi_turn`` (`jaxflow.agents.MultiTurn`, built by the run's
-description; this package does not import it). Here its model turns are sampled: the live
-conversations, left-padded into one batch, one engine call per turn. Row ``r`` of the call
-(sample ``j`` of prompt ``b``, ``r = b * n + j`` as in single-turn rollouts) draws its turn
+description; this package does not import it). Here its model turns are sampled by
+`jaxflow.sampling.EngineTurns` (the agent loop's sampler too): the live conversations in one
+engine call per turn, each one's KV pages kept in the engine between its turns on the
+generation weights' mesh (`jaxflow.sampling.session.KVSession`, one replica spanning the mesh),
+so a turn runs the model only on the tokens appended since the conversation's last turn (its
+last sampled token and the tool or environment turn), not on the whole conversation again.
+Row ``r`` of a call (sample ``j`` of prompt ``b``, ``r = b * n + j`` as in single-turn rollouts) draws its turn
 ``k`` from ``fold_in(fold_in(key_k, prompt id * n + j), token)`` with ``key_0 = key`` (the
 single-turn rollout's: a conversation whose first turn calls no tool samples the single-turn
 rollout's tokens) and ``key_k = fold_in(key, k)`` after; what a conversation samples does
-not depend on which others are still going.
+not depend on which others are still going, nor on whether its KV pages were kept.
 
 The rows come back as a single-turn rollout's columns (``responses``, ``response_mask``,
 ``rollout_log_probs``: 0 on tool tokens) plus ``loss_mask`` (1 on the model's own tokens: the
@@ -25,7 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxflow.sampling import SamplingParams, generate_from_state, left_pad
+from jaxflow.sampling import EngineTurns, SamplingParams
 
 
 def multi_turn_rollout(
@@ -41,39 +45,23 @@ def multi_turn_rollout(
     samples: list[dict[str, Any]] | None = None,
     **engine: Any,
 ) -> tuple[dict[str, np.ndarray], dict[str, float]]:
-    """``params.n`` conversations per prompt (interleaved), sampled through
-    `generate_from_state` with ``engine`` (``mesh``, ``rules``, ``options``, ...); returns the
+    """``params.n`` conversations per prompt (interleaved), their model turns sampled by
+    `jaxflow.sampling.EngineTurns` with ``engine`` (``mesh``, ``rules``, ``options``,
+    ``reuse_kv``, ...: the KV pages kept between turns by default); returns the
     ``[B * n, R]`` columns and the ``agent/*`` metrics. ``prompt_index`` [B]: the prompts'
     ids (`ActorWorker.generate`); ``samples``: each prompt's row (its non-tensor columns),
     which starts its conversations' environments. With an environment the columns hold its
-    rewards too (``token_rewards``: each on the last token of the turn it answered)."""
+    rewards too (``token_rewards``: each on the last token of the turn it answered). The
+    metrics add ``agent/prefill_tokens/sum``: the conversation tokens the model ran on before
+    sampling, over every turn (with the KV pages kept: each prompt, then what each turn
+    appended; without: every conversation whole, every turn)."""
     if tokenizer is None:
         raise ValueError("a multi-turn rollout needs the run's tokenizer (RolloutConfig.tokenizer)")
     n = params.n
     prompts = [row[m > 0].tolist() for row, m in zip(ids_BxL, mask_BxL) for _ in range(n)]
     row_ids = np.repeat(np.asarray(prompt_index, np.int64) * n, n) + np.tile(np.arange(n), len(ids_BxL))
     one = dataclasses.replace(params, n=1)
-    turn = [0]
-
-    def sample(conversations: list[list[int]], budgets: list[int], rows: list[int]) -> list[tuple[list, list]]:
-        ids, mask = left_pad(conversations)
-        limits = np.minimum(np.asarray(budgets), one.max_new_tokens).astype(np.int32)
-        out = generate_from_state(
-            graphdef,
-            gen_params,
-            ids,
-            mask,
-            one,
-            rng=jax.random.fold_in(rng, turn[0]) if turn[0] else rng,
-            max_new_tokens=limits,
-            prompt_index=row_ids[rows].astype(np.int32),
-            tokenizer=tokenizer if one.stop else None,
-            **engine,
-        )
-        turn[0] += 1
-        lengths, responses, log_probs = (np.asarray(x) for x in (out.lengths, out.responses, out.log_probs))
-        return [(responses[r, : lengths[r]].tolist(), log_probs[r, : lengths[r]].tolist()) for r in range(len(rows))]
-
+    sample = EngineTurns(graphdef, gen_params, one, tokenizer=tokenizer, rng=rng, row_ids=row_ids, **engine)
     pad = params.pad_token_id if params.pad_token_id is not None else 0
     rows = None if samples is None else [s for s in samples for _ in range(n)]
     out = multi_turn.rollout(prompts, sample, tokenizer, pad, samples=rows)
@@ -85,4 +73,5 @@ def multi_turn_rollout(
     }
     if multi_turn.environment is not None:
         columns["token_rewards"] = out.token_rewards
-    return columns, out.metrics()
+    prefilled = sum(int(np.sum(stats["prefill_tokens"])) for stats in sample.stats)
+    return columns, out.metrics() | {"agent/prefill_tokens/sum": float(prefilled)}
