@@ -268,6 +268,7 @@ CHECKS = {
     f"{MT}.enable": (True, ["jaxflow.agent.tools=['calculator']"], spec("rollout.multi_turn")),
     f"{MT}.max_assistant_turns": (2, MULTI_TURN, spec("rollout.multi_turn.config.max_assistant_turns")),
     f"{MT}.max_user_turns": (1, MULTI_TURN, spec("rollout.multi_turn.config.max_user_turns")),
+    "jaxflow.agent.reuse_kv": (False, MULTI_TURN, spec("rollout.multi_turn.reuse_kv")),
     f"{MT}.format": ("llama3", MULTI_TURN, spec("rollout.multi_turn.config.fmt")),
     f"{MT}.tool_config_path": ("@tools", MULTI_TURN, spec("rollout.multi_turn.tools")),
     f"{MT}.interaction_config_path": ("@interaction", MULTI_TURN, spec("rollout.multi_turn.environment")),

@@ -95,7 +95,7 @@ def test_kv_reuse_prefills_only_what_each_turn_appended_on_the_generation_mesh()
     params = SamplingParams(max_new_tokens=4, temperature=1.0, eos_token_ids=(), n=2, seed=1)
     runs = {
         reuse: multi_turn_rollout(
-            multi,
+            dataclasses.replace(multi, reuse_kv=reuse),
             tok,
             graphdef,
             state,
@@ -107,7 +107,6 @@ def test_kv_reuse_prefills_only_what_each_turn_appended_on_the_generation_mesh()
             mesh=mesh,
             rules=GENERATE_RULES,
             options=EngineOptions(page_size=4),
-            reuse_kv=reuse,
         )
         for reuse in (True, False)
     }

@@ -56,12 +56,14 @@ class MultiTurn:
     the run's response length); ``tools``: what the model may call; ``environment``: builds
     each conversation's `jaxflow.agents.Environment` (verl's interaction; None: none), which
     takes the model's turns without a tool call and rewards them; ``max_workers``: tool calls
-    run at once."""
+    run at once; ``reuse_kv``: the model-turn sampler keeps each conversation's KV pages
+    between its turns (`jaxflow.sampling.EngineTurns`)."""
 
     config: AgentConfig
     tools: tuple[Tool, ...]
     environment: Callable[[], Environment] | None = None
     max_workers: int = 8
+    reuse_kv: bool = True
 
     def rollout(
         self,

@@ -391,6 +391,14 @@ FIELDS: tuple[Field, ...] = tuple(
             [],
             "Multi-turn: built-in tools by name (calculator: exact arithmetic), besides multi_turn.tool_config_path's.",
         ),
+        (
+            "jaxflow.agent.reuse_kv",
+            True,
+            "Multi-turn: keep each conversation's KV pages in the engine between its turns (a turn prefills only "
+            "what was appended). Its page pool holds every conversation at its longest on every data-parallel "
+            "group of the generation mesh, beyond rollout.max_total_tokens; false: re-prefill every turn, "
+            "conversations split over the replicas, the engine's budgeted pool.",
+        ),
         ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt.", AT_LEAST_1),
         (
             "actor_rollout_ref.rollout.val_kwargs.temperature",

@@ -519,7 +519,8 @@ def multi_turn(cfg: ConfigDict) -> MultiTurn | None:
         max_response_tokens=cfg.data.max_response_length,
     )
     environment = load_environment(mt.interaction_config_path) if mt.interaction_config_path else None
-    return MultiTurn(config, load_tools(list(cfg.jaxflow.agent.tools), mt.tool_config_path), environment)
+    tools = load_tools(list(cfg.jaxflow.agent.tools), mt.tool_config_path)
+    return MultiTurn(config, tools, environment, reuse_kv=cfg.jaxflow.agent.reuse_kv)
 
 
 def algorithm_settings(cfg: ConfigDict) -> AlgorithmSettings:

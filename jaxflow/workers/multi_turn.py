@@ -61,7 +61,9 @@ def multi_turn_rollout(
     prompts = [row[m > 0].tolist() for row, m in zip(ids_BxL, mask_BxL) for _ in range(n)]
     row_ids = np.repeat(np.asarray(prompt_index, np.int64) * n, n) + np.tile(np.arange(n), len(ids_BxL))
     one = dataclasses.replace(params, n=1)
-    sample = EngineTurns(graphdef, gen_params, one, tokenizer=tokenizer, rng=rng, row_ids=row_ids, **engine)
+    sample = EngineTurns(
+        graphdef, gen_params, one, reuse_kv=multi_turn.reuse_kv, tokenizer=tokenizer, rng=rng, row_ids=row_ids, **engine
+    )
     pad = params.pad_token_id if params.pad_token_id is not None else 0
     rows = None if samples is None else [s for s in samples for _ in range(n)]
     out = multi_turn.rollout(prompts, sample, tokenizer, pad, samples=rows)
