@@ -72,9 +72,9 @@ class _Twice:
 
 
 def test_kv_reuse_prefills_only_what_each_turn_appended_on_the_generation_mesh():
-    """The actor's multi-turn rollout on a 4-device generation mesh (dp = 2 replicas of tp = 2)
-    with an environment that answers every first turn: with the KV pages kept between turns
-    (the default) turn 2 runs the model on the last sampled token and the "ok" only (1 + 2
+    """The actor's multi-turn rollout on a 2-device generation mesh (one replica, tp = 2) with
+    an environment that answers every first turn: with the KV pages kept between turns (the
+    default) turn 2 runs the model on the last sampled token and the "ok" only (1 + 2
     tokens a conversation), where prefilling every turn again runs it on the whole
     conversation (prompt, 4 sampled tokens, "ok"); both sample the same tokens, the log-probs
     within 8 float32 ulps (decode vs prefill shapes, as tests/test_agent_tools.py)."""
@@ -82,11 +82,14 @@ def test_kv_reuse_prefills_only_what_each_turn_appended_on_the_generation_mesh()
     from jaxflow.agents.rollout import MultiTurn
     from jaxflow.mesh import GENERATE_RULES, state_shardings
     from jaxflow.sampling import EngineOptions, SamplingParams
-    from jaxflow.workers.multi_turn import multi_turn_rollout
+    from jaxflow.workers.multi_turn import keeps_kv_pages, multi_turn_rollout
 
     tok = CharTokenizer()
     model = models.init_model(models.get_preset("tiny_llama", vocab_size=tok.vocab_size, num_layers=1), seed=0)
-    mesh = MeshSpec(dp=2, tp=2).build(jax.devices()[:4])
+    mesh = MeshSpec(tp=2).build(jax.devices()[:2])
+    assert keeps_kv_pages(True, mesh, GENERATE_RULES) and not keeps_kv_pages(False, mesh, GENERATE_RULES)
+    replicas = MeshSpec(dp=2, tp=2).build(jax.devices()[:4])  # would repeat each other's work
+    assert not keeps_kv_pages(True, replicas, GENERATE_RULES) and keeps_kv_pages(True, None, GENERATE_RULES)
     graphdef, state = nnx.split(model)
     state = jax.device_put(state, state_shardings(state, GENERATE_RULES, mesh))  # the heads split over tp
     ids = np.asarray([tok.encode(p) for p in ("<bos>mul:12*34=", "<bos>mul:56*78=")], np.int32)

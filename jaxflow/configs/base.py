@@ -395,9 +395,10 @@ FIELDS: tuple[Field, ...] = tuple(
             "jaxflow.agent.reuse_kv",
             True,
             "Multi-turn: keep each conversation's KV pages in the engine between its turns (a turn prefills only "
-            "what was appended). Its page pool holds every conversation at its longest on every data-parallel "
-            "group of the generation mesh, beyond rollout.max_total_tokens; false: re-prefill every turn, "
-            "conversations split over the replicas, the engine's budgeted pool.",
+            "what was appended) when the generation mesh is one replica (several would each run every "
+            "conversation); its page pool holds every conversation at its longest, beyond "
+            "rollout.max_total_tokens. Otherwise (or false): every turn re-prefilled, the conversations split over "
+            "the replicas, the engine's budgeted pool.",
         ),
         ("actor_rollout_ref.rollout.val_kwargs.n", 1, "Validation: responses per prompt.", AT_LEAST_1),
         (
