@@ -38,8 +38,9 @@ def keeps_kv_pages(reuse_kv: bool, mesh: Mesh | None, rules: Rules) -> bool:
     """Whether the turns keep their KV pages (`EngineTurns` ``reuse_kv``): asked for, and the
     generation mesh is one replica. The session runs every conversation on every
     data-parallel replica (`jaxflow.sampling.session`), so over several replicas it repeats
-    their work (measured, grpo_tool_tiny on 4 CPU replicas: 3.7 s per rollout against 1.3 s
-    re-prefilling with the conversations split over them)."""
+    their work (measured, grpo_tool_tiny on 4 simulated CPU replicas, median engine time per
+    rollout: 3.7 s with the session on a quiet machine, 1.3 s re-prefilling with the
+    conversations split over them with the machine busy)."""
     return reuse_kv and (mesh is None or data_parallel_size(rules, mesh) == 1)
 
 
