@@ -10,10 +10,10 @@ that products pay when it calls the tool. Rollouts are conversations
 (``actor_rollout_ref.rollout.multi_turn``): the tool's answer is appended by the run, and only
 the model's own tokens train.
 
-Measured on the 2-core CPU (2026-11-28, load average 7-14 from other jobs, 13 min 53 s in all
-of which 9 min warm start): held-out 0.00 after the warm start (the tool called on 0% of the
-held-out problems) -> 0.758 at step 20 -> 0.836 at steps 40 and 60, the tool called on 100%
-of the held-out problems from step 20. (Earlier settings: with products alone, 45% of them
+Measured on the quiet 2-core CPU (2026-11-28, 7 min 27 s in all, the first RL step 222 s after
+the start): held-out 0.00 after the warm start (the tool called on 0% of the held-out
+problems) -> 0.758 at step 20 -> 0.828 at step 40 -> 0.836 at step 60, the tool called on 100%
+of the held-out problems from step 20 (13 min 53 s with the machine busy, same scores). (Earlier settings: with products alone, 45% of them
 through the tool, the warm start already scored 0.60; with 25-35%, it never learnt to copy
 the tool's answer and RL found no reward.)"""
 
