@@ -245,13 +245,17 @@ def _train(cfg: Any, json_path: str | None) -> int:
 
 
 def _asyncio_to_log_file(file_handlers: list[logging.Handler]) -> None:
-    """After a failure, asyncio's reports of the failed run's futures ("exception was never
-    retrieved", e.g. every write orbax had in flight when the disk filled up, some only when
-    the interpreter exits) go to the log file alone: the run says what failed in one line."""
-    log = logging.getLogger("asyncio")
-    log.propagate = False
-    for handler in file_handlers or [logging.NullHandler()]:
-        log.addHandler(handler)  # a closed FileHandler reopens its file to append
+    """After a failure or an interruption, asyncio's reports of the run's abandoned futures and
+    coroutines ("exception was never retrieved", "Task was destroyed but it is pending!",
+    "coroutine ... was never awaited": e.g. every write orbax had in flight when the disk
+    filled up, or the save a Ctrl-C cut short; some only when the interpreter exits) go to the
+    log file alone: the run has said what happened in one line."""
+    logging.captureWarnings(True)  # "never awaited" is a RuntimeWarning: to the "py.warnings" logger
+    for name in ("asyncio", "py.warnings"):
+        log = logging.getLogger(name)
+        log.propagate = False
+        for handler in file_handlers or [logging.NullHandler()]:
+            log.addHandler(handler)  # a closed FileHandler reopens its file to append
 
 
 def report(e: BaseException, log_path: str | None = None, user_errors: tuple[type[BaseException], ...] = ()) -> int:
@@ -337,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(cfg, json_path)
     except KeyboardInterrupt:
         logging.getLogger(__name__).info("interrupted", exc_info=True)
+        _asyncio_to_log_file(handlers[1:])  # e.g. the orbax save the interruption cut short
         if interrupt.terminated():
             print(f"terminated (SIGTERM): {_checkpoints(run_dir)}", file=sys.stderr)
             return TERMINATED

@@ -788,3 +788,33 @@ def test_asyncio_reports_of_a_failed_run_go_to_the_log_file(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "never retrieved" not in out.stderr and "Traceback" not in out.stderr, out.stderr
     assert "Future exception was never retrieved" in log.read_text()
+
+
+def test_an_interrupted_saves_abandoned_tasks_are_reported_in_the_log_file(tmp_path):
+    """A Ctrl-C during a save leaves orbax's save task pending and its coroutines never awaited;
+    at exit asyncio reports "Task was destroyed but it is pending!" and Python warns "coroutine
+    ... was never awaited" (seen in CI after the one-line "interrupted:"). After an
+    interruption both go to the run's log file only."""
+    log = tmp_path / "jaxflow.log"
+    script = textwrap.dedent(f"""
+        import asyncio, gc, logging
+        from jaxflow.run import _asyncio_to_log_file
+        logging.basicConfig()  # a library's root handler on stderr
+        handler = logging.FileHandler({str(log)!r}, mode="a")
+        _asyncio_to_log_file([handler])
+        handler.close()
+        async def save():
+            await asyncio.sleep(3600)
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(save())
+        loop.run_until_complete(asyncio.sleep(0))  # the save started, then the interruption
+        loop.close()
+        del task, loop
+        save()  # a coroutine made and never awaited
+        gc.collect()
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr == "", out.stderr
+    text = log.read_text()
+    assert "Task was destroyed but it is pending!" in text and "was never awaited" in text, text
