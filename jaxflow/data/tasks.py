@@ -298,8 +298,8 @@ class CalculatorTask(Task, name="calculator", ability="tool"):
             row["response"] = _worked_with_tool(row["extra_info"]["question"], row["reward_model"]["ground_truth"])
         if not sums:
             return rows
-        order = np.random.default_rng([int(seed), 11]).permutation(n)
-        out = [(rows + sums)[i] for i in order]
+        both = rows + sums
+        out = [both[i] for i in np.random.default_rng([int(seed), 11]).permutation(n)]
         for i, row in enumerate(out):
             row["extra_info"]["index"] = i
         return out
