@@ -1,6 +1,10 @@
 """Model-free workers for the backend tests (importable by Ray worker processes)."""
 
+import functools
 import os
+import signal
+import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +127,27 @@ class Loaded:
         from flax import nnx
 
         return nnx.to_pure_dict(nnx.state(self.model))
+
+
+class KillSwitch:
+    """Built in a worker group's processes beside its placement roles: `arm` makes the next
+    `ActorWorker.update` of each process SIGKILL that process inside the update, once its
+    optimizer steps have run on the process's devices and before its result leaves (a trainer
+    killed mid-update, at the same point on every run). The process writes the wall time
+    (``time.time()``) of its kill to ``stamp`` just before it. A fresh process (a restart's)
+    imports the unpatched class: the kill happens once."""
+
+    @register(ONE_TO_ALL)
+    def arm(self, stamp):
+        from jaxflow.workers.actor import ActorWorker
+
+        update = ActorWorker.update
+
+        @functools.wraps(update)  # keeps the registered protocol
+        def killed(worker, *args, **kwargs):
+            update(worker, *args, **kwargs)
+            Path(stamp).write_text(repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        ActorWorker.update = killed
+        return os.getpid()

@@ -387,6 +387,7 @@ class RLTrainer:
             metrics_tail=history[-5:],
             extra={
                 "step": step,
+                "policy_version": self.policy_version,  # the actor's updates so far: what a resumed rollout records
                 "algo_state": self.algo_state.state_dict(),
                 "guard": self.guard.state_dict(),
             },
