@@ -1,27 +1,31 @@
 """The Ray backend's rollout pool (`jaxflow.workers.ray.RayRolloutPool`): the actor's
 generation on a worker group of its own, fed by a `WeightStream` from the actor's group.
 
-One module fixture on this session's Ray instance: grpo_tiny with one layer (`SMALL`), the
-actor's group of 1 process x 2 devices (training fsdp=2 under the hybrid rules, generation
-tp=2), and the pool built by `RayRolloutPool.from_spec` on the run's last 2 devices: 1
-process x 2 devices of its own world, tp=2 under the actor's generation rules (float32 on
-CPU: the generation dtype is the masters'). The pool's role is `tests.stream_roles.
-FaultyGeneration`: the `GenerationWorker` the run builds, which a test can make hold in its
-sync (and whose weights the test reads).
+`pool_layout` (no Ray): a run's pool is its last devices as whole hosts, the actor's
+generation tp, rules and dtype; what cannot be built is refused with every reason.
 
-1. Two syncs with a real update (PPO step) of the actor between them: the pool's weights
-   equal the actor's training weights bit for bit each time; the StreamReports show the
-   actor process held its shards plus at most one bucket, the pool process its new shards plus
-   one piece in flight, no pool device a whole weight the generation layout splits. (Each group
-   is one process here, so a process holds its devices' shards, the whole model: that no
-   *process* of a multi-process world holds the whole model is tests/test_weight_stream_ray.py's,
-   the same stream on 2 + 2 processes.)
+One module fixture on this session's Ray instance: grpo_tiny with one layer (`SMALL`),
+bfloat16 compute over float32 masters (an accelerator's dtypes: the generation copy is a
+cast), the actor's group of 1 process x 2 devices (training fsdp=2 under the hybrid rules,
+generation tp=2), and the pool that `RayRolloutPool.from_spec` builds on the run's last 2
+devices: 1 process x 2 devices of its own world, tp=2 under the actor's generation rules, in
+bfloat16. The pool's role is `tests.stream_roles.FaultyGeneration`: the run's
+`GenerationWorker`, which a test can make hold in its sync, and whose weights it reads.
+
+1. Two syncs with a real update (a PPO step) of the actor between them: the pool's weights
+   are the actor's training weights cast to bfloat16, bit for bit, each time; the
+   StreamReports show the actor's process held its shards plus at most one bucket, the
+   pool's its new shards plus one piece in flight, no pool device a whole weight that the
+   generation layout splits. (Each group is one process here, whose devices hold the whole
+   model between them: that no *process* of a multi-process world ever holds the whole
+   model is tests/test_weight_stream_ray.py's, the same stream over 2 + 2 processes.)
 2. The pool's ``generate(prompts, step=k)`` equals the actor group's ``generate(prompts,
    step=k)`` on the same weights: the same columns, tokens, masks and uids, the log-probs
    within `LOGP_TOL`.
 3. The pool's process SIGKILLed in the middle of a sync (issue 23, "a rollouter killed during a
    weight stream"): one `WorkerDied` naming the pool's group within seconds, no process of it
-   left, the actor's group unharmed; `restart` then brings a fresh pool, bit-exact again.
+   left, the actor's group unharmed; `RayRolloutPool.restart` then brings a fresh pool,
+   bit-exact again.
 """
 
 import dataclasses
@@ -32,6 +36,7 @@ import threading
 import time
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -40,6 +45,7 @@ from jaxflow.configs.run_spec import describe_run
 from jaxflow.data.batch import Batch
 from jaxflow.trainer.builders import load_model
 from jaxflow.workers.ray import RayBackend, RayConfig, RayRolloutPool, WorkerDied, cluster
+from jaxflow.workers.ray.rollout_pool import pool_layout
 from tests.cli import still_alive
 from tests.stream_roles import FaultyGeneration
 from tests.test_placement_invariance import SMALL
@@ -55,6 +61,7 @@ OVERRIDES = [
     "jaxflow.mesh.actor.generate.tp=2",
     "data.train_batch_size=4",  # 4 prompts x 4 responses: one on-policy mini-batch
     "actor_rollout_ref.actor.use_kl_loss=False",  # the update needs no reference
+    "jaxflow.model.compute_dtype=bfloat16",  # float32 masters, bfloat16 generation: an accelerator's dtypes
 ]
 CONFIG = RayConfig(devices_per_host=2, compile_deadline_s=300, step_deadline_s=120, sync_deadline_s=120)
 BUCKET_BYTES = 2**14  # of a ~150 kB model: several buckets, each acknowledged before the next
@@ -62,13 +69,40 @@ LOGP_TOL = 0.0  # measured: the pool's tp=2 mesh lays the weights out as the act
 POOL_DEVICES = 2
 
 
+def _spec(overrides: list[str] = OVERRIDES):
+    """The run's description with a rollout pool of `POOL_DEVICES` (``jaxflow.placement.
+    rollout_devices``, the trainer's key, emulated: the placement covers the first 2 of the
+    run's 4 devices, the pool the last 2)."""
+    spec = describe_run(load_config("grpo_tiny", overrides))
+    return dataclasses.replace(spec, num_devices=spec.num_devices + POOL_DEVICES)
+
+
+def test_a_runs_pool_is_its_last_hosts_in_the_generation_layout():
+    spec = _spec()
+    layout = pool_layout(spec, POOL_DEVICES, 2)
+    assert layout == dict(
+        num_hosts=1,
+        model=spec.models["actor"].config,
+        mesh="dp=-1,tp=2",
+        rules=spec.placement.rules("actor", "generate"),
+        rollout=spec.rollout,
+        dtype="bfloat16",
+    )
+    masters = _spec([*OVERRIDES, "jaxflow.model.compute_dtype=float32"])
+    assert pool_layout(masters, POOL_DEVICES, 1)["dtype"] == "float32"  # not narrower: the masters'
+    assert pool_layout(masters, POOL_DEVICES, 1)["num_hosts"] == 2
+    with pytest.raises(
+        ValueError,
+        match=r"^a rollout pool of 3 devices cannot be built: the placement's 2 devices and the pool's 3 are not "
+        r"the run's 4; 3 devices are not whole hosts of 2; the generation tp=2 does not divide 3 devices$",
+    ):
+        pool_layout(spec, 3, 2)
+
+
 @pytest.fixture(scope="module")
 def run(ray_session):
     """The run's description, the backend, the actor's group and the rollout pool."""
-    spec = describe_run(load_config("grpo_tiny", OVERRIDES))
-    # jaxflow.placement.rollout_devices=2 (the trainer's key): the placement covers the first 2
-    # of the run's 4 devices, the pool the last 2
-    spec = dataclasses.replace(spec, num_devices=spec.num_devices + POOL_DEVICES)
+    spec = _spec()
     backend = RayBackend(CONFIG)
     try:
         workers = backend.build_workers(
@@ -93,17 +127,20 @@ def _prompts(spec, seed: int = 0) -> Batch:
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
-    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_leaves_with_path(tree)}
+    """Leaf path -> array, for an ``nnx.State`` (``.value`` leaves) and a pure dict alike."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {jax.tree_util.keystr(p).removesuffix(".value"): np.asarray(v) for p, v in leaves}
 
 
-def _assert_pool_holds_the_actors_weights(actor, pool) -> dict[str, np.ndarray]:
-    """Bit for bit (the pool's dtype is the actor's here); the actor's weights."""
-    want, got = _flat(actor.get_train_state()[0].params), _flat(pool.group.weights()[0])
-    assert want.keys() == got.keys()
-    for name in want:
-        assert got[name].dtype == want[name].dtype, name
-        np.testing.assert_array_equal(bits(got[name]), bits(want[name]), err_msg=name)
-    return want
+def _assert_pool_holds_the_actors_weights(actor, pool) -> tuple[dict, dict]:
+    """The pool's weights are the actor's training weights cast to the generation dtype, bit
+    for bit; returns the actor's (float32 masters) and the pool's."""
+    masters, got = _flat(actor.get_train_state()[0].params), _flat(pool.group.weights()[0])
+    assert masters.keys() == got.keys()
+    for name, master in masters.items():
+        assert master.dtype == np.float32 and got[name].dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(bits(got[name]), bits(master.astype(ml_dtypes.bfloat16)), err_msg=name)
+    return masters, got
 
 
 def _update(spec, actor, step: int) -> None:
@@ -125,13 +162,13 @@ def test_syncs_are_bit_exact_after_updates(run):
             _update(spec, actor, version)
         metrics = pool.sync(version)
         assert pool.version == version
-        want = _assert_pool_holds_the_actors_weights(actor, pool)
+        masters, held = _assert_pool_holds_the_actors_weights(actor, pool)
         if before is not None:
-            changed = [name for name in want if not np.array_equal(want[name], before[name])]
-            assert len(changed) == len(want), sorted(set(want) - set(changed))  # the update moved every weight
-        before = want
-        model_bytes = sum(v.nbytes for v in want.values())
-        largest_leaf = max(v.nbytes for v in want.values())
+            changed = [name for name in masters if not np.array_equal(masters[name], before[name])]
+            assert len(changed) == len(masters), sorted(set(masters) - set(changed))  # the update moved every weight
+        before = masters
+        model_bytes = sum(v.nbytes for v in held.values())  # one copy in bfloat16
+        largest_leaf = max(v.nbytes for v in held.values())
         assert set(metrics) == {"weight_sync/bytes", "timing_s/weight_sync"}
         (source,), (target,) = pool.stream.reports[:1], pool.stream.reports[1:]
         # the pool's devices received exactly their shards (the norms, replicated, on both)
@@ -143,8 +180,9 @@ def test_syncs_are_bit_exact_after_updates(run):
         assert target.largest_shard_bytes < largest_leaf  # no pool device holds a split weight whole
         print(
             f"sync {version}: {metrics['weight_sync/bytes']:.0f} B in {metrics['timing_s/weight_sync']:.3f} s "
-            f"({pool.last_sync['weight_sync/pieces']:.0f} pieces); actor peak {source.peak_bytes} B, "
-            f"pool peak {target.peak_bytes} B; whole model {model_bytes} B"
+            f"({pool.last_sync['weight_sync/pieces']:.0f} pieces); actor process held {source.held_bytes} B, "
+            f"peak {source.peak_bytes} B; pool process held {target.held_bytes} B, peak {target.peak_bytes} B; "
+            f"whole model {model_bytes} B in bfloat16"
         )
 
 

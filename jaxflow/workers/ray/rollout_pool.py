@@ -95,39 +95,9 @@ class RayRolloutPool:
     @classmethod
     def from_spec(cls, spec: Any, backend: RayBackend, actor: RayWorkerGroup, *, devices: int, **options: Any):
         """The rollout pool of a run (``spec``: its `jaxflow.configs.RunSpec`) on its last
-        ``devices`` devices: on Ray a pool's devices are whole hosts of its own, so the pool is
-        ``devices / jaxflow.ray.devices_per_host`` processes (their own bundles and world),
-        while ``spec.placement`` (the actor's pool and every other) covers the first
-        ``num_devices - devices``. Its mesh is ``dp=-1,tp=<the actor's generation tp>``, its
-        rules the actor's generation rules, its dtype the actor's generation dtype (the
-        masters' when that is not narrower). ``options``: the constructor's (``name``,
-        ``bucket_bytes``, ``worker_cls``)."""
-        placement, config = spec.placement, spec.models["actor"].config
-        per_host, tp = backend.config.devices_per_host, placement.roles["actor"].gen_tp or 1
-        placed = sum(pool.size for pool in placement.pools.values())
-        problems = [
-            f"the placement's {placed} devices and the pool's {devices} are not the run's {spec.num_devices}"
-            if placed + devices != spec.num_devices
-            else "",
-            f"{devices} devices are not whole hosts of {per_host}" if devices < 1 or devices % per_host else "",
-            f"the generation tp={tp} does not divide {devices} devices" if devices % tp else "",
-            "the actor's model shape is unknown (a checkpoint without config.json)" if config is None else "",
-            "LoRA: the pool would need the adapters merged in" if config is not None and config.lora else "",
-        ]
-        problems = [p for p in problems if p]
-        if problems:
-            raise ValueError(f"a rollout pool of {devices} devices cannot be built: {'; '.join(problems)}")
-        return cls(
-            backend,
-            actor,
-            num_hosts=devices // per_host,
-            model=config,
-            mesh=f"dp=-1,tp={tp}",
-            rules=placement.rules("actor", "generate"),
-            rollout=spec.rollout,
-            dtype=np.dtype(generation_dtype(config) or config.param_dtype).name,
-            **options,
-        )
+        ``devices`` devices (`pool_layout`), fed from ``actor`` (the actor's group).
+        ``options``: the constructor's (``name``, ``bucket_bytes``, ``worker_cls``)."""
+        return cls(backend, actor, **pool_layout(spec, devices, backend.config.devices_per_host), **options)
 
     def _start(self) -> tuple[RayWorkerGroup, WeightStream]:
         """A fresh group of the pool's processes, its worker built, and its stream from the actor."""
@@ -191,3 +161,41 @@ class RayRolloutPool:
         """Stops the pool's processes (idempotent; `RayBackend.shutdown` stops them too)."""
         self._stop()
         self.version = -1
+
+
+def pool_layout(spec: Any, devices: int, devices_per_host: int) -> dict[str, Any]:
+    """Where and how a run's rollout pool generates (`RayRolloutPool`'s arguments), for ``spec``
+    (a `jaxflow.configs.RunSpec`) and its last ``devices`` devices. On Ray a pool's devices are
+    whole hosts of its own: ``devices / devices_per_host`` processes (their own bundles and
+    world), while ``spec.placement`` (the actor's pool and every other) covers the first
+    ``num_devices - devices``. The mesh is ``dp=-1,tp=<the actor's generation tp>`` (the
+    generation tp, replicas over the rest), the rules the actor's generation rules, the dtype
+    the actor's generation dtype (its masters' when that is not narrower). A ValueError says
+    every reason a pool cannot be built."""
+    placement, config = spec.placement, spec.models["actor"].config
+    tp = placement.roles["actor"].gen_tp or 1
+    placed = sum(pool.size for pool in placement.pools.values())
+    problems = [
+        (
+            placed + devices != spec.num_devices,
+            f"the placement's {placed} devices and the pool's {devices} are not the run's {spec.num_devices}",
+        ),
+        (devices < 1 or devices % devices_per_host, f"{devices} devices are not whole hosts of {devices_per_host}"),
+        (devices % tp, f"the generation tp={tp} does not divide {devices} devices"),
+        (config is None, "the actor's model shape is unknown (a checkpoint without config.json)"),
+        (
+            config is not None and config.lora is not None,
+            "the actor trains LoRA adapters, which the pool would need merged in",
+        ),
+    ]
+    problems = [why for wrong, why in problems if wrong]
+    if problems:
+        raise ValueError(f"a rollout pool of {devices} devices cannot be built: {'; '.join(problems)}")
+    return dict(
+        num_hosts=devices // devices_per_host,
+        model=config,
+        mesh=f"dp=-1,tp={tp}",
+        rules=placement.rules("actor", "generate"),
+        rollout=spec.rollout,
+        dtype=np.dtype(generation_dtype(config) or config.param_dtype).name,
+    )
