@@ -1,5 +1,6 @@
-"""The roles of `tests/test_weight_stream_ray.py` (importable by Ray worker processes): the
-tiny model's weights on a mesh, made on the devices (each process makes only its shards)."""
+"""The roles of `tests/test_weight_stream_ray.py` and `tests/test_ray_rollout_pool.py`
+(importable by Ray worker processes): the tiny model's weights on a mesh, made on the devices
+(each process makes only its shards), and roles whose syncs can be made to fail."""
 
 import os
 import time
@@ -14,6 +15,7 @@ from jaxflow.mesh import get_rules, state_shardings
 from jaxflow.models import ModelConfig, init_model
 from jaxflow.workers import ALL_TO_ALL, ONE_TO_ALL, register
 from jaxflow.workers.base import resolve_mesh
+from jaxflow.workers.generation import GenerationWorker
 
 
 def shard_values(shape: tuple[int, ...], index: tuple[slice, ...], dtype, seed: int) -> np.ndarray:
@@ -86,12 +88,13 @@ class StreamedWeights:
         return int(np.sum(list(buffers.values())))
 
 
-class FaultyWeights(StreamedWeights):
-    """`StreamedWeights` whose next read of ``params`` (a stream's sync reads them first) can
-    be made to fail on chosen ranks (`arm`): ``("raise", message)`` raises RuntimeError there;
+class ArmedParams:
+    """A role whose next read of ``params`` (a stream's sync reads them first) can be made to
+    fail on chosen ranks (`arm`): ``("raise", message)`` raises RuntimeError there;
     ``("cast", dtype)`` gives them cast to ``dtype`` (a layout the stream was not made for);
     ``("hold", path)`` writes this process's pid to ``path`` and waits there (a test kills
-    the process meanwhile: the other world is then in the middle of the sync, waiting)."""
+    the process meanwhile: the other world is then in the middle of the sync, waiting). Mixed
+    in before a role class whose weights are ``self._params``."""
 
     HOLD_S = 120.0  # a hold that nobody ends raises after this long
 
@@ -120,3 +123,17 @@ class FaultyWeights(StreamedWeights):
     def arm(self, fault: tuple[str, str] | None):
         """This rank's next read of ``params`` fails as ``fault`` says (None: it does not)."""
         self._fault = fault
+
+
+class FaultyWeights(ArmedParams, StreamedWeights):
+    """`StreamedWeights` whose syncs can be made to fail (`ArmedParams`)."""
+
+
+class FaultyGeneration(ArmedParams, GenerationWorker):
+    """A rollout pool's `GenerationWorker` whose syncs can be made to fail (`ArmedParams`), and
+    whose weights the driver can read (`weights`)."""
+
+    @register(ONE_TO_ALL)
+    def weights(self):
+        """The weights as a nested dict, brought to the driver (the test's comparison only)."""
+        return nnx.to_pure_dict(self.params)

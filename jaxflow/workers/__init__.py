@@ -6,6 +6,7 @@ from jaxflow.workers.actor import ActorConfig, ActorWorker, RolloutConfig, actor
 from jaxflow.workers.base import RoleWorker, resolve_mesh
 from jaxflow.workers.critic import CriticConfig, CriticWorker, critic_loss
 from jaxflow.workers.forward import ForwardConfig
+from jaxflow.workers.generation import GenerationWorker
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN, LocalWorkerGroup, WorkerGroup, Workers
 from jaxflow.workers.local import build_local_workers
 from jaxflow.workers.optim import OptimConfig, make_optimizer, make_schedule
@@ -36,6 +37,7 @@ __all__ = [
     "CriticConfig",
     "CriticWorker",
     "ForwardConfig",
+    "GenerationWorker",
     "LocalWorkerGroup",
     "OptimConfig",
     "ReferenceWorker",

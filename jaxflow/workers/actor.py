@@ -263,52 +263,20 @@ def actor_loss(cfg: ActorConfig):
     return loss_fn
 
 
-class ActorWorker(TrainableWorker):
-    """Policy model: `generate`, `log_probs`, `update`.
+class RolloutSampling:
+    """What a worker that samples rollouts adds to its role (`ActorWorker`, and the rollout
+    pool's `jaxflow.workers.generation.GenerationWorker`): `generate`, `rollout_metrics`,
+    `generation_seconds`. The worker calls `_start_sampling` when built and provides
+    ``_generation_weights(stack) -> (graphdef, weights, mesh, rules)`` (what generation reads)
+    and, for the rollout probe, the trainer's ``graphdef``, ``params``, ``mesh``, ``rules``."""
 
-    Args:
-      model: the policy (``nnx.Module``, ``(graphdef, state)`` or a checkpoint directory).
-      mesh: the training mesh (or a `MeshSpec`).
-      rules: the training rules (for the hybrid engine, e.g. ``HYBRID_TRAIN_RULES``).
-      config: the update; ``rollout``: the sampling.
-      gen_tp: generation tensor parallelism; with it, generation runs in the 3D-HybridEngine's
-        generation layout (`jaxflow.reshard.HybridEngine`, ``strategy``, ``gen_rules``).
-        Without it, generation runs in the training layout.
-      reference: with LoRA, `ref_log_probs` serves the reference policy (the base model: the
-        adapters switched off, no second copy of the weights) with these `ReferenceWorker`
-        settings (``temperature`` and its `ForwardConfig`, ``forward``).
-    """
-
-    role = Role.ACTOR
-
-    def __init__(
-        self,
-        model: ModelLike,
-        mesh: Mesh | MeshSpec | str,
-        rules: Rules | str,
-        config: ActorConfig = ActorConfig(),
-        rollout: RolloutConfig = RolloutConfig(),
-        *,
-        gen_tp: int | None = None,
-        gen_rules: Rules | str | None = None,
-        strategy: str = "hybrid",
-        reference: Mapping[str, Any] | None = None,
-    ):
+    def _start_sampling(self, rollout: RolloutConfig) -> None:
         self.rollout = rollout
-        super().__init__(model, mesh, rules, config)
-        if reference is not None and self.frozen is None:
-            raise ValueError("an actor serves the reference policy only with LoRA (its base model)")
-        self._reference_settings = reference
-        self._reference: Any = None
-        self.engine = None
-        if gen_tp is not None:
-            self.engine = HybridEngine(self.mesh, self.rules, gen_tp, strategy=strategy, gen_rules=gen_rules)
         self._num_rollouts = 0
         self._gen_seconds: dict[str, float] = {}
         self._agent_metrics: dict[str, float] = {}
         self.probe = RolloutProbe(rollout.probe_tolerance) if rollout.probe_tolerance > 0 else None
 
-    # ------------------------------------------------------------------ rollout
     @register(DP_COMPUTE_REPEAT)
     def generate(
         self,
@@ -416,6 +384,48 @@ class ActorWorker(TrainableWorker):
         rollout program, to its outputs' readiness), ``post`` (giving the weights back and
         assembling the rows)."""
         return dict(self._gen_seconds)
+
+
+class ActorWorker(RolloutSampling, TrainableWorker):
+    """Policy model: `generate`, `log_probs`, `update`.
+
+    Args:
+      model: the policy (``nnx.Module``, ``(graphdef, state)`` or a checkpoint directory).
+      mesh: the training mesh (or a `MeshSpec`).
+      rules: the training rules (for the hybrid engine, e.g. ``HYBRID_TRAIN_RULES``).
+      config: the update; ``rollout``: the sampling.
+      gen_tp: generation tensor parallelism; with it, generation runs in the 3D-HybridEngine's
+        generation layout (`jaxflow.reshard.HybridEngine`, ``strategy``, ``gen_rules``).
+        Without it, generation runs in the training layout.
+      reference: with LoRA, `ref_log_probs` serves the reference policy (the base model: the
+        adapters switched off, no second copy of the weights) with these `ReferenceWorker`
+        settings (``temperature`` and its `ForwardConfig`, ``forward``).
+    """
+
+    role = Role.ACTOR
+
+    def __init__(
+        self,
+        model: ModelLike,
+        mesh: Mesh | MeshSpec | str,
+        rules: Rules | str,
+        config: ActorConfig = ActorConfig(),
+        rollout: RolloutConfig = RolloutConfig(),
+        *,
+        gen_tp: int | None = None,
+        gen_rules: Rules | str | None = None,
+        strategy: str = "hybrid",
+        reference: Mapping[str, Any] | None = None,
+    ):
+        super().__init__(model, mesh, rules, config)
+        if reference is not None and self.frozen is None:
+            raise ValueError("an actor serves the reference policy only with LoRA (its base model)")
+        self._reference_settings = reference
+        self._reference: Any = None
+        self.engine = None
+        if gen_tp is not None:
+            self.engine = HybridEngine(self.mesh, self.rules, gen_tp, strategy=strategy, gen_rules=gen_rules)
+        self._start_sampling(rollout)
 
     def generation_dtype(self) -> Any:
         """`generation_dtype` of this actor's model."""

@@ -11,22 +11,24 @@ host, driven by the single controller (this process, the Ray driver).
 
 One concern per module:
 
-=============  ==============================================================================
-`config`       `RayConfig` (``jaxflow.ray.*``): a host's bundle, a pool's `PoolReservation`
-`hosts`        the run's hosts without a cluster: the whole hosts of a pool (over the
-               `jaxflow.mesh.devices.HostSlot`s), the per-host plan (`describe_hosts`)
-`cluster`      which cluster (`choose_cluster`), joining or starting it, noticing it is gone
-`pools`        a pool's bundles on Ray (placement groups, TPU slices); `Unschedulable` with the fix
-`processes`    `ProcessGroup`: a pool's host processes, their world, builds, shutdown
-`dispatch`     how a call's batch travels to the ranks and comes back
-`deadlines`    how long the driver waits for a rank, and the errors when it does not answer
-`errors`       `WorkerGroupError` (`WorkerDied`, `DeadlineExceeded`), `ClusterError`
-               (`Unschedulable`, `ClusterLost`)
-`backend`      `RayBackend`: the cluster and a run's worker groups (`RayWorkerGroup`, the driver's
-               handle on a role), stopped on exit
-`streams`      `WeightStream`: one group's weights into another group's layout, shard by shard
-               between the two worlds (`jaxflow.workers.weight_stream`)
-=============  ==============================================================================
+==============  ==============================================================================
+`config`        `RayConfig` (``jaxflow.ray.*``): a host's bundle, a pool's `PoolReservation`
+`hosts`         the run's hosts without a cluster: the whole hosts of a pool (over the
+                `jaxflow.mesh.devices.HostSlot`s), the per-host plan (`describe_hosts`)
+`cluster`       which cluster (`choose_cluster`), joining or starting it, noticing it is gone
+`pools`         a pool's bundles on Ray (placement groups, TPU slices); `Unschedulable` with the fix
+`processes`     `ProcessGroup`: a pool's host processes, their world, builds, shutdown
+`dispatch`      how a call's batch travels to the ranks and comes back
+`deadlines`     how long the driver waits for a rank, and the errors when it does not answer
+`errors`        `WorkerGroupError` (`WorkerDied`, `DeadlineExceeded`), `ClusterError`
+                (`Unschedulable`, `ClusterLost`)
+`backend`       `RayBackend`: the cluster and a run's worker groups (`RayWorkerGroup`, the driver's
+                handle on a role), stopped on exit
+`streams`       `WeightStream`: one group's weights into another group's layout, shard by shard
+                between the two worlds (`jaxflow.workers.weight_stream`)
+`rollout_pool`  `RayRolloutPool`: the actor's generation on a group of its own, fed by a
+                `WeightStream` from the actor's group after each update
+==============  ==============================================================================
 
 Process model.
 
@@ -72,6 +74,7 @@ from jaxflow.workers.ray.errors import (
 from jaxflow.workers.ray.hosts import describe_hosts, pool_hosts
 from jaxflow.workers.ray.pools import UNSCHEDULABLE_FIX, ReservedPool
 from jaxflow.workers.ray.processes import ProcessGroup
+from jaxflow.workers.ray.rollout_pool import RayRolloutPool
 from jaxflow.workers.ray.streams import WeightStream
 
 __all__ = [
@@ -88,6 +91,7 @@ __all__ = [
     "ProcessGroup",
     "RayBackend",
     "RayConfig",
+    "RayRolloutPool",
     "RayWorkerGroup",
     "ReservedPool",
     "Unschedulable",
