@@ -477,6 +477,7 @@ CHECKS = {
     "jaxflow.reward.sandbox": ("off", [], spec("reward.sandbox")),
     "trainer.mode": ("one_step_off", [], spec("trainer.mode")),
     "trainer.max_staleness": (2, [], spec("trainer.max_staleness")),
+    "trainer.partial_rollout": Refused((True, "rollouter is not built yet")),
     "jaxflow.trainer.max_nonfinite_steps": (1, [], spec("trainer.max_nonfinite_steps")),
     "jaxflow.trainer.resume_other_experiment": (True, [], spec("trainer.resume_other_experiment")),
     "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),

@@ -656,6 +656,14 @@ FIELDS: tuple[Field, ...] = tuple(
             AT_LEAST_0,
         ),
         (
+            "trainer.partial_rollout",
+            False,
+            "trainer.mode=async with an overlapped rollouter (verl's async_training.partial_rollout): a weight sync "
+            "interrupts the sequences in flight, which keep their tokens and rollout log-probs and resume under the "
+            "new weights (prompt and tokens so far prefilled again); every token records the policy version that "
+            "sampled it (jaxflow.sampling.partial). Refused until the rollouter that consumes it exists.",
+        ),
+        (
             "trainer.balance_batch",
             False,
             "Log verl's global_seqlen/* metrics: real tokens per actor data-parallel rank in the packed update, as "

@@ -222,6 +222,12 @@ def _check_enums(c: _Checker) -> None:
         "data.reward_fn_key",
         "rule-based rewards are dispatched by the data_source column only",
     )
+    c.check(
+        not c.cfg.trainer.partial_rollout,
+        "trainer.partial_rollout",
+        "partial rollouts are interrupted by the overlapped rollouter's weight syncs, and that rollouter is not "
+        "built yet (the sampling layer has them: jaxflow.sampling.partial)",
+    )
     for name in c.cfg.trainer.logger:
         c.check(
             name in LOGGERS,

@@ -3,7 +3,8 @@ on GPU and TPU), continuous batching with shared prompt prefixes and per-row lim
 stop strings matched on the device, compiled as one program; conversations whose KV pages stay
 in the engine between turns (`KVSession`), sampled turn by turn (`EngineTurns`: the turn
 sampler of multi-turn rollouts and agent loops); and the logits processing (temperature, top-k,
-top-p) it samples with."""
+top-p) it samples with; partial rollouts (`partial`), which a weight sync interrupts and
+which resume under the new weights, each token recording its policy version."""
 
 from jaxflow.sampling.engine import (
     DEFAULT_PAGE_SIZE,
@@ -34,6 +35,14 @@ from jaxflow.sampling.paged import (
     choose_kernel,
     paged_attention,
 )
+from jaxflow.sampling.partial import (
+    PartialOutput,
+    PartialRollout,
+    resume_partial,
+    run_partial,
+    start_partial,
+    swap_weights,
+)
 from jaxflow.sampling.session import KVSession
 from jaxflow.sampling.stops import StopStrings
 from jaxflow.sampling.turns import EngineTurns
@@ -47,6 +56,8 @@ __all__ = [
     "GenerateOutput",
     "KVSession",
     "PagedKVCache",
+    "PartialOutput",
+    "PartialRollout",
     "PoolLayout",
     "SamplingParams",
     "StopStrings",
@@ -60,8 +71,12 @@ __all__ = [
     "lower_generate",
     "paged_attention",
     "process_logits",
+    "resume_partial",
+    "run_partial",
     "sample_tokens",
     "sampling_probs",
+    "start_partial",
+    "swap_weights",
     "token_log_probs",
     "top_k_mask",
     "top_p_mask",

@@ -189,7 +189,7 @@ class Carry(NamedTuple):
     row_S: jax.Array  # its row id
     pos_S: jax.Array  # position (== cache slot) of its next input token
     tok_S: jax.Array  # its next input token
-    gen_S: jax.Array  # tokens it has generated
+    gen_S: jax.Array  # tokens it has generated (`Rollout.generated_N` before this call included)
     limit_S: jax.Array  # its max_new_tokens
     first_private_S: jax.Array  # j0: its first page that is not its prompt's
     table_SxM: jax.Array  # its page table
@@ -233,7 +233,11 @@ class Rollout:
     from position ``start_B[i]`` on, in columns [0, prompt_len_B[i] - start_B[i])), each row's
     limit, the sampler's settings and the sizes derived from ``static``. ``start_B`` is 0 but
     in a session's call (``resume``, `Static.keep_pages`), where the tokens before it are in the
-    pages ``resume.held_BxMp`` already."""
+    pages ``resume.held_BxMp`` already. ``generated_N`` is 0 but in a resumed partial rollout
+    (`jaxflow.sampling.partial`, n = 1): the tokens each row sampled before this call, the last
+    ``generated_N`` tokens of its prompt; its first token here is its token ``generated_N``
+    (its key, output column and count against its limit), its stop-string state
+    ``stop_state_N`` after them."""
 
     model: Any
     static: Static
@@ -245,6 +249,8 @@ class Rollout:
     start_B: jax.Array
     last_token_B: jax.Array
     limits_N: jax.Array
+    generated_N: jax.Array
+    stop_state_N: jax.Array
     prompt_index_B: jax.Array
     num_rows: jax.Array
     rng: jax.Array
@@ -423,12 +429,12 @@ def admit(ro: Rollout, c: Carry) -> Carry:
         row_S=jnp.where(new_S, cand_S, c.row_S),
         pos_S=jnp.where(new_S, p_S - 1, c.pos_S),
         tok_S=jnp.where(new_S, ro.last_token_B[b_S], c.tok_S),
-        gen_S=jnp.where(new_S, 0, c.gen_S),
+        gen_S=jnp.where(new_S, ro.generated_N[cand_S], c.gen_S),
         limit_S=jnp.where(new_S, ro.limits_N[cand_S], c.limit_S),
         first_private_S=jnp.where(new_S, j0_S, c.first_private_S),
         table_SxM=jnp.where(new_S[:, None], shared_SxM, c.table_SxM),
         next_row=c.next_row + jnp.sum(new_S),
-        stop_state_S=jnp.where(new_S, 0, c.stop_state_S),
+        stop_state_S=jnp.where(new_S, ro.stop_state_N[cand_S], c.stop_state_S),
     )
 
 
@@ -448,7 +454,7 @@ def allocate(ro: Rollout, c: Carry) -> tuple[jax.Array, jax.Array, Carry]:
     page_S = c.free_F[jnp.clip(c.top - 1 - rank_S, 0, F - 1)]
     slots = jnp.arange(ro.static.slots)
     table = scatter_unique(c.table_SxM, (slots, page_idx_S), jnp.where(granted_S, page_S, cur_S))
-    first_S = granted_S & (c.gen_S == 0)
+    first_S = granted_S & (c.gen_S == ro.generated_N[c.row_S])  # its first step in this call
     return need_S & ~granted_S, first_S, c._replace(table_SxM=table, top=c.top - jnp.sum(granted_S))
 
 
@@ -606,6 +612,8 @@ def rollout(
     prompt_ids_BxP,
     prompt_len_B,
     limits_N,
+    generated_N,
+    stop_state_N,
     prompt_index_B,
     num_rows,
     rng,
@@ -618,7 +626,9 @@ def rollout(
     resume: Resume | None = None,
 ):
     """One replica's rollout. ``prompt_ids_BxP`` right-padded (row i's tokens in columns
-    [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``prompt_index_B``
+    [0, prompt_len_B[i])), ``limits_N`` each row's max_new_tokens (N = B * n), ``generated_N``
+    and ``stop_state_N`` its tokens sampled before this call and its stop-string state after
+    them (`Rollout`; zeros but in a resumed partial rollout), ``prompt_index_B``
     each prompt's id (seeds its samples: `row_keys`), ``num_rows`` the rows to generate (later
     rows are bucket padding), ``stop_tables`` the `stops.StopStrings` arrays (token_class_V,
     next_state_SxC, hit_SxC; unused without ``static.use_stops``), ``vocab_shards`` the
@@ -645,6 +655,8 @@ def rollout(
         start_B=start_B,
         last_token_B=jnp.take_along_axis(prompt_ids_BxP, (prompt_len_B - start_B - 1)[:, None], axis=1)[:, 0],
         limits_N=limits_N,
+        generated_N=generated_N,
+        stop_state_N=stop_state_N,
         prompt_index_B=prompt_index_B,
         num_rows=num_rows,
         rng=rng,

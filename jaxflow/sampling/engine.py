@@ -74,7 +74,7 @@ from jaxflow.sampling.batcher import (
     rollout,
 )
 from jaxflow.sampling.paged import KERNELS, PoolLayout, choose_kernel
-from jaxflow.sampling.stops import StopStrings
+from jaxflow.sampling.stops import StopStrings, scan_tokens
 
 PROMPT_BUCKET_MIN = 16
 RESPONSE_BUCKET_MIN = 16
@@ -182,7 +182,21 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
     """The replica(s) of one dp group: [1, ...] inputs -> [1, ...] outputs (`batcher.rollout`
     under the replica's rules; inside ``shard_map`` (``manual``), constraints and the kernels'
     own ``shard_map`` name the context's partly manual mesh)."""
-    state, ids, plen, limits, prompt_index, num_rows, rng, temperature, top_p, stop_tables, *resume = args
+    (
+        state,
+        ids,
+        plen,
+        limits,
+        generated,
+        stop_state,
+        prompt_index,
+        num_rows,
+        rng,
+        temperature,
+        top_p,
+        stop_tables,
+        *resume,
+    ) = args
     kv_axes = () if mesh is None else _axes_of(logical_to_spec(("kv_heads",), rules, mesh)[0])
     vocab_axes = () if mesh is None else _axes_of(logical_to_spec(("vocab",), _replica_rules(rules), mesh)[0])
     here = jax.sharding.get_abstract_mesh() if manual else mesh
@@ -201,6 +215,8 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
             ids[0],
             plen[0],
             limits[0],
+            generated[0],
+            stop_state[0],
             prompt_index[0],
             num_rows[0],
             rng,
@@ -218,8 +234,8 @@ def _replica_rollout(graphdef, static: Static, mesh: Mesh | None, rules: Rules, 
 
 
 def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules: Rules):
-    """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, prompt_index_RxB,
-    num_rows_R, rng, temperature, top_p, stop_tables)`` (and a session's `batcher.Resume`, one
+    """The traced program over ``(state, ids_RxBxP, plen_RxB, limits_RxN, generated_RxN,
+    stop_state_RxN, prompt_index_RxB, num_rows_R, rng, temperature, top_p, stop_tables)`` (and a session's `batcher.Resume`, one
     replica): every replica's `batcher.rollout`, each on its own dp group (``shard_map`` manual
     over the mesh's batch axes, the rest of the mesh left to the compiler). Not ``vmap``: a
     vmapped ``while_loop`` / ``cond`` becomes selects over the whole carry (the page pools
@@ -235,7 +251,7 @@ def _generate_program(*args, graphdef, static: Static, mesh: Mesh | None, rules:
         out = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(rep, rows, rows, rows, rows, rows, rep, rep, rep, rep),
+            in_specs=(rep, rows, rows, rows, rows, rows, rows, rows, rep, rep, rep, rep),
             out_specs=rows,
             axis_names=set(axes),
             check_vma=False,
@@ -431,11 +447,15 @@ class _Rows:
     ``ids_RxBxP`` (row i's tokens in columns [0, plen_i); bucket padding copies prompt 0),
     their lengths ``plen_RxB``, each row's limit ``limits_RxN`` (1 on padding), each prompt's
     id ``prompt_index_RxB`` (seeds its samples; padding: ids past the caller's) and the real
-    rows ``num_rows_R``; ``prompts`` and ``prompt_len`` as the caller gave them."""
+    rows ``num_rows_R``; ``prompts`` and ``prompt_len`` as the caller gave them. A resumed
+    partial rollout's rows (n = 1) also carry their tokens sampled before the call
+    ``generated_RxN`` and their stop-string states ``stop_state_RxN`` (else zeros)."""
 
     ids_RxBxP: np.ndarray
     plen_RxB: np.ndarray
     limits_RxN: np.ndarray
+    generated_RxN: np.ndarray
+    stop_state_RxN: np.ndarray
     prompt_index_RxB: np.ndarray
     num_rows_R: np.ndarray
     prompts: int
@@ -447,15 +467,30 @@ class _Rows:
 
     @property
     def arrays(self) -> list[np.ndarray]:
-        return [self.ids_RxBxP, self.plen_RxB, self.limits_RxN, self.prompt_index_RxB, self.num_rows_R]
+        return [
+            self.ids_RxBxP,
+            self.plen_RxB,
+            self.limits_RxN,
+            self.generated_RxN,
+            self.stop_state_RxN,
+            self.prompt_index_RxB,
+            self.num_rows_R,
+        ]
 
 
 def _bucket_rows(
-    ids: np.ndarray, mask: np.ndarray, limits: np.ndarray, n: int, pad: int, replicas: int, prompt_index: np.ndarray
+    ids: np.ndarray,
+    mask: np.ndarray,
+    limits: np.ndarray,
+    n: int,
+    pad: int,
+    replicas: int,
+    prompt_index: np.ndarray,
+    resumed: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> _Rows:
     """Left-padded prompts [B, L], row limits [B * n] and prompt ids [B] as `_Rows`: the prompt
     batch rounded to ``replicas * 2^k`` and the prompt length to a power of two
-    (`bucket_size`)."""
+    (`bucket_size`); ``resumed``: the rows' (generated, stop_state) [B * n] (None: zeros)."""
     B, L = ids.shape
     Bb = bucket_size(B, multiple=replicas)
     P = bucket_size(L, minimum=PROMPT_BUCKET_MIN)
@@ -466,6 +501,8 @@ def _bucket_rows(
     right[B:] = right[0]
     plen = np.concatenate([plen, np.full(Bb - B, plen[0], np.int32)])
     limits = np.concatenate([limits, np.ones((Bb - B) * n, np.int32)])
+    generated, stop_state = resumed if resumed is not None else (np.zeros(B * n, np.int32),) * 2
+    generated, stop_state = (np.concatenate([x, np.zeros((Bb - B) * n, np.int32)]) for x in (generated, stop_state))
     index = np.concatenate([prompt_index, int(prompt_index.max()) + 1 + np.arange(Bb - B)]).astype(np.int32)
     Br = Bb // replicas
     offsets = np.arange(replicas, dtype=np.int32) * Br * n
@@ -473,6 +510,8 @@ def _bucket_rows(
         ids_RxBxP=right.reshape(replicas, Br, P),
         plen_RxB=plen.reshape(replicas, Br),
         limits_RxN=limits.reshape(replicas, Br * n),
+        generated_RxN=generated.reshape(replicas, Br * n).astype(np.int32),
+        stop_state_RxN=stop_state.reshape(replicas, Br * n).astype(np.int32),
         prompt_index_RxB=index.reshape(replicas, Br),
         num_rows_R=np.clip(B * n - offsets, 0, Br * n).astype(np.int32),
         prompts=B,
@@ -544,6 +583,28 @@ def _default_kv_tokens(cfg, rows: _Rows, params, eos, options: EngineOptions, me
     return memory_kv_tokens(shape, _kv_shards(rules, mesh), devices)
 
 
+def _resumed_rows(generated, ids, mask, limits_N, params: SamplingParams, stop_tables) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of a resumed partial rollout (n = 1): each one's tokens sampled before the call
+    ``generated`` [B] (the last ``generated[i]`` tokens of prompt i; at least one prompt token
+    before them, fewer than the row's limit) and its stop-string state after them (the
+    automaton of `stops` run over them on the host; 0 without stop strings)."""
+    generated_B = np.asarray(jax.device_get(generated))
+    B = len(ids)
+    if params.n != 1 or generated_B.shape != (B,) or not np.issubdtype(generated_B.dtype, np.integer):
+        raise ValueError(
+            f"generated must be {B} integers (one per prompt) with n = 1, got {generated_B.shape}, n={params.n}"
+        )
+    plen_B = mask.sum(axis=1)
+    if (generated_B < 0).any() or (generated_B >= plen_B).any() or (generated_B >= limits_N).any():
+        raise ValueError("generated must be >= 0, below each prompt's length and below each row's max_new_tokens")
+    state_B = np.zeros(B, np.int32)
+    for i in range(B if params.stop else 0):
+        state_B[i], hit = scan_tokens(ids[i, ids.shape[1] - generated_B[i] :], stop_tables)
+        if hit:
+            raise ValueError(f"row {i}'s generated tokens already hold a stop string: it has finished")
+    return generated_B.astype(np.int32), state_B
+
+
 def _prompt_index(prompt_index, B: int, n: int) -> np.ndarray:
     """Each prompt's id ``[B]`` (default ``0 .. B - 1``): non-negative, distinct integers whose
     sample ids ``id * n + j`` (padding prompts' included) fit in int32."""
@@ -572,6 +633,7 @@ def _prepare(
     tokenizer: Any = None,
     stop_strings: StopStrings | None = None,
     prompt_index=None,
+    generated=None,
     place: bool = True,
 ) -> _Call:
     """The program and arguments of a `generate_from_state` call (``place=False``: abstract
@@ -587,8 +649,10 @@ def _prepare(
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)
     eos = _eos_ids(params, cfg)
     replicas = _batch_axis_size(rules, mesh)
-    rows = _bucket_rows(ids, mask, _row_limits(params, max_new_tokens, len(ids)), params.n, pad, replicas, prompt_index)
+    limits = _row_limits(params, max_new_tokens, len(ids))
     stop_tables = _stop_tables(params, stop_strings, cfg.vocab_size)
+    resumed = None if generated is None else _resumed_rows(generated, ids, mask, limits, params, stop_tables)
+    rows = _bucket_rows(ids, mask, limits, params.n, pad, replicas, prompt_index, resumed)
     if rng is None:
         rng = jax.random.key(params.seed) if place else jax.eval_shape(jax.random.key, params.seed)
     elif not jnp.issubdtype(rng.dtype, jax.dtypes.prng_key):
@@ -691,9 +755,10 @@ def _expected_kv_tokens(cfg, rows: _Rows, params: SamplingParams, options: Engin
     waits (`batcher.no_wait_peak_pages`) plus the priority reserve Rp, rounded up to a power
     of two pages (calls with other limits mostly reuse the program)."""
     shape, page_size = _call_shape(cfg, rows, params, options), options.page_size
+    runs_RxN = rows.limits_RxN - rows.generated_RxN  # the tokens each row samples in this call
     peak = max(
-        no_wait_peak_pages(plen, limits[:real], params.n, shape.slots, shape.prefill_rows, page_size)
-        for plen, limits, real in zip(rows.plen_RxB, rows.limits_RxN, rows.num_rows_R)
+        no_wait_peak_pages(plen, runs[:real], params.n, shape.slots, shape.prefill_rows, page_size)
+        for plen, runs, real in zip(rows.plen_RxB, runs_RxN, rows.num_rows_R)
         if real > 0
     )
     least, _ = pool_bounds(
@@ -784,7 +849,11 @@ def generate_from_state(
     ``prompt_index`` ([B] distinct non-negative ids; default ``0 .. B - 1``): sample ``j`` of
     prompt ``i`` draws its token ``t`` with ``fold_in(fold_in(rng, prompt_index[i] * n + j), t)``
     (`batcher.row_keys`), whatever the mesh, the replicas, the slots or the page pool, and as
-    if each prompt were repeated ``n`` times with ``n = 1``.
+    if each prompt were repeated ``n`` times with ``n = 1``. ``generated`` ([B], n = 1; a resumed
+    partial rollout, `jaxflow.sampling.partial`): the last ``generated[i]`` tokens of prompt
+    ``i`` are its response so far; its row goes on from token ``generated[i]`` (its keys,
+    limit and stop strings as if never interrupted), writes columns from ``generated[i]`` on
+    (the earlier ones hold the pad id) and reports ``lengths`` counting them.
     """
     call = _prepare(graphdef, state, prompt_ids, prompt_mask, params, **kwargs)
     out = call.program(*call.args)

@@ -293,7 +293,8 @@ class KVSession:
             rng = jax.random.key(self.params.seed)
         elif not jax.numpy.issubdtype(rng.dtype, jax.dtypes.prng_key):
             rng = jax.random.wrap_key_data(rng)
-        rows = [x[None] for x in (ids_BxP, plen_B, limit_B, index_B)]  # one replica
+        zeros_B = np.zeros(Bb, np.int32)  # nothing sampled before (`engine._Rows`)
+        rows = [x[None] for x in (ids_BxP, plen_B, limit_B, zeros_B, zeros_B, index_B)]  # one replica
         temperature, top_p = np.float32(self.params.temperature), np.float32(self.params.top_p)
         num_rows = np.asarray([B], np.int32)
         return static, (self.pools, held, self.state, *rows, num_rows, rng, temperature, top_p, self.stop_tables)

@@ -110,6 +110,18 @@ class StopStrings:
         return _build(strings, tokenizer, vocab_size)
 
 
+def scan_tokens(tokens, stop_tables: tuple) -> tuple[int, bool]:
+    """The automaton run on the host over ``tokens`` (a row's response so far) with the
+    tables ``(token_class_V, next_state_SxC, hit_SxC)``: the state after them and whether one
+    of them completed a stop string (what the device's decode steps compute token by token)."""
+    token_class_V, next_state_SxC, hit_SxC = stop_tables
+    state, hit = _ROOT, False
+    for token in np.asarray(tokens).reshape(-1):
+        cls = token_class_V[token]
+        state, hit = int(next_state_SxC[state, cls]), hit or bool(hit_SxC[state, cls])
+    return state, hit
+
+
 @functools.lru_cache(maxsize=16)
 def _build(strings: tuple[str, ...], tokenizer: Any, vocab_size: int) -> StopStrings:
     delta, out, alphabet = _automaton(strings)
@@ -144,4 +156,4 @@ def _build(strings: tuple[str, ...], tokenizer: Any, vocab_size: int) -> StopStr
     return StopStrings(strings, token_class, next_state, hits)
 
 
-__all__ = ["StopStrings", "token_texts"]
+__all__ = ["StopStrings", "scan_tokens", "token_texts"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -39,7 +39,15 @@ from jaxflow.data.batch import Batch
 from jaxflow.mesh import MeshSpec, Role, Rules
 from jaxflow.models.lora import LoRAConfig, merge_adapters
 from jaxflow.reshard import HybridEngine
-from jaxflow.sampling import EngineOptions, SamplingParams, generate_from_state
+from jaxflow.sampling import (
+    EngineOptions,
+    PartialRollout,
+    SamplingParams,
+    generate_from_state,
+    run_partial,
+    start_partial,
+    swap_weights,
+)
 from jaxflow.workers.base import ModelLike, num_micro_batches
 from jaxflow.workers.forward import PROMPT_KEYS, ForwardConfig, log_probs_and_entropy, trained_tokens
 from jaxflow.workers.group import DP_COMPUTE_REPEAT, DP_TRAIN
@@ -263,6 +271,27 @@ def actor_loss(cfg: ActorConfig):
     return loss_fn
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class PartialGeneration:
+    """An actor's partial rollout (`ActorWorker.start_partial`): its ``prompts`` (with their
+    ``uid``), the sampling layer's state (`jaxflow.sampling.PartialRollout`, holding no weights
+    between calls) and the ``temperature`` its rows record."""
+
+    prompts: Batch
+    rollout: PartialRollout
+    temperature: float
+
+    @property
+    def done(self) -> bool:
+        """Every row has finished."""
+        return self.rollout.done
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights its last segment ran under."""
+        return self.rollout.version
+
+
 class RolloutSampling:
     """What a worker that samples rollouts adds to its role (`ActorWorker`, and the rollout
     pool's `jaxflow.workers.generation.GenerationWorker`): `generate`, `rollout_metrics`,
@@ -302,22 +331,7 @@ class RolloutSampling:
         ``rollout.multi_turn``, each sample is a conversation (`jaxflow.workers.multi_turn`): the
         rows also hold ``loss_mask`` (the model's own tokens) and `rollout_metrics` the
         ``agent/*`` counts."""
-        limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
-        params = self.rollout.resolve(sampling)
-        index = step
-        if index is None:
-            index = self._num_rollouts
-            self._num_rollouts += 1
-        rng = jax.random.fold_in(jax.random.key(params.seed), index)
-        prompt_index = prompt_offset + np.arange(len(prompts), dtype=np.int32)
-        if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
-            prompts = prompts.update(non_tensors={"uid": [f"{index}:{i}" for i in prompt_index]})
-        r = self.rollout
-        options = dict(
-            options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
-            max_new_tokens=limits,
-            prompt_index=prompt_index,
-        )
+        prompts, params, rng, options = self._rollout_call(prompts, sampling, step, prompt_offset)
         with contextlib.ExitStack() as stack:
             t0 = time.perf_counter()
             graphdef, gen_params, mesh, rules = self._generation_weights(stack)
@@ -337,6 +351,100 @@ class RolloutSampling:
             )
         self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
         return rows
+
+    def _rollout_call(
+        self, prompts: Batch, sampling: SamplingParams | str, step: int | None, prompt_offset: int
+    ) -> tuple[Batch, SamplingParams, jax.Array, dict[str, Any]]:
+        """What a rollout of ``prompts`` samples with (`generate`'s arguments): the prompts with
+        their ``uid``, the sampling parameters, the key ``fold_in(key(seed), step)`` and the
+        engine's keywords (options, per-prompt limits, prompt ids ``prompt_offset + i``)."""
+        limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
+        params = self.rollout.resolve(sampling)
+        index = step
+        if index is None:
+            index = self._num_rollouts
+            self._num_rollouts += 1
+        rng = jax.random.fold_in(jax.random.key(params.seed), index)
+        prompt_index = prompt_offset + np.arange(len(prompts), dtype=np.int32)
+        if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
+            prompts = prompts.update(non_tensors={"uid": [f"{index}:{i}" for i in prompt_index]})
+        r = self.rollout
+        options = dict(
+            options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
+            max_new_tokens=limits,
+            prompt_index=prompt_index,
+        )
+        return prompts, params, rng, options
+
+    # ------------------------------------------------------------------ partial rollouts
+    def start_partial(
+        self,
+        prompts: Batch,
+        *,
+        sampling: SamplingParams | str = "train",
+        step: int | None = None,
+        prompt_offset: int = 0,
+        version: int = 0,
+    ) -> PartialGeneration:
+        """A rollout of ``prompts`` that a weight sync may interrupt (`jaxflow.sampling.partial`),
+        nothing sampled yet: the same rows, keys and limits as `generate` with these arguments
+        (so a partial rollout never interrupted, or resumed under the same weights, samples what
+        `generate` samples), to be run by `run_partial` under this worker's weights of policy
+        ``version`` and turned into rows by `finish_partial`. Not for multi-turn rollouts; the
+        rollout probe does not run on it."""
+        if self.rollout.multi_turn is not None:
+            raise ValueError("partial rollouts sample one response per sample (no rollout.multi_turn)")
+        prompts, params, rng, options = self._rollout_call(prompts, sampling, step, prompt_offset)
+        ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
+        mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
+        tokenizer = self.rollout.tokenizer if params.stop else None
+        rollout = start_partial(
+            self.graphdef, self.params, ids, mask, params, version=version, rng=rng, tokenizer=tokenizer, **options
+        )
+        temperature = 1.0 if params.greedy else float(params.temperature)
+        return PartialGeneration(prompts, dataclasses.replace(rollout, weights=None), temperature)
+
+    def run_partial(
+        self,
+        partial: PartialGeneration,
+        version: int,
+        *,
+        max_steps: int | None = None,
+        until: Callable[[], bool] | None = None,
+    ) -> PartialGeneration:
+        """Sample the unfinished rows of ``partial`` under this worker's current weights, whose
+        policy version is ``version`` (>= the rollout's: a newer one means the weights were
+        synced since the last call, and the rows go on under them, `jaxflow.sampling.partial`),
+        in segments of at most ``max_steps`` tokens per row, until every row has finished or
+        ``until()`` (asked before each segment) is true; without ``until``, one segment
+        (`jaxflow.sampling.run_partial`). The weights are released again on return."""
+        with contextlib.ExitStack() as stack:
+            t0 = time.perf_counter()
+            graphdef, gen_params, mesh, rules = self._generation_weights(stack)
+            jax.block_until_ready(gen_params)
+            t1 = time.perf_counter()
+            rollout = swap_weights(partial.rollout, gen_params, version, graphdef=graphdef, mesh=mesh, rules=rules)
+            rollout = run_partial(rollout, max_steps=max_steps, until=until)
+            t2 = time.perf_counter()
+        self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
+        return dataclasses.replace(partial, rollout=dataclasses.replace(rollout, weights=None))
+
+    def finish_partial(self, partial: PartialGeneration) -> Batch:
+        """The rows of a finished partial rollout: `generate`'s columns (the prompts repeated
+        ``n`` times with their ``uid``, ``responses``, ``response_mask``,
+        ``rollout_log_probs``, ``meta["temperature"]``) and ``token_versions`` (int32 [B * n,
+        R]: the policy version that sampled each token; on padding its row's last)."""
+        if not partial.done:
+            raise ValueError(f"the partial rollout has {int((~partial.rollout.done_N).sum())} rows not finished")
+        out = partial.rollout.output()
+        columns = {
+            "responses": out.responses,
+            "response_mask": out.response_mask,
+            "rollout_log_probs": out.log_probs,
+            "token_versions": out.token_versions,
+        }
+        rows = partial.prompts.repeat(partial.rollout.params.n, interleave=True)
+        return rows.update(tensors=columns, meta={"temperature": partial.temperature})
 
     def _sample(self, prompts: Batch, graphdef, gen_params, params: SamplingParams, **engine) -> dict[str, Any]:
         """The rollout's columns: the engine's responses, or (``rollout.multi_turn``) the
