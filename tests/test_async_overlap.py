@@ -18,12 +18,10 @@ from jaxflow.configs import ConfigError, load_config
 from jaxflow.trainer.ahead import GenerateAhead, lookahead
 from jaxflow.trainer.rollouter import Rollouter, RolloutError
 from jaxflow.workers.group import Workers
-from tests.test_async_modes import _Loader, _to_batch
+from tests.test_async_modes import TIMED, _Loader, _to_batch
 from tests.test_placement_invariance import DIGITS, SMALL
 
 POOL = ["jaxflow.placement.type=colocated", "jaxflow.placement.rollout_devices=4"]
-# Metrics that measure time (or follow from it): the overlap changes only these.
-TIMED = ("timing_s/", "perf/", "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio")
 
 
 class _Pool:
