@@ -22,6 +22,9 @@ from jaxflow.trainer.ahead import (
 from jaxflow.workers.group import Workers
 from tests.test_placement_invariance import DIGITS, SMALL, run_steps
 
+# Metrics that measure time (or follow from it: the idle fractions); the rest is compared.
+TIMED = ("timing_s/", "perf/", "fully_async/trainer/idle_ratio", "fully_async/rollouter/idle_ratio")
+
 
 class _Loader:
     """Prompt batches 0, 1, 2, ... ; its state is the next batch's index."""
@@ -158,7 +161,7 @@ def test_async_with_staleness_0_is_the_synchronous_run_bit_for_bit(config, tmp_p
     asynchronous = run_steps(config, [*common, "trainer.mode=async", "trainer.max_staleness=0"], 5, tmp_path / "a")
     assert any(r["critic/score/mean"] > 0 for r in sync)  # the reward has signal
     for a, b in zip(sync, asynchronous, strict=True):
-        keys = [k for k in a if not k.startswith(("timing_s/", "perf/")) and k != "step"]
+        keys = [k for k in a if not k.startswith(TIMED) and k != "step"]
         assert len(keys) > 20
         assert {k: a[k] for k in keys} == {k: b[k] for k in keys}, a["step"]
         assert b["fully_async/staleness/token_max"] == 0.0
@@ -176,7 +179,7 @@ def test_one_step_off_consumes_the_previous_weights_rollouts(tmp_path):
     assert [r["fully_async/staleness/token_max"] for r in off] == [0.0, 1.0, 1.0]
     assert [r["fully_async/count/current_param_version"] for r in off] == [0.0, 1.0, 2.0]
     assert [r["fully_async/pending_rollouts"] for r in off] == [1.0, 1.0, 1.0]  # the run goes on past step 3
-    keys = [k for k in sync[0] if not k.startswith(("timing_s/", "perf/")) and k != "step"]
+    keys = [k for k in sync[0] if not k.startswith(TIMED) and k != "step"]
     assert {k: sync[0][k] for k in keys} == {k: off[0][k] for k in keys}
 
 
@@ -237,7 +240,7 @@ def test_a_restart_before_any_checkpoint_starts_over_with_no_rollout_pending(tmp
         assert not trainer.ahead.pending and trainer.policy_version == 0 and trainer.resume() == 0
         again = trainer.train_step(1)
         assert [(r.step, r.version) for r in trainer.ahead.pending] == [(2, 0)]
-        keys = [k for k in first if not k.startswith(("timing_s/", "perf/"))]
+        keys = [k for k in first if not k.startswith(TIMED)]
         assert len(keys) > 20 and {k: first[k] for k in keys} == {k: again[k] for k in keys}
     finally:
         trainer.close()

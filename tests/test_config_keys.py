@@ -439,6 +439,8 @@ CHECKS = {
         pools,
     ),
     "jaxflow.placement.pool_sizes": ((2, 6), SPLIT, pools),
+    # the last 4 devices are the rollout pool: the roles' pools share the first 4
+    "jaxflow.placement.rollout_devices": (4, [], pools),
     "jaxflow.mesh.actor.train.dp": (2, [], mesh("actor")),
     "jaxflow.mesh.actor.train.fsdp": (
         2,

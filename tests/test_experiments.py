@@ -67,6 +67,18 @@ def test_bench_async():
     assert modes["async"]["predicted_iteration_s"] <= modes["one_step_off"]["predicted_iteration_s"]
 
 
+def test_bench_async_split():
+    """The issue's 4 (rollout) / 4 (train) split, smallest setting: async s=2, 4 steps of a one-layer
+    ppo_tiny on the pool with long-tailed lengths (R_max 8); the trainer's idle fractions and syncs."""
+    out = run_json("bench_async.py", "--smoke", "--split", "--no_analytic")
+    (measured,) = out["measured"]
+    assert (measured["mode"], measured["max_staleness"], measured["steps"]) == ("async", 2, 4)
+    assert measured["max_token_staleness"] == 2.0 and out["cases"] == [] and not out["analytic"]
+    assert 0 <= measured["trainer_idle_fraction"] <= 1 and 0 <= measured["rollout_idle_fraction"] <= 1
+    assert measured["weight_syncs"] == 2 and measured["weight_sync_bytes"] > 0  # steps 1 and 2 generate
+    assert 1 <= measured["response_length_mean"] < 8  # the long tail under the cap, to its drawn lengths
+
+
 def test_automap_qwen():
     result = run_json("automap_qwen.py", "--tiny", "--models=qwen2_5_0_5b")
     run = result["qwen2_5_0_5b"]

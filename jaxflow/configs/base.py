@@ -644,8 +644,9 @@ FIELDS: tuple[Field, ...] = tuple(
             "sync",
             "sync | one_step_off | async. one_step_off: each update consumes the rollout of the previous weights "
             "(verl's one-step-off policy); async: rollouts of up to trainer.max_staleness policy versions back. "
-            "Local and Ray backends, PPO/GRPO/RLOO/REINFORCE++; the rollouts run between the updates on the "
-            "actor's devices (the off-policy schedule, not its overlap).",
+            "Local and Ray backends, PPO/GRPO/RLOO/REINFORCE++. The rollouts run between the updates on the "
+            "actor's devices, or (local backend, jaxflow.placement.rollout_devices > 0) on a rollout pool of their "
+            "own, overlapping the updates, its weights synced after each.",
         ),
         (
             "trainer.max_staleness",
@@ -782,7 +783,18 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "jaxflow.placement.pool_sizes",
             (),
-            "split / custom: devices per pool, in pool order, summing to num_devices; empty = equal pools.",
+            "split / custom: devices per pool, in pool order, summing to num_devices (less rollout_devices); "
+            "empty = equal pools.",
+        ),
+        (
+            "jaxflow.placement.rollout_devices",
+            0,
+            "The last this many devices form the rollout pool: the actor generates there (generation tp "
+            "jaxflow.mesh.actor.generate.tp, replicas over the pool) with its weights synced after each update, "
+            "overlapping the update in trainer.mode one_step_off / async; every other pool shares the first "
+            "num_devices - rollout_devices. 0 = rollouts on the actor's own devices. Local backend, placement "
+            "colocated / split / custom.",
+            AT_LEAST_0,
         ),
         *_mesh_fields("jaxflow.mesh.actor.train", "actor training / log-prob", tp=2),
         (

@@ -114,10 +114,24 @@ def _custom_groups(cfg: ConfigDict) -> list[tuple[str, ...]]:
     return groups
 
 
+def placement_size(cfg: ConfigDict) -> int:
+    """Devices the placement's pools share: the first ``jaxflow.num_devices`` less the rollout
+    pool's (``jaxflow.placement.rollout_devices``: the last ones)."""
+    return cfg.jaxflow.num_devices - cfg.jaxflow.placement.rollout_devices
+
+
+def _devices_text(cfg: ConfigDict) -> str:
+    """How the placement's device count reads in an error."""
+    n, rollout = cfg.jaxflow.num_devices, cfg.jaxflow.placement.rollout_devices
+    if rollout:
+        return f"the placement has {n - rollout} (jaxflow.num_devices={n} less jaxflow.placement.rollout_devices={rollout})"
+    return f"jaxflow.num_devices is {n}"
+
+
 def _group_sizes(cfg: ConfigDict, groups: list[tuple[str, ...]]) -> list[int]:
     """``jaxflow.placement.pool_sizes`` (default: equal pools), one per group, adding up to
-    ``jaxflow.num_devices``."""
-    n, key = cfg.jaxflow.num_devices, "jaxflow.placement.pool_sizes"
+    the placement's devices (`placement_size`)."""
+    n, key = placement_size(cfg), "jaxflow.placement.pool_sizes"
     sizes = list(cfg.jaxflow.placement.pool_sizes) or _equal_sizes(n, len(groups), key)
     if len(sizes) != len(groups):
         pools = ["+".join(g) for g in groups]
@@ -125,14 +139,15 @@ def _group_sizes(cfg: ConfigDict, groups: list[tuple[str, ...]]) -> list[int]:
     if any(s < 1 for s in sizes):
         raise ConfigError(key, f"pool sizes must be >= 1, got {tuple(sizes)}")
     if sum(sizes) != n:
-        raise ConfigError(key, f"{tuple(sizes)} add up to {sum(sizes)} devices, but jaxflow.num_devices is {n}")
+        raise ConfigError(key, f"{tuple(sizes)} add up to {sum(sizes)} devices, but {_devices_text(cfg)}")
     return sizes
 
 
 def placement_groups(cfg: ConfigDict) -> list[tuple[str, int, tuple[str, ...]]]:
     """``[(pool name, size, roles)]`` in device order, as :meth:`Placement.from_groups` takes
-    them (all roles, active or not; pools are named after their first role)."""
-    p, n = cfg.jaxflow.placement, cfg.jaxflow.num_devices
+    them (all roles, active or not; pools are named after their first role), over the first
+    `placement_size` devices."""
+    p, n = cfg.jaxflow.placement, placement_size(cfg)
     if p.type == "auto" and cfg.jaxflow.job == "rl":
         raise ConfigError(
             "jaxflow.placement.type",
@@ -194,8 +209,8 @@ def mesh_sizes(cfg: ConfigDict, role: str) -> dict[str, int]:
     elif known != pool:
         raise ConfigError(
             key,
-            f"({text}) is {known} devices, but the {role}'s pool has {pool} (jaxflow.num_devices="
-            f"{cfg.jaxflow.num_devices}, placement {cfg.jaxflow.placement.type})",
+            f"({text}) is {known} devices, but the {role}'s pool has {pool} ({_devices_text(cfg)}, "
+            f"placement {cfg.jaxflow.placement.type})",
         )
     return axes
 
@@ -338,12 +353,15 @@ def build_placement(cfg: ConfigDict, devices: Sequence[Any] | None = None) -> An
     the hybrid rules and checks that every mesh fits its model).
 
     ``devices`` defaults to `run_devices`; :func:`validate` passes stand-ins
-    (`jaxflow.mesh.devices.FakeDevice`), so a 128-device plan is checked without devices.
+    (`jaxflow.mesh.devices.FakeDevice`), so a 128-device plan is checked without devices. The
+    placement takes the first `placement_size` of them (the rest: the rollout pool,
+    `jaxflow.trainer.rollouter`).
     """
     from jaxflow.mesh import MeshSpec, Placement
 
     if devices is None:
         devices = run_devices(cfg)
+    devices = tuple(devices)[: placement_size(cfg)]
     roles = active_roles(cfg)
     groups = [(name, size, tuple(r for r in group if r in roles)) for name, size, group in placement_groups(cfg)]
     meshes = {r: MeshSpec(**mesh_axes(cfg, r)) for r in roles}

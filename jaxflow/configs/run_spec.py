@@ -178,11 +178,14 @@ class MappingSpec:
     """How the pools and meshes are chosen (``jaxflow.placement``): ``type`` ``auto`` (the
     auto-mapper at start-up, `jaxflow.automap.auto_place`), ``colocated``, ``split`` or
     ``custom``; for ``auto``, the device profile ``device_kind`` (``""``: the local devices')
-    and its ``devices_per_host`` (0: the profile's; on Ray, ``jaxflow.ray.devices_per_host``)."""
+    and its ``devices_per_host`` (0: the profile's; on Ray, ``jaxflow.ray.devices_per_host``);
+    ``rollout_devices``: the last devices, the actor's rollout pool (0: none;
+    `jaxflow.trainer.rollouter`)."""
 
     type: str
     device_kind: str
     devices_per_host: int
+    rollout_devices: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

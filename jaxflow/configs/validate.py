@@ -43,6 +43,7 @@ from jaxflow.configs.resolve import (
     model_path,
     path_key,
     placement_groups,
+    uses_lora,
 )
 from jaxflow.mesh import ROLES
 from jaxflow.mesh.devices import FakeDevice
@@ -314,6 +315,32 @@ def _check_ray(c: _Checker) -> None:
             "jaxflow.ray.tpu_version",
             "must name the TPU generation (e.g. 'v5p') when jaxflow.ray.tpu_topology is set",
         )
+
+
+def _check_rollout_pool(c: _Checker) -> None:
+    """``jaxflow.placement.rollout_devices``: the last N devices as the actor's rollout pool
+    (`jaxflow.trainer.rollouter`), on the local backend, an RL run placed by hand, the pool
+    a whole number of generation tp groups; what it does not run yet is refused."""
+    cfg, key = c.cfg, "jaxflow.placement.rollout_devices"
+    n, pool = cfg.jaxflow.num_devices, cfg.jaxflow.placement.rollout_devices
+    if pool <= 0:
+        return
+    tp = cfg.jaxflow.mesh.actor.generate.tp
+    c.check(pool < n, key, f"{pool} leaves none of the jaxflow.num_devices={n} devices to the other roles")
+    c.check(pool % tp == 0, key, f"{pool} devices are not whole groups of jaxflow.mesh.actor.generate.tp={tp}")
+    c.check(cfg.jaxflow.backend == "local", key, "the Ray backend's rollout pool is not built yet (use backend=local)")
+    c.check(cfg.jaxflow.job == "rl", key, f"is for RL runs (jaxflow.job is {cfg.jaxflow.job!r})")
+    c.check(
+        cfg.jaxflow.placement.type != "auto",
+        key,
+        "the auto-mapper does not plan a rollout pool yet; set jaxflow.placement.type to colocated, split or custom",
+    )
+    c.check(not uses_lora(cfg), key, "the rollout pool does not sync LoRA adapters yet")
+    c.check(
+        cfg.jaxflow.rollout_probe.enable != "on",
+        key,
+        "the rollout probe compares the actor's own generation weights; it is not built for the rollout pool",
+    )
 
 
 def _check_ranges(c: _Checker) -> None:
@@ -887,6 +914,7 @@ def validate(cfg: ConfigDict) -> None:
         _check_paths,
         _check_multi_turn,
         _check_model_shape,
+        _check_rollout_pool,
     ):
         check(c)
     c.raise_if_any()

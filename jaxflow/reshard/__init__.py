@@ -13,7 +13,7 @@ from jaxflow.reshard.engine import (
     shard_bytes,
 )
 from jaxflow.reshard.hlo import Collective, capture_stderr, parse_collectives, received_per_device
-from jaxflow.reshard.weight_sync import SyncReport, WeightSync, generation_shardings
+from jaxflow.reshard.weight_sync import SyncReport, WeightSync, generation_layout, generation_shardings
 
 __all__ = [
     "STRATEGIES",
@@ -27,6 +27,7 @@ __all__ = [
     "capture_stderr",
     "containment_violations",
     "derive_generation_rules",
+    "generation_layout",
     "generation_shardings",
     "parse_collectives",
     "received_per_device",

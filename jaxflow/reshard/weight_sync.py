@@ -250,14 +250,22 @@ class _Ledger:
         x.delete()
 
 
+def generation_layout(
+    train_rules: Rules | str, train_mesh: Mesh, rollout_devices: Sequence[Any], gen_tp: int
+) -> tuple[Rules, Mesh]:
+    """The rollout pool's generation rules and mesh: the rules
+    :func:`~jaxflow.reshard.engine.derive_generation_rules` gives for ``train_rules``, on a
+    mesh of ``gen_tp``-way tensor parallelism times replicas over ``rollout_devices``."""
+    gen_rules = derive_generation_rules(get_rules(train_rules), train_mesh)
+    return gen_rules, MeshSpec(dp=-1, tp=gen_tp).build(rollout_devices)
+
+
 def generation_shardings(
     state: Any, train_rules: Rules | str, train_mesh: Mesh, rollout_devices: Sequence[Any], gen_tp: int
 ) -> Any:
-    """The rollout pool's generation layout of ``state`` (abstract or concrete): the rules
-    :func:`~jaxflow.reshard.engine.derive_generation_rules` gives for ``train_rules`` on a
-    mesh of ``gen_tp``-way tensor parallelism times replicas over ``rollout_devices``."""
-    gen_rules = derive_generation_rules(get_rules(train_rules), train_mesh)
-    gen_mesh = MeshSpec(dp=-1, tp=gen_tp).build(rollout_devices)
+    """The rollout pool's generation layout of ``state`` (abstract or concrete): its
+    `generation_layout`'s shardings."""
+    gen_rules, gen_mesh = generation_layout(train_rules, train_mesh, rollout_devices, gen_tp)
     return state_shardings(state, gen_rules, gen_mesh)
 
 

@@ -24,12 +24,26 @@ the update that consumes it and the token's version ``u``; `GenerateAhead.step` 
 from the per-token versions of the rollout it hands out (``fully_async/staleness/token_mean|max``
 and the version spans, `jaxflow.trainer.rollout_buffer.consumed_token_metrics`) and raises
 `StalenessError` if a valid token (``response_mask = 1``) has ``v - u > lookahead`` or
-``v - u < 0``; the last consumed rollout's versions stay readable (`GenerateAhead.consumed`). On
-either backend the rollout and the update run on the actor's devices, one after the other
-(on Ray, the actor's worker group generates and trains; the controller keeps the pending
-rollouts): the schedule and the off-policy data are those of the asynchronous modes, not their
-overlap (which needs the rollout on its own devices with the weights streamed to it,
-`jaxflow.reshard.WeightSync`).
+``v - u < 0``; the last consumed rollout's versions stay readable (`GenerateAhead.consumed`).
+
+Where the rollouts run:
+
+* on the actor's devices, one after the other with the updates (either backend; on Ray, the
+  actor's worker group generates and trains, the controller keeps the pending rollouts);
+* on a rollout pool of their own (local backend, ``jaxflow.placement.rollout_devices``:
+  `jaxflow.trainer.rollouter`), overlapping the updates: the missing rollouts are handed to
+  a `Rollouter` thread that generates them on the pool while this thread runs the update on
+  the training devices, and step ``k`` waits only for its own rollout. The pool's weights are
+  synced to version ``v`` (``weight_sync/bytes``, ``timing_s/weight_sync``) before the first
+  rollout of version ``v`` is submitted, after every rollout in flight has finished (a sync
+  replaces the weights they read). The schedule is the same (the same prompts, seeds and
+  versions per step), so the overlap changes the timing only; with ``trainer.mode=sync`` the
+  pool generates each step's rollout right after the sync, the update waiting for it.
+
+Each step also reports the idle fractions (`GenerateAhead.idle_ratios`):
+``fully_async/trainer/idle_ratio`` (the step's share spent waiting for rollouts, or generating
+them on the actor's devices) and ``fully_async/rollouter/idle_ratio`` (its share in which
+nothing generated).
 
 Checkpoints: the loader's position saved is the one before the first rollout still pending, so
 a resumed run generates those rollouts again (same prompts, same seeds; with the checkpoint's
@@ -41,6 +55,7 @@ run's restart (``jaxflow.ray.max_restarts``) discards the pending rollouts
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -142,61 +157,125 @@ class AheadActor:
         return getattr(self._actor, name)
 
 
+def generate_rollout(step: int, prompts: Batch, version: int, actor: Any) -> Rollout:
+    """Step ``step``'s rollout of ``prompts`` by ``actor`` (the actor's worker group, or a
+    rollout pool seen as one: `jaxflow.trainer.rollouter.PoolGroup`) holding the weights of
+    policy ``version``, timed, with its parts, its probe and its per-token versions."""
+    t0 = time.perf_counter()
+    batch = ready(actor.generate(prompts, step=step))
+    seconds = time.perf_counter() - t0
+    probe = actor.rollout_metrics()[0]
+    token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
+    return Rollout(step, prompts, batch, version, seconds, gen_parts(Workers(actor=actor)), probe, token_versions_BxR)
+
+
 class GenerateAhead:
     """The rollouts of steps ``k .. k + lookahead`` (none past ``last_step``), generated before
     step ``k``'s update (see the module docstring). ``loader``: the prompt loader (``next``,
-    ``state_dict``); ``to_batch``: its items to a prompt `Batch`."""
+    ``state_dict``); ``to_batch``: its items to a prompt `Batch`. ``rollouter``: a
+    `jaxflow.trainer.rollouter.Rollouter` generating them on a rollout pool, overlapping the
+    updates (None: on the actor's devices, one after the other). ``pending`` holds the
+    `Rollout` of each pending step, or its `jaxflow.trainer.rollouter.RolloutFuture` (``step``,
+    ``version``) while the rollouter has it."""
 
-    def __init__(self, lookahead: int, last_step: int, loader: Any, to_batch: Callable[[Any], Batch]):
+    def __init__(
+        self, lookahead: int, last_step: int, loader: Any, to_batch: Callable[[Any], Batch], rollouter: Any = None
+    ):
         self.lookahead, self.last_step = lookahead, last_step
         self.loader, self.to_batch = loader, to_batch
-        self.pending: collections.deque[Rollout] = collections.deque()
+        self.rollouter = rollouter
+        self.pending: collections.deque[Any] = collections.deque()
         self.consumed: ConsumedTokens | None = None  # the tokens of the last rollout handed out
         self._loader_before: collections.deque[Any] = collections.deque()  # the loader's state before each pending pull
+        self._waited_s = self._generated_s = 0.0  # this step's: waiting for rollouts; generating on the actor
 
     def step(self, step: int, workers: Workers, version: int) -> tuple[Batch, Workers, dict[str, float]]:
         """Step ``step``'s prompts, the workers its iteration runs over, and the metrics of
-        generating ahead (``timing_s/gen_ahead``: the rollouts generated now; the staleness of
-        the rollout consumed, in policy versions, at ``version``, from its per-token versions:
-        `check_staleness`, which raises past ``lookahead``)."""
+        generating ahead (``timing_s/gen_ahead``: the step's seconds spent on rollouts,
+        generating them on the actor's devices or waiting for the rollout pool's; with a pool,
+        the sync's ``weight_sync/bytes`` and ``timing_s/weight_sync``, 0 without one; the
+        staleness of the rollout consumed, in policy versions, at ``version``, from its
+        per-token versions: `check_staleness`, which raises past ``lookahead``)."""
         if self.pending and self.pending[0].step != step:
             raise RuntimeError(f"the rollout of step {self.pending[0].step} is pending, but step {step} runs")
-        seconds = 0.0
-        while True:
-            k = self.pending[-1].step + 1 if self.pending else step
-            if k > min(step + self.lookahead, self.last_step):
-                break
-            before = self.loader.state_dict()
-            rollout = self._generate(k, workers, version)
-            self._loader_before.append(before)
-            self.pending.append(rollout)
-            seconds += rollout.seconds
-        rollout = self.pending.popleft()
-        self._loader_before.popleft()
+        self._waited_s = self._generated_s = 0.0
+        first = self.pending[-1].step + 1 if self.pending else step
+        missing = range(first, min(step + self.lookahead, self.last_step) + 1)
+        if self.rollouter is None:
+            metrics = self._generate(missing, workers, version)
+        else:
+            metrics = self._submit(missing, version)
+        rollout = self._take()
         mask_BxR = np.asarray(rollout.batch[RESPONSE_MASK])
         self.consumed = ConsumedTokens(step, version, rollout.token_versions_BxR, mask_BxR)
-        metrics = {
-            "timing_s/gen_ahead": seconds,
-            **check_staleness(self.consumed, self.lookahead),
-            "fully_async/count/current_param_version": float(version),
-            "fully_async/pending_rollouts": float(len(self.pending)),
-        }
+        metrics.update(
+            {
+                "timing_s/gen_ahead": self._waited_s,
+                **check_staleness(self.consumed, self.lookahead),
+                "fully_async/count/current_param_version": float(version),
+                "fully_async/pending_rollouts": float(len(self.pending)),
+            }
+        )
         return rollout.prompts, dataclasses.replace(workers, actor=AheadActor(workers.actor, rollout)), metrics
 
-    def _generate(self, step: int, workers: Workers, version: int) -> Rollout:
-        prompts = self.to_batch(next(self.loader))
+    def _generate(self, steps: range, workers: Workers, version: int) -> dict[str, float]:
+        """The rollouts of ``steps`` generated now, in order, on the actor's devices."""
+        for k in steps:
+            before = self.loader.state_dict()
+            rollout = generate_rollout(k, self.to_batch(next(self.loader)), version, workers.actor)
+            self._loader_before.append(before)
+            self.pending.append(rollout)
+            self._generated_s += rollout.seconds
+        self._waited_s = self._generated_s
+        return {}
+
+    def _submit(self, steps: range, version: int) -> dict[str, float]:
+        """The rollouts of ``steps`` handed to the rollouter, in order, from the pool's weights
+        synced to ``version`` first (after the rollouts in flight: the sync replaces them)."""
+        metrics = {"weight_sync/bytes": 0.0, "timing_s/weight_sync": 0.0}
         t0 = time.perf_counter()
-        batch = ready(workers.actor.generate(prompts, step=step))
-        seconds = time.perf_counter() - t0
-        probe = workers.actor.rollout_metrics()[0]
-        token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
-        return Rollout(step, prompts, batch, version, seconds, gen_parts(workers), probe, token_versions_BxR)
+        if steps and self.rollouter.version != version:
+            self.rollouter.drain()
+            self._waited_s += time.perf_counter() - t0
+            metrics = self.rollouter.pool.sync(version)
+        t1 = time.perf_counter()
+        for k in steps:
+            before = self.loader.state_dict()
+            self.pending.append(self.rollouter.submit(k, self.to_batch(next(self.loader)), version))
+            self._loader_before.append(before)
+        self._waited_s += time.perf_counter() - t1  # without overlap, the submit generates
+        return metrics
+
+    def _take(self) -> Rollout:
+        """The first pending rollout, removed (with the rollouter: once generated)."""
+        if not isinstance(self.pending[0], Rollout):
+            t0 = time.perf_counter()
+            self.pending[0] = self.rollouter.wait(self.pending[0])
+            self._waited_s += time.perf_counter() - t0
+        self._loader_before.popleft()
+        return self.pending.popleft()
+
+    def idle_ratios(self, t0: float, t1: float) -> dict[str, float]:
+        """The idle fractions of the step that ran from ``t0`` to ``t1`` (``time.perf_counter``):
+        the trainer's (its seconds waiting for rollouts, or generating them on its own devices,
+        over the step's) and the rollouter's (the step's seconds in which nothing generated:
+        on the actor's devices, all but the generation's)."""
+        wall = max(t1 - t0, 1e-12)
+        busy = self._generated_s if self.rollouter is None else self.rollouter.busy_seconds(t0, t1)
+        return {
+            "fully_async/trainer/idle_ratio": self._waited_s / wall,
+            "fully_async/rollouter/idle_ratio": max(0.0, 1.0 - busy / wall),
+        }
 
     def discard_pending(self) -> None:
         """Forgets the rollouts generated ahead and not yet consumed, as a restart must: it
         rewinds the loader to a checkpoint's position (`loader_state`, before the first of
         them) or to the start, so the steps after it generate them again from the same prompts
-        (on the Ray backend, by the fresh worker processes)."""
+        (on the Ray backend, by the fresh worker processes). Those in flight are waited for
+        (their errors ignored): the next sync replaces the pool's weights."""
+        if self.rollouter is not None:
+            with contextlib.suppress(Exception):
+                self.rollouter.drain()
         self.pending.clear()
         self._loader_before.clear()
         self.consumed = None
@@ -205,3 +284,8 @@ class GenerateAhead:
         """The loader's position for a checkpoint: before the first pending rollout's prompts
         (a resumed run generates the pending rollouts again), else where it is."""
         return self._loader_before[0] if self._loader_before else self.loader.state_dict()
+
+    def close(self) -> None:
+        """Stops the rollouter (`jaxflow.trainer.rollouter.Rollouter.close`), if any."""
+        if self.rollouter is not None:
+            self.rollouter.close()

@@ -61,6 +61,7 @@ from jaxflow.trainer.hf_export import HF_DIR, base_pointer, check_export_target,
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
+from jaxflow.trainer.rollouter import LocalRolloutPool, Rollouter
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
@@ -152,6 +153,7 @@ class RLTrainer:
         self.ckpt: CheckpointManager | None = None
         self.backend = None
         self.auto: AutoPlacement | None = None  # the auto-mapper's choice (placement.type=auto)
+        self.ahead: GenerateAhead | None = None  # rollouts generated ahead (trainer.mode, a rollout pool)
         try:
             self._setup(cfg, actor_params)
         except BaseException:  # a refused or failed start leaves the directory unlocked
@@ -206,13 +208,12 @@ class RLTrainer:
         self.algorithm_name = self.algorithm.name
         self.loader = train_loader(spec, self.train_data)
         self.total_steps = spec.training_steps
-        ahead = lookahead(spec.trainer.mode, spec.trainer.max_staleness)  # trainer.mode one_step_off / async
-        self.ahead = None if ahead is None else GenerateAhead(ahead, self.total_steps, self.loader, batch_from_prompts)
         self.completed_steps = 0  # steps trained (or restored)
         self.placement = spec.placement
         # Kept for restarts only (the Ray backend rebuilds its groups from them).
         self._restart_actor_params = actor_params if self.backend is not None else None
         self.workers = self._build_workers(actor_params)
+        self.ahead = self._generate_ahead(prepared.devices)
         self.algo_state = self.algorithm.state.initial(spec.algorithm)
         self.guard = NonFiniteGuard(spec.trainer.max_nonfinite_steps)
         self._initial_host_state = (self.loader.state_dict(), self.algo_state.state_dict(), self.guard.state_dict())
@@ -223,18 +224,35 @@ class RLTrainer:
 
     # ------------------------------------------------------------------ construction
 
+    def _generate_ahead(self, devices: Any) -> GenerateAhead | None:
+        """``trainer.mode`` one_step_off / async, or a rollout pool (``jaxflow.placement.
+        rollout_devices``: the last devices, a `LocalRolloutPool` of the actor, generating on a
+        `Rollouter`'s thread; in ``sync`` mode each step's rollout right before its update):
+        the rollouts generated ahead; None for a synchronous run on the actor's devices."""
+        spec = self.spec
+        ahead = lookahead(spec.trainer.mode, spec.trainer.max_staleness)
+        pool_devices = spec.mapping.rollout_devices
+        if not pool_devices:
+            return None if ahead is None else GenerateAhead(ahead, self.total_steps, self.loader, batch_from_prompts)
+        devices = tuple(devices)[spec.num_devices - pool_devices : spec.num_devices]
+        pool = LocalRolloutPool(self.workers.actor.worker, devices, self.placement.roles["actor"].gen_tp)
+        print(f"rollout pool: the actor generates on devices {[d.id for d in devices]}", flush=True)
+        rollouter = Rollouter(pool)
+        return GenerateAhead(ahead or 0, self.total_steps, self.loader, batch_from_prompts, rollouter=rollouter)
+
     @staticmethod
     def _check_mode(spec: RunSpec) -> None:
-        """``trainer.mode`` one_step_off / async: refuses, before anything is built, what the
-        rollouts generated ahead (`jaxflow.trainer.ahead`) cannot run yet."""
+        """``trainer.mode`` one_step_off / async, or a rollout pool: refuses, before anything is
+        built, what the rollouts generated ahead (`jaxflow.trainer.ahead`) cannot run yet."""
         t = spec.trainer
-        if lookahead(t.mode, t.max_staleness) is None:
+        if lookahead(t.mode, t.max_staleness) is None and not spec.mapping.rollout_devices:
             return
         name = select_algorithm(spec.algorithm)
         if name not in PPO_FAMILY or spec.algorithm.algorithm.filter_groups.enable:
+            what = "a rollout pool" if t.mode == "sync" else t.mode
             raise ConfigError(
-                "trainer.mode",
-                f"{t.mode} runs the {', '.join(PPO_FAMILY)} iteration without algorithm.filter_groups "
+                "jaxflow.placement.rollout_devices" if t.mode == "sync" else "trainer.mode",
+                f"{what} runs the {', '.join(PPO_FAMILY)} iteration without algorithm.filter_groups "
                 f"(this run: {name}): its rollout is one generate call per step",
             )
 
@@ -346,8 +364,10 @@ class RLTrainer:
         return as_role(actor, ref)
 
     def close(self) -> None:
-        """Stops the worker processes of the Ray backend and the Ray instance it started
-        (nothing to do locally), and the compile log."""
+        """Stops the rollouter's thread (a rollout pool's), the worker processes of the Ray
+        backend and the Ray instance it started, and the compile log."""
+        if self.ahead is not None:
+            self.ahead.close()
         self.compiles.__exit__()
         if self.backend is not None:
             self.backend.close()
@@ -445,6 +465,8 @@ class RLTrainer:
         metrics.update(ahead_metrics)
         elapsed = time.perf_counter() - start
         metrics["timing_s/step"] = elapsed
+        if self.ahead is not None:  # the trainer's and the rollouter's idle fractions
+            metrics.update(self.ahead.idle_ratios(start, start + elapsed))
         n = self.spec.n
         prompt_tokens = float(np.asarray(prompts["prompt_mask"]).sum()) * n
         response_tokens = metrics.get("response_length/mean", 0.0) * len(prompts) * n

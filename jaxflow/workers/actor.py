@@ -134,6 +134,71 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RolloutRequest:
+    """One rollout call's inputs to the engine (`rollout_request`): the prompts (with their
+    ``uid``), the resolved sampling parameters, the call's key and the engine's keywords
+    (`EngineOptions`, per-prompt ``max_new_tokens``, ``prompt_index``)."""
+
+    prompts: Batch
+    params: SamplingParams
+    rng: jax.Array
+    engine: dict[str, Any]
+
+    def rows(self, columns: dict[str, Any]) -> Batch:
+        """The rollout's rows: the prompts repeated ``n`` times (interleaved) with the sampled
+        ``columns`` and the provenance ``meta["temperature"]``."""
+        p = self.params
+        return self.prompts.repeat(p.n, interleave=True).update(
+            tensors=columns, meta={"temperature": 1.0 if p.greedy else float(p.temperature)}
+        )
+
+
+def rollout_request(
+    rollout: RolloutConfig, prompts: Batch, sampling: SamplingParams | str, index: int, prompt_offset: int = 0
+) -> RolloutRequest:
+    """The sampling contract of `ActorWorker.generate`, whoever holds the weights (the actor,
+    or a rollout pool on other devices, `jaxflow.trainer.rollouter`): the key is
+    ``fold_in(key(seed), index)`` and prompt ``i`` is prompt ``prompt_offset + i`` of the
+    call, so sample ``j``'s token ``t`` draws from ``fold_in(fold_in(key, (prompt_offset + i)
+    * n + j), t)``; a ``uid`` column ``"<index>:<prompt>"`` is added when missing."""
+    limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
+    params = rollout.resolve(sampling)
+    rng = jax.random.fold_in(jax.random.key(params.seed), index)
+    prompt_index = prompt_offset + np.arange(len(prompts), dtype=np.int32)
+    if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
+        prompts = prompts.update(non_tensors={"uid": [f"{index}:{i}" for i in prompt_index]})
+    options = EngineOptions(slots=rollout.max_num_seqs or None, kv_tokens=rollout.max_total_tokens or None)
+    engine = dict(options=options, max_new_tokens=limits, prompt_index=prompt_index)
+    return RolloutRequest(prompts, params, rng, engine)
+
+
+def sample_columns(
+    rollout: RolloutConfig, request: RolloutRequest, graphdef, gen_params, *, mesh: Mesh, rules: Rules
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The rollout's columns sampled from ``gen_params`` laid out on ``mesh`` by ``rules``:
+    the engine's responses, or (``rollout.multi_turn``) the conversations' (each prompt's
+    non-tensor columns start its environments), ready (the engine's time ends here); and the
+    conversations' ``agent/*`` metrics (empty for single responses)."""
+    prompts, params = request.prompts, request.params
+    engine = dict(request.engine, mesh=mesh, rules=rules, rng=request.rng)
+    ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
+    mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
+    if rollout.multi_turn is not None:
+        if engine.pop("max_new_tokens") is not None:
+            raise ValueError(
+                "a multi-turn rollout takes no per-prompt max_new_tokens (its turns share the response length)"
+            )
+        samples = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(prompts))]
+        return multi_turn_rollout(
+            rollout.multi_turn, rollout.tokenizer, graphdef, gen_params, ids, mask, params, **engine, samples=samples
+        )
+    tokenizer = rollout.tokenizer if params.stop else None
+    out = generate_from_state(graphdef, gen_params, ids, mask, params, tokenizer=tokenizer, **engine)
+    responses, response_mask, log_probs = jax.block_until_ready((out.responses, out.response_mask, out.log_probs))
+    return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}, {}
+
+
+@dataclasses.dataclass(frozen=True)
 class ActorConfig(UpdateLoopConfig):
     """The policy update (verl's ``actor``). Batch sizes count responses.
 
@@ -331,17 +396,17 @@ class RolloutSampling:
         ``rollout.multi_turn``, each sample is a conversation (`jaxflow.workers.multi_turn`): the
         rows also hold ``loss_mask`` (the model's own tokens) and `rollout_metrics` the
         ``agent/*`` counts."""
-        prompts, params, rng, options = self._rollout_call(prompts, sampling, step, prompt_offset)
+        request = self._request(prompts, sampling, step, prompt_offset)
         with contextlib.ExitStack() as stack:
             t0 = time.perf_counter()
             graphdef, gen_params, mesh, rules = self._generation_weights(stack)
             jax.block_until_ready(gen_params)
             t1 = time.perf_counter()
-            columns = self._sample(prompts, graphdef, gen_params, params, mesh=mesh, rules=rules, rng=rng, **options)
-            t2 = time.perf_counter()
-            rows = prompts.repeat(params.n, interleave=True).update(
-                tensors=columns, meta={"temperature": 1.0 if params.greedy else float(params.temperature)}
+            columns, self._agent_metrics = sample_columns(
+                self.rollout, request, graphdef, gen_params, mesh=mesh, rules=rules
             )
+            t2 = time.perf_counter()
+            rows = request.rows(columns)
             if self.probe is not None:  # the rollout's weights score the probe while they exist
                 self.probe.capture(rows)
                 rollout_probe = self.probe.log_probs("rollout", graphdef, gen_params, mesh, rules)
@@ -352,29 +417,16 @@ class RolloutSampling:
         self._gen_seconds = {"reshard": t1 - t0, "engine": t2 - t1, "post": time.perf_counter() - t2}
         return rows
 
-    def _rollout_call(
+    def _request(
         self, prompts: Batch, sampling: SamplingParams | str, step: int | None, prompt_offset: int
-    ) -> tuple[Batch, SamplingParams, jax.Array, dict[str, Any]]:
-        """What a rollout of ``prompts`` samples with (`generate`'s arguments): the prompts with
-        their ``uid``, the sampling parameters, the key ``fold_in(key(seed), step)`` and the
-        engine's keywords (options, per-prompt limits, prompt ids ``prompt_offset + i``)."""
-        limits = np.asarray(jax.device_get(prompts["max_new_tokens"])) if "max_new_tokens" in prompts else None
-        params = self.rollout.resolve(sampling)
+    ) -> RolloutRequest:
+        """`rollout_request` of `generate`'s arguments: the call's index is ``step``, or
+        (None) this worker's call count."""
         index = step
         if index is None:
             index = self._num_rollouts
             self._num_rollouts += 1
-        rng = jax.random.fold_in(jax.random.key(params.seed), index)
-        prompt_index = prompt_offset + np.arange(len(prompts), dtype=np.int32)
-        if "uid" not in prompts:  # deterministic, so resumed runs group samples exactly alike
-            prompts = prompts.update(non_tensors={"uid": [f"{index}:{i}" for i in prompt_index]})
-        r = self.rollout
-        options = dict(
-            options=EngineOptions(slots=r.max_num_seqs or None, kv_tokens=r.max_total_tokens or None),
-            max_new_tokens=limits,
-            prompt_index=prompt_index,
-        )
-        return prompts, params, rng, options
+        return rollout_request(self.rollout, prompts, sampling, index, prompt_offset)
 
     # ------------------------------------------------------------------ partial rollouts
     def start_partial(
@@ -394,12 +446,21 @@ class RolloutSampling:
         rollout probe does not run on it."""
         if self.rollout.multi_turn is not None:
             raise ValueError("partial rollouts sample one response per sample (no rollout.multi_turn)")
-        prompts, params, rng, options = self._rollout_call(prompts, sampling, step, prompt_offset)
+        request = self._request(prompts, sampling, step, prompt_offset)
+        prompts, params = request.prompts, request.params
         ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
         mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
         tokenizer = self.rollout.tokenizer if params.stop else None
         rollout = start_partial(
-            self.graphdef, self.params, ids, mask, params, version=version, rng=rng, tokenizer=tokenizer, **options
+            self.graphdef,
+            self.params,
+            ids,
+            mask,
+            params,
+            version=version,
+            rng=request.rng,
+            tokenizer=tokenizer,
+            **request.engine,
         )
         temperature = 1.0 if params.greedy else float(params.temperature)
         return PartialGeneration(prompts, dataclasses.replace(rollout, weights=None), temperature)
@@ -445,35 +506,6 @@ class RolloutSampling:
         }
         rows = partial.prompts.repeat(partial.rollout.params.n, interleave=True)
         return rows.update(tensors=columns, meta={"temperature": partial.temperature})
-
-    def _sample(self, prompts: Batch, graphdef, gen_params, params: SamplingParams, **engine) -> dict[str, Any]:
-        """The rollout's columns: the engine's responses, or (``rollout.multi_turn``) the
-        conversations' (each prompt's non-tensor columns start its environments); ready (the
-        engine's time ends here)."""
-        ids = np.asarray(jax.device_get(prompts["prompt_ids"]))
-        mask = np.asarray(jax.device_get(prompts["prompt_mask"]))
-        if self.rollout.multi_turn is not None:
-            if engine.pop("max_new_tokens") is not None:
-                raise ValueError(
-                    "a multi-turn rollout takes no per-prompt max_new_tokens (its turns share the response length)"
-                )
-            samples = [{k: v[i] for k, v in prompts.non_tensors.items()} for i in range(len(prompts))]
-            columns, self._agent_metrics = multi_turn_rollout(
-                self.rollout.multi_turn,
-                self.rollout.tokenizer,
-                graphdef,
-                gen_params,
-                ids,
-                mask,
-                params,
-                **engine,
-                samples=samples,
-            )
-            return columns
-        tokenizer = self.rollout.tokenizer if params.stop else None
-        out = generate_from_state(graphdef, gen_params, ids, mask, params, tokenizer=tokenizer, **engine)
-        responses, response_mask, log_probs = jax.block_until_ready((out.responses, out.response_mask, out.log_probs))
-        return {"responses": responses, "response_mask": response_mask, "rollout_log_probs": log_probs}
 
     @register(ONE_TO_ALL)
     def rollout_metrics(self) -> dict[str, float]:

@@ -1,0 +1,276 @@
+"""The actor's rollouts on devices of their own (``jaxflow.placement.rollout_devices``), generated
+by a thread while the trainer updates on the other devices.
+
+::
+
+    pool = LocalRolloutPool(actor_worker, devices[-4:], gen_tp=2)   # weights in a generation layout
+    rollouter = Rollouter(pool)                                     # one thread generating on it
+    ahead = GenerateAhead(lookahead, last_step, loader, to_batch, rollouter=rollouter)
+
+A rollout pool (`RolloutPool`, implemented here for the local backend and by the Ray backend
+between worker groups) holds the actor's generation weights on its own devices, of the
+policy version it was last synced to (``version``; -1 before the first sync). ``sync(v)``
+replaces them by the actor's current training weights (local: `jaxflow.reshard.WeightSync`,
+shard by shard between the two device sets, nothing through the host; it reports
+``weight_sync/bytes`` and ``timing_s/weight_sync``, verl's names). ``generate(prompts, step=)``
+samples exactly as ``ActorWorker.generate(prompts, sampling="train", step=step)`` would from
+the same weights: the same request (`jaxflow.workers.actor.rollout_request`: the key
+``fold_in(key(seed), step)``, per-prompt and per-token folds) and the same engine call
+(`jaxflow.workers.actor.sample_columns`), only on the pool's mesh (generation tp times
+replicas over the pool, `jaxflow.reshard.generation_layout`).
+
+`Rollouter` runs a pool's generations in submission order on one daemon thread: the trainer
+(`jaxflow.trainer.ahead.GenerateAhead`) submits the rollouts of later steps and goes on with
+the update on its own devices, and waits (`Rollouter.wait`) only for the rollout it consumes.
+A sync replaces the pool's weights, so `GenerateAhead` syncs only after every rollout in flight
+has finished (`Rollouter.drain`). The thread's error is the trainer's: every later wait
+re-raises it as one `RolloutError` line; a wait also stops on Ctrl-C / SIGTERM
+(`jaxflow.trainer.interrupt`) and never waits without end for a thread that died. `close`
+stops the thread: the generation in flight (one engine call, which JAX cannot cut short)
+finishes, nothing after it starts, and the join waits ``close_timeout_s`` at most (a daemon
+thread never keeps the process alive). ``overlap=False`` runs each generation in the
+submitting thread instead: the same rollouts, without the overlap (for comparisons).
+
+Idle time (`Rollouter.busy_seconds`): the thread records when each generation ran, so the
+share of a step's wall time in which the pool generated nothing is its rollouter idle ratio
+(``fully_async/rollouter/idle_ratio``); the trainer's is the share it spent waiting for
+rollouts (``fully_async/trainer/idle_ratio``, `GenerateAhead.idle_ratios`).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jaxflow.data.batch import Batch
+from jaxflow.mesh.rules import state_shardings
+from jaxflow.reshard import WeightSync, generation_layout
+from jaxflow.trainer import interrupt
+from jaxflow.workers.actor import ActorWorker, rollout_request, sample_columns
+
+log = logging.getLogger(__name__)
+
+
+class RolloutError(RuntimeError):
+    """The rollouter thread failed; the trainer's wait raises this, in one line."""
+
+
+class RolloutPool(Protocol):
+    """The actor's generation on devices of its own (see the module docstring)."""
+
+    version: int  # the policy version of the weights it holds (-1 before the first sync)
+
+    def sync(self, version: int) -> dict[str, float]: ...
+
+    def generate(self, prompts: Batch, *, step: int) -> Batch: ...
+
+    def rollout_metrics(self) -> dict[str, float]: ...
+
+    def generation_seconds(self) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalRolloutPool:
+    """A `RolloutPool` in this process: ``actor``'s weights in its generation dtype
+    (`ActorWorker.generation_dtype`) laid out ``gen_tp``-way tensor parallel with replicas over
+    ``devices`` (none of the actor's), synced from its training weights by a `WeightSync`."""
+
+    def __init__(self, actor: ActorWorker, devices: Sequence[Any], gen_tp: int):
+        if actor.frozen is not None:
+            raise ValueError("the rollout pool does not sync LoRA adapters yet")
+        self.actor, self.rollout = actor, actor.rollout
+        self.gen_rules, self.gen_mesh = generation_layout(actor.rules, actor.mesh, devices, gen_tp)
+        shardings = state_shardings(actor.params, self.gen_rules, self.gen_mesh)
+        self.weight_sync = WeightSync(shardings, dtype=actor.generation_dtype())
+        self.params: Any = None
+        self.version = -1
+        self.last_report = None  # the last sync's `SyncReport`
+        self._gen_seconds: dict[str, float] = {}
+        self._agent_metrics: dict[str, float] = {}
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The actor's training weights of policy version ``version`` -> the pool's layout."""
+        self.params, self.last_report = self.weight_sync(self.actor.params)
+        self.version = version
+        return {
+            "weight_sync/bytes": float(self.last_report.bytes_moved),
+            "timing_s/weight_sync": self.last_report.seconds,
+        }
+
+    def generate(self, prompts: Batch, *, step: int) -> Batch:
+        """``ActorWorker.generate(prompts, sampling="train", step=step)``'s rows, sampled from
+        the pool's weights on its mesh."""
+        if self.params is None:
+            raise RuntimeError("the rollout pool generates after its first sync")
+        request = rollout_request(self.rollout, prompts, "train", step)
+        t0 = time.perf_counter()
+        columns, self._agent_metrics = sample_columns(
+            self.rollout, request, self.actor.graphdef, self.params, mesh=self.gen_mesh, rules=self.gen_rules
+        )
+        t1 = time.perf_counter()
+        rows = request.rows(columns)
+        self._gen_seconds = {"reshard": 0.0, "engine": t1 - t0, "post": time.perf_counter() - t1}
+        return rows
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """The last rollout's ``agent/*`` counts (multi-turn rollouts; else empty)."""
+        return dict(self._agent_metrics)
+
+    def generation_seconds(self) -> dict[str, float]:
+        """The last `generate` call's ``engine`` and ``post`` seconds (``reshard``: 0, the
+        weights are synced apart)."""
+        return dict(self._gen_seconds)
+
+    def close(self) -> None:
+        """Drops the pool's weights."""
+        self.params = None
+
+
+class PoolGroup:
+    """A rollout pool seen as the actor's worker group by `jaxflow.trainer.ahead.generate_rollout`
+    (per-rank lists for the one-to-all methods)."""
+
+    def __init__(self, pool: RolloutPool):
+        self.pool = pool
+
+    def generate(self, prompts: Batch, *, step: int) -> Batch:
+        return self.pool.generate(prompts, step=step)
+
+    def generation_seconds(self) -> list[dict[str, float]]:
+        return [self.pool.generation_seconds()]
+
+    def rollout_metrics(self) -> list[dict[str, float]]:
+        return [self.pool.rollout_metrics()]
+
+
+class RolloutFuture(concurrent.futures.Future):
+    """A submitted rollout: its step and policy version now, the `Rollout` when generated."""
+
+    def __init__(self, step: int, version: int):
+        super().__init__()
+        self.step, self.version = step, version
+
+
+class Rollouter:
+    """One daemon thread generating ``pool``'s rollouts in submission order (see the module
+    docstring); ``overlap=False``: each in the submitting thread."""
+
+    WAIT_POLL_S = 0.5  # a wait checks for Ctrl-C and a dead thread this often
+    KEPT_INTERVALS = 64  # generation intervals kept for `busy_seconds`
+
+    def __init__(self, pool: RolloutPool, *, overlap: bool = True, close_timeout_s: float = 30.0):
+        self.pool, self.overlap, self.close_timeout_s = pool, overlap, close_timeout_s
+        self.error: BaseException | None = None  # the first generation that failed
+        self._jobs: queue.Queue = queue.Queue()
+        self._in_flight: collections.deque[RolloutFuture] = collections.deque()
+        self._intervals: collections.deque[list[float | None]] = collections.deque(maxlen=self.KEPT_INTERVALS)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, step: int, prompts: Batch, version: int) -> RolloutFuture:
+        """Step ``step``'s rollout of ``prompts`` by the pool's weights (of policy ``version``)."""
+        if self._stop.is_set():
+            raise RuntimeError("the rollouter is closed")
+        future = RolloutFuture(step, version)
+        while self._in_flight and self._in_flight[0].done():  # the trainer waits on those itself
+            self._in_flight.popleft()
+        self._in_flight.append(future)
+        if not self.overlap:
+            self._run(future, prompts)
+            return future
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="jaxflow-rollouter", daemon=True)
+            self._thread.start()
+        self._jobs.put((future, prompts))
+        return future
+
+    def wait(self, future: RolloutFuture) -> Any:
+        """The submitted rollout, once generated; the thread's error as a `RolloutError`."""
+        while not future.done():
+            concurrent.futures.wait([future], timeout=self.WAIT_POLL_S)
+            interrupt.check()
+            alive = self._thread is not None and self._thread.is_alive()
+            if self.overlap and not alive and not future.done():
+                raise RolloutError(f"the rollouter thread stopped before step {future.step}'s rollout")
+        error = future.exception()
+        if error is None:
+            return future.result()
+        if isinstance(error, RolloutError):
+            raise error
+        raise RolloutError(
+            f"the rollouter failed generating step {future.step}'s rollout: {type(error).__name__}: {error}"
+        ) from error
+
+    def drain(self) -> None:
+        """Waits for every rollout in flight (before a sync replaces the pool's weights)."""
+        while self._in_flight:
+            future = self._in_flight[0]
+            self.wait(future)
+            if self._in_flight and self._in_flight[0] is future:
+                self._in_flight.popleft()
+
+    def sync(self, version: int) -> dict[str, float]:
+        """The pool's weights replaced by the actor's of ``version``, after the rollouts in flight."""
+        self.drain()
+        return self.pool.sync(version)
+
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    def busy_seconds(self, t0: float, t1: float) -> float:
+        """Seconds of ``[t0, t1]`` (``time.perf_counter``) in which the pool generated."""
+        with self._lock:
+            intervals = [(s, t1 if e is None else e) for s, e in self._intervals]
+        return sum(max(0.0, min(e, t1) - max(s, t0)) for s, e in intervals)
+
+    def close(self) -> None:
+        """Stops the thread: the generation in flight finishes, nothing after it starts; joins
+        it for ``close_timeout_s`` at most. Then the pool is closed."""
+        self._stop.set()
+        self._jobs.put(None)
+        if self._thread is not None:
+            self._thread.join(self.close_timeout_s)
+            if self._thread.is_alive():
+                log.warning("the rollouter thread is still generating after %.0f s; not waiting", self.close_timeout_s)
+        for future in self._in_flight:
+            future.cancel()  # those not started
+        self._in_flight.clear()
+        self.pool.close()
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None or self._stop.is_set():
+                return
+            self._run(*job)
+
+    def _run(self, future: RolloutFuture, prompts: Batch) -> None:
+        from jaxflow.trainer.ahead import generate_rollout
+
+        if not future.set_running_or_notify_cancel():
+            return
+        if self.error is not None:  # nothing is generated after a failure
+            future.set_exception(RolloutError(f"an earlier rollout failed: {self.error}"))
+            return
+        interval = [time.perf_counter(), None]
+        with self._lock:
+            self._intervals.append(interval)
+        try:
+            rollout = generate_rollout(future.step, prompts, future.version, PoolGroup(self.pool))
+        except BaseException as e:  # the trainer's next wait raises it
+            self.error = e
+            future.set_exception(e)
+        else:
+            future.set_result(rollout)
+        finally:
+            with self._lock:
+                interval[1] = time.perf_counter()
