@@ -645,8 +645,8 @@ FIELDS: tuple[Field, ...] = tuple(
             "sync | one_step_off | async. one_step_off: each update consumes the rollout of the previous weights "
             "(verl's one-step-off policy); async: rollouts of up to trainer.max_staleness policy versions back. "
             "Local and Ray backends, PPO/GRPO/RLOO/REINFORCE++. The rollouts run between the updates on the "
-            "actor's devices, or (local backend, jaxflow.placement.rollout_devices > 0) on a rollout pool of their "
-            "own, overlapping the updates, its weights synced after each.",
+            "actor's devices, or (jaxflow.placement.rollout_devices > 0) on a rollout pool of their own, overlapping "
+            "the updates, its weights synced after each.",
         ),
         (
             "trainer.max_staleness",
@@ -792,8 +792,9 @@ FIELDS: tuple[Field, ...] = tuple(
             "The last this many devices form the rollout pool: the actor generates there (generation tp "
             "jaxflow.mesh.actor.generate.tp, replicas over the pool) with its weights synced after each update, "
             "overlapping the update in trainer.mode one_step_off / async; every other pool shares the first "
-            "num_devices - rollout_devices. 0 = rollouts on the actor's own devices. Local backend, placement "
-            "colocated / split / custom.",
+            "num_devices - rollout_devices. 0 = rollouts on the actor's own devices. Placement colocated / split / "
+            "custom; local backend (synced by reshard) or Ray (whole hosts of jaxflow.ray.devices_per_host, a "
+            "worker group of its own, synced by a weight stream between the two jax.distributed worlds).",
             AT_LEAST_0,
         ),
         *_mesh_fields("jaxflow.mesh.actor.train", "actor training / log-prob", tp=2),

@@ -226,7 +226,9 @@ def _check_enums(c: _Checker) -> None:
     c.check(
         not c.cfg.trainer.partial_rollout,
         "trainer.partial_rollout",
-        "partial rollouts are interrupted by the overlapped rollouter's weight syncs, and that rollouter is not "
+        "the Ray backend's rollout pool does not run partial rollouts yet (use backend=local)"
+        if c.cfg.jaxflow.backend == "ray"
+        else "partial rollouts are interrupted by the overlapped rollouter's weight syncs, and that rollouter is not "
         "built yet (the sampling layer has them: jaxflow.sampling.partial)",
     )
     for name in c.cfg.trainer.logger:
@@ -319,8 +321,9 @@ def _check_ray(c: _Checker) -> None:
 
 def _check_rollout_pool(c: _Checker) -> None:
     """``jaxflow.placement.rollout_devices``: the last N devices as the actor's rollout pool
-    (`jaxflow.trainer.rollouter`), on the local backend, an RL run placed by hand, the pool
-    a whole number of generation tp groups; what it does not run yet is refused."""
+    (`jaxflow.trainer.rollouter`; on Ray `jaxflow.workers.ray.RayRolloutPool`, whole hosts of
+    its own), an RL run placed by hand, the pool a whole number of generation tp groups; what
+    it does not run yet is refused."""
     cfg, key = c.cfg, "jaxflow.placement.rollout_devices"
     n, pool = cfg.jaxflow.num_devices, cfg.jaxflow.placement.rollout_devices
     if pool <= 0:
@@ -328,7 +331,13 @@ def _check_rollout_pool(c: _Checker) -> None:
     tp = cfg.jaxflow.mesh.actor.generate.tp
     c.check(pool < n, key, f"{pool} leaves none of the jaxflow.num_devices={n} devices to the other roles")
     c.check(pool % tp == 0, key, f"{pool} devices are not whole groups of jaxflow.mesh.actor.generate.tp={tp}")
-    c.check(cfg.jaxflow.backend == "local", key, "the Ray backend's rollout pool is not built yet (use backend=local)")
+    per = cfg.jaxflow.ray.devices_per_host
+    c.check(
+        cfg.jaxflow.backend != "ray" or per < 1 or pool % per == 0,
+        key,
+        f"{pool} devices are not whole hosts of jaxflow.ray.devices_per_host={per} (the Ray backend's pool is a "
+        "worker group of its own hosts)",
+    )
     c.check(cfg.jaxflow.job == "rl", key, f"is for RL runs (jaxflow.job is {cfg.jaxflow.job!r})")
     c.check(
         cfg.jaxflow.placement.type != "auto",

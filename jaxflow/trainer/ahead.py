@@ -30,8 +30,9 @@ Where the rollouts run:
 
 * on the actor's devices, one after the other with the updates (either backend; on Ray, the
   actor's worker group generates and trains, the controller keeps the pending rollouts);
-* on a rollout pool of their own (local backend, ``jaxflow.placement.rollout_devices``:
-  `jaxflow.trainer.rollouter`), overlapping the updates: the missing rollouts are handed to
+* on a rollout pool of their own (``jaxflow.placement.rollout_devices``:
+  `jaxflow.trainer.rollouter`; on Ray a worker group of its own hosts,
+  `jaxflow.workers.ray.RayRolloutPool`), overlapping the updates: the missing rollouts are handed to
   a `Rollouter` thread that generates them on the pool while this thread runs the update on
   the training devices, and step ``k`` waits only for its own rollout. The pool's weights are
   synced to version ``v`` (``weight_sync/bytes``, ``timing_s/weight_sync``) before the first
@@ -55,7 +56,6 @@ run's restart (``jaxflow.ray.max_restarts``) discards the pending rollouts
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -272,10 +272,10 @@ class GenerateAhead:
         rewinds the loader to a checkpoint's position (`loader_state`, before the first of
         them) or to the start, so the steps after it generate them again from the same prompts
         (on the Ray backend, by the fresh worker processes). Those in flight are waited for
-        (their errors ignored): the next sync replaces the pool's weights."""
+        (their errors ignored) and the rollouter's error forgotten (`Rollouter.discard`): the
+        next sync replaces the pool's weights."""
         if self.rollouter is not None:
-            with contextlib.suppress(Exception):
-                self.rollouter.drain()
+            self.rollouter.discard()
         self.pending.clear()
         self._loader_before.clear()
         self.consumed = None

@@ -61,7 +61,7 @@ from jaxflow.trainer.hf_export import HF_DIR, base_pointer, check_export_target,
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
-from jaxflow.trainer.rollouter import LocalRolloutPool, Rollouter
+from jaxflow.trainer.rollouter import LocalRolloutPool, Rollouter, RolloutError
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
@@ -129,6 +129,15 @@ def experiment_record(spec: RunSpec) -> dict[str, str]:
     if spec.actor.lora is not None:
         record["actor base"] = base_pointer(spec)
     return record
+
+
+def worker_failure(error: BaseException) -> WorkerGroupError | None:
+    """The worker group's failure behind ``error``: itself, or the rollouter's failed call to
+    the rollout pool's group (a `RolloutError` caused by it); None for any other error."""
+    if isinstance(error, WorkerGroupError):
+        return error
+    cause = error.__cause__
+    return cause if isinstance(error, RolloutError) and isinstance(cause, WorkerGroupError) else None
 
 
 class RLTrainer:
@@ -226,17 +235,26 @@ class RLTrainer:
 
     def _generate_ahead(self, devices: Any) -> GenerateAhead | None:
         """``trainer.mode`` one_step_off / async, or a rollout pool (``jaxflow.placement.
-        rollout_devices``: the last devices, a `LocalRolloutPool` of the actor, generating on a
-        `Rollouter`'s thread; in ``sync`` mode each step's rollout right before its update):
-        the rollouts generated ahead; None for a synchronous run on the actor's devices."""
+        rollout_devices``: the last devices, generating on a `Rollouter`'s thread; in ``sync``
+        mode each step's rollout right before its update): the rollouts generated ahead; None
+        for a synchronous run on the actor's devices. The pool is a `LocalRolloutPool` of the
+        actor's worker, or on Ray a `jaxflow.workers.ray.RayRolloutPool`: a worker group of
+        the last hosts, fed from the actor's group (the rollouter's thread makes its calls)."""
         spec = self.spec
         ahead = lookahead(spec.trainer.mode, spec.trainer.max_staleness)
         pool_devices = spec.mapping.rollout_devices
         if not pool_devices:
             return None if ahead is None else GenerateAhead(ahead, self.total_steps, self.loader, batch_from_prompts)
-        devices = tuple(devices)[spec.num_devices - pool_devices : spec.num_devices]
-        pool = LocalRolloutPool(self.workers.actor.worker, devices, self.placement.roles["actor"].gen_tp)
-        print(f"rollout pool: the actor generates on devices {[d.id for d in devices]}", flush=True)
+        if self.backend is None:
+            devices = tuple(devices)[spec.num_devices - pool_devices : spec.num_devices]
+            pool = LocalRolloutPool(self.workers.actor.worker, devices, self.placement.roles["actor"].gen_tp)
+            where = f"devices {[d.id for d in devices]}"
+        else:
+            from jaxflow.workers.ray import RayRolloutPool
+
+            pool = RayRolloutPool.from_spec(spec, self.backend, self.workers.actor, devices=pool_devices)
+            where = f"its own worker group {pool.name!r}: the last {pool.num_hosts} host(s), {pool_devices} devices"
+        print(f"rollout pool: the actor generates on {where}", flush=True)
         rollouter = Rollouter(pool)
         return GenerateAhead(ahead or 0, self.total_steps, self.loader, batch_from_prompts, rollouter=rollouter)
 
@@ -525,8 +543,9 @@ class RLTrainer:
         """Train (resuming per ``trainer.resume_mode``), validate, save, plot, export the actor
         (``<run_dir>/hf_actor``) and print a summary. With the Ray
         backend and ``jaxflow.ray.max_restarts > 0``, a failed worker group (a process died, a
-        call passed its deadline) stops every group, starts fresh processes and resumes from
-        the last complete checkpoint (from the start if there is none yet)."""
+        call passed its deadline; the rollout pool's group too, whose calls the rollouter
+        makes) stops every group, starts fresh processes and resumes from the last complete
+        checkpoint (from the start if there is none yet)."""
         history: list[dict[str, float]] = []
         restarts = 0
         try:
@@ -534,11 +553,16 @@ class RLTrainer:
                 try:
                     self._fit_attempt(history)
                     break
-                except WorkerGroupError as e:
-                    if restarts >= self.spec.trainer.max_restarts:
+                except (WorkerGroupError, RolloutError) as e:
+                    failure = worker_failure(e)
+                    if failure is None:
                         raise
+                    if restarts >= self.spec.trainer.max_restarts:
+                        if failure is e:
+                            raise
+                        raise failure from e  # the pool group's own error, not the rollouter's wrapper
                     restarts += 1
-                    self._restart(e, restarts)
+                    self._restart(failure, restarts)
             hf_dir = self.export_actor(os.path.join(self.run_dir, HF_DIR))  # while the workers live
         finally:
             self.ckpt.close()
@@ -590,6 +614,9 @@ class RLTrainer:
         self.ckpt.resume_mode = "auto"
         if self.ahead is not None:  # the loader rewinds to before them: they are generated again
             self.ahead.discard_pending()
+            if self.backend is not None and self.ahead.rollouter is not None:
+                # the pool's fresh group, fed from the actor's new one; the next step syncs it
+                self.ahead.rollouter.pool.rejoin(self.workers.actor)
         if step is None:
             loader, algo, guard = self._initial_host_state
             self.loader.load_state_dict(loader)

@@ -8,7 +8,8 @@ by a thread while the trainer updates on the other devices.
     ahead = GenerateAhead(lookahead, last_step, loader, to_batch, rollouter=rollouter)
 
 A rollout pool (`RolloutPool`, implemented here for the local backend and by the Ray backend
-between worker groups) holds the actor's generation weights on its own devices, of the
+between worker groups: `jaxflow.workers.ray.RayRolloutPool`, whose calls this thread makes to
+the pool's group while the trainer's thread calls the actor's) holds the actor's generation weights on its own devices, of the
 policy version it was last synced to (``version``; -1 before the first sync). ``sync(v)``
 replaces them by the actor's current training weights (local: `jaxflow.reshard.WeightSync`,
 shard by shard between the two device sets, nothing through the host; it reports
@@ -17,7 +18,10 @@ samples exactly as ``ActorWorker.generate(prompts, sampling="train", step=step)`
 the same weights: the same request (`jaxflow.workers.actor.rollout_request`: the key
 ``fold_in(key(seed), step)``, per-prompt and per-token folds) and the same engine call
 (`jaxflow.workers.actor.sample_columns`), only on the pool's mesh (generation tp times
-replicas over the pool, `jaxflow.reshard.generation_layout`).
+replicas over the pool, `jaxflow.reshard.generation_layout`). On Ray the sync is a
+`jaxflow.workers.ray.WeightStream` between the actor's and the pool's worlds, and a restart
+(``jaxflow.ray.max_restarts``) rejoins the pool to the actor's new group and discards the
+rollouts in flight (`Rollouter.discard`).
 
 `Rollouter` runs a pool's generations in submission order on one daemon thread: the trainer
 (`jaxflow.trainer.ahead.GenerateAhead`) submits the rollouts of later steps and goes on with
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -216,6 +221,16 @@ class Rollouter:
             self.wait(future)
             if self._in_flight and self._in_flight[0] is future:
                 self._in_flight.popleft()
+
+    def discard(self) -> None:
+        """Waits for the rollouts in flight (their errors ignored) and forgets them and the
+        thread's error, as a restart does (`jaxflow.trainer.ahead.GenerateAhead.discard_pending`):
+        the rollouts submitted after it run again, on the pool as the restart rejoined it."""
+        for future in list(self._in_flight):
+            with contextlib.suppress(Exception):
+                self.wait(future)
+        self._in_flight.clear()
+        self.error = None
 
     def sync(self, version: int) -> dict[str, float]:
         """The pool's weights replaced by the actor's of ``version``, after the rollouts in flight."""

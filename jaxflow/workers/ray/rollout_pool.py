@@ -31,14 +31,14 @@ group that failed (the stream's root cause: `jaxflow.workers.ray.streams`):
   `LOST_GRACE_S` watch that the cluster is still there cut to 0.5 s, about 5 s at its
   default of 5 s: tests/test_ray_rollout_pool.py): the pool's processes are stopped, the
   actor's group is intact (a stream has no collectives; every actor process came back).
-  **The trainer then calls** ``pool.restart(version)`` (a fresh group, a fresh stream, a sync
-  of the actor's current weights; 4.5 s on CPU for the tiny model, most of it starting the
-  process) and regenerates the pool's pending rollouts; a run whose restarts are spent
-  (``jaxflow.ray.max_restarts``) ends with the error's one line instead, as it does when
-  the actor's group dies.
+  ``pool.restart(version)`` brings a fresh group, a fresh stream and a sync of the actor's
+  current weights (4.5 s on CPU for the tiny model, most of it starting the process). The
+  trainer (`jaxflow.trainer.rl.RLTrainer`) treats it as any group's failure: it restarts every
+  group (``jaxflow.ray.max_restarts``), `rejoin`s the pool to the actor's new group, discards
+  the pending rollouts and resumes from the last checkpoint, whose weights the next step syncs;
+  a run whose restarts are spent ends with the error's one line.
 * the actor's group (it died during a sync): the pool holds no weights (``version`` is -1);
-  the trainer restarts its groups as it does today and then ``pool.restart(version,
-  actor=new_actor_group)``.
+  the trainer restarts its groups, the pool's included, the same way.
 
 `version` is -1 until a sync succeeds, and again after a sync that failed: `generate` refuses
 to run on weights that a failed sync left half-received.
@@ -148,16 +148,21 @@ class RayRolloutPool:
         return {k: max(r[k] for r in ranks) for k in ranks[0]} if ranks and ranks[0] else {}
 
     def restart(self, version: int, actor: RayWorkerGroup | None = None) -> dict[str, float]:
-        """After a fault (module docstring): stops what is left of the pool's group, starts a
-        fresh one and a fresh stream (from ``actor``, the actor's group rebuilt by a restart;
-        default the same), and syncs the actor's current weights as ``version``; `sync`'s
-        metrics."""
+        """After a fault (module docstring): `rejoin` (a fresh group and stream, from ``actor``,
+        the actor's group rebuilt by a restart; default the same), then syncs the actor's
+        current weights as ``version``; `sync`'s metrics."""
+        self.rejoin(actor)
+        return self.sync(version)
+
+    def rejoin(self, actor: RayWorkerGroup | None = None) -> None:
+        """Stops what is left of the pool's group and starts a fresh one and a fresh stream
+        from ``actor`` (default the same), holding no weights (``version`` -1) until the next
+        sync: what a trainer's restart does, which restores a checkpoint before it syncs."""
         self._stop()
         self.version = -1
         if actor is not None:
             self.actor = actor
         self.group, self.stream = self._start()
-        return self.sync(version)
 
     def close(self) -> None:
         """Stops the pool's processes (idempotent; `RayBackend.shutdown` stops them too)."""
