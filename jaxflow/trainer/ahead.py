@@ -69,6 +69,9 @@ from jaxflow.iterations.steps import gen_parts, ready
 from jaxflow.trainer.rollout_buffer import consumed_token_metrics
 from jaxflow.workers.group import Workers
 
+TOKEN_VERSIONS = "token_versions"  # a partial rollout's column: each token's policy version
+OLDER_TOKEN_RATIO = "fully_async/partial/older_token_ratio"
+
 
 class StalenessError(RuntimeError):
     """A consumed token's staleness is outside ``[0, bound]`` (a scheduling bug, never data)."""
@@ -131,6 +134,17 @@ def check_staleness(consumed: ConsumedTokens, bound: int) -> dict[str, float]:
     return consumed_token_metrics(consumed.token_versions_BxR, consumed.response_mask_BxR, consumed.version)
 
 
+def older_token_ratio(token_versions_BxR: np.ndarray, response_mask_BxR: np.ndarray) -> float:
+    """The share of the valid tokens sampled by an older policy version than their row's
+    last token: ``sum_bt m_bt [u_bt < max_t' u_bt'] / sum_bt m_bt`` (0 for rollouts of one
+    version; a partial rollout's tokens before its row's last resume)."""
+    mask_BxR = response_mask_BxR.astype(bool)
+    if not mask_BxR.any():
+        return 0.0
+    newest_B = np.where(mask_BxR, token_versions_BxR, np.iinfo(np.int32).min).max(axis=1)
+    return float((mask_BxR & (token_versions_BxR < newest_B[:, None])).sum() / mask_BxR.sum())
+
+
 class AheadActor:
     """The actor group as step ``rollout.step``'s iteration sees it: ``generate`` of that step
     returns the rollout generated ahead; every other call goes to the actor."""
@@ -160,12 +174,17 @@ class AheadActor:
 def generate_rollout(step: int, prompts: Batch, version: int, actor: Any) -> Rollout:
     """Step ``step``'s rollout of ``prompts`` by ``actor`` (the actor's worker group, or a
     rollout pool seen as one: `jaxflow.trainer.rollouter.PoolGroup`) holding the weights of
-    policy ``version``, timed, with its parts, its probe and its per-token versions."""
+    policy ``version``, timed, with its parts, its probe and its per-token versions: the
+    batch's ``token_versions`` column where the rollout has one (a partial rollout, resumed
+    under newer weights), else ``version`` for every token."""
     t0 = time.perf_counter()
     batch = ready(actor.generate(prompts, step=step))
     seconds = time.perf_counter() - t0
     probe = actor.rollout_metrics()[0]
-    token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
+    if TOKEN_VERSIONS in batch:  # a partial rollout: each token's own (the column leaves the batch)
+        token_versions_BxR = np.asarray(batch.pop(TOKEN_VERSIONS)[TOKEN_VERSIONS], np.int32)
+    else:  # one call: one version
+        token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)
     return Rollout(step, prompts, batch, version, seconds, gen_parts(Workers(actor=actor)), probe, token_versions_BxR)
 
 
@@ -208,6 +227,9 @@ class GenerateAhead:
         rollout = self._take()
         mask_BxR = np.asarray(rollout.batch[RESPONSE_MASK])
         self.consumed = ConsumedTokens(step, version, rollout.token_versions_BxR, mask_BxR)
+        if getattr(self.rollouter, "partial_segment", None) is not None:
+            metrics.update(self.rollouter.partial_counts())
+            metrics[OLDER_TOKEN_RATIO] = older_token_ratio(rollout.token_versions_BxR, mask_BxR)
         metrics.update(
             {
                 "timing_s/gen_ahead": self._waited_s,
@@ -235,9 +257,8 @@ class GenerateAhead:
         metrics = {"weight_sync/bytes": 0.0, "timing_s/weight_sync": 0.0}
         t0 = time.perf_counter()
         if steps and self.rollouter.version != version:
-            self.rollouter.drain()
-            self._waited_s += time.perf_counter() - t0
-            metrics = self.rollouter.pool.sync(version)
+            metrics = self.rollouter.sync(version)  # waits for the rollouts in flight, or parks them
+            self._waited_s += max(0.0, time.perf_counter() - t0 - metrics["timing_s/weight_sync"])
         t1 = time.perf_counter()
         for k in steps:
             before = self.loader.state_dict()

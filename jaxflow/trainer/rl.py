@@ -61,7 +61,7 @@ from jaxflow.trainer.hf_export import HF_DIR, base_pointer, check_export_target,
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
-from jaxflow.trainer.rollouter import LocalRolloutPool, Rollouter
+from jaxflow.trainer.rollouter import PARTIAL_SEGMENT_TOKENS, LocalRolloutPool, Rollouter
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
@@ -237,7 +237,8 @@ class RLTrainer:
         devices = tuple(devices)[spec.num_devices - pool_devices : spec.num_devices]
         pool = LocalRolloutPool(self.workers.actor.worker, devices, self.placement.roles["actor"].gen_tp)
         print(f"rollout pool: the actor generates on devices {[d.id for d in devices]}", flush=True)
-        rollouter = Rollouter(pool)
+        partial = spec.trainer.partial_rollout and bool(ahead)  # without rollouts ahead none is in flight at a sync
+        rollouter = Rollouter(pool, partial_segment=PARTIAL_SEGMENT_TOKENS if partial else None)
         return GenerateAhead(ahead or 0, self.total_steps, self.loader, batch_from_prompts, rollouter=rollouter)
 
     @staticmethod
