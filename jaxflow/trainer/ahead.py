@@ -18,13 +18,24 @@ advantages, the update) runs on the current weights.
   consumes a rollout of the previous weights.
 
 Every generated token records the policy version that produced it (`Rollout.token_versions_BxR`,
-int32 aligned with ``responses``; here all tokens of a rollout share its version, as it is
-generated in one call). The staleness of a consumed token is ``v - u`` for the version ``v`` at
+int32 aligned with ``responses``): all tokens of a rollout generated in one call share its
+version; a partial rollout (``trainer.partial_rollout``, on a rollout pool) interrupted by a
+sync and resumed under the new weights carries its ``token_versions`` column instead. The staleness of a consumed token is ``v - u`` for the version ``v`` at
 the update that consumes it and the token's version ``u``; `GenerateAhead.step` computes it
 from the per-token versions of the rollout it hands out (``fully_async/staleness/token_mean|max``
 and the version spans, `jaxflow.trainer.rollout_buffer.consumed_token_metrics`) and raises
 `StalenessError` if a valid token (``response_mask = 1``) has ``v - u > lookahead`` or
 ``v - u < 0``; the last consumed rollout's versions stay readable (`GenerateAhead.consumed`).
+
+Partial rollouts stay within the bound by the schedule (the check enforces it anyway): step
+``j``'s rollout is submitted at step ``max(1, j - s)`` with the weights of that step's version
+``w0 = max(0, j - s - 1)``, and the pool's version only grows, so each token has ``u >= w0``;
+it is consumed at step ``j`` (version ``j - 1``) only once finished, and the pool is synced to
+``j - 1`` at the latest at step ``j`` before the wait, so ``u <= j - 1``: the staleness
+``j - 1 - u`` lies in ``[0, s]`` (a rollout started at ``v`` and resumed at ``v + 1`` consumed
+at ``w``: ``w - v`` and ``w - v - 1``, never more than a whole rollout of ``v``'s).
+``fully_async/partial/older_token_ratio``: the consumed valid tokens of an older version than
+their row's last.
 
 Where the rollouts run:
 
@@ -38,7 +49,10 @@ Where the rollouts run:
   rollout of version ``v`` is submitted, after every rollout in flight has finished (a sync
   replaces the weights they read). The schedule is the same (the same prompts, seeds and
   versions per step), so the overlap changes the timing only; with ``trainer.mode=sync`` the
-  pool generates each step's rollout right after the sync, the update waiting for it.
+  pool generates each step's rollout right after the sync, the update waiting for it. With
+  ``trainer.partial_rollout`` (and rollouts ahead: ``lookahead >= 1``) the sync interrupts
+  the rollout in flight instead of waiting for it (`jaxflow.trainer.rollouter`); its tokens
+  after the sync are of the new version, so the rollouts' tokens depend on the timing.
 
 Each step also reports the idle fractions (`GenerateAhead.idle_ratios`):
 ``fully_async/trainer/idle_ratio`` (the step's share spent waiting for rollouts, or generating

@@ -22,8 +22,17 @@ replicas over the pool, `jaxflow.reshard.generation_layout`).
 `Rollouter` runs a pool's generations in submission order on one daemon thread: the trainer
 (`jaxflow.trainer.ahead.GenerateAhead`) submits the rollouts of later steps and goes on with
 the update on its own devices, and waits (`Rollouter.wait`) only for the rollout it consumes.
-A sync replaces the pool's weights, so `GenerateAhead` syncs only after every rollout in flight
-has finished (`Rollouter.drain`). The thread's error is the trainer's: every later wait
+A sync replaces the pool's weights, so `Rollouter.sync` runs it only after every rollout in
+flight has finished (`Rollouter.drain`), or, with partial rollouts (``trainer.partial_rollout``:
+``partial_segment`` tokens), interrupts the one generating instead: the thread generates a
+rollout in segments of at most ``partial_segment`` tokens per row (the pool's `start_partial` /
+`run_partial` / `finish_partial`, `jaxflow.workers.actor.RolloutSampling` over
+`jaxflow.sampling.partial`) and asks before each segment whether a sync is waiting; if so it
+parks the rollout (its tokens, rollout log-probs and per-token versions kept), the sync
+replaces the weights, and the rollout resumes under them (each row's prompt and tokens so far
+prefilled again), its new tokens recording the new version. The rollouts queued behind it start
+under the new weights. The sync waits for one segment at most, never for a whole rollout
+(``fully_async/partial/interrupted``: the rollouts a step's sync parked). The thread's error is the trainer's: every later wait
 re-raises it as one `RolloutError` line; a wait also stops on Ctrl-C / SIGTERM
 (`jaxflow.trainer.interrupt`) and never waits without end for a thread that died. `close`
 stops the thread: the generation in flight (one engine call, which JAX cannot cut short)
