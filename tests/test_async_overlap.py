@@ -9,6 +9,7 @@ within the bound, and a resumed run regenerates its pending rollout from the sam
 
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -158,6 +159,80 @@ def test_a_trainer_that_stops_during_a_rollout_stops_the_rollouter(close_timeout
         assert not thread.is_alive() and (3, 2, 0) not in pool.calls
 
 
+class _PartialPool(_Pool):
+    """A `_Pool` with the partial entry points: a rollout of ``R`` tokens per row, sampled
+    ``max_steps`` at a time under the version it is run with. Step ``hold``'s rollout holds at
+    its first segment boundary until ``until()`` says a sync is waiting; each sync records the
+    rollouts then parked (step, tokens so far)."""
+
+    R = 6
+
+    def __init__(self, hold):
+        super().__init__()
+        self.hold, self.live, self.parked_at_sync = hold, [], []
+
+    def sync(self, version):
+        self.parked_at_sync.append([(p.step, len(p.versions)) for p in self.live if not p.done])
+        return super().sync(version)
+
+    def start_partial(self, prompts, *, step, version):
+        partial = types.SimpleNamespace(step=step, prompts=prompts, versions=[], done=False, version=version)
+        self.live.append(partial)
+        return partial
+
+    def run_partial(self, partial, version, *, max_steps, until):
+        self.generating.set()
+        try:
+            partial.version = version
+            while not partial.done and not until():
+                partial.versions += [version] * min(max_steps, self.R - len(partial.versions))
+                partial.done = len(partial.versions) == self.R
+                if partial.step == self.hold and len(partial.versions) == max_steps:
+                    _wait_for(until)  # a sync is requested while the rollout is in flight
+            return partial
+        finally:
+            self.generating.clear()
+
+    def finish_partial(self, partial):
+        prompts = partial.prompts
+        self.calls.append((partial.step, int(prompts["batch"][0]), partial.versions[0]))
+        responses = np.zeros((len(prompts), self.R), np.int32)
+        versions = np.array([partial.versions] * len(prompts), np.int32)
+        return prompts.update(
+            tensors={"responses": responses, "response_mask": np.ones_like(responses), "token_versions": versions}
+        )
+
+
+def _wait_for(condition, timeout_s=60.0):
+    """Polls ``condition`` until true (a test that would hang fails instead)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        threading.Event().wait(0.002)
+
+
+def test_a_sync_interrupts_the_rollout_in_flight_which_resumes_under_the_new_weights():
+    """one_step_off with partial rollouts of 2-token segments: step 2's rollout (submitted at
+    version 0) is in flight when step 2 syncs to version 1; the sync parks it after its first
+    segment instead of waiting for it (it has 2 of 6 tokens then), and it resumes under version
+    1: its token versions are [0] * 2 + [1] * 4, consumed at version 1 (staleness 1 and 0)."""
+    pool = _PartialPool(hold=2)
+    ahead = _ahead(pool, 1, partial_segment=2)
+    try:
+        _, _, first = ahead.step(1, Workers(actor=None), 0)
+        prompts, w, second = ahead.step(2, Workers(actor=None), 1)
+    finally:
+        ahead.close()
+    assert pool.syncs == [0, 1] and pool.parked_at_sync == [[], [(2, 2)]]
+    np.testing.assert_array_equal(ahead.consumed.token_versions_BxR, [[0, 0, 1, 1, 1, 1]] * len(prompts))
+    assert sorted(set(ahead.consumed.staleness().tolist())) == [0, 1]
+    assert first["fully_async/partial/interrupted"] == 0 and first["fully_async/partial/older_token_ratio"] == 0
+    assert second["fully_async/partial/interrupted"] == 1
+    assert second["fully_async/partial/older_token_ratio"] == pytest.approx(2 / 6)
+    assert second["fully_async/partial/max_partial_span"] == 1 and second["fully_async/staleness/token_max"] == 1
+    assert "token_versions" not in w.actor.generate(prompts, step=2)  # the column leaves the batch
+
+
 def test_the_rollout_pool_key_is_checked():
     for value, words in [
         (8, "leaves none of the jaxflow.num_devices=8"),
@@ -178,13 +253,16 @@ def test_the_rollout_pool_key_is_checked():
 # ---------------------------------------------------------------------- through the trainer
 
 
-def _run(config, overrides, run_dir, steps=5, overlap=True, inspect=None, inspect_at=3):
+def _run(config, overrides, run_dir, steps=5, overlap=True, inspect=None, inspect_at=3, setup=None):
     """``steps`` training steps with a rollout pool; each step's metrics and consumed tokens'
-    staleness, and what ``inspect(trainer)`` returns (called after step ``inspect_at``)."""
+    staleness, and what ``inspect(trainer)`` returns (called after step ``inspect_at``);
+    ``setup(trainer)`` runs before the first step."""
     from jaxflow.trainer.rl import RLTrainer
 
     trainer = RLTrainer(load_config(config, [*overrides, f"trainer.default_local_dir={run_dir}"]))
     trainer.ahead.rollouter.overlap = overlap
+    if setup is not None:
+        setup(trainer)
     rows, seen = [], None
     try:
         for step in range(1, steps + 1):
@@ -359,3 +437,67 @@ def test_an_update_that_fails_with_a_rollout_in_flight_ends_the_run_in_seconds(d
     assert time.perf_counter() - raised_at[0] < 10  # the generation in flight finished, the thread joined
     thread = trainer.ahead.rollouter._thread
     assert thread is not None and not thread.is_alive() and pool.params is None
+
+
+def _interrupt_mid_rollout(trainer):
+    """One-token segments, and steps 3 and 4's rollouts interrupted after their first token:
+    each runs its first segment, then waits for a sync (step j's rollout: step j - 1's, to
+    version j - 2), which waits for that first segment. So rollout j's first token is of the
+    version it was submitted at (j - 3) and the rest of version j - 2."""
+    rollouter = trainer.ahead.rollouter
+    pool, sync, run_partial = rollouter.pool, rollouter.sync, rollouter.pool.run_partial
+    first_segment = {3: threading.Event(), 4: threading.Event()}
+    rollouter.partial_segment = 1
+
+    def step_of(partial):
+        return int(partial.prompts.non_tensors["uid"][0].split(":")[0])
+
+    def gated_run(partial, version, *, max_steps, until):
+        step = step_of(partial)
+        if step in first_segment and not partial.rollout.lengths_N.any():
+            partial = run_partial(partial, version, max_steps=max_steps)  # one segment
+            first_segment[step].set()
+            _wait_for(until)
+            return partial
+        return run_partial(partial, version, max_steps=max_steps, until=until)
+
+    def gated_sync(version):
+        if version + 2 in first_segment:
+            assert first_segment[version + 2].wait(120)
+        return sync(version)
+
+    pool.run_partial, rollouter.sync = gated_run, gated_sync
+
+
+@pytest.fixture(scope="module")
+def partial_run(digits, tmp_path_factory):
+    overrides = [*digits, "trainer.mode=async", "trainer.max_staleness=2", "trainer.partial_rollout=true"]
+    return _run("grpo_tiny", overrides, tmp_path_factory.mktemp("partial"), setup=_interrupt_mid_rollout)[0]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_on_a_pool_mix_versions_within_the_bound(partial_run):
+    """async, max_staleness=2, partial rollouts: every consumed token is within the bound (from
+    its recorded version); steps 3 and 4 consume rollouts interrupted by a sync and resumed
+    under the next version (versions k - 3 and k - 2 at version k - 1: staleness 2 and 1),
+    interrupted by steps 2 and 3's syncs (a later sync may also find a rollout in flight: step
+    4's rollout, resumed during step 3's update, may be interrupted again by step 4's)."""
+    for r in partial_run:
+        staleness = r["staleness"]
+        assert staleness.size > 0 and 0 <= staleness.min() and staleness.max() <= 2
+    assert [r["fully_async/partial/interrupted"] for r in partial_run[:3]] == [0, 1, 1]  # later: as timing has it
+    assert [set(r["staleness"].tolist()) for r in partial_run[:3]] == [{0}, {1}, {1, 2}]
+    # step 4's rollout: version 1, then 2 (and 3 where step 4's sync found it still in flight)
+    assert {1, 2} <= set(partial_run[3]["staleness"].tolist())
+    for r in partial_run[2:4]:
+        assert r["fully_async/partial/max_partial_span"] >= 1 and 0 < r["fully_async/partial/older_token_ratio"] < 1
+
+
+@pytest.mark.slow
+def test_partial_rollouts_without_rollouts_ahead_are_sync_bit_for_bit(digits, grpo_runs, tmp_path):
+    """max_staleness=0 leaves no rollout in flight at a sync: nothing to interrupt, and the
+    run is the synchronous one on the pool, bit for bit."""
+    overrides = [*digits, "trainer.mode=async", "trainer.max_staleness=0", "trainer.partial_rollout=true"]
+    rows, _ = _run("grpo_tiny", overrides, tmp_path, steps=3)
+    for a, b in zip(grpo_runs["sync"][0][:3], rows, strict=True):
+        assert _untimed(a) == _untimed(b), a["step"]

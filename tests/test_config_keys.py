@@ -479,7 +479,11 @@ CHECKS = {
     "jaxflow.reward.sandbox": ("off", [], spec("reward.sandbox")),
     "trainer.mode": ("one_step_off", [], spec("trainer.mode")),
     "trainer.max_staleness": (2, [], spec("trainer.max_staleness")),
-    "trainer.partial_rollout": Refused((True, "rollouter is not built yet")),
+    "trainer.partial_rollout": (
+        True,
+        ["jaxflow.placement.rollout_devices=4", "trainer.mode=async"],
+        spec("trainer.partial_rollout"),
+    ),
     "jaxflow.trainer.max_nonfinite_steps": (1, [], spec("trainer.max_nonfinite_steps")),
     "jaxflow.trainer.resume_other_experiment": (True, [], spec("trainer.resume_other_experiment")),
     "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),

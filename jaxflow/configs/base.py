@@ -659,10 +659,12 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "trainer.partial_rollout",
             False,
-            "trainer.mode=async with an overlapped rollouter (verl's async_training.partial_rollout): a weight sync "
-            "interrupts the sequences in flight, which keep their tokens and rollout log-probs and resume under the "
-            "new weights (prompt and tokens so far prefilled again); every token records the policy version that "
-            "sampled it (jaxflow.sampling.partial). Refused until the rollouter that consumes it exists.",
+            "trainer.mode one_step_off / async on a rollout pool (jaxflow.placement.rollout_devices, local backend; "
+            "verl's async_training.partial_rollout): a weight sync interrupts the rollout in flight at the end of its "
+            "segment (16 tokens per row) instead of waiting for it; it keeps its tokens and rollout log-probs and "
+            "resumes under the new weights (prompt and tokens so far prefilled again); every token records the policy "
+            "version that sampled it, and each update checks their staleness. No effect without rollouts ahead "
+            "(sync, max_staleness=0).",
         ),
         (
             "trainer.balance_batch",

@@ -155,6 +155,7 @@ class TrainerSpec:
     compile_ahead: bool  # `jaxflow.trainer.compile_ahead.compile_ahead` before step 1
     mode: str  # sync | one_step_off | async (`jaxflow.trainer.ahead`)
     max_staleness: int
+    partial_rollout: bool  # a sync interrupts the rollouts in flight (`jaxflow.trainer.rollouter`)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -223,14 +223,7 @@ def _check_enums(c: _Checker) -> None:
         "data.reward_fn_key",
         "rule-based rewards are dispatched by the data_source column only",
     )
-    c.check(
-        not c.cfg.trainer.partial_rollout,
-        "trainer.partial_rollout",
-        "the Ray backend's rollout pool does not run partial rollouts yet (use backend=local)"
-        if c.cfg.jaxflow.backend == "ray"
-        else "partial rollouts are interrupted by the overlapped rollouter's weight syncs, and that rollouter is not "
-        "built yet (the sampling layer has them: jaxflow.sampling.partial)",
-    )
+    _check_partial_rollout(c)
     for name in c.cfg.trainer.logger:
         c.check(
             name in LOGGERS,
@@ -317,6 +310,29 @@ def _check_ray(c: _Checker) -> None:
             "jaxflow.ray.tpu_version",
             "must name the TPU generation (e.g. 'v5p') when jaxflow.ray.tpu_topology is set",
         )
+
+
+def _check_partial_rollout(c: _Checker) -> None:
+    """``trainer.partial_rollout``: the weight syncs of the local rollout pool's rollouter
+    interrupt its rollouts (`jaxflow.trainer.rollouter`); where it cannot run, one line."""
+    cfg, key = c.cfg, "trainer.partial_rollout"
+    if not cfg.trainer.partial_rollout:
+        return
+    c.check(
+        cfg.jaxflow.placement.rollout_devices > 0,
+        key,
+        "interrupts a rollout pool's rollouts; set jaxflow.placement.rollout_devices",
+    )
+    c.check(
+        cfg.jaxflow.backend == "local",
+        key,
+        "the Ray rollout pool's rollouts are not interrupted yet (use backend=local)",
+    )
+    c.check(
+        not cfg.actor_rollout_ref.rollout.multi_turn.enable,
+        key,
+        "partial rollouts sample one response per sample (no actor_rollout_ref.rollout.multi_turn)",
+    )
 
 
 def _check_rollout_pool(c: _Checker) -> None:

@@ -18,13 +18,24 @@ advantages, the update) runs on the current weights.
   consumes a rollout of the previous weights.
 
 Every generated token records the policy version that produced it (`Rollout.token_versions_BxR`,
-int32 aligned with ``responses``; here all tokens of a rollout share its version, as it is
-generated in one call). The staleness of a consumed token is ``v - u`` for the version ``v`` at
+int32 aligned with ``responses``): all tokens of a rollout generated in one call share its
+version; a partial rollout (``trainer.partial_rollout``, on a rollout pool) interrupted by a
+sync and resumed under the new weights carries its ``token_versions`` column instead. The staleness of a consumed token is ``v - u`` for the version ``v`` at
 the update that consumes it and the token's version ``u``; `GenerateAhead.step` computes it
 from the per-token versions of the rollout it hands out (``fully_async/staleness/token_mean|max``
 and the version spans, `jaxflow.trainer.rollout_buffer.consumed_token_metrics`) and raises
 `StalenessError` if a valid token (``response_mask = 1``) has ``v - u > lookahead`` or
 ``v - u < 0``; the last consumed rollout's versions stay readable (`GenerateAhead.consumed`).
+
+Partial rollouts stay within the bound by the schedule (the check enforces it anyway): step
+``j``'s rollout is submitted at step ``max(1, j - s)`` with the weights of that step's version
+``w0 = max(0, j - s - 1)``, and the pool's version only grows, so each token has ``u >= w0``;
+it is consumed at step ``j`` (version ``j - 1``) only once finished, and the pool is synced to
+``j - 1`` at the latest at step ``j`` before the wait, so ``u <= j - 1``: the staleness
+``j - 1 - u`` lies in ``[0, s]`` (a rollout started at ``v`` and resumed at ``v + 1`` consumed
+at ``w``: ``w - v`` and ``w - v - 1``, never more than a whole rollout of ``v``'s).
+``fully_async/partial/older_token_ratio``: the consumed valid tokens of an older version than
+their row's last.
 
 Where the rollouts run:
 
@@ -39,7 +50,10 @@ Where the rollouts run:
   rollout of version ``v`` is submitted, after every rollout in flight has finished (a sync
   replaces the weights they read). The schedule is the same (the same prompts, seeds and
   versions per step), so the overlap changes the timing only; with ``trainer.mode=sync`` the
-  pool generates each step's rollout right after the sync, the update waiting for it.
+  pool generates each step's rollout right after the sync, the update waiting for it. With
+  ``trainer.partial_rollout`` (and rollouts ahead: ``lookahead >= 1``) the sync interrupts
+  the rollout in flight instead of waiting for it (`jaxflow.trainer.rollouter`); its tokens
+  after the sync are of the new version, so the rollouts' tokens depend on the timing.
 
 Each step also reports the idle fractions (`GenerateAhead.idle_ratios`):
 ``fully_async/trainer/idle_ratio`` (the step's share spent waiting for rollouts, or generating
@@ -68,6 +82,9 @@ from jaxflow.data.batch import RESPONSE_MASK, RESPONSES, Batch
 from jaxflow.iterations.steps import gen_parts, ready
 from jaxflow.trainer.rollout_buffer import consumed_token_metrics
 from jaxflow.workers.group import Workers
+
+TOKEN_VERSIONS = "token_versions"  # a partial rollout's column: each token's policy version
+OLDER_TOKEN_RATIO = "fully_async/partial/older_token_ratio"
 
 
 class StalenessError(RuntimeError):
@@ -131,6 +148,17 @@ def check_staleness(consumed: ConsumedTokens, bound: int) -> dict[str, float]:
     return consumed_token_metrics(consumed.token_versions_BxR, consumed.response_mask_BxR, consumed.version)
 
 
+def older_token_ratio(token_versions_BxR: np.ndarray, response_mask_BxR: np.ndarray) -> float:
+    """The share of the valid tokens sampled by an older policy version than their row's
+    last token: ``sum_bt m_bt [u_bt < max_t' u_bt'] / sum_bt m_bt`` (0 for rollouts of one
+    version; a partial rollout's tokens before its row's last resume)."""
+    mask_BxR = response_mask_BxR.astype(bool)
+    if not mask_BxR.any():
+        return 0.0
+    newest_B = np.where(mask_BxR, token_versions_BxR, np.iinfo(np.int32).min).max(axis=1)
+    return float((mask_BxR & (token_versions_BxR < newest_B[:, None])).sum() / mask_BxR.sum())
+
+
 class AheadActor:
     """The actor group as step ``rollout.step``'s iteration sees it: ``generate`` of that step
     returns the rollout generated ahead; every other call goes to the actor."""
@@ -160,12 +188,17 @@ class AheadActor:
 def generate_rollout(step: int, prompts: Batch, version: int, actor: Any) -> Rollout:
     """Step ``step``'s rollout of ``prompts`` by ``actor`` (the actor's worker group, or a
     rollout pool seen as one: `jaxflow.trainer.rollouter.PoolGroup`) holding the weights of
-    policy ``version``, timed, with its parts, its probe and its per-token versions."""
+    policy ``version``, timed, with its parts, its probe and its per-token versions: the
+    batch's ``token_versions`` column where the rollout has one (a partial rollout, resumed
+    under newer weights), else ``version`` for every token."""
     t0 = time.perf_counter()
     batch = ready(actor.generate(prompts, step=step))
     seconds = time.perf_counter() - t0
     probe = actor.rollout_metrics()[0]
-    token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)  # one call: one version
+    if TOKEN_VERSIONS in batch:  # a partial rollout: each token's own (the column leaves the batch)
+        token_versions_BxR = np.asarray(batch.pop(TOKEN_VERSIONS)[TOKEN_VERSIONS], np.int32)
+    else:  # one call: one version
+        token_versions_BxR = np.full(np.shape(batch[RESPONSES]), version, np.int32)
     return Rollout(step, prompts, batch, version, seconds, gen_parts(Workers(actor=actor)), probe, token_versions_BxR)
 
 
@@ -208,6 +241,9 @@ class GenerateAhead:
         rollout = self._take()
         mask_BxR = np.asarray(rollout.batch[RESPONSE_MASK])
         self.consumed = ConsumedTokens(step, version, rollout.token_versions_BxR, mask_BxR)
+        if getattr(self.rollouter, "partial_segment", None) is not None:
+            metrics.update(self.rollouter.partial_counts())
+            metrics[OLDER_TOKEN_RATIO] = older_token_ratio(rollout.token_versions_BxR, mask_BxR)
         metrics.update(
             {
                 "timing_s/gen_ahead": self._waited_s,
@@ -235,9 +271,8 @@ class GenerateAhead:
         metrics = {"weight_sync/bytes": 0.0, "timing_s/weight_sync": 0.0}
         t0 = time.perf_counter()
         if steps and self.rollouter.version != version:
-            self.rollouter.drain()
-            self._waited_s += time.perf_counter() - t0
-            metrics = self.rollouter.pool.sync(version)
+            metrics = self.rollouter.sync(version)  # waits for the rollouts in flight, or parks them
+            self._waited_s += max(0.0, time.perf_counter() - t0 - metrics["timing_s/weight_sync"])
         t1 = time.perf_counter()
         for k in steps:
             before = self.loader.state_dict()

@@ -26,8 +26,17 @@ rollouts in flight (`Rollouter.discard`).
 `Rollouter` runs a pool's generations in submission order on one daemon thread: the trainer
 (`jaxflow.trainer.ahead.GenerateAhead`) submits the rollouts of later steps and goes on with
 the update on its own devices, and waits (`Rollouter.wait`) only for the rollout it consumes.
-A sync replaces the pool's weights, so `GenerateAhead` syncs only after every rollout in flight
-has finished (`Rollouter.drain`). The thread's error is the trainer's: every later wait
+A sync replaces the pool's weights, so `Rollouter.sync` runs it only after every rollout in
+flight has finished (`Rollouter.drain`), or, with partial rollouts (``trainer.partial_rollout``:
+``partial_segment`` tokens), interrupts the one generating instead: the thread generates a
+rollout in segments of at most ``partial_segment`` tokens per row (the pool's `start_partial` /
+`run_partial` / `finish_partial`, `jaxflow.workers.actor.RolloutSampling` over
+`jaxflow.sampling.partial`) and asks before each segment whether a sync is waiting; if so it
+parks the rollout (its tokens, rollout log-probs and per-token versions kept), the sync
+replaces the weights, and the rollout resumes under them (each row's prompt and tokens so far
+prefilled again), its new tokens recording the new version. The rollouts queued behind it start
+under the new weights. The sync waits for one segment at most, never for a whole rollout
+(``fully_async/partial/interrupted``: the rollouts a step's sync parked). The thread's error is the trainer's: every later wait
 re-raises it as one `RolloutError` line; a wait also stops on Ctrl-C / SIGTERM
 (`jaxflow.trainer.interrupt`) and never waits without end for a thread that died. `close`
 stops the thread: the generation in flight (one engine call, which JAX cannot cut short)
@@ -50,16 +59,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from jaxflow.data.batch import Batch
 from jaxflow.mesh.rules import state_shardings
 from jaxflow.reshard import WeightSync, generation_layout
 from jaxflow.trainer import interrupt
-from jaxflow.workers.actor import ActorWorker, rollout_request, sample_columns
+from jaxflow.workers.actor import ActorWorker, RolloutSampling
 
 log = logging.getLogger(__name__)
+
+
+PARTIAL_SEGMENT_TOKENS = 16  # trainer.partial_rollout: tokens per row between two chances to park for a sync
 
 
 class RolloutError(RuntimeError):
@@ -82,23 +94,39 @@ class RolloutPool(Protocol):
     def close(self) -> None: ...
 
 
-class LocalRolloutPool:
+class PartialRolloutPool(RolloutPool, Protocol):
+    """A rollout pool whose rollouts a sync can interrupt (``trainer.partial_rollout``): the
+    partial entry points of `jaxflow.workers.actor.RolloutSampling` (``start_partial(prompts,
+    step=, version=)``, ``run_partial(partial, version, max_steps=, until=)``,
+    ``finish_partial(partial)``: the rows of `generate` plus ``token_versions``)."""
+
+    def start_partial(self, prompts: Batch, *, step: int, version: int) -> Any: ...
+
+    def run_partial(self, partial: Any, version: int, *, max_steps: int, until: Callable[[], bool]) -> Any: ...
+
+    def finish_partial(self, partial: Any) -> Batch: ...
+
+
+class LocalRolloutPool(RolloutSampling):
     """A `RolloutPool` in this process: ``actor``'s weights in its generation dtype
     (`ActorWorker.generation_dtype`) laid out ``gen_tp``-way tensor parallel with replicas over
-    ``devices`` (none of the actor's), synced from its training weights by a `WeightSync`."""
+    ``devices`` (none of the actor's), synced from its training weights by a `WeightSync`.
+    It samples as the actor does (`jaxflow.workers.actor.RolloutSampling`: `generate`, and the
+    partial rollouts' `start_partial` / `run_partial` / `finish_partial`) from those weights;
+    the rollout probe does not run on it."""
 
     def __init__(self, actor: ActorWorker, devices: Sequence[Any], gen_tp: int):
         if actor.frozen is not None:
             raise ValueError("the rollout pool does not sync LoRA adapters yet")
-        self.actor, self.rollout = actor, actor.rollout
+        self.actor, self.graphdef = actor, actor.graphdef
+        self._start_sampling(actor.rollout)
+        self.probe = None
         self.gen_rules, self.gen_mesh = generation_layout(actor.rules, actor.mesh, devices, gen_tp)
         shardings = state_shardings(actor.params, self.gen_rules, self.gen_mesh)
         self.weight_sync = WeightSync(shardings, dtype=actor.generation_dtype())
         self.params: Any = None
         self.version = -1
         self.last_report = None  # the last sync's `SyncReport`
-        self._gen_seconds: dict[str, float] = {}
-        self._agent_metrics: dict[str, float] = {}
 
     def sync(self, version: int) -> dict[str, float]:
         """The actor's training weights of policy version ``version`` -> the pool's layout."""
@@ -109,29 +137,12 @@ class LocalRolloutPool:
             "timing_s/weight_sync": self.last_report.seconds,
         }
 
-    def generate(self, prompts: Batch, *, step: int) -> Batch:
-        """``ActorWorker.generate(prompts, sampling="train", step=step)``'s rows, sampled from
-        the pool's weights on its mesh."""
+    def _generation_weights(self, stack: contextlib.ExitStack) -> tuple[Any, Any, Any, Any]:
+        """What `RolloutSampling` samples from: the pool's weights, on its mesh (``reshard``
+        seconds: none, the weights are synced apart)."""
         if self.params is None:
             raise RuntimeError("the rollout pool generates after its first sync")
-        request = rollout_request(self.rollout, prompts, "train", step)
-        t0 = time.perf_counter()
-        columns, self._agent_metrics = sample_columns(
-            self.rollout, request, self.actor.graphdef, self.params, mesh=self.gen_mesh, rules=self.gen_rules
-        )
-        t1 = time.perf_counter()
-        rows = request.rows(columns)
-        self._gen_seconds = {"reshard": 0.0, "engine": t1 - t0, "post": time.perf_counter() - t1}
-        return rows
-
-    def rollout_metrics(self) -> dict[str, float]:
-        """The last rollout's ``agent/*`` counts (multi-turn rollouts; else empty)."""
-        return dict(self._agent_metrics)
-
-    def generation_seconds(self) -> dict[str, float]:
-        """The last `generate` call's ``engine`` and ``post`` seconds (``reshard``: 0, the
-        weights are synced apart)."""
-        return dict(self._gen_seconds)
+        return self.graphdef, self.params, self.gen_mesh, self.gen_rules
 
     def close(self) -> None:
         """Drops the pool's weights."""
@@ -142,11 +153,12 @@ class PoolGroup:
     """A rollout pool seen as the actor's worker group by `jaxflow.trainer.ahead.generate_rollout`
     (per-rank lists for the one-to-all methods)."""
 
-    def __init__(self, pool: RolloutPool):
+    def __init__(self, pool: RolloutPool, generate: Callable[..., Batch] | None = None):
         self.pool = pool
+        self._generate = pool.generate if generate is None else generate
 
     def generate(self, prompts: Batch, *, step: int) -> Batch:
-        return self.pool.generate(prompts, step=step)
+        return self._generate(prompts, step=step)
 
     def generation_seconds(self) -> list[dict[str, float]]:
         return [self.pool.generation_seconds()]
@@ -170,8 +182,20 @@ class Rollouter:
     WAIT_POLL_S = 0.5  # a wait checks for Ctrl-C and a dead thread this often
     KEPT_INTERVALS = 64  # generation intervals kept for `busy_seconds`
 
-    def __init__(self, pool: RolloutPool, *, overlap: bool = True, close_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        pool: RolloutPool,
+        *,
+        overlap: bool = True,
+        close_timeout_s: float = 30.0,
+        partial_segment: int | None = None,
+    ):
         self.pool, self.overlap, self.close_timeout_s = pool, overlap, close_timeout_s
+        self.partial_segment = partial_segment  # tokens per row per segment of a partial rollout; None: whole
+        self._sync_requested = threading.Event()  # the trainer waits to sync: no segment starts
+        self._segments = threading.Condition()  # guards the two below
+        self._segment_running = False
+        self._interrupted = 0  # rollouts parked by syncs, since `partial_counts` last read it
         self.error: BaseException | None = None  # the first generation that failed
         self._jobs: queue.Queue = queue.Queue()
         self._in_flight: collections.deque[RolloutFuture] = collections.deque()
@@ -233,9 +257,59 @@ class Rollouter:
         self.error = None
 
     def sync(self, version: int) -> dict[str, float]:
-        """The pool's weights replaced by the actor's of ``version``, after the rollouts in flight."""
-        self.drain()
-        return self.pool.sync(version)
+        """The pool's weights replaced by the actor's of ``version``: after the rollouts in
+        flight have finished, or (partial rollouts, ``partial_segment``) once the one
+        generating has parked at the end of its segment; it goes on under the new weights."""
+        if self.partial_segment is None:
+            self.drain()
+            return self.pool.sync(version)
+        self._sync_requested.set()
+        try:
+            with self._segments:
+                while self._segment_running:
+                    self._segments.wait(self.WAIT_POLL_S)
+                    interrupt.check()
+            return self.pool.sync(version)
+        finally:
+            with self._segments:
+                self._sync_requested.clear()
+                self._segments.notify_all()
+
+    def partial_counts(self) -> dict[str, float]:
+        """``fully_async/partial/interrupted``: the rollouts the syncs parked since the last
+        call (each resumes under the new weights)."""
+        with self._segments:
+            counts, self._interrupted = {"fully_async/partial/interrupted": float(self._interrupted)}, 0
+        return counts
+
+    def _generate_partial(self, prompts: Batch, *, step: int) -> Batch:
+        """Step ``step``'s rollout (the pool's ``generate`` rows plus ``token_versions``) in
+        segments of at most ``partial_segment`` tokens per row under the pool's weights of
+        their version; a sync requested (`sync`) parks it between two segments, and the next
+        segment runs under the synced weights (each row's prompt and tokens so far prefilled
+        again: `jaxflow.sampling.partial`)."""
+        partial = None
+        while partial is None or not partial.done:
+            with self._segments:
+                while self._sync_requested.is_set():
+                    if self._stop.is_set():
+                        raise RolloutError(f"the rollouter closed with step {step}'s rollout parked")
+                    self._segments.wait(self.WAIT_POLL_S)
+                self._segment_running = True
+            parked = False
+            try:
+                if partial is None:
+                    partial = self.pool.start_partial(prompts, step=step, version=self.pool.version)
+                partial = self.pool.run_partial(
+                    partial, self.pool.version, max_steps=self.partial_segment, until=self._sync_requested.is_set
+                )
+                parked = not partial.done
+            finally:
+                with self._segments:
+                    self._segment_running = False
+                    self._interrupted += parked
+                    self._segments.notify_all()
+        return self.pool.finish_partial(partial)
 
     @property
     def version(self) -> int:
@@ -280,7 +354,8 @@ class Rollouter:
         with self._lock:
             self._intervals.append(interval)
         try:
-            rollout = generate_rollout(future.step, prompts, future.version, PoolGroup(self.pool))
+            partial = None if self.partial_segment is None else self._generate_partial
+            rollout = generate_rollout(future.step, prompts, future.version, PoolGroup(self.pool, partial))
         except BaseException as e:  # the trainer's next wait raises it
             self.error = e
             future.set_exception(e)
