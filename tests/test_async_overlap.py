@@ -242,7 +242,7 @@ def test_the_rollout_pool_key_is_checked():
             load_config("grpo_tiny", [POOL[0], f"jaxflow.placement.rollout_devices={value}"])
     with pytest.raises(ConfigError, match="rollout_devices: 4 devices are not whole hosts of jaxflow.ray.devices_per"):
         load_config("grpo_tiny", [*POOL, "jaxflow.backend=ray", "jaxflow.ray.devices_per_host=8"])
-    with pytest.raises(ConfigError, match=r"partial_rollout: the Ray backend's rollout pool does not run partial"):
+    with pytest.raises(ConfigError, match=r"partial_rollout: the Ray rollout pool's rollouts are not interrupted yet"):
         load_config("grpo_tiny", [*POOL, "jaxflow.backend=ray", "trainer.partial_rollout=True"])
     with pytest.raises(ConfigError, match="rollout_devices: the auto-mapper does not plan a rollout pool"):
         load_config("grpo_tiny", ["jaxflow.placement.rollout_devices=4"])

@@ -33,6 +33,7 @@ import time
 import pytest
 
 from jaxflow.configs import load_config
+from jaxflow.trainer import ahead as ahead_module
 from jaxflow.trainer.ahead import GenerateAhead
 from tests.cli import TINY, still_alive
 
@@ -64,7 +65,7 @@ class Schedule:
         self.generated, self.attempts, self.uninterrupted = [], [], None
 
     def install(self, monkeypatch) -> None:
-        step_fn, generate_fn = GenerateAhead.step, GenerateAhead._generate
+        step_fn, generate_fn = GenerateAhead.step, ahead_module.generate_rollout
 
         def step(ahead, step, workers, version):
             if self.uninterrupted is None:
@@ -75,13 +76,13 @@ class Schedule:
             self.attempts.append((step, _indices(prompts), ahead.consumed))
             return prompts, seen, metrics
 
-        def generate(ahead, step, workers, version):
-            rollout = generate_fn(ahead, step, workers, version)
+        def generate(step, prompts, version, actor):
+            rollout = generate_fn(step, prompts, version, actor)
             self.generated.append((step, version, rollout))
             return rollout
 
         monkeypatch.setattr(GenerateAhead, "step", step)
-        monkeypatch.setattr(GenerateAhead, "_generate", generate)
+        monkeypatch.setattr(ahead_module, "generate_rollout", generate)
 
     def check(self) -> None:
         """The attempts and generations are `WANT_ATTEMPTS` and `WANT_GENERATED`; each step's
