@@ -322,6 +322,19 @@ def left_pad(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray
     return ids, mask
 
 
+def _stop_strings(
+    params: SamplingParams, tokenizer: Any, stop_strings: StopStrings | None, vocab_size: int, caller: str
+) -> StopStrings | None:
+    """The stop-string tables of ``params.stop`` (built with ``tokenizer`` unless given), or
+    ``stop_strings`` as given; ``caller`` names the entry point in the error for a missing
+    tokenizer."""
+    if not params.stop or stop_strings is not None:
+        return stop_strings
+    if tokenizer is None:
+        raise ValueError(f"SamplingParams.stop needs a tokenizer ({caller}(..., tokenizer=...))")
+    return StopStrings.build(params.stop, tokenizer, vocab_size)
+
+
 def _left_padded_on_host(prompt_ids, prompt_mask) -> tuple[np.ndarray, np.ndarray]:
     ids = np.asarray(jax.device_get(prompt_ids))
     mask = np.asarray(jax.device_get(prompt_mask))
@@ -640,10 +653,7 @@ def _prepare(
     arguments, for lowering). The one declaration of the entry points' keywords;
     `generate_from_state` says what each does."""
     cfg = _config_of(graphdef, state)
-    if params.stop and stop_strings is None:
-        if tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer (generate_from_state(..., tokenizer=...))")
-        stop_strings = StopStrings.build(params.stop, tokenizer, cfg.vocab_size)
+    stop_strings = _stop_strings(params, tokenizer, stop_strings, cfg.vocab_size, "generate_from_state")
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
     prompt_index = _prompt_index(prompt_index, len(ids), params.n)
     pad = params.pad_token_id if params.pad_token_id is not None else (cfg.pad_token_id or 0)

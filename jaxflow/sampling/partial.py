@@ -58,6 +58,7 @@ from jaxflow.sampling.engine import (
     _left_padded_on_host,
     _prompt_index,
     _row_limits,
+    _stop_strings,
     _stop_tables,
     generate_from_state,
 )
@@ -152,10 +153,7 @@ def start_partial(
     `engine.generate_from_state`'s (``rng``, ``prompt_index``, ``max_new_tokens`` (an int, [B]
     or [B * n]), ``options``, ``tokenizer`` / ``stop_strings`` for ``params.stop``)."""
     cfg = _config_of(graphdef, weights)
-    if params.stop and stop_strings is None:
-        if tokenizer is None:
-            raise ValueError("SamplingParams.stop needs a tokenizer (start_partial(..., tokenizer=...))")
-        stop_strings = StopStrings.build(params.stop, tokenizer, cfg.vocab_size)
+    stop_strings = _stop_strings(params, tokenizer, stop_strings, cfg.vocab_size, "start_partial")
     ids, mask = _left_padded_on_host(prompt_ids, prompt_mask)
     B, N, R = len(ids), len(ids) * params.n, params.max_new_tokens
     if rng is None:
