@@ -242,8 +242,14 @@ def test_the_rollout_pool_key_is_checked():
             load_config("grpo_tiny", [POOL[0], f"jaxflow.placement.rollout_devices={value}"])
     with pytest.raises(ConfigError, match="rollout_devices: 4 devices are not whole hosts of jaxflow.ray.devices_per"):
         load_config("grpo_tiny", [*POOL, "jaxflow.backend=ray", "jaxflow.ray.devices_per_host=8"])
-    with pytest.raises(ConfigError, match=r"partial_rollout: the Ray rollout pool's rollouts are not interrupted yet"):
-        load_config("grpo_tiny", [*POOL, "jaxflow.backend=ray", "trainer.partial_rollout=True"])
+    ray_pool = [*POOL, "jaxflow.backend=ray", "jaxflow.ray.devices_per_host=4"]
+    assert load_config("grpo_tiny", [*ray_pool, "trainer.partial_rollout=True"]).trainer.partial_rollout  # on Ray too
+    with pytest.raises(ConfigError, match=r"partial_rollout: interrupts a rollout pool's rollouts; set jaxflow.place"):
+        load_config("grpo_tiny", ["jaxflow.backend=ray", "trainer.partial_rollout=True"])
+    with pytest.raises(ConfigError, match=r"partial_rollout: partial rollouts sample one response per sample"):
+        load_config(
+            "grpo_tiny", [*POOL, "trainer.partial_rollout=True", "actor_rollout_ref.rollout.multi_turn.enable=True"]
+        )
     with pytest.raises(ConfigError, match="rollout_devices: the auto-mapper does not plan a rollout pool"):
         load_config("grpo_tiny", ["jaxflow.placement.rollout_devices=4"])
     with pytest.raises(ConfigError, match=r"pool_sizes: \(4, 4\) add up to 8 devices, but the placement has 4"):

@@ -22,7 +22,10 @@ bfloat16. The pool's role is `tests.stream_roles.FaultyGeneration`: the run's
 2. The pool's ``generate(prompts, step=k)`` equals the actor group's ``generate(prompts,
    step=k)`` on the same weights: the same columns, tokens, masks and uids, the log-probs
    within `LOGP_TOL`.
-3. The pool's process SIGKILLed in the middle of a sync (issue 23, "a rollouter killed during a
+3. A partial rollout (``trainer.partial_rollout``) parked in the pool's process across a sync
+   of the same weights under a new version: the pool's plain ``generate``'s tokens, the
+   log-probs within float32 ulps, each token's version the one it was sampled under.
+4. The pool's process SIGKILLed in the middle of a sync (issue 23, "a rollouter killed during a
    weight stream"): one `WorkerDied` naming the pool's group within seconds, no process of it
    left, the actor's group unharmed; `RayRolloutPool.restart` then brings a fresh pool,
    bit-exact again.
@@ -205,6 +208,47 @@ def test_the_pool_generates_what_the_actor_generates(run):
     assert difference.max() <= LOGP_TOL
     assert set(pool.generation_seconds()) == {"reshard", "engine", "post"}
     assert pool.rollout_metrics() == {}  # single-turn, no probe
+
+
+SEGMENT = 2  # tokens per row before the sync that interrupts the partial rollout
+ULPS = 64  # tests/test_partial_rollouts.py: re-prefilled keys and values vs the decode steps' (float32 ulps)
+
+
+def test_a_partial_rollout_is_parked_in_the_pool_across_a_sync(run):
+    """``trainer.partial_rollout`` on Ray: a partial rollout of step 9 runs one segment of
+    `SEGMENT` tokens per row under version 9, stays parked in the pool's process (holding no
+    weights) across a sync of the same weights as version 10, and runs to its end: the tokens
+    are the pool's plain ``generate(prompts, step=9)``'s, the log-probs within `ULPS` float32
+    ulps, the first `SEGMENT` tokens of each row record version 9 and the rest version 10."""
+    spec, actor, pool = run
+    pool.sync(9)
+    prompts = _prompts(spec, seed=2)
+    want = pool.generate(prompts, step=9)
+    handle = pool.start_partial(prompts, step=9, version=9)
+    handle = pool.run_partial(handle, 9, max_steps=SEGMENT, until=lambda: False)
+    assert (handle.step, handle.version, handle.done) == (9, 9, False)
+    assert pool.group.partial_parked() == [{9: False}]  # parked, holding no weights
+    pool.sync(10)  # the same weights, a new version: the stream frees the old copy
+    _assert_pool_holds_the_actors_weights(actor, pool)
+    assert pool.run_partial(handle, 10, max_steps=SEGMENT, until=lambda: True) is handle  # a sync waits: no segment
+    while not handle.done:
+        handle = pool.run_partial(handle, 10, max_steps=None)
+    got = pool.finish_partial(handle)
+    assert pool.group.partial_parked() == [{}]
+    assert sorted(got.tensors) == sorted([*want.tensors, "token_versions"]) and got.meta == want.meta
+    for key in want.tensors:
+        if key != "rollout_log_probs":
+            np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(want[key]), err_msg=key)
+    assert list(got.non_tensors["uid"]) == list(want.non_tensors["uid"])
+    mask = np.asarray(want["response_mask"]) > 0
+    difference = np.abs(np.asarray(got["rollout_log_probs"]) - np.asarray(want["rollout_log_probs"]))[mask]
+    print(f"partial rollout log-probs: largest difference {difference.max():.3g} over {mask.sum()} tokens")
+    np.testing.assert_allclose(
+        np.asarray(got["rollout_log_probs"]), np.asarray(want["rollout_log_probs"]), rtol=ULPS * 2.0**-23, atol=0
+    )
+    versions = np.where(np.arange(mask.shape[1]) < SEGMENT, 9, 10)[None, :]
+    np.testing.assert_array_equal(np.where(mask, np.asarray(got["token_versions"]), -1), np.where(mask, versions, -1))
+    assert (mask.sum(1) > SEGMENT).any()  # some rows went on under version 10
 
 
 def _kill_when_held(path, killed: list[float]) -> None:

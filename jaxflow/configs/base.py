@@ -659,7 +659,7 @@ FIELDS: tuple[Field, ...] = tuple(
         (
             "trainer.partial_rollout",
             False,
-            "trainer.mode one_step_off / async on a rollout pool (jaxflow.placement.rollout_devices, local backend; "
+            "trainer.mode one_step_off / async on a rollout pool (jaxflow.placement.rollout_devices, local or Ray; "
             "verl's async_training.partial_rollout): a weight sync interrupts the rollout in flight at the end of its "
             "segment (16 tokens per row) instead of waiting for it; it keeps its tokens and rollout log-probs and "
             "resumes under the new weights (prompt and tokens so far prefilled again); every token records the policy "

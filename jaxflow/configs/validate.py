@@ -313,8 +313,8 @@ def _check_ray(c: _Checker) -> None:
 
 
 def _check_partial_rollout(c: _Checker) -> None:
-    """``trainer.partial_rollout``: the weight syncs of the local rollout pool's rollouter
-    interrupt its rollouts (`jaxflow.trainer.rollouter`); where it cannot run, one line."""
+    """``trainer.partial_rollout``: the weight syncs of the rollout pool's rollouter (local or
+    Ray) interrupt its rollouts (`jaxflow.trainer.rollouter`); where it cannot run, one line."""
     cfg, key = c.cfg, "trainer.partial_rollout"
     if not cfg.trainer.partial_rollout:
         return
@@ -322,11 +322,6 @@ def _check_partial_rollout(c: _Checker) -> None:
         cfg.jaxflow.placement.rollout_devices > 0,
         key,
         "interrupts a rollout pool's rollouts; set jaxflow.placement.rollout_devices",
-    )
-    c.check(
-        cfg.jaxflow.backend == "local",
-        key,
-        "the Ray rollout pool's rollouts are not interrupted yet (use backend=local)",
     )
     c.check(
         not cfg.actor_rollout_ref.rollout.multi_turn.enable,

@@ -31,7 +31,8 @@ flight has finished (`Rollouter.drain`), or, with partial rollouts (``trainer.pa
 ``partial_segment`` tokens), interrupts the one generating instead: the thread generates a
 rollout in segments of at most ``partial_segment`` tokens per row (the pool's `start_partial` /
 `run_partial` / `finish_partial`, `jaxflow.workers.actor.RolloutSampling` over
-`jaxflow.sampling.partial`) and asks before each segment whether a sync is waiting; if so it
+`jaxflow.sampling.partial`; on Ray the state stays in the pool's processes,
+`jaxflow.workers.ray.RayRolloutPool`) and asks before each segment whether a sync is waiting; if so it
 parks the rollout (its tokens, rollout log-probs and per-token versions kept), the sync
 replaces the weights, and the rollout resumes under them (each row's prompt and tokens so far
 prefilled again), its new tokens recording the new version. The rollouts queued behind it start
@@ -98,7 +99,9 @@ class PartialRolloutPool(RolloutPool, Protocol):
     """A rollout pool whose rollouts a sync can interrupt (``trainer.partial_rollout``): the
     partial entry points of `jaxflow.workers.actor.RolloutSampling` (``start_partial(prompts,
     step=, version=)``, ``run_partial(partial, version, max_steps=, until=)``,
-    ``finish_partial(partial)``: the rows of `generate` plus ``token_versions``)."""
+    ``finish_partial(partial)``: the rows of `generate` plus ``token_versions``). ``partial`` is
+    whatever `start_partial` returns with a ``done`` attribute (the local pool's state, the Ray
+    pool's `jaxflow.workers.ray.rollout_pool.PartialHandle`)."""
 
     def start_partial(self, prompts: Batch, *, step: int, version: int) -> Any: ...
 

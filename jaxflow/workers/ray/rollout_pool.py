@@ -8,6 +8,9 @@ group after each update.
     pool.sync(version)                 # the actor's current weights -> the pool ({"weight_sync/bytes": ...})
     rows = pool.generate(prompts, step=k)   # = the actor's generate(prompts, sampling="train", step=k)
     pool.rollout_metrics(); pool.generation_seconds()
+    h = pool.start_partial(prompts, step=k, version=v)   # trainer.partial_rollout: a handle (step, version, done)
+    h = pool.run_partial(h, v, max_steps=16, until=sync_waits)   # one segment; a sync may come between two
+    rows = pool.finish_partial(h)      # generate's rows plus token_versions
     pool.close()
 
 The pool's group hosts one `jaxflow.workers.generation.GenerationWorker` per process: the
@@ -17,6 +20,14 @@ pool's mesh in the generation layout (``tp`` = the run's generation tp, replicas
 of the pool) under the actor's generation rules, in the actor's generation dtype. It never
 trains and holds no optimizer state: only the generation copy, which a sync replaces in place
 (the stream's target frees the old copy before it receives the new one).
+
+Partial rollouts (``trainer.partial_rollout``; the `jaxflow.trainer.rollouter.PartialRolloutPool`
+calls). The rollout's state stays in the pool's processes (`GenerationWorker.partial_start` /
+``partial_run`` / ``partial_finish``, kept under the step as key; it holds device arrays, and
+no weights between calls); the driver holds a `PartialHandle` (step, version, done). Each
+`run_partial` is one segment of at most ``max_steps`` tokens per row under the weights the pool
+holds then; a sync between two segments replaces them and the next segment goes on under the
+new ones. The rows come back, as `generate`'s, from process 0.
 
 A sync is `WeightStream.sync` (each piece from the actor process that holds it to the pool
 process that wants it, cast to the pool's dtype on the sender; never through the driver, a
@@ -46,6 +57,8 @@ to run on weights that a failed sync left half-received.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -57,6 +70,17 @@ from jaxflow.workers.ray.backend import RayBackend, RayWorkerGroup
 from jaxflow.workers.ray.streams import BUCKET_BYTES, METRIC_PREFIX, WeightStream
 
 POOL_NAME = "rollout"
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialHandle:
+    """The driver's handle on a partial rollout parked in a `RayRolloutPool`'s processes: its
+    key ``step``, the policy ``version`` of its last segment's weights, and whether every row
+    has finished (``done``)."""
+
+    step: int
+    version: int
+    done: bool
 
 
 class RayRolloutPool:
@@ -133,9 +157,38 @@ class RayRolloutPool:
     def generate(self, prompts: Batch, *, step: int) -> Batch:
         """The actor's ``generate(prompts, sampling="train", step=step)`` on the pool's devices,
         with the weights of policy `version`."""
+        self._check_weights()
+        return self.group.generate(prompts, sampling="train", step=step)
+
+    def start_partial(self, prompts: Batch, *, step: int, version: int) -> PartialHandle:
+        """A partial rollout of ``prompts`` for ``step`` (the rows and keys of ``generate(prompts,
+        step=step)``), nothing sampled yet, parked in the pool's processes under ``step``."""
+        self._check_weights()
+        (done,) = self.group.partial_start(prompts, step=step, version=version)
+        return PartialHandle(step, version, done)
+
+    def run_partial(
+        self, partial: PartialHandle, version: int, *, max_steps: int | None, until: Callable[[], bool] | None = None
+    ) -> PartialHandle:
+        """One segment of ``partial`` (at most ``max_steps`` tokens per row; None: to its end)
+        under the weights the pool holds, as policy ``version``; none when ``until()`` is true
+        already (the rollouter asks again before the next call)."""
+        self._check_weights()
+        if partial.done or (until is not None and until()):
+            return partial
+        (done,) = self.group.partial_run(partial.step, version, max_steps=max_steps)
+        return PartialHandle(partial.step, version, done)
+
+    def finish_partial(self, partial: PartialHandle) -> Batch:
+        """The rows of the finished ``partial`` (`generate`'s columns and ``token_versions``),
+        from the pool's first process; the pool forgets it."""
+        if not partial.done:
+            raise ValueError(f"the partial rollout of step {partial.step} has rows not finished")
+        return self.group.partial_finish(partial.step)[0]
+
+    def _check_weights(self) -> None:
         if self.version < 0:
             raise RuntimeError(f"rollout pool {self.name!r} holds no weights: sync it first")
-        return self.group.generate(prompts, sampling="train", step=step)
 
     def rollout_metrics(self) -> dict[str, float]:
         """The last rollout's own metrics (`ActorWorker.rollout_metrics`: multi-turn ``agent/*``)."""
