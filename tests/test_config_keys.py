@@ -484,6 +484,11 @@ CHECKS = {
         ["jaxflow.placement.rollout_devices=4", "trainer.mode=async"],
         spec("trainer.partial_rollout"),
     ),
+    "trainer.partial_rollout_segment": (
+        4,
+        ["jaxflow.placement.rollout_devices=4", "trainer.mode=async", "trainer.partial_rollout=true"],
+        spec("trainer.partial_rollout_segment"),
+    ),
     "jaxflow.trainer.max_nonfinite_steps": (1, [], spec("trainer.max_nonfinite_steps")),
     "jaxflow.trainer.resume_other_experiment": (True, [], spec("trainer.resume_other_experiment")),
     "jaxflow.trainer.compile_ahead": ("on", [], spec("trainer.compile_ahead")),

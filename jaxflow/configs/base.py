@@ -661,10 +661,20 @@ FIELDS: tuple[Field, ...] = tuple(
             False,
             "trainer.mode one_step_off / async on a rollout pool (jaxflow.placement.rollout_devices, local or Ray; "
             "verl's async_training.partial_rollout): a weight sync interrupts the rollout in flight at the end of its "
-            "segment (16 tokens per row) instead of waiting for it; it keeps its tokens and rollout log-probs and "
+            "segment (trainer.partial_rollout_segment tokens per row) instead of waiting for it; it keeps its tokens and "
+            "rollout log-probs and "
             "resumes under the new weights (prompt and tokens so far prefilled again); every token records the policy "
             "version that sampled it, and each update checks their staleness. No effect without rollouts ahead "
             "(sync, max_staleness=0).",
+        ),
+        (
+            "trainer.partial_rollout_segment",
+            16,
+            "trainer.partial_rollout: tokens per row a rollout samples between two chances to park for a sync. Each "
+            "segment after the first prefills the prompt and the tokens so far again, so smaller segments interrupt "
+            "sooner and cost more prefill; a response shorter than one segment is never interrupted (the default "
+            "task's 4-token responses need 1-3). Measured: README, Asynchronous modes.",
+            AT_LEAST_1,
         ),
         (
             "trainer.balance_batch",

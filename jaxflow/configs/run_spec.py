@@ -156,6 +156,7 @@ class TrainerSpec:
     mode: str  # sync | one_step_off | async (`jaxflow.trainer.ahead`)
     max_staleness: int
     partial_rollout: bool  # a sync interrupts the rollouts in flight (`jaxflow.trainer.rollouter`)
+    partial_rollout_segment: int  # tokens per row between two chances to park for a sync
 
 
 @dataclasses.dataclass(frozen=True)

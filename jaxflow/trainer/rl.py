@@ -61,7 +61,7 @@ from jaxflow.trainer.hf_export import HF_DIR, base_pointer, check_export_target,
 from jaxflow.trainer.metrics import JSONL_NAME, TENSORBOARD_DIR, MetricsLogger, ProgressBar, read_jsonl, scalar_metrics
 from jaxflow.trainer.outputs import absolute_paths, check_run_config_target, set_aside_previous_outputs
 from jaxflow.trainer.plot import plot_run
-from jaxflow.trainer.rollouter import PARTIAL_SEGMENT_TOKENS, LocalRolloutPool, Rollouter, RolloutError
+from jaxflow.trainer.rollouter import LocalRolloutPool, Rollouter, RolloutError
 from jaxflow.trainer.sft import warm_start
 from jaxflow.trainer.summary import run_summary
 from jaxflow.workers import RuleRewardWorker, build_local_workers
@@ -256,7 +256,7 @@ class RLTrainer:
             where = f"its own worker group {pool.name!r}: the last {pool.num_hosts} host(s), {pool_devices} devices"
         print(f"rollout pool: the actor generates on {where}", flush=True)
         partial = spec.trainer.partial_rollout and bool(ahead)  # without rollouts ahead none is in flight at a sync
-        rollouter = Rollouter(pool, partial_segment=PARTIAL_SEGMENT_TOKENS if partial else None)
+        rollouter = Rollouter(pool, partial_segment=spec.trainer.partial_rollout_segment if partial else None)
         return GenerateAhead(ahead or 0, self.total_steps, self.loader, batch_from_prompts, rollouter=rollouter)
 
     @staticmethod

@@ -72,9 +72,6 @@ from jaxflow.workers.actor import ActorWorker, RolloutSampling
 log = logging.getLogger(__name__)
 
 
-PARTIAL_SEGMENT_TOKENS = 16  # trainer.partial_rollout: tokens per row between two chances to park for a sync
-
-
 class RolloutError(RuntimeError):
     """The rollouter thread failed; the trainer's wait raises this, in one line."""
 
